@@ -121,8 +121,10 @@ def bench_allocate(
         },
     }
 
-    # DP cost is M * R * (B_up - B_low): predict each size from the measured one before running it.
+    # DP cost is M * R * (B_up - B_low) and the heap's R * log2(M): predict each size from the
+    # last measured one before running it, and skip what would take longer than DP_LIMIT_S.
     dp_unit = dp_s / (m * (total - low * m) * (up - low))
+    heap_unit = heap_s / ((total - low * m) * math.log2(m))
     sweep = []
     if sizes is None:
         sizes = SWEEP_M[:3] if quick else SWEEP_M
@@ -130,24 +132,23 @@ def bench_allocate(
         progress(f"sweep M = {mm:,}")
         pp = rng.uniform(0.0, 1.0, size=mm)
         tot = 16 * mm
+        spare = tot - low * mm
         reps = 1 if mm >= 65_536 else 5
-        h_s, h_b = _median_time(lambda pp=pp, tot=tot: run("heap", pp, tot), reps)
         t_s, t_b = _median_time(lambda pp=pp, tot=tot: run("threshold", pp, tot), reps)
-        row = {
-            "M": mm,
-            "B_total": tot,
-            "heap_s": h_s,
-            "threshold_s": t_s,
-            "heap_over_threshold": h_s / t_s,
-            "same_allocation": bool(np.array_equal(h_b, t_b)),
-        }
-        predicted = dp_unit * mm * (tot - low * mm) * (up - low)
+        row = {"M": mm, "B_total": tot, "threshold_s": t_s}
+        predicted = heap_unit * spare * math.log2(mm)
+        if predicted <= DP_LIMIT_S:
+            h_s, h_b = _median_time(lambda pp=pp, tot=tot: run("heap", pp, tot), reps)
+            heap_unit = h_s / (spare * math.log2(mm))
+            row.update(heap_s=h_s, heap_over_threshold=h_s / t_s, same_allocation=bool(np.array_equal(h_b, t_b)))
+        else:
+            row.update(heap_s=None, heap_predicted_s=predicted, heap_over_threshold=None, same_allocation=None)
+        predicted = dp_unit * mm * spare * (up - low)
         if predicted <= DP_LIMIT_S:
             d_s, _ = _median_time(lambda pp=pp, tot=tot: run("dp", pp, tot), 1)
             row["dp_s"] = d_s
         else:
-            row["dp_s"] = None
-            row["dp_predicted_s"] = predicted
+            row.update(dp_s=None, dp_predicted_s=predicted)
         sweep.append(row)
     return {
         "benchmark": "allocate",
@@ -205,14 +206,14 @@ def format_allocate(result: dict) -> str:
         f"plain heap vs heap {ps['same_allocation']['plain_heap_vs_heap']}",
         "",
         "Scale sweep (B_total = 16 M, bounds [2, 128]):",
-        f"  {'M':>10}{'heap':>12}{'threshold':>12}{'heap/thr':>10}{'dp':>22}  same",
+        f"  {'M':>10}{'threshold':>12}{'heap':>22}{'heap/thr':>10}{'dp':>22}  same",
     ]
     for r in result["sweep"]:
         dp = _fmt_s(r["dp_s"]) if r["dp_s"] is not None else f"skip (~{r['dp_predicted_s']:.0f} s)"
-        lines.append(
-            f"  {r['M']:>10,}{_fmt_s(r['heap_s']):>12}{_fmt_s(r['threshold_s']):>12}"
-            f"{r['heap_over_threshold']:>9.1f}x{dp:>22}  {r['same_allocation']}"
-        )
+        heap = _fmt_s(r["heap_s"]) if r["heap_s"] is not None else f"skip (~{r['heap_predicted_s']:.0f} s)"
+        ratio = f"{r['heap_over_threshold']:>9.1f}x" if r["heap_s"] is not None else f"{'-':>10}"
+        lines.append(f"  {r['M']:>10,}{_fmt_s(r['threshold_s']):>12}{heap:>22}{ratio}{dp:>22}  {r['same_allocation']}")
+    lines.append(f"  (skip: predicted from the last measured size to exceed {DP_LIMIT_S:.0f} s; not run)")
     g = result["goals"]
     lines += [
         "",

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="heap vs threshold vs DP allocation, and a scale sweep",
         description="Time the CoBA solvers at the paper's Table 4 setting (M = 512, B_total = 8192, bounds "
         "[2, 128]) against a plain Python heap, then sweep M over 512, 4096, 65536 and 1,000,000 "
-        "(B_total = 16 M). The DP runs where its predicted time is under 60 s.",
+        "(B_total = 16 M). The heap and the DP run where their time, predicted from the last size measured, "
+        "is under 60 s.",
         epilog="examples:\n  coba bench allocate\n  coba bench allocate --quick --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
