@@ -1,0 +1,87 @@
+"""The embedded default model: a tiny Llama-architecture causal LM with a character tokenizer.
+
+Nothing is downloaded: the tokenizer is built from the printable ASCII characters (one token
+each, plus <pad>, <s>, </s>, <unk>) with the ``tokenizers`` library, and the model is a
+``transformers.LlamaForCausalLM`` initialised from a seed. Both are saved in Hugging Face layout
+(``config.json``, ``model.safetensors``, ``tokenizer.json``), so vLLM, transformers and any HF tool
+load them like any other checkpoint; wherever a model path is configured, any HF causal LM
+directory works instead.
+
+The input and output embeddings are *not* tied: vLLM 0.32's in-place ``reload_weights`` leaves
+a tied output projection stale (seen here: after a reload, greedy output no longer matched
+transformers), and untied embeddings cost the tiny model only a few thousand parameters.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+CHARS = tuple(string.digits + string.ascii_letters + string.punctuation + " \n")
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """Shape of the tiny model (defaults: ~0.4 M parameters, fast on 2 CPU cores)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4  # head_dim 32: supported by vLLM's CPU attention
+    max_position_embeddings: int = 64
+    rope_theta: float = 10000.0
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character; decoding joins the characters back."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=1024
+    )
+
+
+def build_tiny_llama(tokenizer: PreTrainedTokenizerFast, spec: TinyLlamaSpec, seed: int) -> LlamaForCausalLM:
+    """A freshly initialised LlamaForCausalLM sized by ``spec``; the same seed gives the same weights."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def spec_dict(spec: TinyLlamaSpec) -> dict:
+    """The spec as a plain dict (for metadata files)."""
+    return asdict(spec)
+
+
+def save_hf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:
+    """Save model (safetensors) and tokenizer in Hugging Face layout; returns the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
