@@ -1,0 +1,416 @@
+"""Prompt datasets: load veRL-format or flat Parquet into one validated table, and write veRL Parquet.
+
+Two input layouts are accepted (DESIGN.md, "Input data"):
+
+- **veRL**, unchanged: ``data_source`` (string), ``prompt`` (list of ``{role, content}``),
+  ``ability`` (optional), ``reward_model`` (struct ``{style, ground_truth}``) and ``extra_info``
+  (optional struct ``{index, difficulty, ...}``). DAPO-Math-17K, GSM8K and MATH as prepared by
+  veRL's scripts load as they are.
+- **flat**: ``prompt`` (a string, the user message) and ``answer``; optional ``data_source``,
+  ``ability``, ``difficulty`` and ``prompt_id``.
+
+The layout is told apart by the type of ``prompt``: a list means veRL, a string means flat.
+``load_dataset`` returns one row per prompt with the columns in ``LOADED_COLUMNS``:
+
+- ``prompt_id``: ``str(extra_info.index)`` (veRL) or the ``prompt_id`` column (flat) when present,
+  else ``prompt_hash(messages)``, a stable hash of the prompt;
+- ``data_source``, ``ability``: strings (a flat table's source defaults to ``default_source``);
+- ``difficulty``: ``extra_info.difficulty`` or a ``difficulty`` column as an int, -1 when missing;
+- ``prompt_text``: the content of the last user message; ``messages``: the whole chat prompt;
+- ``ground_truth``: ``reward_model.ground_truth`` or ``answer`` as a string.
+
+Validation happens on load, so a bad file stops a run before it starts: every row is checked,
+and ``DatasetError`` reports the first few bad rows by number and column, e.g.
+``data/x.parquet: row 17, column reward_model.ground_truth: ground truth is empty``. Row numbers
+count from 0, as in ``pandas.read_parquet(path).iloc[row]``.
+
+``write_verl_parquet`` writes the veRL layout atomically (temporary name, then ``os.replace``) and
+deterministically (explicit schema, no pandas metadata), so a generator rerun gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+LOADED_COLUMNS = (
+    "prompt_id",
+    "data_source",
+    "ability",
+    "difficulty",
+    "prompt_text",
+    "ground_truth",
+    "messages",
+)
+VERL_REQUIRED = ("data_source", "prompt", "reward_model")
+FLAT_REQUIRED = ("prompt", "answer")
+VERL_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+MISSING_DIFFICULTY = -1
+MAX_REPORTED = 5  # bad rows listed in a DatasetError message; the rest are counted
+HASH_CHARS = 16
+
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+REWARD_MODEL_TYPE = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
+
+Layout = Literal["verl", "flat"]
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a dataset: where (row, column) and what."""
+
+    column: str
+    message: str
+    row: int | None = None  # None: the whole column (missing, wrong type)
+
+    def __str__(self) -> str:
+        where = f"column {self.column}" if self.row is None else f"row {self.row}, column {self.column}"
+        return f"{where}: {self.message}"
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used; the message names the file, the row and the column."""
+
+    def __init__(self, path: str | os.PathLike[str], problems: Sequence[Problem] | str) -> None:
+        self.path = str(path)
+        self.problems: list[Problem] = [] if isinstance(problems, str) else list(problems)
+        if isinstance(problems, str):
+            lines = [f"{self.path}: {problems}"]
+        else:
+            lines = [f"{self.path}: {p}" for p in self.problems[:MAX_REPORTED]]
+            if len(self.problems) > MAX_REPORTED:
+                lines.append(f"{self.path}: ... and {len(self.problems) - MAX_REPORTED} more problems")
+        super().__init__("\n".join(lines))
+
+
+class _BadValue(Exception):
+    """Raised by the per-value parsers below; the row loop turns it into a ``Problem``."""
+
+    def __init__(self, column: str, message: str) -> None:
+        super().__init__(message)
+        self.column = column
+        self.message = message
+
+
+# ---------------------------------------------------------------------------------------------
+# Public helpers
+
+
+def prompt_hash(messages: Messages) -> str:
+    """A stable id for a chat prompt: the first 16 hex chars of sha256 of its canonical JSON.
+
+    >>> prompt_hash([{"role": "user", "content": "1+1="}])
+    '415485a3e0e22f36'
+    """
+    canonical = json.dumps(
+        [{"role": m["role"], "content": m["content"]} for m in messages],
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:HASH_CHARS]
+
+
+def load_dataset(path: str | os.PathLike[str], default_source: str = "math") -> pd.DataFrame:
+    """Read a veRL or flat Parquet file of prompts and validate every row.
+
+    Args:
+        path: the Parquet file.
+        default_source: ``data_source`` for rows of a flat table that have none.
+
+    Returns:
+        One row per prompt, in file order, with the columns of ``LOADED_COLUMNS``.
+
+    Raises:
+        DatasetError: the file is not Parquet, lacks a column, or has bad rows (null or empty
+            ground truth or prompt, duplicated prompt id, ...); the message lists the first few.
+        FileNotFoundError: there is no such file.
+    """
+    table = _read_table(path)
+    layout = _detect_layout(table.schema, path)
+    _check_columns(table.schema, layout, path)
+    if table.num_rows == 0:
+        raise DatasetError(path, "the table has no rows")
+    reader = _read_verl_row if layout == "verl" else _make_flat_reader(default_source)
+    rows, problems = _read_rows(_column_values(table), reader)
+    problems += _duplicate_ids(rows)
+    if problems:
+        raise DatasetError(path, sorted(problems, key=lambda p: p.row or 0))
+    return _to_frame(rows)
+
+
+def write_verl_parquet(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
+    """Write prompts in the veRL layout, atomically and deterministically.
+
+    Args:
+        df: columns ``data_source`` (str), ``prompt`` (list of ``{role, content}``), ``ability``
+            (str), ``reward_model`` (``{style, ground_truth}``) and ``extra_info`` (a dict per row,
+            same keys in every row). Other columns are not written.
+        path: the destination; its directory is created if needed.
+
+    Returns:
+        The path written.
+    """
+    missing = [c for c in VERL_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"write_verl_parquet: missing columns {missing}; a veRL table needs {list(VERL_COLUMNS)}")
+    table = pa.table(
+        {
+            "data_source": pa.array(df["data_source"].tolist(), type=pa.string()),
+            "prompt": pa.array([list(m) for m in df["prompt"]], type=pa.list_(MESSAGE_TYPE)),
+            "ability": pa.array(df["ability"].tolist(), type=pa.string()),
+            "reward_model": pa.array(df["reward_model"].tolist(), type=REWARD_MODEL_TYPE),
+            "extra_info": pa.array(df["extra_info"].tolist()),
+        }
+    )
+    return write_parquet_atomic(table, path)
+
+
+def write_parquet_atomic(table: pa.Table, path: str | os.PathLike[str]) -> Path:
+    """Write ``table`` to a temporary file beside ``path``, fsync it, then rename it into place.
+
+    A reader never sees a half-written file, and a crash leaves at most a ``.*.tmp`` file behind.
+    Schema metadata (pandas' index description, versions) is dropped so equal tables give equal bytes.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            pq.write_table(table.replace_schema_metadata(None), f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# File and schema checks
+
+
+def _read_table(path: str | os.PathLike[str]) -> pa.Table:
+    """The whole Parquet file as an Arrow table; DatasetError if it is not Parquet."""
+    try:
+        return pq.read_table(path)
+    except pa.ArrowInvalid as e:
+        raise DatasetError(path, f"not a readable Parquet file ({e})") from e
+
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)
+
+
+def _detect_layout(schema: pa.Schema, path: str | os.PathLike[str]) -> Layout:
+    """veRL if ``prompt`` is a list (of messages), flat if it is a string."""
+    if "prompt" not in schema.names:
+        raise DatasetError(path, [Problem("prompt", _missing_hint())])
+    prompt_type = schema.field("prompt").type
+    if _is_list(prompt_type):
+        return "verl"
+    if _is_string(prompt_type):
+        return "flat"
+    if pa.types.is_null(prompt_type):  # every prompt is null: judge by the other columns
+        return "verl" if "reward_model" in schema.names else "flat"
+    message = f"has type {prompt_type}; expected a list of {{role, content}} (veRL) or a string (flat table)"
+    raise DatasetError(path, [Problem("prompt", message)])
+
+
+def _missing_hint() -> str:
+    return (
+        f"missing; a veRL table needs columns {', '.join(VERL_REQUIRED)}, "
+        f"a flat table needs columns {', '.join(FLAT_REQUIRED)}"
+    )
+
+
+def _check_columns(schema: pa.Schema, layout: Layout, path: str | os.PathLike[str]) -> None:
+    """Every required column is there, and a veRL ``reward_model`` is a struct with ``ground_truth``."""
+    required = VERL_REQUIRED if layout == "verl" else FLAT_REQUIRED
+    problems = [Problem(c, _missing_hint()) for c in required if c not in schema.names]
+    if layout == "verl" and "reward_model" in schema.names:
+        rm_type = schema.field("reward_model").type
+        if not pa.types.is_struct(rm_type):
+            problems.append(Problem("reward_model", f"has type {rm_type}; expected a struct {{style, ground_truth}}"))
+        elif rm_type.get_field_index("ground_truth") < 0:
+            problems.append(Problem("reward_model.ground_truth", "missing from the reward_model struct"))
+    if problems:
+        raise DatasetError(path, problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows
+
+Row = dict[str, Any]
+RowReader = Callable[[Row], Row]
+
+
+def _column_values(table: pa.Table) -> list[Row]:
+    """The table as Python rows (structs become dicts, lists become lists)."""
+    columns = {name: table.column(name).to_pylist() for name in table.column_names}
+    return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+
+
+def _read_rows(raw_rows: list[Row], reader: RowReader) -> tuple[list[Row], list[Problem]]:
+    """Apply ``reader`` to every row; collect the problems instead of stopping at the first."""
+    rows, problems = [], []
+    for i, raw in enumerate(raw_rows):
+        try:
+            row = reader(raw)
+        except _BadValue as e:
+            problems.append(Problem(e.column, e.message, row=i))
+            continue
+        row["_row"] = i
+        rows.append(row)
+    return rows, problems
+
+
+def _read_verl_row(raw: Row) -> Row:
+    """One veRL row -> the loaded fields."""
+    messages = _messages(raw["prompt"])
+    extra = raw.get("extra_info")
+    extra = extra if isinstance(extra, dict) else {}
+    reward_model = raw["reward_model"] or {}
+    index = extra.get("index")
+    return {
+        "prompt_id": _index_id(index) if index is not None else prompt_hash(messages),
+        "_id_column": "extra_info.index" if index is not None else "prompt",
+        "data_source": _required_string(raw["data_source"], "data_source"),
+        "ability": _optional_string(raw.get("ability")),
+        "difficulty": _difficulty(extra.get("difficulty", raw.get("difficulty")), "extra_info.difficulty"),
+        "prompt_text": _last_user_text(messages),
+        "ground_truth": _ground_truth(reward_model.get("ground_truth"), "reward_model.ground_truth"),
+        "messages": messages,
+    }
+
+
+def _make_flat_reader(default_source: str) -> RowReader:
+    """A reader for rows of a flat (``prompt``, ``answer``) table."""
+
+    def read(raw: Row) -> Row:
+        text = raw["prompt"]
+        if text is None or not text.strip():
+            raise _BadValue("prompt", "prompt is empty" if text is not None else "prompt is null")
+        messages = [{"role": "user", "content": text}]
+        given_id = raw.get("prompt_id")
+        return {
+            "prompt_id": _index_id(given_id) if given_id is not None else prompt_hash(messages),
+            "_id_column": "prompt_id" if given_id is not None else "prompt",
+            "data_source": _optional_string(raw.get("data_source")) or default_source,
+            "ability": _optional_string(raw.get("ability")),
+            "difficulty": _difficulty(raw.get("difficulty"), "difficulty"),
+            "prompt_text": text,
+            "ground_truth": _ground_truth(raw["answer"], "answer"),
+            "messages": messages,
+        }
+
+    return read
+
+
+def _messages(value: Any) -> Messages:
+    """A veRL ``prompt`` cell -> a list of ``{role, content}`` dicts, all strings."""
+    if not value:
+        raise _BadValue("prompt", "prompt is null" if value is None else "prompt has no messages")
+    messages = []
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise _BadValue("prompt", f"message {k} is not a {{role, content}} pair of strings: {m!r}")
+        messages.append({"role": m["role"], "content": m["content"]})
+    return messages
+
+
+def _last_user_text(messages: Messages) -> str:
+    """The content of the last user message; it must not be empty."""
+    user_texts = [m["content"] for m in messages if m["role"] == "user"]
+    if not user_texts:
+        raise _BadValue("prompt", "prompt has no user message")
+    if not user_texts[-1].strip():
+        raise _BadValue("prompt", "prompt is empty (the last user message has no content)")
+    return user_texts[-1]
+
+
+def _ground_truth(value: Any, column: str) -> str:
+    """A ground truth as a string; numbers are accepted (integral floats lose their '.0')."""
+    if value is None:
+        raise _BadValue(column, "ground truth is null")
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise _BadValue(column, f"ground truth must be a string or a number, not {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _BadValue(column, f"ground truth is {value}")
+    text = _number_text(value) if not isinstance(value, str) else value
+    if not text.strip():
+        raise _BadValue(column, "ground truth is empty")
+    return text
+
+
+def _number_text(value: int | float) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _index_id(value: Any) -> str:
+    """A prompt id from an index or id cell: ints and integral floats print without a '.0'."""
+    return _number_text(value) if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+
+
+def _difficulty(value: Any, column: str) -> int:
+    """An integer difficulty level; null or absent -> MISSING_DIFFICULTY."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return MISSING_DIFFICULTY
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().removeprefix("-").isdigit():
+        return int(value)
+    raise _BadValue(column, f"difficulty must be an integer, got {value!r}")
+
+
+def _required_string(value: Any, column: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _BadValue(column, f"{column} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _optional_string(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _duplicate_ids(rows: list[Row]) -> list[Problem]:
+    """A problem for every row whose prompt id an earlier row already has.
+
+    The problem names the column the id came from: the index or id column, or ``prompt`` for a
+    hashed id (two rows with the same messages).
+    """
+    first_row: dict[str, int] = {}
+    problems = []
+    for row in rows:
+        pid, i = row["prompt_id"], row["_row"]
+        if pid in first_row:
+            message = f"prompt id {pid!r} duplicates row {first_row[pid]}"
+            problems.append(Problem(row["_id_column"], message, row=i))
+        else:
+            first_row[pid] = i
+    return problems
+
+
+def _to_frame(rows: list[Row]) -> pd.DataFrame:
+    """Loaded rows -> a DataFrame with the columns of ``LOADED_COLUMNS``, in that order."""
+    frame = pd.DataFrame({c: [row[c] for row in rows] for c in LOADED_COLUMNS})
+    frame["difficulty"] = frame["difficulty"].astype("int64")
+    return frame

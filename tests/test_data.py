@@ -1,0 +1,358 @@
+"""Tests for coba_tasks/data.py (loading and validation) and data/make_arith.py (the shipped task)."""
+
+from __future__ import annotations
+
+import importlib.util
+import string
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coba_tasks.data import LOADED_COLUMNS, DatasetError, load_dataset, prompt_hash, write_verl_parquet
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+
+def _load_make_arith() -> ModuleType:
+    """data/ is not a package: import the generator script from its path."""
+    spec = importlib.util.spec_from_file_location("make_arith", DATA_DIR / "make_arith.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+make_arith = _load_make_arith()
+
+
+def verl_rows(n: int = 3) -> list[dict]:
+    """``n`` valid veRL rows with indices 10, 11, ... and difficulties 0, 1, ..."""
+    return [
+        {
+            "data_source": "arith",
+            "prompt": [{"role": "system", "content": "Answer."}, {"role": "user", "content": f"{k}+1="}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(k + 1)},
+            "extra_info": {"index": 10 + k, "difficulty": k, "split": "train"},
+        }
+        for k in range(n)
+    ]
+
+
+def write_rows(path: Path, rows: list[dict], schema: pa.Schema | None = None) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+def raises_dataset_error(path: Path, *fragments: str) -> DatasetError:
+    """Load ``path``, expect a DatasetError, check that it names the file and each fragment."""
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path)
+    message = str(info.value)
+    assert str(path) in message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return info.value
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def test_verl_file_loads_with_ids_and_fields(tmp_path: Path) -> None:
+    df = load_dataset(write_rows(tmp_path / "v.parquet", verl_rows(3)))
+    assert list(df.columns) == list(LOADED_COLUMNS)
+    assert df["prompt_id"].tolist() == ["10", "11", "12"]
+    assert df["prompt_text"].tolist() == ["0+1=", "1+1=", "2+1="]  # the last user message, not the system one
+    assert df["ground_truth"].tolist() == ["1", "2", "3"]
+    assert df["difficulty"].tolist() == [0, 1, 2]
+    assert df["difficulty"].dtype == "int64"
+    assert set(df["data_source"]) == {"arith"}
+    assert set(df["ability"]) == {"arithmetic"}
+    assert df["messages"][1] == [{"role": "system", "content": "Answer."}, {"role": "user", "content": "1+1="}]
+
+
+def test_flat_file_loads_with_default_source_and_hashed_ids(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["What is 2+2?", "What is 3*3?"], "answer": ["4", "9"]}).to_parquet(path)
+    df = load_dataset(path, default_source="gsm8k")
+    assert df["prompt_text"].tolist() == ["What is 2+2?", "What is 3*3?"]
+    assert df["ground_truth"].tolist() == ["4", "9"]
+    assert df["messages"][0] == [{"role": "user", "content": "What is 2+2?"}]
+    assert set(df["data_source"]) == {"gsm8k"}
+    assert df["difficulty"].tolist() == [-1, -1]
+    assert df["prompt_id"][0] == prompt_hash([{"role": "user", "content": "What is 2+2?"}])
+
+
+def test_flat_file_numeric_answers_become_strings(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "1-3="], "answer": [2, -2], "difficulty": [0, 3]}).to_parquet(path)
+    df = load_dataset(path)
+    assert df["ground_truth"].tolist() == ["2", "-2"]
+    assert df["difficulty"].tolist() == [0, 3]
+    assert set(df["data_source"]) == {"math"}
+
+
+def test_prompt_id_falls_back_to_a_stable_hash(tmp_path: Path) -> None:
+    rows = verl_rows(2)
+    for row in rows:
+        del row["extra_info"]
+    first = load_dataset(write_rows(tmp_path / "a.parquet", rows))
+    again = load_dataset(write_rows(tmp_path / "b.parquet", rows[::-1]))
+    ids = first["prompt_id"].tolist()
+    assert all(len(i) == 16 and set(i) <= set(string.hexdigits.lower()) for i in ids)
+    assert ids[0] != ids[1]
+    assert again["prompt_id"].tolist() == ids[::-1]  # the id follows the prompt, not the row
+    assert first["difficulty"].tolist() == [-1, -1]
+
+
+def test_prompt_hash_is_the_sha256_of_the_messages_json() -> None:
+    messages = [{"role": "user", "content": "37+58="}]
+    assert prompt_hash(messages) == prompt_hash([dict(m) for m in messages])
+    assert prompt_hash(messages) != prompt_hash([{"role": "user", "content": "37+59="}])
+    assert prompt_hash([{"role": "user", "content": "1+1="}]) == "415485a3e0e22f36"
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation errors
+
+
+def test_missing_column_is_named(tmp_path: Path) -> None:
+    rows = verl_rows(2)
+    for row in rows:
+        del row["reward_model"]
+    raises_dataset_error(write_rows(tmp_path / "x.parquet", rows), "column reward_model: missing")
+
+
+def test_flat_table_without_answer_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1="]}).to_parquet(path)
+    raises_dataset_error(path, "column answer: missing")
+
+
+def test_null_ground_truth_names_row_and_column(tmp_path: Path) -> None:
+    rows = verl_rows(3)
+    rows[1]["reward_model"]["ground_truth"] = None
+    error = raises_dataset_error(
+        write_rows(tmp_path / "x.parquet", rows), "row 1, column reward_model.ground_truth: ground truth is null"
+    )
+    assert [(p.row, p.column) for p in error.problems] == [(1, "reward_model.ground_truth")]
+
+
+def test_empty_ground_truth_names_row_and_column(tmp_path: Path) -> None:
+    rows = verl_rows(3)
+    rows[2]["reward_model"]["ground_truth"] = "  "
+    raises_dataset_error(
+        write_rows(tmp_path / "x.parquet", rows), "row 2, column reward_model.ground_truth: ground truth is empty"
+    )
+
+
+def test_empty_flat_answer_names_row_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "2+2="], "answer": ["2", ""]}).to_parquet(path)
+    raises_dataset_error(path, "row 1, column answer: ground truth is empty")
+
+
+def test_empty_prompt_names_row_and_column(tmp_path: Path) -> None:
+    rows = verl_rows(3)
+    rows[0]["prompt"] = [{"role": "user", "content": ""}]
+    raises_dataset_error(write_rows(tmp_path / "x.parquet", rows), "row 0, column prompt: prompt is empty")
+
+
+def test_prompt_without_messages_names_row_and_column(tmp_path: Path) -> None:
+    rows = verl_rows(2)
+    rows[1]["prompt"] = []
+    raises_dataset_error(write_rows(tmp_path / "x.parquet", rows), "row 1, column prompt: prompt has no messages")
+
+
+def test_empty_flat_prompt_names_row_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", " "], "answer": ["2", "4"]}).to_parquet(path)
+    raises_dataset_error(path, "row 1, column prompt: prompt is empty")
+
+
+def test_duplicated_id_names_both_rows(tmp_path: Path) -> None:
+    rows = verl_rows(3)
+    rows[2]["extra_info"]["index"] = rows[0]["extra_info"]["index"]
+    raises_dataset_error(
+        write_rows(tmp_path / "x.parquet", rows), "row 2, column extra_info.index: prompt id '10' duplicates row 0"
+    )
+
+
+def test_duplicated_prompt_without_index_is_a_duplicated_hash(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "2+2=", "1+1="], "answer": ["2", "4", "2"]}).to_parquet(path)
+    raises_dataset_error(path, "row 2, column prompt: prompt id", "duplicates row 0")
+
+
+def test_not_a_parquet_file(tmp_path: Path) -> None:
+    path = tmp_path / "notes.parquet"
+    path.write_text("prompt,answer\n1+1=,2\n")
+    raises_dataset_error(path, "not a readable Parquet file")
+
+
+def test_several_bad_rows_are_all_reported_up_to_a_limit(tmp_path: Path) -> None:
+    rows = verl_rows(9)
+    for k in (1, 3, 4, 5, 6, 7, 8):
+        rows[k]["reward_model"]["ground_truth"] = ""
+    rows[3]["prompt"] = [{"role": "user", "content": ""}]
+    error = raises_dataset_error(
+        write_rows(tmp_path / "x.parquet", rows),
+        "row 1, column reward_model.ground_truth",
+        "row 3, column prompt",
+        "row 4, column reward_model.ground_truth",
+        "and 2 more problems",
+    )
+    assert [p.row for p in error.problems] == [1, 3, 4, 5, 6, 7, 8]
+    assert "row 8" not in str(error)
+
+
+def test_bad_difficulty_is_named(tmp_path: Path) -> None:
+    rows = verl_rows(2)
+    rows[0]["extra_info"]["difficulty"] = "0"  # a string that holds an integer is fine
+    rows[1]["extra_info"]["difficulty"] = "hard"
+    schema = pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            ("extra_info", pa.struct([("index", pa.int64()), ("difficulty", pa.string()), ("split", pa.string())])),
+        ]
+    )
+    raises_dataset_error(write_rows(tmp_path / "x.parquet", rows, schema), "row 1, column extra_info.difficulty")
+
+
+def test_dataset_error_is_a_value_error() -> None:
+    assert issubclass(DatasetError, ValueError)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def test_write_verl_parquet_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    path = write_verl_parquet(pd.DataFrame(verl_rows(4)), tmp_path / "sub" / "out.parquet")
+    assert [p.name for p in path.parent.iterdir()] == ["out.parquet"]
+    df = load_dataset(path)
+    assert df["prompt_id"].tolist() == ["10", "11", "12", "13"]
+    assert df["ground_truth"].tolist() == ["1", "2", "3", "4"]
+    assert pq.read_schema(path).metadata is None or b"pandas" not in pq.read_schema(path).metadata
+
+
+def test_write_verl_parquet_names_missing_columns(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="reward_model"):
+        write_verl_parquet(pd.DataFrame(verl_rows(1)).drop(columns="reward_model"), tmp_path / "out.parquet")
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# The arithmetic generator and the shipped files
+
+
+def test_split_counts_sum_to_the_total() -> None:
+    assert make_arith.split_counts(500, [0.2] * 5) == [100] * 5
+    shares = [level.train_share for level in make_arith.LEVELS]
+    assert make_arith.split_counts(20_000, shares) == [100, 2500, 5800, 5800, 5800]
+    assert make_arith.split_counts(7, [1.0] * 5) == [2, 2, 1, 1, 1]
+    assert sum(make_arith.split_counts(101, shares)) == 101
+
+
+def test_expression_text_and_value() -> None:
+    expr = make_arith.Expression(((347,), (128,), (6, 17)), ("-", "+"))
+    assert expr.text() == "347-128+6*17"
+    assert expr.value() == 347 - 128 + 6 * 17
+
+
+def test_generator_is_deterministic_for_a_seed(tmp_path: Path) -> None:
+    args = ["--seed", "3", "--train-size", "600", "--test-size", "50"]
+    make_arith.main([*args, "--out-dir", str(tmp_path / "a")])
+    make_arith.main([*args, "--out-dir", str(tmp_path / "b")])
+    for name in ("arith_train.parquet", "arith_test.parquet"):
+        a, b = tmp_path / "a" / name, tmp_path / "b" / name
+        pd.testing.assert_frame_equal(pd.read_parquet(a), pd.read_parquet(b))
+        assert a.read_bytes() == b.read_bytes()
+    other_train, _ = make_arith.make_splits(seed=4, train_size=600, test_size=50)
+    assert not other_train.equals(pd.read_parquet(tmp_path / "a" / "arith_train.parquet"))
+
+
+def test_generator_has_no_overlap_and_covers_every_level(tmp_path: Path) -> None:
+    make_arith.main(["--seed", "1", "--train-size", "1000", "--test-size", "100", "--out-dir", str(tmp_path)])
+    train = load_dataset(tmp_path / "arith_train.parquet")
+    test = load_dataset(tmp_path / "arith_test.parquet")
+    assert (len(train), len(test)) == (1000, 100)
+    assert not set(train["prompt_text"]) & set(test["prompt_text"])
+    assert not set(train["prompt_id"]) & set(test["prompt_id"])
+    assert train["prompt_text"].is_unique and test["prompt_text"].is_unique
+    assert test["difficulty"].value_counts().to_dict() == {level: 20 for level in range(5)}
+    assert set(train["difficulty"]) == set(range(5))
+
+
+def test_test_split_does_not_depend_on_train_size() -> None:
+    _, small = make_arith.make_splits(seed=0, train_size=100, test_size=50)
+    _, large = make_arith.make_splits(seed=0, train_size=2000, test_size=50)
+    pd.testing.assert_frame_equal(small, large)
+
+
+def test_generated_answers_are_the_values_of_the_expressions() -> None:
+    train, _ = make_arith.make_splits(seed=2, train_size=500, test_size=0)
+    for messages, reward_model in zip(train["prompt"], train["reward_model"], strict=True):
+        text = messages[0]["content"]
+        assert text.endswith("=") and set(text[:-1]) <= set("0123456789+-*")
+        assert int(reward_model["ground_truth"]) == eval(text[:-1])  # trusted: our own digits and + - *
+
+
+def test_an_exhausted_level_passes_its_share_on() -> None:
+    # Level 0 has 200 distinct problems: a 1,000-row test split takes all of them.
+    train, test = make_arith.make_splits(seed=0, train_size=1000, test_size=1000)
+    train_levels = train["extra_info"].map(lambda e: e["difficulty"])
+    assert len(train) == 1000
+    assert (train_levels == 0).sum() == 0
+    assert (test["extra_info"].map(lambda e: e["difficulty"]) == 0).sum() == 200
+    with pytest.raises(ValueError, match="level 0 has only 200 distinct problems"):
+        make_arith.make_splits(seed=0, train_size=10, test_size=1005)
+
+
+@pytest.mark.slow
+def test_shipped_files_are_the_seed_zero_output(tmp_path: Path) -> None:
+    train, test = make_arith.make_splits(seed=0)
+    for frame, name in ((train, "arith_train"), (test, "arith_test")):
+        shipped = pd.read_parquet(DATA_DIR / f"{name}.parquet")
+        expected = pd.read_parquet(write_verl_parquet(frame, tmp_path / f"{name}.parquet"))
+        pd.testing.assert_frame_equal(shipped, expected)
+    loaded = load_dataset(DATA_DIR / "arith_train.parquet")
+    assert loaded["prompt_text"].str.len().max() <= 30
+    total = sum((DATA_DIR / f"{n}.parquet").stat().st_size for n in ("arith_train", "arith_test"))
+    assert total < 2_000_000
+
+
+# ---------------------------------------------------------------------------------------------
+# Property: any valid flat table round-trips
+
+_text = st.text(alphabet=string.ascii_letters + string.digits + " +-*=?", min_size=1, max_size=20).filter(
+    lambda s: s.strip() != ""
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompts=st.lists(_text, min_size=1, max_size=15, unique=True),
+    answers=st.data(),
+)
+def test_valid_flat_tables_round_trip(tmp_path: Path, prompts: list[str], answers: st.DataObject) -> None:
+    truths = answers.draw(st.lists(_text, min_size=len(prompts), max_size=len(prompts)))
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": prompts, "answer": truths}).to_parquet(path)
+    df = load_dataset(path)
+    assert df["prompt_text"].tolist() == prompts
+    assert df["ground_truth"].tolist() == truths
+    assert df["prompt_id"].is_unique
+    assert df["prompt_id"].tolist() == [prompt_hash([{"role": "user", "content": p}]) for p in prompts]
