@@ -1,0 +1,213 @@
+"""Warm up the default model: supervised training of the tiny Llama on the arithmetic task.
+
+RL from verifiable rewards needs a policy that already solves some problems: a group whose
+rollouts all fail has no gradient. ``bootstrap`` builds the tiny character-level Llama
+(``coba_tasks.model``), trains it by next-token prediction on ``prompt + answer + </s>`` (loss on
+the answer tokens only) for a fixed number of steps, and measures greedy accuracy on the held-out
+split by difficulty level. The target (issue: the default model) is an overall accuracy between
+0.2 and 0.6, high on the easiest level and near zero on the hardest, in a few minutes on 2 cores:
+a policy with room to improve, and a spread of pass rates for the allocator to work on.
+
+Reproducible: the seed fixes the initial weights and the order of the training examples; the
+number of steps (not a time budget) ends training. Stage functions here are plain; the Prefect
+flow in ``flows/bootstrap.py`` wraps them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from coba_tasks.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
+
+Log = Callable[[str], None]
+METRICS_FILE = "bootstrap.json"
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """Settings of the warm-up run (defaults: about 4-5 minutes on 2 CPU cores)."""
+
+    spec: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)
+    steps: int = 1500  # optimizer steps
+    batch_size: int = 64  # sequences per step
+    lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to 10 %)
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    seed: int = 0
+    threads: int = 1  # torch CPU threads (2 threads on these 2-core machines ran several times slower)
+    eval_batch_size: int = 128
+    max_answer_tokens: int = 10  # greedy decoding budget at evaluation
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "threads", "eval_batch_size", "max_answer_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bootstrap {name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"bootstrap lr must be > 0, got {self.lr}")
+
+
+def encode_examples(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> list[tuple[list[int], int]]:
+    """(token ids of prompt + answer + </s>, number of prompt tokens) per example."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for p, a in zip(prompts, answers, strict=True):
+        p_ids = tokenizer(p, add_special_tokens=False).input_ids
+        a_ids = tokenizer(a, add_special_tokens=False).input_ids
+        out.append((p_ids + a_ids + [eos], len(p_ids)))
+    return out
+
+
+def collate(batch: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, labels), each (B, T); labels -100 off the answer."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, (ids, n_prompt) in enumerate(batch):
+        t = torch.tensor(ids, dtype=torch.long)
+        input_ids[i, : len(ids)] = t
+        mask[i, : len(ids)] = 1
+        labels[i, n_prompt : len(ids)] = t[n_prompt:]
+    return input_ids, mask, labels
+
+
+def lr_at(step: int, cfg: BootstrapConfig) -> float:
+    """Linear warm-up then cosine decay to 10 % of the peak."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def init_model(out_dir: str | Path, cfg: BootstrapConfig) -> Path:
+    """Build the tokenizer and the randomly initialised model; save them in HF layout."""
+    tok = build_char_tokenizer()
+    return save_hf(build_tiny_llama(tok, cfg.spec, seed=cfg.seed), tok, out_dir)
+
+
+def train_sft(
+    init_dir: str | Path, train: pd.DataFrame, out_dir: str | Path, cfg: BootstrapConfig, log: Log = print
+) -> dict:
+    """Supervised warm-up of the checkpoint at ``init_dir`` on ``train`` (prompt_text, ground_truth).
+
+    Saves the trained model in HF layout at ``out_dir``; returns training figures.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    tok = AutoTokenizer.from_pretrained(init_dir)
+    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    model.train()
+    examples = encode_examples(tok, train["prompt_text"].tolist(), train["ground_truth"].tolist())
+    rng = np.random.default_rng(cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+    )
+    order = rng.permutation(len(examples))
+    cursor = 0
+    t0 = time.perf_counter()
+    tokens = 0
+    losses: list[float] = []
+    every = max(1, cfg.steps // 20)
+    for step in range(cfg.steps):
+        if cursor + cfg.batch_size > len(order):
+            order, cursor = rng.permutation(len(examples)), 0
+        batch = [examples[i] for i in order[cursor : cursor + cfg.batch_size]]
+        cursor += cfg.batch_size
+        input_ids, mask, labels = collate(batch, tok.pad_token_id)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens += int(mask.sum())
+        losses.append(loss.item())
+        if (step + 1) % every == 0 or step + 1 == cfg.steps:
+            elapsed = time.perf_counter() - t0
+            eta = elapsed / (step + 1) * (cfg.steps - step - 1)
+            log(
+                f"bootstrap step {step + 1}/{cfg.steps}  loss {np.mean(losses[-every:]):.3f}  "
+                f"lr {lr_at(step, cfg):.2e}  {tokens / elapsed:,.0f} tok/s  eta {eta:.0f} s"
+            )
+    model.eval()
+    save_hf(model, tok, out_dir)
+    return {
+        "train_seconds": time.perf_counter() - t0,
+        "train_tokens": tokens,
+        "final_loss": float(np.mean(losses[-every:])),
+        "examples": len(examples),
+    }
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int) -> list[str]:
+    """Greedy completions (text up to </s>) for ``prompts``, batched with left padding."""
+    tokenizer.padding_side = "left"
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start : start + batch_size])
+        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+        gen = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        out += tokenizer.batch_decode(gen[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+    return out
+
+
+def evaluate_greedy(model_dir: str | Path, test: pd.DataFrame, cfg: BootstrapConfig) -> dict:
+    """Greedy held-out accuracy, overall and by ``difficulty``, scored by the registered verifiers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from coba_tasks.verify import score
+
+    torch.set_num_threads(cfg.threads)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    t0 = time.perf_counter()
+    answers = greedy_answers(model, tok, test["prompt_text"].tolist(), cfg.max_answer_tokens, cfg.eval_batch_size)
+    rewards = np.array(
+        [
+            score(a, g, s).reward
+            for a, g, s in zip(answers, test["ground_truth"], test["data_source"], strict=True)
+        ]
+    )
+    by_level = (
+        pd.Series(rewards).groupby(test["difficulty"].to_numpy()).mean().sort_index()
+        if "difficulty" in test
+        else pd.Series(dtype=float)
+    )
+    return {
+        "accuracy": float(rewards.mean()),
+        "accuracy_by_difficulty": {str(int(k)): float(v) for k, v in by_level.items()},
+        "eval_seconds": time.perf_counter() - t0,
+        "n_eval": len(test),
+    }
+
+
+def write_metrics(model_dir: str | Path, cfg: BootstrapConfig, figures: dict) -> Path:
+    """``bootstrap.json`` beside the model: config, seed and the measured figures."""
+    path = Path(model_dir) / METRICS_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"config": asdict(cfg), **figures}, indent=2))
+    tmp.replace(path)
+    return path
