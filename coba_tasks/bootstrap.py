@@ -80,6 +80,21 @@ def collate(batch: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.
     return input_ids, mask, labels
 
 
+def level_balanced_weights(train: pd.DataFrame) -> np.ndarray:
+    """Sampling probability per example, equal in total for every difficulty level.
+
+    The easiest level has few distinct problems (a sliver of the train split); sampling levels
+    evenly lets the warm-up see it as often as the others. Without a ``difficulty`` column: uniform.
+    """
+    n = len(train)
+    if "difficulty" not in train or n == 0:
+        return np.full(n, 1.0 / max(n, 1))
+    level = train["difficulty"].to_numpy()
+    counts = pd.Series(level).value_counts()
+    w = 1.0 / counts.reindex(level).to_numpy(dtype=np.float64)
+    return w / w.sum()
+
+
 def lr_at(step: int, cfg: BootstrapConfig) -> float:
     """Linear warm-up then cosine decay to 10 % of the peak."""
     if step < cfg.warmup_steps:
@@ -99,7 +114,9 @@ def train_sft(
 ) -> dict:
     """Supervised warm-up of the checkpoint at ``init_dir`` on ``train`` (prompt_text, ground_truth).
 
-    Saves the trained model in HF layout at ``out_dir``; returns training figures.
+    Each step draws ``batch_size`` examples with replacement, every difficulty level equally often
+    (``level_balanced_weights``), from a generator seeded with ``cfg.seed``. Saves the trained model
+    in HF layout at ``out_dir``; returns training figures.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -117,17 +134,13 @@ def train_sft(
         lr=cfg.lr,
         betas=(0.9, 0.98),
     )
-    order = rng.permutation(len(examples))
-    cursor = 0
+    weights = level_balanced_weights(train)
     t0 = time.perf_counter()
     tokens = 0
     losses: list[float] = []
     every = max(1, cfg.steps // 20)
     for step in range(cfg.steps):
-        if cursor + cfg.batch_size > len(order):
-            order, cursor = rng.permutation(len(examples)), 0
-        batch = [examples[i] for i in order[cursor : cursor + cfg.batch_size]]
-        cursor += cfg.batch_size
+        batch = [examples[i] for i in rng.choice(len(examples), size=cfg.batch_size, p=weights)]
         input_ids, mask, labels = collate(batch, tok.pad_token_id)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)

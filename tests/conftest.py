@@ -24,3 +24,15 @@ def random_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     """Two tiny random Llama checkpoints (seeds 0 and 1) with the character tokenizer."""
     root = tmp_path_factory.mktemp("ckpt")
     return make_random_checkpoint(root / "a", 0), make_random_checkpoint(root / "b", 1)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
+    """One Prefect test server for the whole session, with a temporary PREFECT_HOME."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ.pop("PREFECT_API_URL", None)
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield home

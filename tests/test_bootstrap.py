@@ -1,0 +1,109 @@
+"""The bootstrap stage functions and flow, on a handful of steps."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from safetensors.numpy import load_file
+
+from coba_tasks.bootstrap import (
+    BootstrapConfig,
+    collate,
+    encode_examples,
+    evaluate_greedy,
+    init_model,
+    level_balanced_weights,
+    lr_at,
+    train_sft,
+)
+from coba_tasks.data import load_dataset
+from coba_tasks.model import TinyLlamaSpec, build_char_tokenizer
+
+SMALL = BootstrapConfig(
+    spec=TinyLlamaSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1),
+    steps=6,
+    batch_size=8,
+    warmup_steps=2,
+)
+
+
+@pytest.fixture(scope="module")
+def splits():
+    train = load_dataset("data/arith_train.parquet")
+    test = load_dataset("data/arith_test.parquet")
+    return train.sample(200, random_state=0), test.groupby("difficulty").head(4)
+
+
+def test_char_tokenizer_round_trips():
+    tok = build_char_tokenizer()
+    for text in ("37+58=95", "(4-7)*3=-9", "Answer: 42"):
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert len(ids) == len(text) and tok.decode(ids) == text
+
+
+def test_examples_mask_the_prompt():
+    tok = build_char_tokenizer()
+    examples = encode_examples(tok, ["1+2=", "10-3="], ["3", "7"])
+    assert [n for _, n in examples] == [4, 5]
+    assert examples[0][0][-1] == tok.eos_token_id
+    ids, mask, labels = collate(examples, tok.pad_token_id)
+    assert ids.shape == (2, 7) and mask.sum().item() == 6 + 7
+    # labels: only the answer and </s>; the prompt and the padding are -100
+    assert labels[0].tolist()[:4] == [-100] * 4 and labels[0, 4].item() == ids[0, 4].item()
+    assert labels[0, 6].item() == -100 and labels[1, 5:7].tolist() == ids[1, 5:7].tolist()
+
+
+def test_level_balanced_weights():
+    df = pd.DataFrame({"difficulty": [0, 1, 1, 1, 2, 2]})
+    w = level_balanced_weights(df)
+    assert w.sum() == pytest.approx(1.0)
+    sums = pd.Series(w).groupby(df["difficulty"]).sum()
+    assert np.allclose(sums.to_numpy(), 1 / 3)
+
+
+def test_lr_schedule():
+    cfg = BootstrapConfig(steps=100, warmup_steps=10, lr=1e-3)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(99, cfg) == pytest.approx(1e-4, rel=0.05)
+
+
+def test_training_is_reproducible_and_changes_weights(tmp_path, splits):
+    train, test = splits
+    init = init_model(tmp_path / "init", SMALL)
+    a = train_sft(init, train, tmp_path / "a", SMALL, log=lambda s: None)
+    train_sft(init, train, tmp_path / "b", SMALL, log=lambda s: None)
+    w0 = load_file(str(init / "model.safetensors"))
+    wa = load_file(str(tmp_path / "a" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(np.array_equal(wa[k], wb[k]) for k in wa)
+    assert any(not np.array_equal(w0[k], wa[k]) for k in w0)
+    assert a["train_tokens"] > 0 and np.isfinite(a["final_loss"])
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        assert (tmp_path / "a" / name).is_file()
+    assert not list((tmp_path / "a").glob("*.bin"))  # safetensors only, no pickles
+    figures = evaluate_greedy(tmp_path / "a", test, SMALL)
+    assert 0.0 <= figures["accuracy"] <= 1.0
+    assert sorted(figures["accuracy_by_difficulty"]) == ["0", "1", "2", "3", "4"]
+
+
+@pytest.mark.slow
+def test_bootstrap_flow_end_to_end(tmp_path, prefect_harness, splits):
+    from flows.bootstrap import bootstrap_flow
+
+    train, test = splits
+    train_path, test_path = tmp_path / "train.parquet", tmp_path / "test.parquet"
+    from coba_tasks.data import write_verl_parquet
+
+    for df, path in ((train, train_path), (test, test_path)):
+        raw = pd.read_parquet("data/arith_train.parquet" if df is train else "data/arith_test.parquet")
+        keep = raw[raw["extra_info"].apply(lambda e: str(e["index"])).isin(df["prompt_id"])]
+        write_verl_parquet(keep, path)
+    out = tmp_path / "model"
+    figures = bootstrap_flow(out_dir=str(out), train_path=str(train_path), test_path=str(test_path), cfg=SMALL)
+    assert (out / "model.safetensors").is_file() and not (tmp_path / "model.partial").exists()
+    saved = json.loads((out / "bootstrap.json").read_text())
+    assert saved["accuracy"] == figures["accuracy"] and saved["config"]["steps"] == SMALL.steps
