@@ -3,6 +3,8 @@
     coba demo                      the allocation demo (simulated training; no model needed)
     coba bootstrap                 build and warm up the default tiny model (a Prefect flow)
     coba bench allocate [--json]   time the allocators at the paper's setting and at scale
+    coba bench rollout  [--json]   tokens per second of the rollout backends
+    coba bench verify   [--json]   verifier items per second
 
 Each subcommand has ``--help`` with examples.
 """
@@ -20,6 +22,8 @@ EPILOG = """examples:
   coba demo --steps 20 --prompts 200
   coba bench allocate             # heap vs threshold vs DP at M = 512, B_total = 8192, and a sweep to M = 1M
   coba bench allocate --json > bench.json
+  coba bench rollout              # vLLM vs transformers tokens/s on the default model
+  coba bench verify               # verifier items/s
 """
 
 
@@ -65,6 +69,34 @@ def _cmd_bench_allocate(args: argparse.Namespace) -> int:
 
     result = bench_allocate(seed=args.seed, quick=args.quick, progress=progress)
     print(json.dumps(result, indent=2) if args.json else format_allocate(result))
+    return 0
+
+
+def _cmd_bench_rollout(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coba_tasks.bench import bench_rollout, format_rollout
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"model {args.model} not found: run `coba bootstrap` first or pass --model DIR")
+    result = bench_rollout(
+        args.model,
+        args.test,
+        prompts=args.prompts,
+        group_size=args.n,
+        max_tokens=args.max_tokens,
+        backends=tuple(args.backends.split(",")),
+        progress=lambda m: print(f"[bench] {m} ...", file=sys.stderr),
+    )
+    print(json.dumps(result, indent=2) if args.json else format_rollout(result))
+    return 0
+
+
+def _cmd_bench_verify(args: argparse.Namespace) -> int:
+    from coba_tasks.bench import bench_verify, format_verify
+
+    result = bench_verify(arith_items=args.arith, math_items=args.math, workers=args.workers)
+    print(json.dumps(result, indent=2) if args.json else format_verify(result))
     return 0
 
 
@@ -140,6 +172,35 @@ def build_parser() -> argparse.ArgumentParser:
     alloc.add_argument("--quick", action="store_true", help="fewer repeats, sweep only to M = 65536")
     alloc.add_argument("--seed", type=int, default=0, help="seed of the random pass rates (default 0)")
     alloc.set_defaults(func=_cmd_bench_allocate)
+
+    roll = bench_sub.add_parser(
+        "rollout",
+        help="tokens per second of the vLLM and transformers rollout backends",
+        description="Generate the same prompts, group sizes and seeds with each backend and print tokens per second.",
+        epilog="examples:\n  coba bench rollout\n  coba bench rollout --backends vllm --prompts 200 --n 16",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    roll.add_argument("--model", default="models/arith-tiny", help="HF model directory (default models/arith-tiny)")
+    roll.add_argument("--test", default="data/arith_test.parquet", help="prompts to use (veRL Parquet)")
+    roll.add_argument("--prompts", type=_positive, default=100, help="number of prompts (default 100)")
+    roll.add_argument("--n", type=_positive, default=8, help="samples per prompt (default 8)")
+    roll.add_argument("--max-tokens", type=_positive, default=12, help="max new tokens (default 12)")
+    roll.add_argument("--backends", default="vllm,transformers", help="comma-separated (default vllm,transformers)")
+    roll.add_argument("--json", action="store_true", help="print the figures as JSON")
+    roll.set_defaults(func=_cmd_bench_rollout)
+
+    ver = bench_sub.add_parser(
+        "verify",
+        help="verifier items per second (arith in-process, math-verify in worker processes)",
+        description="Score synthetic arith and math items through the verifier pool and print items per second.",
+        epilog="examples:\n  coba bench verify\n  coba bench verify --math 1000 --workers 2 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ver.add_argument("--arith", type=_positive, default=20_000, help="arith items (default 20000)")
+    ver.add_argument("--math", type=_positive, default=300, help="math items (default 300)")
+    ver.add_argument("--workers", type=_positive, default=2, help="worker processes (default 2)")
+    ver.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ver.set_defaults(func=_cmd_bench_verify)
     return parser
 
 
