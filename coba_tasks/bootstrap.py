@@ -34,10 +34,10 @@ METRICS_FILE = "bootstrap.json"
 
 @dataclass(frozen=True)
 class BootstrapConfig:
-    """Settings of the warm-up run (defaults: about 4-5 minutes on 2 CPU cores)."""
+    """Settings of the warm-up run (defaults: about 5 minutes on 2 CPU cores)."""
 
     spec: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)
-    steps: int = 1500  # optimizer steps
+    steps: int = 7000  # optimizer steps
     batch_size: int = 64  # sequences per step
     lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to 10 %)
     warmup_steps: int = 100

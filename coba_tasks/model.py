@@ -29,12 +29,12 @@ CHARS = tuple(string.digits + string.ascii_letters + string.punctuation + " \n")
 
 @dataclass(frozen=True)
 class TinyLlamaSpec:
-    """Shape of the tiny model (defaults: ~0.4 M parameters, fast on 2 CPU cores)."""
+    """Shape of the tiny model (defaults: ~0.12 M parameters; ~25k training tokens/s on one core)."""
 
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 3
-    num_attention_heads: int = 4  # head_dim 32: supported by vLLM's CPU attention
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2  # head_dim 32: supported by vLLM's CPU attention
     max_position_embeddings: int = 64
     rope_theta: float = 10000.0
 

@@ -171,6 +171,9 @@ class VLLMBackend(RolloutBackend):
         if in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM logs to stdout at INFO by default: keep stdout for our output (set these to override)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
         kwargs: dict[str, Any] = {
