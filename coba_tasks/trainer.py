@@ -1,0 +1,238 @@
+"""The GRPO update: the training model that lives in the flow process between steps.
+
+One ``PolicyTrainer`` holds the policy (a Hugging Face causal LM) and its AdamW optimizer for the
+whole run. ``update`` takes one step's rollouts (prompt and completion token ids, one advantage per
+rollout) and makes one optimizer step per ``update_epochs``:
+
+1. logp_old: the training model's log-probabilities of the sampled tokens *before* the update
+   (METHOD 7: not the sampler's), computed without gradients.
+2. The clipped surrogate with clip-higher and token-mean over the whole batch
+   (``coba_tasks.grpo.policy_loss``), accumulated over micro-batches of ``micro_batch_size``
+   sequences with the whole batch's token count as the normaliser, so memory stays bounded
+   whatever the budgets are and the gradient equals the full-batch one.
+3. Optional KL to the reference (the starting model) when ``kl_coef > 0``; entropy is measured,
+   not optimised (coefficient 0).
+
+Checkpoints are Hugging Face layout with safetensors (the rollout engine reloads them in place)
+plus ``optimizer.safetensors`` (AdamW moments and steps as tensors; the param groups as JSON) and
+``trainer_state.json``, so a resumed run continues exactly. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from coba_tasks.grpo import entropy_from_logits, kl_penalty, masked_mean, policy_loss, token_logprobs
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINER_STATE_FILE = "trainer_state.json"
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What the update needs from the run's config."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 64
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    update_epochs: int = 1
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    threads: int = 1
+
+
+def pad_sequences(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + completion: (input_ids (B, T), attention_mask (B, T), completion_mask (B, T)).
+
+    completion_mask[b, t] = 1 where token t of row b is a completion token (the ones the loss sees).
+    """
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(lengths), width), dtype=torch.long)
+    comp = torch.zeros((len(lengths), width), dtype=torch.float32)
+    for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        seq = list(p) + list(c)
+        ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[b, : len(seq)] = 1
+        comp[b, len(p) : len(seq)] = 1.0
+    return ids, attn, comp
+
+
+class PolicyTrainer:
+    """The policy being trained and its optimizer (one per run)."""
+
+    def __init__(self, model_path: str | Path, settings: UpdateSettings, seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(settings.threads)
+        torch.manual_seed(seed)
+        self.settings = settings
+        dtype = torch.float32 if settings.dtype in ("float32", "auto") else getattr(torch, settings.dtype)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=settings.trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, trust_remote_code=settings.trust_remote_code
+        ).to(self.device)
+        if settings.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.ref_model = None
+        if settings.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=dtype, trust_remote_code=settings.trust_remote_code
+            ).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        rest = [p for p in self.model.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=settings.lr,
+            betas=settings.betas,
+            eps=settings.eps,
+        )
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.updates = 0
+
+    # -- log-probabilities ----------------------------------------------------------------------
+    def _logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor, with_entropy: bool = False):
+        """Per-token log p of ids[:, 1:] given the prefix: (B, T-1); and entropy (B, T-1) if asked."""
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T-1, V)
+        logp = token_logprobs(logits, ids[:, 1:])
+        ent = entropy_from_logits(logits) if with_entropy else None
+        return logp, ent
+
+    def _micro_batches(self, n: int) -> list[slice]:
+        size = self.settings.micro_batch_size
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+    # -- the update -----------------------------------------------------------------------------
+    def update(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        advantages: np.ndarray | torch.Tensor,
+    ) -> dict[str, float]:
+        """One GRPO update on a step's rollouts; returns its metrics (METHOD 7)."""
+        s = self.settings
+        if len(prompt_ids) == 0:
+            raise ValueError("GRPO update on an empty batch")
+        ids, attn, comp = pad_sequences(prompt_ids, completion_ids, self.pad_id)
+        ids, attn, comp = ids.to(self.device), attn.to(self.device), comp.to(self.device)
+        mask = comp[:, 1:]  # (B, T-1): position t predicts token t+1
+        adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32), device=self.device)
+        token_count = float(mask.sum())
+        if token_count == 0:
+            raise ValueError("GRPO update: no completion tokens in the batch")
+        batches = self._micro_batches(ids.shape[0])
+
+        self.model.eval()  # dropout off; logp_old from the model before the update
+        with torch.no_grad():
+            logp_old = torch.cat([self._logprobs(self.model, ids[b], attn[b])[0] for b in batches])
+            ref_logp = None
+            if self.ref_model is not None:
+                ref_logp = torch.cat([self._logprobs(self.ref_model, ids[b], attn[b])[0] for b in batches])
+
+        self.model.train()
+        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
+        for _ in range(s.update_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for b in batches:
+                logp, ent = self._logprobs(self.model, ids[b], attn[b], with_entropy=True)
+                loss, stats = policy_loss(
+                    logp, logp_old[b], adv[b], mask[b], s.clip_low, s.clip_high, token_count=token_count
+                )
+                if ref_logp is not None:
+                    kl = masked_mean(kl_penalty(logp, ref_logp[b], mask[b]), mask[b], token_count)
+                    loss = loss + s.kl_coef * kl
+                    totals["kl"] += float(kl)
+                loss.backward()
+                totals["loss"] += float(loss.detach())
+                n_tok = float(mask[b].sum())
+                if n_tok > 0:
+                    totals["clip_tokens"] += stats["clip_frac"] * n_tok
+                totals["entropy"] += float(masked_mean(ent.detach(), mask[b], token_count))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
+            totals["grad_norm"] = float(grad_norm)
+            self.optimizer.step()
+        self.model.eval()
+        self.updates += 1
+        epochs = s.update_epochs
+        return {
+            "loss": totals["loss"] / epochs,
+            "clip_frac": totals["clip_tokens"] / (token_count * epochs),
+            "grad_norm": totals["grad_norm"] if math.isfinite(totals["grad_norm"]) else float("nan"),
+            "entropy": totals["entropy"] / epochs,
+            "kl": totals["kl"] / epochs,
+            "tokens": int(token_count),
+            "sequences": int(ids.shape[0]),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+        }
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, out_dir: str | Path, extra_state: dict[str, Any] | None = None) -> Path:
+        """Model + tokenizer (HF layout, safetensors), optimizer state (safetensors) and trainer state (JSON)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, safe_serialization=True)
+        self.tokenizer.save_pretrained(out)
+        tensors, groups = optimizer_to_tensors(self.optimizer)
+        tensors["rng.torch"] = torch.get_rng_state()
+        save_file(tensors, str(out / OPTIMIZER_FILE))
+        state = {"updates": self.updates, "param_groups": groups, **(extra_state or {})}
+        (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+        return out
+
+    def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer state and RNG from ``save_checkpoint`` output; returns the extra state."""
+        from safetensors.torch import load_model
+
+        ckpt = Path(ckpt_dir)
+        load_model(self.model, str(ckpt / "model.safetensors"), strict=False)
+        state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+        tensors = load_file(str(ckpt / OPTIMIZER_FILE))
+        torch.set_rng_state(tensors.pop("rng.torch"))
+        optimizer_from_tensors(self.optimizer, tensors, state["param_groups"])
+        self.updates = int(state["updates"])
+        return state
+
+
+def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Flatten an optimizer's state_dict into named tensors (safetensors) and JSON-safe param groups."""
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for idx, st in sd["state"].items():
+        for key, value in st.items():
+            t = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"state.{idx}.{key}"] = t.detach().cpu().contiguous()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, groups
+
+
+def optimizer_from_tensors(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]
+) -> None:
+    """Inverse of ``optimizer_to_tensors``."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        _, idx, key = name.split(".", 2)
+        state.setdefault(int(idx), {})[key] = t
+    restored = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+    optimizer.load_state_dict({"state": state, "param_groups": restored})
