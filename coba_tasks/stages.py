@@ -31,7 +31,8 @@ from coba_tasks.grpo import group_advantages, zero_variance_share
 from coba_tasks.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
 from coba_tasks.verify import VerdictKind
 
-ROLLOUTS, REWARDS, CAPABILITY, BUDGET, UPDATE, EVAL = "rollouts", "rewards", "capability", "budget", "update", "eval"
+ROLLOUTS, REWARDS, CAPABILITY, BUDGET, UPDATE = "rollouts", "rewards", "capability", "budget", "update"
+HISTORY, EVAL = "history", "eval"  # per-step history snapshot; held-out evaluation of the step's weights
 STEP_STAGES = (ROLLOUTS, REWARDS, CAPABILITY, BUDGET, UPDATE)
 
 
@@ -149,7 +150,9 @@ def capability_table(
         "beta": tracker.beta,
         "prompts": int(rates.size),
         "rollouts": len(rewards),
-        "zero_variance_groups": zero_variance_share(torch.tensor(rewards["reward"].to_numpy(dtype=np.float64)), group_ids),
+        "zero_variance_groups": zero_variance_share(
+            torch.tensor(rewards["reward"].to_numpy(dtype=np.float64)), group_ids
+        ),
         **{f"verdict_{k}": v for k, v in counts.items()},
         "tracker_state": json.dumps(tracker.to_dict()),
     }

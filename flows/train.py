@@ -103,10 +103,12 @@ def capability_task(run_dir: str, step: int) -> dict[str, float]:
     if not res.store.is_done(step, stages.CAPABILITY):
         rewards = res.store.read_table(step, stages.REWARDS)
         table, _ = stages.capability_table(step, rewards, _tracker_before(res, step))
-        history = res.store.read_run_table("history")
-        res.store.write_run_table(
-            "history", stages.update_history(history, rewards, step, res.cfg.allocation.pass_rate_window)
-        )
+        # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
+        # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
+        previous = res.store.read_table(step - 1, stages.HISTORY) if step > 0 else stages.empty_history()
+        history = stages.update_history(previous, rewards, step, res.cfg.allocation.pass_rate_window)
+        res.store.write_table(step, stages.HISTORY, history)
+        res.store.write_run_table("history", history)
         res.store.write_table(step, stages.CAPABILITY, table)
     res.timed(stages.CAPABILITY, time.perf_counter() - t0)
     row = res.store.read_table(step, stages.CAPABILITY).iloc[0]
@@ -124,7 +126,7 @@ def allocation_task(run_dir: str, step: int) -> dict[str, float]:
             res.prompts["prompt_id"].tolist(), nxt, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
         )
         tracker = stages.tracker_from_capability(res.store.read_table(step, stages.CAPABILITY))
-        table = stages.budget_table(batch, res.store.read_run_table("history"), tracker, cfg.allocation)
+        table = stages.budget_table(batch, res.store.read_table(step, stages.HISTORY), tracker, cfg.allocation)
         res.store.write_table(nxt, stages.BUDGET, table)
     res.timed(stages.BUDGET, time.perf_counter() - t0)
     b = res.store.read_table(nxt, stages.BUDGET)["budget"]
