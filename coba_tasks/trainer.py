@@ -14,8 +14,8 @@ rollout) and makes one optimizer step per ``update_epochs``:
    not optimised (coefficient 0).
 
 Checkpoints are Hugging Face layout with safetensors (the rollout engine reloads them in place)
-plus ``optimizer.safetensors`` (AdamW moments and steps as tensors; the param groups as JSON) and
-``trainer_state.json``, so a resumed run continues exactly. No pickle anywhere.
+plus ``trainer/optimizer.safetensors`` (AdamW moments and steps as tensors, the torch RNG state) and
+``trainer/trainer_state.json`` (param groups, update count, the caller's extra state), so a resumed run continues exactly. No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from safetensors.torch import load_file, save_file
 
 from coba_tasks.grpo import entropy_from_logits, kl_penalty, masked_mean, policy_loss, token_logprobs
 
-OPTIMIZER_FILE = "optimizer.safetensors"
-TRAINER_STATE_FILE = "trainer_state.json"
+# Kept in a subdirectory: vLLM's reload reads every *.safetensors file beside the model.
+OPTIMIZER_FILE = "trainer/optimizer.safetensors"
+TRAINER_STATE_FILE = "trainer/trainer_state.json"
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ class PolicyTrainer:
         self.tokenizer.save_pretrained(out)
         tensors, groups = optimizer_to_tensors(self.optimizer)
         tensors["rng.torch"] = torch.get_rng_state()
+        (out / OPTIMIZER_FILE).parent.mkdir(exist_ok=True)
         save_file(tensors, str(out / OPTIMIZER_FILE))
         state = {"updates": self.updates, "param_groups": groups, **(extra_state or {})}
         (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
