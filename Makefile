@@ -10,7 +10,7 @@ BROKEN := torchvision torchaudio torchcodec
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup setup-gpu test lint demo bench clean-venv
+.PHONY: setup setup-gpu test lint demo demo-allocation bench clean-venv
 
 setup: $(STAMP)
 
@@ -37,7 +37,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The main job on the embedded default: bootstrap the tiny model if it is missing, then train
+# with CoBA-RL budgets (configs/demo.yaml) into a fresh run directory.
 demo: $(STAMP)
+	$(BIN)/coba run --bootstrap-if-missing --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+# The allocation schedule on a simulated run (no model, seconds).
+demo-allocation: $(STAMP)
 	$(BIN)/coba demo
 
 bench: $(STAMP)

@@ -106,8 +106,9 @@ class DataConfig:
     train: str = "data/arith_train.parquet"  # training prompts (Parquet); relative paths are from the working dir
     test: str = "data/arith_test.parquet"  # held-out prompts for evaluation (Parquet)
     prompts_per_step: int = 32  # M, prompts in each training step's batch
-    eval_prompts: int = 0  # held-out prompts used per evaluation; 0 = all of data.test
-    shuffle: bool = True  # shuffle the prompt order of each epoch (a pass over data.train) with run.seed
+    eval_prompts: int = 0  # held-out prompts used per evaluation (a seeded sample); 0 = all of data.test
+    train_prompts: int = 0  # training pool: a seeded sample of this many prompts of data.train; 0 = all
+    shuffle: bool = True  # shuffle the prompt order of each epoch (a pass over the training pool) with run.seed
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -115,6 +116,7 @@ class DataConfig:
         _check(self, "test", bool(self.test.strip()), "must name a Parquet file")
         _check(self, "prompts_per_step", self.prompts_per_step >= 1, "must be >= 1 (M, prompts per step)")
         _check(self, "eval_prompts", self.eval_prompts >= 0, "must be >= 0 (0 = every prompt of data.test)")
+        _check(self, "train_prompts", self.train_prompts >= 0, "must be >= 0 (0 = every prompt of data.train)")
 
 
 @dataclass(frozen=True)

@@ -239,13 +239,15 @@ def _open_resources(run_dir: str, cfg: Config, resume: bool) -> RunResources:
         prompts = store.read_run_table("prompts")
     else:
         prompts = load_dataset(cfg.data.train)
+        if cfg.data.train_prompts and cfg.data.train_prompts < len(prompts):
+            prompts = prompts.sample(cfg.data.train_prompts, random_state=cfg.run.seed).reset_index(drop=True)
         store = RunStore(root)
         store.create(config_to_dict(cfg), config_hash(cfg), _versions())
         store.write_run_table("prompts", prompts)
         store.write_run_table("history", stages.empty_history())
     test = load_dataset(cfg.data.test)
-    if cfg.data.eval_prompts:
-        test = test.head(cfg.data.eval_prompts)
+    if cfg.data.eval_prompts and cfg.data.eval_prompts < len(test):
+        test = test.sample(cfg.data.eval_prompts, random_state=cfg.run.seed).reset_index(drop=True)
     res = RunResources(cfg=cfg, store=store, prompts=prompts, test=test)
     _RUNS[str(root)] = res
     return res

@@ -1,0 +1,64 @@
+"""End to end: the coba-train flow through Prefect on a tiny config, with real vLLM on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coba_tasks import stages
+from coba_tasks.config import config_to_dict, load_config
+from coba_tasks.store import RunStore
+
+
+@pytest.mark.slow
+def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpoints):
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    cfg = load_config("configs/tiny-test.yaml", [f"model.path={model}", "data.train_prompts=6", "run.steps=3"])
+    run_dir = tmp_path / "run"
+    summary = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+
+    store = RunStore.open(run_dir)
+    m, g = cfg.data.prompts_per_step, cfg.allocation.group_size
+    for step in range(3):
+        for name in (*stages.STEP_STAGES, stages.HISTORY):
+            assert store.is_done(step, name), (step, name)
+            entry = store.manifest(step)[name]
+            assert entry["rows"] == len(store.read_table(step, name)) and len(entry["sha256"]) == 64
+        budget = store.read_table(step, stages.BUDGET)
+        rollouts = store.read_table(step, stages.ROLLOUTS)
+        rewards = store.read_table(step, stages.REWARDS)
+        assert len(budget) == m and int(budget["budget"].sum()) == m * g
+        assert budget["budget"].between(cfg.allocation.min_budget, cfg.allocation.max_budget).all()
+        per_prompt = rollouts.groupby("prompt_id").size()
+        assert per_prompt.to_dict() == dict(zip(budget["prompt_id"], budget["budget"], strict=True))
+        assert (rollouts["weight_version"] == step).all()
+        assert len(rewards) == len(rollouts) and set(rewards["verdict"]) <= {"correct", "wrong", "no_answer"}
+        assert (rollouts["n_tokens"] == rollouts["token_ids"].apply(len)).all()
+    # 6 prompts, 4 per step: step 2 revisits prompts seen at step 0, so its budget is not uniform by fallback
+    assert store.read_table(0, stages.BUDGET)["fallback"].str.contains("unseen").all()
+    assert not store.read_table(2, stages.BUDGET)["fallback"].str.contains("unseen").any()
+    assert store.is_done(3, stages.BUDGET)  # the allocation for the step after the last
+
+    from transformers import AutoModelForCausalLM
+
+    ckpt = store.checkpoint_dir(3)
+    AutoModelForCausalLM.from_pretrained(ckpt)  # the last checkpoint loads as an HF model
+    assert not list(run_dir.rglob("*.bin")) and not list(run_dir.rglob("*.pkl"))
+
+    saved = json.loads((run_dir / "summary.json").read_text())
+    for key in (
+        "steps",
+        "strategy",
+        "heldout_accuracy_before",
+        "heldout_accuracy_after",
+        "total_rollouts",
+        "wall_seconds",
+        "stage_seconds",
+    ):
+        assert key in saved
+    assert saved["steps"] == 3 and saved["total_rollouts"] == 3 * m * g
+    assert saved == json.loads(json.dumps(summary))
+    assert set(saved["stage_seconds"]) >= {"rollouts", "rewards", "capability", "budget", "update"}
