@@ -42,20 +42,29 @@ STEP_STAGES = (ROLLOUTS, REWARDS, CAPABILITY, BUDGET, UPDATE)
 
 
 def batch_for_step(prompt_ids: Sequence[str], step: int, batch_size: int, seed: int, shuffle: bool = True) -> list[str]:
-    """The ``batch_size`` prompt ids of ``step``: consecutive slices of per-epoch permutations.
+    """The ``batch_size`` distinct prompt ids of ``step``: slices of per-epoch permutations.
 
-    Epoch e's order is a permutation seeded by (seed, e); a batch may straddle two epochs.
+    Epoch e's order is a permutation seeded by (seed, e); step t reads from position t * M of their
+    concatenation. A batch that straddles two epochs skips ids it already holds (a prompt is never
+    twice in one batch: its group would merge), so it may read a little past its slice.
     """
     n = len(prompt_ids)
-    start = step * batch_size
+    if batch_size > n:
+        raise ValueError(f"prompts per step ({batch_size}) exceed the training pool ({n} prompts)")
     out: list[str] = []
-    pos = start
+    chosen: set[str] = set()
+    pos = step * batch_size
+    order, order_epoch = None, -1
     while len(out) < batch_size:
         epoch, offset = divmod(pos, n)
-        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
-        take = min(batch_size - len(out), n - offset)
-        out += [prompt_ids[i] for i in order[offset : offset + take]]
-        pos += take
+        if epoch != order_epoch:
+            order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+            order_epoch = epoch
+        pid = prompt_ids[int(order[offset])]
+        if pid not in chosen:
+            chosen.add(pid)
+            out.append(pid)
+        pos += 1
     return out
 
 

@@ -15,7 +15,8 @@ rollout) and makes one optimizer step per ``update_epochs``:
 
 Checkpoints are Hugging Face layout with safetensors (the rollout engine reloads them in place)
 plus ``trainer/optimizer.safetensors`` (AdamW moments and steps as tensors, the torch RNG state) and
-``trainer/trainer_state.json`` (param groups, update count, the caller's extra state), so a resumed run continues exactly. No pickle anywhere.
+``trainer/trainer_state.json`` (param groups, update count, the caller's extra state), so a resumed
+run continues exactly. No pickle anywhere.
 """
 
 from __future__ import annotations

@@ -30,6 +30,13 @@ def test_batches_cover_each_epoch_once():
     assert stages.batch_for_step(ids, 2, 4, seed=3) == stages.batch_for_step(ids, 2, 4, seed=3)
     assert stages.batch_for_step(ids, 0, 4, seed=3) != stages.batch_for_step(ids, 0, 4, seed=4)
     assert stages.batch_for_step(ids, 1, 4, seed=0, shuffle=False) == ["p4", "p5", "p6", "p7"]
+    # a batch straddling two epochs never holds a prompt twice
+    for step in range(40):
+        batch = stages.batch_for_step(ids[:6], step, 4, seed=1)
+        assert len(set(batch)) == 4
+    assert stages.batch_for_step(ids, 2, 4, seed=0, shuffle=False) == ["p8", "p9", "p0", "p1"]
+    with pytest.raises(ValueError, match="exceed the training pool"):
+        stages.batch_for_step(ids, 0, 11, seed=0)
 
 
 def test_pass_rates_and_capability():

@@ -96,3 +96,23 @@ def test_empty_batch_is_refused(random_checkpoints):
     trainer = PolicyTrainer(a, UpdateSettings())
     with pytest.raises(ValueError, match="empty batch"):
         trainer.update([], [], np.array([]))
+
+
+def test_update_moves_probability_towards_positive_advantages(random_checkpoints):
+    a, _ = random_checkpoints
+    trainer = PolicyTrainer(a, UpdateSettings(lr=3e-3, micro_batch_size=4))
+    prompts = [[10, 11, 12]] * 4
+    completions = [[20, 21, 2], [22, 23, 2], [24, 25, 2], [26, 27, 2]]
+    adv = np.array([1.0, 1.0, -1.0, -1.0], dtype=np.float32)
+
+    def seq_logp() -> np.ndarray:
+        ids, attn, comp = pad_sequences(prompts, completions, trainer.pad_id)
+        with torch.no_grad():
+            logp, _ = trainer._logprobs(trainer.model, ids, attn)
+        return (logp * comp[:, 1:]).sum(dim=1).numpy()
+
+    before = seq_logp()
+    for _ in range(5):
+        trainer.update(prompts, completions, adv)
+    delta = seq_logp() - before
+    assert delta[0] > 0 and delta[1] > 0 and delta[2] < 0 and delta[3] < 0
