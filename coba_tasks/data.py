@@ -34,7 +34,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,8 @@ from typing import Any, Literal
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from coba_tasks.fileio import atomic_write
 
 LOADED_COLUMNS = (
     "prompt_id",
@@ -185,17 +186,8 @@ def write_parquet_atomic(table: pa.Table, path: str | os.PathLike[str]) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            pq.write_table(table.replace_schema_metadata(None), f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    clean = table.replace_schema_metadata(None)
+    return atomic_write(path, lambda f: pq.write_table(clean, f, compression="zstd"))
 
 
 # ---------------------------------------------------------------------------------------------

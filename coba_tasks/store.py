@@ -57,17 +57,18 @@ import json
 import operator
 import os
 import re
-import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
+
+from coba_tasks.fileio import atomic_write
 
 SCHEMA_VERSION = 1
 
@@ -163,7 +164,7 @@ class RunStore:
             raise StoreError(f"create: config_hash must be a non-empty string, got {config_hash!r}")
         self.root.mkdir(parents=True, exist_ok=True)
         config_text = yaml.safe_dump(dict(config_dict), sort_keys=False, allow_unicode=True)
-        _atomic_write(self.root / CONFIG_FILE, lambda f: f.write(config_text.encode("utf-8")))
+        atomic_write(self.root / CONFIG_FILE, lambda f: f.write(config_text.encode("utf-8")))
         info = {
             "schema_version": SCHEMA_VERSION,
             "created": _now(),
@@ -379,7 +380,7 @@ def _write_tracked(directory: Path, name: str, df: pd.DataFrame, config_hash: st
         del entries[name]
         _write_manifest(directory, entries)
     path = directory / f"{name}.parquet"
-    _atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"))
+    atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"))
     entries[name] = {
         "file": path.name,
         "rows": table.num_rows,
@@ -461,41 +462,9 @@ def _write_manifest(directory: Path, entries: Mapping[str, Any]) -> None:
 # Atomic files
 
 
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Call ``write`` on a temporary file beside ``path``, fsync it, rename it into place, fsync the directory.
-
-    On any failure the temporary file is removed and ``path`` is untouched.
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_json_file(path: Path, obj: Any) -> None:
     text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
-    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def _sha256(path: Path) -> str:
