@@ -86,8 +86,8 @@ def test_empty_file_gives_the_defaults(tmp_path):
 def test_demo_yaml_is_the_default_and_spells_out_every_key():
     cfg = load_config()
     assert cfg == load_config(DEFAULT_CONFIG_PATH) == load_config(CONFIGS / "demo.yaml")
-    assert (cfg.run.steps, cfg.run.eval_every, cfg.data.prompts_per_step, cfg.allocation.group_size) == (24, 6, 32, 8)
-    assert cfg.budget_per_step() == 256
+    assert (cfg.run.steps, cfg.run.eval_every, cfg.data.prompts_per_step, cfg.allocation.group_size) == (24, 6, 64, 8)
+    assert cfg.budget_per_step() == 512
     assert cfg.allocation.strategy == "coba" and cfg.optim.lr == 1e-4
     raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
     assert list(raw) == list(SECTIONS)
@@ -308,9 +308,9 @@ def test_values_at_the_edges_are_accepted():
 
 
 def test_group_size_outside_the_bounds_is_infeasible_with_numbers():
-    with pytest.raises(ConfigError, match=r"group_size = 200 .*\[2, 128\].*B_total = M \* G = 32 \* 200 = 6400"):
+    with pytest.raises(ConfigError, match=r"group_size = 200 .*\[2, 128\].*B_total = M \* G = 64 \* 200 = 12800"):
         load_config(None, ["allocation.group_size=200"])
-    with pytest.raises(ConfigError, match=r"group_size = 1 .*needs 64 <= B_total <= 4096"):
+    with pytest.raises(ConfigError, match=r"group_size = 1 .*needs 128 <= B_total <= 8192"):
         load_config(None, ["allocation.group_size=1"])
     with pytest.raises(ConfigError, match=r"group_size = 8 .*\[10, 16\]"):
         load_config(None, ["allocation.min_budget=10", "allocation.max_budget=16"])
