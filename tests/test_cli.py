@@ -57,3 +57,20 @@ def test_bench_json(capsys, monkeypatch):
 def test_parser_requires_a_command():
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
+
+
+def test_run_refuses_bad_input_before_writing(tmp_path, capsys, random_checkpoints):
+    model, _ = random_checkpoints
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    run_dir = tmp_path / "run"
+    rc = main(["run", "--dataset", str(bad), "--run-dir", str(run_dir), "--set", f"model.path={model}"])
+    assert rc == 2 and not run_dir.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bad.parquet" in err and "Traceback" not in err
+    rc = main(["run", "--run-dir", str(run_dir), "--set", "optim.lrr=1"])
+    assert rc == 2 and not run_dir.exists()
+    assert "optim.lrr" in capsys.readouterr().err
+    rc = main(["run", "--run-dir", str(run_dir), "--set", "model.path=/nonexistent/model"])
+    assert rc == 2 and not run_dir.exists()
+    assert "/nonexistent/model" in capsys.readouterr().err
