@@ -125,6 +125,8 @@ def _print_summary(s: dict) -> None:
     a0, a1 = s["alpha_beta_start"], s["alpha_beta_end"]
     print(f"(alpha, beta): start ({a0[0]:.2f}, {a0[1]:.2f}) -> end ({a1[0]:.2f}, {a1[1]:.2f})")
     print("time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in s["stage_seconds"].items()))
+    step_s, over_s = s.get("step_seconds_mean", float("nan")), s.get("prefect_overhead_seconds_per_step", float("nan"))
+    print(f"per step: {step_s:.2f} s, of which Prefect orchestration {over_s:.2f} s ({over_s / step_s:.0%})")
     print(f"run directory: {s['run_dir']}")
 
 

@@ -62,3 +62,4 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     assert saved["steps"] == 3 and saved["total_rollouts"] == 3 * m * g
     assert saved == json.loads(json.dumps(summary))
     assert set(saved["stage_seconds"]) >= {"rollouts", "rewards", "capability", "budget", "update"}
+    assert 0 < saved["prefect_overhead_seconds_per_step"] < saved["step_seconds_mean"]
