@@ -4,7 +4,8 @@ the next step) -> GRPO update, as Prefect tasks over the run directory's Parquet
     coba run                                      # configs/demo.yaml, runs/<run.name>
     coba run --config configs/tiny-test.yaml --run-dir runs/t --steps 2 --set optim.lr=3e-5
 
-The flow body only calls tasks, in stage order. Tasks pass paths and step numbers; the long-lived
+The flow body only calls tasks, in stage order (``run_step`` per step, inline; ``coba-train-step``
+wraps the same step as a flow of its own). Tasks pass paths and step numbers; the long-lived
 resources of a run (the vLLM engine, the verifier pool, the training model) live in the flow
 process in ``RunResources`` and are looked up by run directory, never passed as task parameters.
 Each task does one stage through ``coba_tasks.stages`` and writes its table via ``RunStore``;
@@ -179,9 +180,12 @@ def eval_task(run_dir: str, step: int) -> dict[str, Any]:
 # -- the flows -------------------------------------------------------------------------------------
 
 
-@flow(name="coba-train-step")
-def train_step_flow(run_dir: str, step: int) -> dict[str, Any]:
-    """One training step: the five stages in order."""
+def run_step(run_dir: str, step: int) -> dict[str, Any]:
+    """One training step: the five stage tasks in order, a progress line and the step's artifacts.
+
+    The training flow calls this inline: a subflow per step cost about 1.1 s of orchestration per
+    step on the embedded server (measured: 1.31 s -> 0.19 s per step on the demo config).
+    """
     log = get_run_logger()
     t0 = time.perf_counter()
     n_rollouts = rollout_task(run_dir, step)
@@ -216,6 +220,12 @@ def train_step_flow(run_dir: str, step: int) -> dict[str, Any]:
         description=f"summary of training step {step}",
     )
     return {"verdicts": verdicts, **cap, **upd}
+
+
+@flow(name="coba-train-step")
+def train_step_flow(run_dir: str, step: int) -> dict[str, Any]:
+    """One training step as its own flow run (for running or rerunning a single step)."""
+    return run_step(run_dir, step)
 
 
 def _versions() -> dict[str, str]:
@@ -319,7 +329,7 @@ def train_flow(run_dir: str, config: dict, resume: bool = False) -> dict[str, An
             # Prefect's own cost per step: the subflow's wall time minus the time spent inside the
             # stage bodies (the same code a plain function call would run), measured in this run
             t0, inside0 = time.perf_counter(), sum(res.stage_seconds.values())
-            train_step_flow(str(store.root), step)
+            run_step(str(store.root), step)
             wall = time.perf_counter() - t0
             res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
             every = cfg.run.eval_every
