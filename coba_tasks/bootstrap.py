@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 
 from coba_tasks.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
+from coba_tasks.trainer import pad_sequences
 
 Log = Callable[[str], None]
 METRICS_FILE = "bootstrap.json"
@@ -68,15 +69,8 @@ def encode_examples(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -
 
 def collate(batch: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, labels), each (B, T); labels -100 off the answer."""
-    width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, (ids, n_prompt) in enumerate(batch):
-        t = torch.tensor(ids, dtype=torch.long)
-        input_ids[i, : len(ids)] = t
-        mask[i, : len(ids)] = 1
-        labels[i, n_prompt : len(ids)] = t[n_prompt:]
+    input_ids, mask, answer = pad_sequences([ids[:n] for ids, n in batch], [ids[n:] for ids, n in batch], pad_id)
+    labels = torch.where(answer.bool(), input_ids, torch.full_like(input_ids, -100))
     return input_ids, mask, labels
 
 
@@ -202,10 +196,7 @@ def evaluate_greedy(model_dir: str | Path, test: pd.DataFrame, cfg: BootstrapCon
     t0 = time.perf_counter()
     answers = greedy_answers(model, tok, test["prompt_text"].tolist(), cfg.max_answer_tokens, cfg.eval_batch_size)
     rewards = np.array(
-        [
-            score(a, g, s).reward
-            for a, g, s in zip(answers, test["ground_truth"], test["data_source"], strict=True)
-        ]
+        [score(a, g, s).reward for a, g, s in zip(answers, test["ground_truth"], test["data_source"], strict=True)]
     )
     by_level = (
         pd.Series(rewards).groupby(test["difficulty"].to_numpy()).mean().sort_index()

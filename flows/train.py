@@ -117,19 +117,23 @@ def capability_task(run_dir: str, step: int) -> dict[str, float]:
     return {k: float(row[k]) for k in ("S", "F", "alpha", "beta", "zero_variance_groups")}
 
 
+def _write_budget(res: RunResources, step: int, history: pd.DataFrame, tracker) -> None:
+    """budget.parquet of ``step``: its batch allocated from ``history`` and the tracker's (alpha, beta)."""
+    cfg = res.cfg
+    batch = stages.batch_for_step(
+        res.prompts["prompt_id"].tolist(), step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
+    )
+    res.store.write_table(step, stages.BUDGET, stages.budget_table(batch, history, tracker, cfg.allocation))
+
+
 @task(name="heap-allocation", retries=1, cache_policy=NO_CACHE)
 def allocation_task(run_dir: str, step: int) -> dict[str, float]:
     """Allocate the rollout budget of the next step's batch; returns budget statistics."""
     res, t0 = _res(run_dir), time.perf_counter()
     nxt = step + 1
     if not res.store.is_done(nxt, stages.BUDGET):
-        cfg = res.cfg
-        batch = stages.batch_for_step(
-            res.prompts["prompt_id"].tolist(), nxt, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
-        )
         tracker = stages.tracker_from_capability(res.store.read_table(step, stages.CAPABILITY))
-        table = stages.budget_table(batch, res.store.read_table(step, stages.HISTORY), tracker, cfg.allocation)
-        res.store.write_table(nxt, stages.BUDGET, table)
+        _write_budget(res, nxt, res.store.read_table(step, stages.HISTORY), tracker)
     res.timed(stages.BUDGET, time.perf_counter() - t0)
     b = res.store.read_table(nxt, stages.BUDGET)["budget"]
     return {"min": int(b.min()), "max": int(b.max()), "mean": float(b.mean()), "total": int(b.sum())}
@@ -276,14 +280,7 @@ def train_flow(run_dir: str, config: dict, resume: bool = False) -> dict[str, An
     try:
         # the first step's budget: uniform (no pass rates yet)
         if not store.is_done(0, stages.BUDGET):
-            batch = stages.batch_for_step(
-                res.prompts["prompt_id"].tolist(), 0, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
-            )
-            store.write_table(
-                0,
-                stages.BUDGET,
-                stages.budget_table(batch, stages.empty_history(), _tracker_before(res, 0), cfg.allocation),
-            )
+            _write_budget(res, 0, stages.empty_history(), _tracker_before(res, 0))
         done = [s for s in range(cfg.run.steps) if store.is_done(s, stages.UPDATE)]
         first = (max(done) + 1) if done else 0
         if first > 0:
