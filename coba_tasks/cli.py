@@ -3,6 +3,10 @@
     coba demo                      the allocation demo (simulated training; no model needed)
     coba bootstrap                 build and warm up the default tiny model (a Prefect flow)
     coba run                       train with CoBA-RL budgets (the Prefect training flow)
+    coba resume                    continue a stopped run from the first stage not done
+    coba inspect                   a run's summary, one stage table, or read-only SQL over its Parquet files
+    coba report                    PNG plots and an HTML page for a run
+    coba rerun                     recompute one stage of one step (and what depends on it)
     coba bench allocate [--json]   time the allocators at the paper's setting and at scale
     coba bench rollout  [--json]   tokens per second of the rollout backends
     coba bench verify   [--json]   verifier items per second
@@ -20,6 +24,11 @@ from collections.abc import Sequence
 EPILOG = """examples:
   coba run                        # configs/demo.yaml on the embedded task and model
   coba run --config configs/tiny-test.yaml --run-dir runs/tiny --steps 2 --set optim.lr=3e-5
+  coba resume --run-dir runs/tiny  # continue a stopped run where it stopped
+  coba rerun --run-dir runs/tiny --step 1 --stage rewards --yes
+  coba inspect --run-dir runs/tiny --step 1 --stage budget --limit 5
+  coba inspect --run-dir runs/tiny --sql "select step, avg(reward) from rewards group by 1 order by 1"
+  coba report --run-dir runs/tiny  # plots + runs/tiny/report/index.html
   coba bootstrap                  # build + warm up the default model at models/arith-tiny
   coba demo                       # CoBA-RL's exploit -> explore schedule on a simulated run
   coba demo --steps 20 --prompts 200
@@ -105,6 +114,48 @@ def _cmd_run(args: argparse.Namespace) -> int:
     summary = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
     _print_summary(summary)
     return 0
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from coba_tasks.config import config_from_dict
+    from coba_tasks.store import RunStore
+
+    store = RunStore.open(args.run_dir)  # refuses a missing run or another schema version
+    cfg = config_from_dict(store.read_config())
+    from flows.train import first_step_not_done
+
+    first = first_step_not_done(store, cfg.run.steps)
+    summary_file = store.root / "summary.json"
+    if first == cfg.run.steps and summary_file.is_file():
+        print(f"{store.root}: all {cfg.run.steps} steps are done; nothing to resume")
+        _print_summary(json.loads(summary_file.read_text()))
+        return 0
+    print(f"resuming {store.root} at step {first + 1} of {cfg.run.steps}; stages already done are not recomputed")
+    from coba_tasks.prefect_env import configure_prefect
+
+    configure_prefect()
+    from flows.train import train_flow
+
+    _print_summary(train_flow(run_dir=str(store.root), resume=True))
+    return 0
+
+
+def _cmd_rerun(args: argparse.Namespace) -> int:
+    from coba_tasks.rerun import apply_rerun, plan_rerun
+    from coba_tasks.store import RunStore
+
+    store = RunStore.open(args.run_dir)
+    plan = plan_rerun(store, args.step, args.stage)
+    print(plan.describe(store.root))
+    if not args.yes:
+        print("nothing removed: pass --yes to remove these outputs and recompute them")
+        return 0
+    apply_rerun(store, plan)
+    print(f"removed {len(plan.tables)} table(s) and {len(plan.checkpoints)} checkpoint(s)")
+    if args.no_resume:
+        print(f"continue with: coba resume --run-dir {args.run_dir}")
+        return 0
+    return _cmd_resume(argparse.Namespace(run_dir=args.run_dir))
 
 
 def _print_summary(s: dict) -> None:
@@ -220,6 +271,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=_cmd_run)
 
+    resume = sub.add_parser(
+        "resume",
+        help="continue a stopped or failed run from the first stage not done",
+        description="Continue the run in --run-dir with its own config (config.yaml): stages already done (in their "
+        "step's _manifest.json) are not recomputed, so the finished run equals an uninterrupted one. A run written "
+        "by another schema version is refused.",
+        epilog="examples:\n  coba resume --run-dir runs/demo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    resume.add_argument("--run-dir", required=True, help="the run directory to continue")
+    resume.set_defaults(func=_cmd_resume)
+
+    from coba_tasks.rerun import RERUNNABLE
+
+    rerun = sub.add_parser(
+        "rerun",
+        help="recompute one stage of one step (and everything after it)",
+        description="Recompute the stage --stage of step --step. Everything computed after it is invalid too: the "
+        "command first lists those outputs, removes them only with --yes, then resumes the run, which recomputes "
+        "them. The budget of step N is the table steps/N/budget.parquet (allocated at the end of step N - 1); "
+        "eval invalidates only itself.",
+        epilog="examples:\n  coba rerun --run-dir runs/demo --step 5 --stage rewards\n"
+        "  coba rerun --run-dir runs/demo --step 5 --stage rewards --yes\n"
+        "  coba rerun --run-dir runs/demo --step 12 --stage eval --yes --no-resume",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rerun.add_argument("--run-dir", required=True, help="the run directory")
+    rerun.add_argument("--step", type=int, required=True, help="the step (0-based, as in steps/NNNNNN/)")
+    rerun.add_argument("--stage", required=True, choices=RERUNNABLE, help="the stage to recompute")
+    rerun.add_argument("--yes", action="store_true", help="remove the invalidated outputs (default: only list them)")
+    rerun.add_argument("--no-resume", action="store_true", help="with --yes: remove, but do not resume the run")
+    rerun.set_defaults(func=_cmd_rerun)
+
     boot = sub.add_parser(
         "bootstrap",
         help="build and warm up the default tiny model (Prefect flow)",
@@ -237,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--steps", type=_positive, default=None, help="optimizer steps (default: BootstrapConfig)")
     boot.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     boot.set_defaults(func=_cmd_bootstrap)
+
+    from coba_tasks.inspection import add_inspect_parser
+    from coba_tasks.report import add_report_parser
+
+    add_inspect_parser(sub)
+    add_report_parser(sub)
 
     bench = sub.add_parser(
         "bench",
@@ -302,6 +392,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `coba inspect ... | head`: the reader went away
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ValueError as exc:  # bad input: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2

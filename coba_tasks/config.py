@@ -233,6 +233,7 @@ class OptimConfig:
     eps: float = 1e-8  # AdamW denominator epsilon
     max_grad_norm: float = 1.0  # clip the global gradient norm to this value
     micro_batch_size: int = 64  # sequences per forward/backward pass: bounds memory whatever the budgets
+    mini_batches: int = 1  # optimizer steps per epoch over a step's rollouts (veRL's PPO mini-batches)
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
     clip_high: float = 0.28  # ratio clipped above at 1 + clip_high ("clip-higher")
     kl_coef: float = 0.0  # coefficient of the KL penalty to the initial policy; 0 = none (the default)
@@ -246,6 +247,7 @@ class OptimConfig:
         _check(self, "eps", self.eps > 0, "must be > 0, e.g. 1e-8")
         _check(self, "max_grad_norm", self.max_grad_norm > 0, "must be > 0, e.g. 1.0")
         _check(self, "micro_batch_size", self.micro_batch_size >= 1, "must be >= 1 (sequences per forward/backward)")
+        _check(self, "mini_batches", self.mini_batches >= 1, "must be >= 1 (optimizer steps per epoch)")
         _check(self, "clip_low", 0 < self.clip_low < 1, "must be in (0, 1): the ratio is clipped below at 1 - clip_low")
         _check(self, "clip_high", self.clip_high > 0, "must be > 0: the ratio is clipped above at 1 + clip_high")
         _check(self, "kl_coef", self.kl_coef >= 0, "must be >= 0 (0 = no KL term)")

@@ -17,7 +17,6 @@ every output is a function of its inputs and the config.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,9 +111,7 @@ def reward_table(rollouts: pd.DataFrame, prompts: pd.DataFrame, pool: Any) -> pd
     meta = prompts.set_index("prompt_id")
     truth = meta.loc[rollouts["prompt_id"], "ground_truth"].tolist()
     source = meta.loc[rollouts["prompt_id"], "data_source"].tolist()
-    t0 = time.perf_counter()
     verdicts = pool.score(list(zip(rollouts["completion"].tolist(), truth, source, strict=True)))
-    per_item_ms = (time.perf_counter() - t0) * 1e3 / max(len(verdicts), 1)
     return pd.DataFrame(
         {
             "prompt_id": rollouts["prompt_id"].tolist(),
@@ -122,7 +119,6 @@ def reward_table(rollouts: pd.DataFrame, prompts: pd.DataFrame, pool: Any) -> pd
             "reward": np.array([v.reward for v in verdicts], dtype=np.float64),
             "verdict": [str(v.verdict) for v in verdicts],
             "extracted_answer": [v.extracted_answer for v in verdicts],
-            "verify_ms": np.full(len(verdicts), per_item_ms),  # batch mean per item
         }
     )
 

@@ -2,14 +2,16 @@
 
 One ``PolicyTrainer`` holds the policy (a Hugging Face causal LM) and its AdamW optimizer for the
 whole run. ``update`` takes one step's rollouts (prompt and completion token ids, one advantage per
-rollout) and makes one optimizer step per ``update_epochs``:
+rollout) and makes ``mini_batches`` optimizer steps per epoch, ``update_epochs`` epochs (veRL's PPO
+mini-batches: the rollouts are shuffled, seeded by the update count, and cut into that many parts):
 
 1. logp_old: the training model's log-probabilities of the sampled tokens *before* the update
    (METHOD 7: not the sampler's), computed without gradients.
 2. The clipped surrogate with clip-higher and token-mean over the whole batch
    (``coba_tasks.grpo.policy_loss``), accumulated over micro-batches of ``micro_batch_size``
-   sequences with the whole batch's token count as the normaliser, so memory stays bounded
-   whatever the budgets are and the gradient equals the full-batch one.
+   sequences with the mini-batch's token count as the normaliser, so memory stays bounded
+   whatever the budgets are and the gradient equals the whole mini-batch's one. After the first
+   optimizer step the ratio to logp_old moves away from 1 and the clip starts to act.
 3. Optional KL to the reference (the starting model) when ``kl_coef > 0``; entropy is measured,
    not optimised (coefficient 0).
 
@@ -49,6 +51,7 @@ class UpdateSettings:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     micro_batch_size: int = 64
+    mini_batches: int = 1
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
@@ -143,48 +146,62 @@ class PolicyTrainer:
         token_count = float(mask.sum())
         if token_count == 0:
             raise ValueError("GRPO update: no completion tokens in the batch")
-        batches = self._micro_batches(ids.shape[0])
-
-        self.model.eval()  # dropout off; logp_old from the model before the update
+        n = ids.shape[0]
+        parts = max(1, min(s.mini_batches, n))
         with torch.no_grad():
-            logp_old = torch.cat([self._logprobs(self.model, ids[b], attn[b])[0] for b in batches])
+            self.model.eval()  # dropout off; logp_old from the model before the update
+            logp_old = torch.cat([self._logprobs(self.model, ids[b], attn[b])[0] for b in self._micro_batches(n)])
             ref_logp = None
             if self.ref_model is not None:
-                ref_logp = torch.cat([self._logprobs(self.ref_model, ids[b], attn[b])[0] for b in batches])
+                ref_logp = torch.cat(
+                    [self._logprobs(self.ref_model, ids[b], attn[b])[0] for b in self._micro_batches(n)]
+                )
 
         self.model.train()
         totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
+        gen = torch.Generator().manual_seed(self.updates)
+        opt_steps = 0
         for _ in range(s.update_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            for b in batches:
-                logp, ent = self._logprobs(self.model, ids[b], attn[b], with_entropy=True)
-                loss, stats = policy_loss(
-                    logp, logp_old[b], adv[b], mask[b], s.clip_low, s.clip_high, token_count=token_count
-                )
-                if ref_logp is not None:
-                    kl = masked_mean(kl_penalty(logp, ref_logp[b], mask[b]), mask[b], token_count)
-                    loss = loss + s.kl_coef * kl
-                    totals["kl"] += float(kl)
-                loss.backward()
-                totals["loss"] += float(loss.detach())
-                n_tok = float(mask[b].sum())
-                if n_tok > 0:
-                    totals["clip_tokens"] += stats["clip_frac"] * n_tok
-                totals["entropy"] += float(masked_mean(ent.detach(), mask[b], token_count))
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
-            totals["grad_norm"] = float(grad_norm)
-            self.optimizer.step()
+            order = torch.randperm(n, generator=gen) if parts > 1 else torch.arange(n)
+            for rows in torch.tensor_split(order, parts):
+                rows = rows.to(self.device)
+                mb_tokens = float(mask[rows].sum())
+                if mb_tokens == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                for b in self._micro_batches(rows.numel()):
+                    idx = rows[b]
+                    logp, ent = self._logprobs(self.model, ids[idx], attn[idx], with_entropy=True)
+                    loss, stats = policy_loss(
+                        logp, logp_old[idx], adv[idx], mask[idx], s.clip_low, s.clip_high, token_count=mb_tokens
+                    )
+                    if ref_logp is not None:
+                        kl = masked_mean(kl_penalty(logp, ref_logp[idx], mask[idx]), mask[idx], mb_tokens)
+                        loss = loss + s.kl_coef * kl
+                        totals["kl"] += float(kl) * mb_tokens
+                    loss.backward()
+                    totals["loss"] += float(loss.detach()) * mb_tokens
+                    n_tok = float(mask[idx].sum())
+                    if n_tok > 0:
+                        totals["clip_tokens"] += stats["clip_frac"] * n_tok
+                    totals["entropy"] += float(masked_mean(ent.detach(), mask[idx], token_count)) * token_count
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
+                totals["grad_norm"] += float(grad_norm)
+                self.optimizer.step()
+                opt_steps += 1
         self.model.eval()
         self.updates += 1
-        epochs = s.update_epochs
+        seen = token_count * s.update_epochs  # every token is seen once per epoch
+        grad_norm = totals["grad_norm"] / max(opt_steps, 1)
         return {
-            "loss": totals["loss"] / epochs,
-            "clip_frac": totals["clip_tokens"] / (token_count * epochs),
-            "grad_norm": totals["grad_norm"] if math.isfinite(totals["grad_norm"]) else float("nan"),
-            "entropy": totals["entropy"] / epochs,
-            "kl": totals["kl"] / epochs,
+            "loss": totals["loss"] / seen,
+            "clip_frac": totals["clip_tokens"] / seen,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
+            "entropy": totals["entropy"] / seen,
+            "kl": totals["kl"] / seen,
             "tokens": int(token_count),
-            "sequences": int(ids.shape[0]),
+            "sequences": int(n),
+            "optimizer_steps": opt_steps,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
         }
 

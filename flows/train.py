@@ -15,6 +15,8 @@ a stage whose table is already in the step's manifest is skipped.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from coba_tasks import stages
 from coba_tasks.config import Config, config_from_dict
 from coba_tasks.rollout import SamplingConfig, make_backend
-from coba_tasks.store import RunStore
+from coba_tasks.store import RunStore, StoreError
 from coba_tasks.trainer import PolicyTrainer, UpdateSettings
 from coba_tasks.verify import VerifierPool
 
@@ -63,6 +65,16 @@ def _sampling(cfg: Config) -> SamplingConfig:
     return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
 
 
+# Test hook: COBA_KILL_AT="<step>:<stage>" makes the process SIGKILL itself inside that stage, after
+# the stage's work is computed and before its table is recorded (a crash at the worst moment).
+KILL_ENV = "COBA_KILL_AT"
+
+
+def _fault_point(step: int, stage: str) -> None:
+    if os.environ.get(KILL_ENV) == f"{step}:{stage}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # -- tasks: one stage each ------------------------------------------------------------------------
 
 
@@ -73,6 +85,7 @@ def rollout_task(run_dir: str, step: int) -> int:
     if not res.store.is_done(step, stages.ROLLOUTS):
         budget = res.store.read_table(step, stages.BUDGET)
         table = stages.rollout_table(budget, res.prompts, res.engine, _sampling(res.cfg), res.cfg.run.seed, step)
+        _fault_point(step, stages.ROLLOUTS)
         res.store.write_table(step, stages.ROLLOUTS, table)
     res.timed(stages.ROLLOUTS, time.perf_counter() - t0)
     return len(res.store.read_table(step, stages.ROLLOUTS))
@@ -84,7 +97,9 @@ def verify_task(run_dir: str, step: int) -> dict[str, int]:
     res, t0 = _res(run_dir), time.perf_counter()
     if not res.store.is_done(step, stages.REWARDS):
         rollouts = res.store.read_table(step, stages.ROLLOUTS)
-        res.store.write_table(step, stages.REWARDS, stages.reward_table(rollouts, res.prompts, res.pool))
+        table = stages.reward_table(rollouts, res.prompts, res.pool)
+        _fault_point(step, stages.REWARDS)
+        res.store.write_table(step, stages.REWARDS, table)
     res.timed(stages.REWARDS, time.perf_counter() - t0)
     return stages.count_verdicts_from_table(res.store.read_table(step, stages.REWARDS))
 
@@ -111,6 +126,7 @@ def capability_task(run_dir: str, step: int) -> dict[str, float]:
         history = stages.update_history(previous, rewards, step, res.cfg.allocation.pass_rate_window)
         res.store.write_table(step, stages.HISTORY, history)
         res.store.write_run_table("history", history)
+        _fault_point(step, stages.CAPABILITY)
         res.store.write_table(step, stages.CAPABILITY, table)
     res.timed(stages.CAPABILITY, time.perf_counter() - t0)
     row = res.store.read_table(step, stages.CAPABILITY).iloc[0]
@@ -123,7 +139,9 @@ def _write_budget(res: RunResources, step: int, history: pd.DataFrame, tracker) 
     batch = stages.batch_for_step(
         res.prompts["prompt_id"].tolist(), step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
     )
-    res.store.write_table(step, stages.BUDGET, stages.budget_table(batch, history, tracker, cfg.allocation))
+    table = stages.budget_table(batch, history, tracker, cfg.allocation)
+    _fault_point(step - 1, stages.BUDGET)  # the allocation of step t writes the budget of step t + 1
+    res.store.write_table(step, stages.BUDGET, table)
 
 
 @task(name="heap-allocation", retries=1, cache_policy=NO_CACHE)
@@ -155,6 +173,7 @@ def update_task(run_dir: str, step: int) -> dict[str, float]:
         metrics = res.trainer.update(prompt_ids, completion_ids, adv)
         tracker = stages.tracker_from_capability(res.store.read_table(step, stages.CAPABILITY))
         res.trainer.save_checkpoint(ckpt, extra_state={"step": step, "capability": tracker.to_dict()})
+        _fault_point(step, stages.UPDATE)
         res.store.write_table(step, stages.UPDATE, stages.update_row(step, metrics, rollouts, rewards))
     res.engine.load_weights(ckpt, version=step + 1)
     res.timed(stages.UPDATE, time.perf_counter() - t0)
@@ -192,6 +211,7 @@ def run_step(run_dir: str, step: int) -> dict[str, Any]:
     """
     log = get_run_logger()
     t0 = time.perf_counter()
+    seconds_before = dict(_res(run_dir).stage_seconds)
     n_rollouts = rollout_task(run_dir, step)
     verdicts = verify_task(run_dir, step)
     cap = capability_task(run_dir, step)
@@ -199,6 +219,11 @@ def run_step(run_dir: str, step: int) -> dict[str, Any]:
     upd = update_task(run_dir, step)
     res = _res(run_dir)
     total = res.cfg.run.steps
+    # wall time per stage of this step (not a stage output: JSON beside the tables, not in the manifest)
+    res.store.write_json(
+        f"steps/{step:06d}/timing.json",
+        {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != stages.EVAL},
+    )
     log.info(
         f"step {step + 1}/{total}: {n_rollouts} rollouts, correct {verdicts['correct']} / wrong {verdicts['wrong']}"
         f" / no_answer {verdicts['no_answer']} / timeout {verdicts['timeout']} / error {verdicts['error']}; "
@@ -244,12 +269,54 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _open_resources(run_dir: str, cfg: Config, resume: bool) -> RunResources:
+def resolve_run(
+    config_path: str | None = None,
+    run_name: str | None = None,
+    run_dir: str | None = None,
+    overrides: list[str] | None = None,
+    config: dict | None = None,
+    resume: bool = False,
+) -> tuple[Config, Path, bool]:
+    """(config, run directory, continuing) for a start, a resume or a retried flow run.
+
+    A new run reads ``config`` (a dict) or the YAML at ``config_path`` with ``overrides``; its
+    directory is ``run_dir`` or ``runs/<run_name or run.name>``. Where that directory already
+    holds a run with the same config hash, the run continues (a retried flow run recomputes only
+    the stages that are not done); a different config there is an error. ``resume`` reads the
+    config from the run directory itself.
+    """
+    from coba_tasks.config import apply_overrides, check_paths, config_hash, load_config
+
+    if resume:
+        if not run_dir:
+            raise ValueError("resume needs the run directory")
+        store = RunStore.open(run_dir)
+        cfg = config_from_dict(store.read_config())
+        if config_hash(cfg) != store.config_hash:
+            raise StoreError(f"{run_dir}: config.yaml does not match the config hash in run.json (edited by hand?)")
+        return cfg, Path(run_dir).resolve(), True
+    cfg = config_from_dict(config) if config is not None else load_config(config_path, overrides or [])
+    if run_name:
+        cfg = apply_overrides(cfg, [f"run.name={run_name}"])
+    root = Path(run_dir) if run_dir else Path("runs") / cfg.run.name
+    check_paths(cfg)
+    if (root / "run.json").exists():
+        existing = RunStore.open(root).config_hash
+        if existing != config_hash(cfg):
+            raise StoreError(
+                f"{root}: holds a run with another config (hash {existing}, this one {config_hash(cfg)}); "
+                "continue it with `coba resume` or choose another run directory"
+            )
+        return cfg, root.resolve(), True
+    return cfg, root.resolve(), False
+
+
+def _open_resources(root: Path, cfg: Config, continuing: bool) -> RunResources:
     from coba_tasks.config import config_hash, config_to_dict
     from coba_tasks.data import load_dataset
 
-    root = Path(run_dir).resolve()
-    if resume:
+    test = load_dataset(cfg.data.test)  # a bad held-out set fails before anything is written
+    if continuing:
         store = RunStore.open(root)
         prompts = store.read_run_table("prompts")
     else:
@@ -260,7 +327,6 @@ def _open_resources(run_dir: str, cfg: Config, resume: bool) -> RunResources:
         store.create(config_to_dict(cfg), config_hash(cfg), _versions())
         store.write_run_table("prompts", prompts)
         store.write_run_table("history", stages.empty_history())
-    test = load_dataset(cfg.data.test)
     if cfg.data.eval_prompts and cfg.data.eval_prompts < len(test):
         test = test.sample(cfg.data.eval_prompts, random_state=cfg.run.seed).reset_index(drop=True)
     res = RunResources(cfg=cfg, store=store, prompts=prompts, test=test)
@@ -268,23 +334,46 @@ def _open_resources(run_dir: str, cfg: Config, resume: bool) -> RunResources:
     return res
 
 
+def first_step_not_done(store: RunStore, steps: int) -> int:
+    """The first step whose update is not done: the run continues there (0 for a new run)."""
+    step = 0
+    while step < steps and store.is_done(step, stages.UPDATE):
+        step += 1
+    return step
+
+
 @flow(name="coba-train")
-def train_flow(run_dir: str, config: dict, resume: bool = False) -> dict[str, Any]:
-    """A whole training run: held-out eval before, ``steps`` training steps, eval every ``eval_every``, eval after."""
+def train_flow(
+    config_path: str | None = None,
+    run_name: str | None = None,
+    run_dir: str | None = None,
+    overrides: list[str] | None = None,
+    config: dict | None = None,
+    resume: bool = False,
+) -> dict[str, Any]:
+    """A whole training run: held-out eval before, ``run.steps`` training steps, eval every ``eval_every``, eval after.
+
+    Parameters (a deployment passes the first two): ``config_path`` the YAML config (default
+    configs/demo.yaml), ``run_name`` sets run.name (the run directory is runs/<run_name> unless
+    ``run_dir`` is given), ``overrides`` are ``section.key=value`` strings, ``config`` a config
+    dict instead of a file, ``resume`` continues the run in ``run_dir`` with its own config.
+    Stages already done (in their step's manifest) are not recomputed, so the flow run can be
+    retried or resumed after a crash and ends with the same tables as an uninterrupted run.
+    """
     log = get_run_logger()
-    cfg = config_from_dict(config)
+    cfg, root, continuing = resolve_run(config_path, run_name, run_dir, overrides, config, resume)
     t_start = time.perf_counter()
-    res = _open_resources(run_dir, cfg, resume)
+    res = _open_resources(root, cfg, continuing)
     store = res.store
     start_ckpt = cfg.model.path
     try:
         # the first step's budget: uniform (no pass rates yet)
         if not store.is_done(0, stages.BUDGET):
             _write_budget(res, 0, stages.empty_history(), _tracker_before(res, 0))
-        done = [s for s in range(cfg.run.steps) if store.is_done(s, stages.UPDATE)]
-        first = (max(done) + 1) if done else 0
+        first = first_step_not_done(store, cfg.run.steps)
         if first > 0:
             start_ckpt = str(store.checkpoint_dir(first))
+            log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
         r = cfg.rollout
         res.engine = make_backend(
             r.backend,
@@ -308,6 +397,7 @@ def train_flow(run_dir: str, config: dict, resume: bool = False) -> dict[str, An
                 eps=o.eps,
                 max_grad_norm=o.max_grad_norm,
                 micro_batch_size=o.micro_batch_size,
+                mini_batches=o.mini_batches,
                 clip_low=o.clip_low,
                 clip_high=o.clip_high,
                 kl_coef=o.kl_coef,

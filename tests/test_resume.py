@@ -1,0 +1,214 @@
+"""Resume and rerun: a run killed inside each stage in turn, resumed, equals an uninterrupted run.
+
+The killed runs are separate processes (``coba run`` / ``coba resume``) that SIGKILL themselves
+inside a named stage (``COBA_KILL_AT=<step>:<stage>``, after the stage's work is done and before
+its table is recorded); they talk to the session's Prefect test server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from safetensors.torch import load_file
+
+from coba_tasks import stages
+from coba_tasks.cli import main as cli_main
+from coba_tasks.config import config_to_dict, load_config
+from coba_tasks.rerun import apply_rerun, plan_rerun
+from coba_tasks.store import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+TABLES = (*stages.STEP_STAGES, stages.HISTORY, stages.EVAL)
+
+
+def _overrides(model: Path) -> list[str]:
+    return [f"model.path={model}", "data.train_prompts=6", f"run.steps={STEPS}", "run.eval_every=1"]
+
+
+def _all_tables(store: RunStore) -> dict[tuple[int, str], pd.DataFrame]:
+    out = {}
+    for step in store.steps():
+        for name in store.manifest(step):
+            out[(step, name)] = store.read_table(step, name)
+    for name in ("prompts", "history"):
+        out[(-1, name)] = store.read_run_table(name)
+    return out
+
+
+def _assert_same_run(a: RunStore, b: RunStore) -> None:
+    ta, tb = _all_tables(a), _all_tables(b)
+    assert sorted(ta) == sorted(tb)
+    for key in ta:
+        pd.testing.assert_frame_equal(ta[key], tb[key], check_exact=True, obj=str(key))
+    for step in range(1, STEPS + 1):  # the weights after every update, bit for bit
+        wa = load_file(str(a.checkpoint_dir(step) / "model.safetensors"))
+        wb = load_file(str(b.checkpoint_dir(step) / "model.safetensors"))
+        assert wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa), step
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, prefect_harness, random_checkpoints) -> RunStore:
+    """An uninterrupted 3-step run (in this process)."""
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    cfg = load_config(ROOT / "configs/tiny-test.yaml", _overrides(model))
+    run_dir = tmp_path_factory.mktemp("baseline") / "run"
+    train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    return RunStore.open(run_dir)
+
+
+def _coba(args: list[str], kill_at: str | None, log: Path) -> int:
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()), PYTHONPATH=str(ROOT))
+    env.pop("COBA_KILL_AT", None)
+    if kill_at:
+        env["COBA_KILL_AT"] = kill_at
+    with open(log, "ab") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "coba_tasks.cli", *args], cwd=ROOT, env=env, stdout=out, stderr=out, timeout=600
+        )
+    return proc.returncode
+
+
+@pytest.mark.slow
+def test_killed_in_each_stage_then_resumed_equals_uninterrupted(tmp_path, baseline, random_checkpoints):
+    model, _ = random_checkpoints
+    run_dir = tmp_path / "run"
+    log = tmp_path / "coba.log"
+    start = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(run_dir)]
+    start += [a for o in _overrides(model) for a in ("--set", o)]
+    resume = ["resume", "--run-dir", str(run_dir)]
+    kills = [f"1:{s}" for s in (stages.ROLLOUTS, stages.REWARDS, stages.CAPABILITY, stages.BUDGET, stages.UPDATE)]
+    store = RunStore(run_dir)
+    for i, kill in enumerate(kills):
+        rc = _coba(start if i == 0 else resume, kill, log)
+        assert rc == -signal.SIGKILL, (kill, rc, log.read_text()[-3000:])
+        step, stage = kill.split(":")
+        table_step = int(step) + 1 if stage == stages.BUDGET else int(step)
+        assert not store.is_done(table_step, stage), kill  # killed before its table was recorded
+    assert not (run_dir / "summary.json").exists()
+    rc = _coba(resume, None, log)
+    assert rc == 0, log.read_text()[-3000:]
+    _assert_same_run(baseline, RunStore.open(run_dir))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    # a finished run: resume says so and changes nothing
+    rc = _coba(resume, None, log)
+    assert rc == 0 and "nothing to resume" in log.read_text()
+
+
+@pytest.mark.slow
+def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, capsys):
+    from flows.train import train_flow
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(baseline.root, run_dir)
+    store = RunStore.open(run_dir)
+    before = _all_tables(store)
+
+    assert cli_main(["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "rewards"]) == 0
+    out = capsys.readouterr().out
+    assert "steps/000001/rewards.parquet" in out and "steps/000002/update.parquet" in out
+    assert "steps/000001/rollouts.parquet" not in out and "nothing removed" in out
+    assert _all_tables(store).keys() == before.keys()  # without --yes nothing is touched
+
+    args = ["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "rewards"]
+    assert cli_main([*args, "--yes", "--no-resume"]) == 0
+    assert store.is_done(1, stages.ROLLOUTS) and store.is_done(1, stages.BUDGET) and store.is_done(1, stages.EVAL)
+    assert not store.is_done(1, stages.REWARDS) and not store.is_done(2, stages.BUDGET)
+    assert not store.checkpoint_dir(2).exists() and store.checkpoint_dir(1).exists()
+    assert not store.is_done(2, stages.EVAL)
+    assert not (run_dir / "summary.json").exists()
+
+    train_flow(run_dir=str(run_dir), resume=True)
+    after = _all_tables(store)
+    assert after.keys() == before.keys()
+    for key in before:
+        pd.testing.assert_frame_equal(before[key], after[key], check_exact=True, obj=str(key))
+
+
+def _fake_run(root: Path, steps: int = 3) -> RunStore:
+    """A run directory with every table of ``steps`` steps (tiny frames) and checkpoint dirs."""
+    store = RunStore(root)
+    store.create({"run": {"steps": steps}}, "h", {})
+    df = pd.DataFrame({"x": [1]})
+    store.write_table(0, stages.BUDGET, df)
+    store.write_table(0, stages.EVAL, df)
+    for t in range(steps):
+        for name in (stages.ROLLOUTS, stages.REWARDS, stages.CAPABILITY, stages.HISTORY, stages.UPDATE):
+            store.write_table(t, name, df)
+        store.write_table(t + 1, stages.BUDGET, df)
+        store.checkpoint_dir(t + 1).mkdir(parents=True)
+    store.write_table(steps, stages.EVAL, df)
+    store.write_json("summary.json", {"steps": steps})
+    return store
+
+
+def test_plan_rerun_orders_outputs_as_computed(tmp_path):
+    store = _fake_run(tmp_path / "r")
+    plan = plan_rerun(store, 1, stages.CAPABILITY)
+    assert plan.tables == [
+        (1, "capability"),
+        (1, "history"),
+        (2, "budget"),
+        (1, "update"),
+        (2, "rollouts"),
+        (2, "rewards"),
+        (2, "capability"),
+        (2, "history"),
+        (3, "budget"),
+        (2, "update"),
+        (3, "eval"),
+    ]
+    assert [p.name for p in plan.checkpoints] == ["000002", "000003"]
+    assert [p.name for p in plan.files] == ["summary.json"]
+    # the budget in steps/2 was allocated during step 1: it invalidates step 1's update onwards, not capability(1)
+    plan = plan_rerun(store, 2, stages.BUDGET)
+    assert plan.tables[:2] == [(2, "budget"), (1, "update")] and (1, "capability") not in plan.tables
+    # budget(0) invalidates every step but not the evaluation of the starting model
+    plan = plan_rerun(store, 0, stages.BUDGET)
+    assert (0, "eval") not in plan.tables and (0, "rollouts") in plan.tables and len(plan.checkpoints) == 3
+    # a held-out evaluation is read by nothing
+    assert plan_rerun(store, 3, stages.EVAL).tables == [(3, "eval")]
+
+
+def test_apply_rerun_removes_exactly_the_plan(tmp_path):
+    store = _fake_run(tmp_path / "r")
+    plan = plan_rerun(store, 2, stages.UPDATE)
+    apply_rerun(store, plan)
+    assert not store.is_done(2, stages.UPDATE) and not store.is_done(3, stages.EVAL)
+    assert store.is_done(2, stages.CAPABILITY) and store.is_done(3, stages.BUDGET)  # budget(3) precedes update(2)
+    assert not store.checkpoint_dir(3).exists() and store.checkpoint_dir(2).exists()
+    assert not (store.root / "summary.json").exists()
+    assert not (store.step_dir(2) / "update.parquet").exists()
+
+
+def test_plan_rerun_errors(tmp_path):
+    store = _fake_run(tmp_path / "r", steps=1)
+    with pytest.raises(ValueError, match="not done at step 4"):
+        plan_rerun(store, 4, stages.REWARDS)
+    with pytest.raises(ValueError, match="unknown stage 'loss'"):
+        plan_rerun(store, 0, "loss")
+
+
+def test_resume_refuses_other_schema_version(tmp_path, capsys):
+    store = _fake_run(tmp_path / "r", steps=1)
+    info = json.loads((store.root / "run.json").read_text())
+    info["schema_version"] = 0
+    (store.root / "run.json").write_text(json.dumps(info))
+    assert cli_main(["resume", "--run-dir", str(store.root)]) == 2
+    err = capsys.readouterr().err
+    assert "schema version 0" in err and "this build reads version" in err and "Traceback" not in err
+    assert cli_main(["rerun", "--run-dir", str(tmp_path / "missing"), "--step", "0", "--stage", "rewards"]) == 2
+    assert "no run here" in capsys.readouterr().err
