@@ -427,6 +427,7 @@ def train_flow(
         log.info(f"held-out accuracy after training: {after['accuracy']:.3f} {after['by_difficulty']}")
         summary = summarize(res, before, after, time.perf_counter() - t_start)
         store.write_json("summary.json", summary)
+        _post_report(store.root)
         return summary
     finally:
         if res.pool is not None:
@@ -434,6 +435,28 @@ def train_flow(
         if res.engine is not None:
             res.engine.close()
         _RUNS.pop(str(store.root), None)
+
+
+def _post_report(root: Path) -> None:
+    """Draw the run's report (PNG plots + index.html) and post it as Prefect artifacts.
+
+    A plotting failure is logged, never allowed to fail a finished run: `coba report` redraws it.
+    """
+    from prefect.artifacts import create_image_artifact, create_link_artifact
+
+    from coba_tasks.report import report_artifacts_markdown, write_report
+
+    log = get_run_logger()
+    try:
+        html = write_report(root)
+    except Exception as exc:  # the run is done; the report can be redrawn
+        log.warning(f"report not drawn ({exc}); draw it with: coba report --run-dir {root}")
+        return
+    create_markdown_artifact(key="coba-report", markdown=report_artifacts_markdown(root), description="run report")
+    create_link_artifact(key="coba-report-page", link=html.resolve().as_uri(), link_text="report/index.html")
+    for png in sorted(html.parent.glob("*.png")):
+        create_image_artifact(image_url=png.resolve().as_uri(), description=f"report plot {png.name}")
+    log.info(f"report: {html}")
 
 
 def _mean(xs: list[float]) -> float:

@@ -63,3 +63,18 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     assert saved == json.loads(json.dumps(summary))
     assert set(saved["stage_seconds"]) >= {"rollouts", "rewards", "capability", "budget", "update"}
     assert 0 < saved["prefect_overhead_seconds_per_step"] < saved["step_seconds_mean"]
+    timing = json.loads((run_dir / "steps/000001/timing.json").read_text())
+    assert set(timing) == {"rollouts", "rewards", "capability", "budget", "update"} and min(timing.values()) > 0
+    # the report is drawn at the end and posted as artifacts
+    report = run_dir / "report"
+    assert (report / "index.html").is_file() and (report / "accuracy.png").stat().st_size > 5000
+    assert not [c for c in store.read_table(0, stages.REWARDS).columns if c.endswith("_ms")]  # no timings in tables
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        keys = ["coba-report", "coba-report-page", "step-000002", "budget-step-000003"]
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+        images = [a for a in client.read_artifacts() if a.type == "image" and str(report) in str(a.data)]
+    assert {a.key for a in found} == set(keys)
+    assert len(images) >= 5
