@@ -86,8 +86,8 @@ def test_empty_file_gives_the_defaults(tmp_path):
 def test_demo_yaml_is_the_default_and_spells_out_every_key():
     cfg = load_config()
     assert cfg == load_config(DEFAULT_CONFIG_PATH) == load_config(CONFIGS / "demo.yaml")
-    assert (cfg.run.steps, cfg.run.eval_every, cfg.data.prompts_per_step, cfg.allocation.group_size) == (24, 6, 64, 8)
-    assert cfg.budget_per_step() == 512
+    assert (cfg.run.steps, cfg.run.eval_every, cfg.data.prompts_per_step, cfg.allocation.group_size) == (24, 6, 128, 16)
+    assert cfg.budget_per_step() == 2048
     assert cfg.allocation.strategy == "coba" and cfg.optim.lr == 1e-4
     raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
     assert list(raw) == list(SECTIONS)
@@ -146,7 +146,7 @@ def test_overrides_with_dotted_keys_and_types():
     assert cfg.allocation.strategy == "uniform"
     assert cfg.rollout.in_process is True
     assert cfg.run.name == "2024" and cfg.run.seed == 7
-    assert cfg.budget_per_step() == 4 * 8
+    assert cfg.budget_per_step() == 4 * 16
     # untouched keys keep the file's values
     assert cfg.run.steps == 24 and cfg.optim.kl_coef == 0.0
 
@@ -298,22 +298,22 @@ def test_values_at_the_edges_are_accepted():
             "optim.clip_high=1.5",
             "allocation.tau=0.5",
             "allocation.kappa=2.5",
-            "allocation.min_budget=8",
-            "allocation.max_budget=8",
+            "allocation.min_budget=16",
+            "allocation.max_budget=16",
             "run.eval_every=100",  # larger than run.steps: allowed (evaluates only before and after)
         ],
     )
-    assert cfg.allocation.min_budget == cfg.allocation.group_size == cfg.allocation.max_budget == 8
+    assert cfg.allocation.min_budget == cfg.allocation.group_size == cfg.allocation.max_budget == 16
     assert cfg.run.eval_every > cfg.run.steps and cfg.rollout.max_model_len == 0
 
 
 def test_group_size_outside_the_bounds_is_infeasible_with_numbers():
-    with pytest.raises(ConfigError, match=r"group_size = 200 .*\[2, 128\].*B_total = M \* G = 64 \* 200 = 12800"):
+    with pytest.raises(ConfigError, match=r"group_size = 200 .*\[2, 128\].*B_total = M \* G = 128 \* 200 = 25600"):
         load_config(None, ["allocation.group_size=200"])
-    with pytest.raises(ConfigError, match=r"group_size = 1 .*needs 128 <= B_total <= 8192"):
+    with pytest.raises(ConfigError, match=r"group_size = 1 .*needs 256 <= B_total <= 16384"):
         load_config(None, ["allocation.group_size=1"])
-    with pytest.raises(ConfigError, match=r"group_size = 8 .*\[10, 16\]"):
-        load_config(None, ["allocation.min_budget=10", "allocation.max_budget=16"])
+    with pytest.raises(ConfigError, match=r"group_size = 16 .*\[20, 32\]"):
+        load_config(None, ["allocation.min_budget=20", "allocation.max_budget=32"])
 
 
 def test_sections_validate_when_built_directly():
