@@ -65,14 +65,25 @@ def _sampling(cfg: Config) -> SamplingConfig:
     return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
 
 
-# Test hook: COBA_KILL_AT="<step>:<stage>" makes the process SIGKILL itself inside that stage, after
-# the stage's work is computed and before its table is recorded (a crash at the worst moment).
+# Test hooks, both fire inside a stage after its work is computed and before its table is recorded:
+# COBA_KILL_AT="<step>:<stage>" makes the process SIGKILL itself (a crash at the worst moment);
+# COBA_FAIL_FILE=<path> raises an error while that file exists and holds "<step>:<stage>" (a failure
+# that goes away, for task retries and `prefect flow-run retry`).
 KILL_ENV = "COBA_KILL_AT"
+FAIL_FILE_ENV = "COBA_FAIL_FILE"
+
+
+class InjectedFailure(RuntimeError):
+    """The failure COBA_FAIL_FILE asks for."""
 
 
 def _fault_point(step: int, stage: str) -> None:
-    if os.environ.get(KILL_ENV) == f"{step}:{stage}":
+    where = f"{step}:{stage}"
+    if os.environ.get(KILL_ENV) == where:
         os.kill(os.getpid(), signal.SIGKILL)
+    fail_file = os.environ.get(FAIL_FILE_ENV)
+    if fail_file and os.path.isfile(fail_file) and Path(fail_file).read_text().strip() == where:
+        raise InjectedFailure(f"injected failure in {stage} at step {step} ({FAIL_FILE_ENV}={fail_file})")
 
 
 # -- tasks: one stage each ------------------------------------------------------------------------

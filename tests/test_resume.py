@@ -212,3 +212,54 @@ def test_resume_refuses_other_schema_version(tmp_path, capsys):
     assert "schema version 0" in err and "this build reads version" in err and "Traceback" not in err
     assert cli_main(["rerun", "--run-dir", str(tmp_path / "missing"), "--step", "0", "--stage", "rewards"]) == 2
     assert "no run here" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(tmp_path, baseline, random_checkpoints):
+    """A stage fails (after its task retry); `prefect flow-run retry` finishes the run without redoing done stages."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.train import FAIL_FILE_ENV, train_flow
+
+    model, _ = random_checkpoints
+    cfg = load_config(ROOT / "configs/tiny-test.yaml", _overrides(model))
+    run_dir = tmp_path / "run"
+    fail = tmp_path / "fail-at"
+    fail.write_text("1:rewards")
+    os.environ[FAIL_FILE_ENV] = str(fail)
+    try:
+        state = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg), return_state=True)
+    finally:
+        del os.environ[FAIL_FILE_ENV]
+    assert state.is_failed()
+    store = RunStore.open(run_dir)
+    assert store.is_done(1, stages.ROLLOUTS) and not store.is_done(1, stages.REWARDS)
+    written = {(s, n): e["written_at"] for s in store.steps() for n, e in store.manifest(s).items()}
+
+    fail.unlink()  # the failure goes away; retry the same flow run
+    flow_run_id = state.state_details.flow_run_id
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()), PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "flow-run",
+            "retry",
+            str(flow_run_id),
+            "--entrypoint",
+            "flows/train.py:train_flow",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).state.is_completed()
+    for key, when in written.items():  # what was done before the failure was not recomputed
+        assert store.manifest(key[0])[key[1]]["written_at"] == when, key
+    _assert_same_run(baseline, store)
