@@ -89,7 +89,13 @@ def _fault_point(step: int, stage: str) -> None:
 # -- tasks: one stage each ------------------------------------------------------------------------
 
 
-@task(name="rollout-generation", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+@task(
+    name="rollout-generation",
+    task_run_name="rollout-generation-step-{step}",
+    retries=1,
+    retry_delay_seconds=2,
+    cache_policy=NO_CACHE,
+)
 def rollout_task(run_dir: str, step: int) -> int:
     """Generate each prompt's budgeted group with the current policy."""
     res, t0 = _res(run_dir), time.perf_counter()
@@ -102,7 +108,13 @@ def rollout_task(run_dir: str, step: int) -> int:
     return len(res.store.read_table(step, stages.ROLLOUTS))
 
 
-@task(name="verification", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+@task(
+    name="verification",
+    task_run_name="verification-step-{step}",
+    retries=1,
+    retry_delay_seconds=2,
+    cache_policy=NO_CACHE,
+)
 def verify_task(run_dir: str, step: int) -> dict[str, int]:
     """Score every rollout; verdict counts."""
     res, t0 = _res(run_dir), time.perf_counter()
@@ -124,7 +136,7 @@ def _tracker_before(res: RunResources, step: int):
     return stages.tracker_from_capability(res.store.read_table(step - 1, stages.CAPABILITY))
 
 
-@task(name="failure-rate-update", retries=1, cache_policy=NO_CACHE)
+@task(name="failure-rate-update", task_run_name="failure-rate-update-step-{step}", retries=1, cache_policy=NO_CACHE)
 def capability_task(run_dir: str, step: int) -> dict[str, float]:
     """Fold the step's pass rates into F, (alpha, beta) and the per-prompt history."""
     res, t0 = _res(run_dir), time.perf_counter()
@@ -155,7 +167,7 @@ def _write_budget(res: RunResources, step: int, history: pd.DataFrame, tracker) 
     res.store.write_table(step, stages.BUDGET, table)
 
 
-@task(name="heap-allocation", retries=1, cache_policy=NO_CACHE)
+@task(name="heap-allocation", task_run_name="heap-allocation-step-{step}", retries=1, cache_policy=NO_CACHE)
 def allocation_task(run_dir: str, step: int) -> dict[str, float]:
     """Allocate the rollout budget of the next step's batch; returns budget statistics."""
     res, t0 = _res(run_dir), time.perf_counter()
@@ -168,7 +180,7 @@ def allocation_task(run_dir: str, step: int) -> dict[str, float]:
     return {"min": int(b.min()), "max": int(b.max()), "mean": float(b.mean()), "total": int(b.sum())}
 
 
-@task(name="grpo-update", retries=0, cache_policy=NO_CACHE)
+@task(name="grpo-update", task_run_name="grpo-update-step-{step}", retries=0, cache_policy=NO_CACHE)
 def update_task(run_dir: str, step: int) -> dict[str, float]:
     """GRPO update on the step's rollouts; checkpoint; reload the rollout engine's weights."""
     res, t0 = _res(run_dir), time.perf_counter()
@@ -192,7 +204,7 @@ def update_task(run_dir: str, step: int) -> dict[str, float]:
     return {k: float(row[k]) for k in ("loss", "clip_frac", "grad_norm", "entropy", "tokens")}
 
 
-@task(name="heldout-eval", retries=1, cache_policy=NO_CACHE)
+@task(name="heldout-eval", task_run_name="heldout-eval-step-{step}", retries=1, cache_policy=NO_CACHE)
 def eval_task(run_dir: str, step: int) -> dict[str, Any]:
     """Held-out accuracy of the current weights (stored as steps/<step>/eval.parquet)."""
     res, t0 = _res(run_dir), time.perf_counter()
