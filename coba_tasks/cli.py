@@ -6,6 +6,7 @@
     coba resume                    continue a stopped run from the first stage not done
     coba inspect                   a run's summary, one stage table, or read-only SQL over its Parquet files
     coba report                    PNG plots and an HTML page for a run
+    coba compare                   uniform vs knapsack vs CoBA-RL (and ablations) on the same budget
     coba rerun                     recompute one stage of one step (and what depends on it)
     coba bench allocate [--json]   time the allocators at the paper's setting and at scale
     coba bench rollout  [--json]   tokens per second of the rollout backends
@@ -165,6 +166,9 @@ def _print_summary(s: dict) -> None:
         f"{s['wall_seconds']:.0f} s"
     )
     print(f"held-out accuracy: before {s['heldout_accuracy_before']:.3f} -> after {s['heldout_accuracy_after']:.3f}")
+    g0, g1 = s.get("heldout_greedy_before", float("nan")), s.get("heldout_greedy_after", float("nan"))
+    if g0 == g0 and g1 == g1 and (g0, g1) != (s["heldout_accuracy_before"], s["heldout_accuracy_after"]):
+        print(f"held-out greedy:   before {g0:.3f} -> after {g1:.3f}")
     levels = sorted(s["heldout_accuracy_by_difficulty_after"])
     print("by difficulty:      " + "  ".join(f"L{k}" + " " * 8 for k in levels))
     print("  before            " + "  ".join(f"{s['heldout_accuracy_by_difficulty_before'][k]:<10.2f}" for k in levels))
@@ -322,11 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     boot.set_defaults(func=_cmd_bootstrap)
 
+    from coba_tasks.compare import add_compare_parser
     from coba_tasks.inspection import add_inspect_parser
     from coba_tasks.report import add_report_parser
 
     add_inspect_parser(sub)
     add_report_parser(sub)
+    add_compare_parser(sub)
 
     bench = sub.add_parser(
         "bench",

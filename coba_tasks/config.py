@@ -73,6 +73,7 @@ class RunConfig:
     eval_every: int = 5  # evaluate on held-out prompts every this many steps; 0 = only before and after training
     eval_samples: int = 1  # samples per held-out prompt (avg@k at eval_temperature); 1 with temperature 0 = greedy
     eval_temperature: float = 0.0  # sampling temperature of evaluation; 0 = greedy
+    eval_greedy: bool = True  # with a sampled evaluation, also measure greedy accuracy (eval accuracy_greedy)
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -167,6 +168,9 @@ class RolloutConfig:
         _check(self, "gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1], e.g. 0.5")
 
 
+SCHEDULES = ("adaptive", "reversed", "fixed")  # METHOD 3; the paper's ablations reverse it or fix it
+
+
 @dataclass(frozen=True)
 class AllocationConfig:
     """Rollout-budget allocation (METHOD.md sections 1-6)."""
@@ -179,6 +183,9 @@ class AllocationConfig:
     group_size: int = 16  # G, the mean group size: B_total = M * G rollouts per step
     min_budget: int = 2  # B_low, fewest rollouts per prompt (>= 2: a group of one has no advantage)
     max_budget: int = 128  # B_up, most rollouts per prompt
+    schedule: str = "adaptive"  # (alpha, beta): adaptive (from F), reversed (explore then exploit) or fixed
+    fixed_alpha: float = 5.5  # alpha of the Beta density when schedule is fixed
+    fixed_beta: float = 5.5  # beta of the Beta density when schedule is fixed
     tau: str | float = "adaptive"  # saturation scale of eta(B, p): adaptive (from the spread of pass rates) or > 0
     kappa: float = 11.0  # alpha + beta of the Beta density (> 2)
     gamma: float = 10.0  # steepness of the sigmoid applied to the failure rate when it is <= 0.5
@@ -191,6 +198,9 @@ class AllocationConfig:
         modes = [m.value for m in Mode]
         _check(self, "mode", self.mode in modes, f"must be one of {', '.join(modes)}")
         _check(self, "solver", self.solver in coba_solvers(), f"must be one of {', '.join(coba_solvers())}")
+        _check(self, "schedule", self.schedule in SCHEDULES, f"must be one of {', '.join(SCHEDULES)}")
+        _check(self, "fixed_alpha", self.fixed_alpha > 0, "must be > 0 (alpha of Beta(alpha, beta))")
+        _check(self, "fixed_beta", self.fixed_beta > 0, "must be > 0 (beta of Beta(alpha, beta))")
         _check(self, "group_size", self.group_size >= 1, "must be >= 1 (G, the mean rollouts per prompt)")
         _check(
             self,

@@ -205,18 +205,34 @@ def empty_history() -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------
 
 
+def schedule_shape(tracker: CapabilityTracker, alloc: Any) -> tuple[float, float]:
+    """(alpha, beta) of the Beta density for the next allocation.
+
+    ``adaptive`` (the method, METHOD 3): from the failure rate. The paper's ablations:
+    ``reversed`` swaps them (Beta(beta, alpha) peaks at 1 - Ftil: explore first, exploit later) and
+    ``fixed`` uses ``fixed_alpha`` and ``fixed_beta`` at every step.
+    """
+    schedule = getattr(alloc, "schedule", "adaptive")
+    if schedule == "reversed":
+        return tracker.beta, tracker.alpha
+    if schedule == "fixed":
+        return float(alloc.fixed_alpha), float(alloc.fixed_beta)
+    return tracker.alpha, tracker.beta
+
+
 def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: CapabilityTracker, alloc: Any) -> pd.DataFrame:
     """Budgets for ``batch`` from each prompt's recent pass rate (NaN if never seen) and (alpha, beta)."""
     known = {pid: float(np.mean(r)) for pid, r in zip(history["prompt_id"], history["pass_rates"], strict=True)}
     est = np.array([known.get(pid, np.nan) for pid in batch], dtype=np.float64)
+    alpha, beta = schedule_shape(tracker, alloc)
     plan = plan_allocation(
         est,
         len(batch) * alloc.group_size,
         strategy=alloc.strategy,
         min_budget=alloc.min_budget,
         max_budget=alloc.max_budget,
-        alpha=tracker.alpha,
-        beta=tracker.beta,
+        alpha=alpha,
+        beta=beta,
         tau=alloc.tau,
         mode=alloc.mode,
         solver=alloc.solver,
@@ -265,16 +281,33 @@ def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rew
 
 
 def evaluate(
-    test: pd.DataFrame, engine: RolloutBackend, pool: Any, samples: int, temperature: float, max_tokens: int, seed: int
+    test: pd.DataFrame,
+    engine: RolloutBackend,
+    pool: Any,
+    samples: int,
+    temperature: float,
+    max_tokens: int,
+    seed: int,
+    greedy: bool = False,
 ) -> pd.DataFrame:
-    """Mean reward over ``samples`` completions per held-out prompt (greedy when temperature is 0)."""
-    budget = pd.DataFrame({"prompt_id": test["prompt_id"], "budget": samples})
-    sampling = SamplingConfig(temperature=temperature, max_tokens=max_tokens)
-    rolls = rollout_table(budget, test, engine, sampling, run_seed=seed, step=-1)
-    rewards = reward_table(rolls, test, pool)
-    acc = rewards.groupby("prompt_id", sort=False)["reward"].mean()
+    """Mean reward over ``samples`` completions per held-out prompt (greedy when temperature is 0).
+
+    With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
+    as ``accuracy`` when the evaluation is greedy already).
+    """
+
+    def accuracy(n: int, temp: float) -> np.ndarray:
+        budget = pd.DataFrame({"prompt_id": test["prompt_id"], "budget": n})
+        sampling = SamplingConfig(temperature=temp, max_tokens=max_tokens)
+        rolls = rollout_table(budget, test, engine, sampling, run_seed=seed, step=-1)
+        rewards = reward_table(rolls, test, pool)
+        return rewards.groupby("prompt_id", sort=False)["reward"].mean().reindex(test["prompt_id"]).to_numpy()
+
     out = test[["prompt_id"]].copy()
     out["difficulty"] = test["difficulty"].to_numpy() if "difficulty" in test else -1
-    out["accuracy"] = acc.reindex(test["prompt_id"]).to_numpy()
+    out["accuracy"] = accuracy(samples, temperature)
+    if greedy:
+        is_greedy = temperature == 0.0 and samples == 1
+        out["accuracy_greedy"] = out["accuracy"].to_numpy() if is_greedy else accuracy(1, 0.0)
     out["weight_version"] = engine.weight_version
     return out.reset_index(drop=True)

@@ -211,14 +211,23 @@ def eval_task(run_dir: str, step: int) -> dict[str, Any]:
     if not res.store.is_done(step, stages.EVAL):
         r = res.cfg.run
         table = stages.evaluate(
-            res.test, res.engine, res.pool, r.eval_samples, r.eval_temperature, res.cfg.rollout.max_tokens, r.seed
+            res.test,
+            res.engine,
+            res.pool,
+            r.eval_samples,
+            r.eval_temperature,
+            res.cfg.rollout.max_tokens,
+            r.seed,
+            greedy=r.eval_greedy,
         )
         res.store.write_table(step, stages.EVAL, table)
     res.timed(stages.EVAL, time.perf_counter() - t0)
     table = res.store.read_table(step, stages.EVAL)
     by_level = table.groupby("difficulty")["accuracy"].mean()
+    greedy = float(table["accuracy_greedy"].mean()) if "accuracy_greedy" in table else float("nan")
     return {
         "accuracy": float(table["accuracy"].mean()),
+        "greedy": greedy,
         "by_difficulty": {str(k): float(v) for k, v in by_level.items()},
     }
 
@@ -500,6 +509,8 @@ def summarize(res: RunResources, before: dict, after: dict, wall: float) -> dict
         "strategy": cfg.allocation.strategy,
         "heldout_accuracy_before": before["accuracy"],
         "heldout_accuracy_after": after["accuracy"],
+        "heldout_greedy_before": before["greedy"],
+        "heldout_greedy_after": after["greedy"],
         "heldout_accuracy_by_difficulty_before": before["by_difficulty"],
         "heldout_accuracy_by_difficulty_after": after["by_difficulty"],
         "mean_budget_by_difficulty": {str(k): float(v) for k, v in by_level.items()},

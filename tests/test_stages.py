@@ -81,3 +81,21 @@ def test_advantages_follow_rollout_order_and_groups():
     assert adv[3] < 0 < adv[4]  # a/1 failed, a/0 succeeded
     with pytest.raises(ValueError, match="single rollout"):
         stages.advantages_for(rewards.iloc[:1][["prompt_id", "sample_idx"]], rewards.iloc[:1])
+
+
+def test_schedule_shape_adaptive_reversed_fixed():
+    from coba_tasks.capability import CapabilityTracker
+    from coba_tasks.config import AllocationConfig
+    from coba_tasks.stages import schedule_shape
+
+    tracker = CapabilityTracker(kappa=11.0, window=1, gamma=10.0)
+    tracker.update(np.array([0.9, 0.8, 1.0, 0.7]))  # S = 0.85, F = 0.15: explore, mode at a low pass rate
+    a, b = schedule_shape(tracker, AllocationConfig())
+    assert (a, b) == (tracker.alpha, tracker.beta) and a + b == pytest.approx(11.0)
+    ra, rb = schedule_shape(tracker, AllocationConfig(schedule="reversed"))
+    assert (ra, rb) == (b, a)
+    # the reversed density peaks where the adaptive one's mirror image does
+    assert (ra - 1) / (ra + rb - 2) == pytest.approx(1 - (a - 1) / (a + b - 2))
+    assert schedule_shape(tracker, AllocationConfig(schedule="fixed", fixed_alpha=2, fixed_beta=3)) == (2.0, 3.0)
+    with pytest.raises(ValueError, match=r"allocation\.schedule"):
+        AllocationConfig(schedule="linear")

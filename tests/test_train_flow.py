@@ -63,6 +63,9 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     assert saved == json.loads(json.dumps(summary))
     assert set(saved["stage_seconds"]) >= {"rollouts", "rewards", "capability", "budget", "update"}
     assert 0 < saved["prefect_overhead_seconds_per_step"] < saved["step_seconds_mean"]
+    ev = store.read_table(3, stages.EVAL)  # greedy evaluation: its greedy column is the same figures
+    assert ev["accuracy_greedy"].tolist() == ev["accuracy"].tolist() and len(ev) == cfg.data.eval_prompts
+    assert saved["heldout_greedy_after"] == saved["heldout_accuracy_after"]
     timing = json.loads((run_dir / "steps/000001/timing.json").read_text())
     assert set(timing) == {"rollouts", "rewards", "capability", "budget", "update"} and min(timing.values()) > 0
     # the report is drawn at the end and posted as artifacts

@@ -1,0 +1,172 @@
+"""The evaluation flow: held-out accuracy of a model directory on a test Parquet.
+
+    prefect deployment run coba-eval/coba-eval --param model_path=runs/demo-1/checkpoints/000020
+    python -c "from flows.eval import eval_flow; print(eval_flow('models/arith-tiny'))"
+
+The model is any Hugging Face model directory: a run's checkpoint (``runs/<name>/checkpoints/NNNNNN``)
+or a model such as ``models/arith-tiny``. Two tasks in order, as in the training flow's
+evaluation: ``heldout-eval`` starts the rollout engine and the verifier pool, scores every selected
+prompt (``coba_tasks.stages.evaluate``) and closes both; ``write-eval-table`` writes the per-prompt
+table (prompt_id, difficulty, accuracy, weight_version) atomically where ``out_path`` says. The
+figures go to a markdown artifact ``eval-<model>`` and are returned. Importing this module starts
+nothing; relative paths are from the working directory (the project, in a deployment).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from coba_tasks import stages
+from coba_tasks.data import load_dataset
+from coba_tasks.fileio import atomic_write
+from coba_tasks.rollout import backends, make_backend
+from coba_tasks.verify import VerifierPool
+
+VERIFY_WORKERS, VERIFY_TIMEOUT_S = 2, 5.0  # the defaults of the run config's verify section
+
+
+def checkpoint_version(model_path: str | Path) -> int:
+    """The step of a run checkpoint (``checkpoints/000003`` holds the weights after 3 updates); 0 otherwise.
+
+    >>> checkpoint_version("runs/demo/checkpoints/000003"), checkpoint_version("models/arith-tiny")
+    (3, 0)
+    """
+    path = Path(model_path)
+    return int(path.name) if path.parent.name == "checkpoints" and path.name.isdigit() else 0
+
+
+def artifact_key(model_path: str | Path) -> str:
+    """``eval-<model>``: lowercase letters, digits and dashes only, as Prefect requires of artifact keys.
+
+    >>> artifact_key("runs/Demo_1/checkpoints/000003"), artifact_key("models/arith-tiny")
+    ('eval-demo-1-step-000003', 'eval-arith-tiny')
+    """
+    path = Path(model_path).resolve()
+    name = f"{path.parent.parent.name}-step-{path.name}" if path.parent.name == "checkpoints" else path.name
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:80].strip("-")
+    return f"eval-{slug or 'model'}"
+
+
+def select_prompts(test: pd.DataFrame, eval_prompts: int, seed: int) -> pd.DataFrame:
+    """A seeded sample of ``eval_prompts`` prompts (0 = all), drawn as the training flow draws its held-out set."""
+    if eval_prompts and eval_prompts < len(test):
+        return test.sample(eval_prompts, random_state=seed).reset_index(drop=True)
+    return test
+
+
+def _check_parameters(
+    model_path: str, test_path: str, samples: int, temperature: float, max_tokens: int, backend: str, eval_prompts: int
+) -> None:
+    """Refuse bad parameters before an engine starts; the messages say what to pass instead."""
+    if not (Path(model_path) / "config.json").is_file():
+        raise ValueError(f"model_path {model_path!r} is not a Hugging Face model directory (no config.json)")
+    if not Path(test_path).is_file():
+        raise ValueError(f"test_path {test_path!r} does not exist (a Parquet file of held-out prompts)")
+    if backend not in backends():
+        raise ValueError(f"backend {backend!r} is unknown; valid backends: {', '.join(backends())}")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1 (completions per prompt), got {samples}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if samples > 1 and temperature == 0:
+        raise ValueError("samples > 1 needs temperature > 0 (greedy decoding repeats one completion)")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if eval_prompts < 0:
+        raise ValueError(f"eval_prompts must be >= 0 (0 = every prompt of the test set), got {eval_prompts}")
+
+
+@task(name="heldout-eval", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def evaluate_model(
+    model_path: str,
+    test_path: str,
+    samples: int,
+    temperature: float,
+    max_tokens: int,
+    backend: str,
+    eval_prompts: int,
+    seed: int,
+    dtype: str,
+    max_model_len: int,
+) -> pd.DataFrame:
+    """Per-prompt held-out accuracy of the model; the engine and the verifier pool live only in this task."""
+    test = select_prompts(load_dataset(test_path), eval_prompts, seed)
+    engine = make_backend(backend, model_path, dtype=dtype, max_model_len=max_model_len or None, seed=seed)
+    pool = None
+    try:
+        engine.weight_version = checkpoint_version(model_path)
+        pool = VerifierPool(workers=VERIFY_WORKERS, timeout_s=VERIFY_TIMEOUT_S)
+        return stages.evaluate(test, engine, pool, samples, temperature, max_tokens, seed)
+    finally:
+        if pool is not None:
+            pool.close()
+        engine.close()
+
+
+@task(name="write-eval-table", retries=1, cache_policy=NO_CACHE)
+def write_table(table: pd.DataFrame, out_path: str) -> str:
+    """Write the per-prompt table as Parquet, atomically (a reader never sees half a file)."""
+    path = Path(out_path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: table.to_parquet(f, index=False))
+    return str(path)
+
+
+@flow(name="coba-eval")
+def eval_flow(
+    model_path: str,
+    test_path: str = "data/arith_test.parquet",
+    samples: int = 1,
+    temperature: float = 0.0,
+    max_tokens: int = 12,
+    backend: str = "vllm",
+    eval_prompts: int = 0,
+    seed: int = 0,
+    out_path: str | None = None,
+    dtype: str = "float32",
+    max_model_len: int = 64,
+) -> dict[str, Any]:
+    """Held-out accuracy of ``model_path`` on ``test_path``: {"accuracy", "by_difficulty", "prompts"}.
+
+    ``samples`` completions per prompt at ``temperature`` (1 at 0.0 = greedy), at most ``max_tokens``
+    tokens each, generated by ``backend`` (vllm or transformers); ``eval_prompts`` a seeded sample of
+    the test set (0 = all); ``out_path`` where to write the per-prompt table (Parquet), if anywhere.
+    ``dtype`` and ``max_model_len`` (0 = the model's own) as in the run config's model and rollout sections.
+    """
+    log = get_run_logger()
+    _check_parameters(model_path, test_path, samples, temperature, max_tokens, backend, eval_prompts)
+    table = evaluate_model(
+        model_path, test_path, samples, temperature, max_tokens, backend, eval_prompts, seed, dtype, max_model_len
+    )
+    written = write_table(table, out_path) if out_path else None
+    by_level = table.groupby("difficulty")["accuracy"].mean()
+    figures = {
+        "accuracy": float(table["accuracy"].mean()),
+        "by_difficulty": {str(k): float(v) for k, v in by_level.items()},
+        "prompts": len(table),
+    }
+    levels = " | ".join(f"{k}: {v:.2f}" for k, v in figures["by_difficulty"].items())
+    log.info(
+        f"held-out accuracy of {model_path} on {test_path}: {figures['accuracy']:.3f} over {len(table)} prompts"
+        f" ({levels})" + (f"; table in {written}" if written else "")
+    )
+    create_markdown_artifact(
+        key=artifact_key(model_path),
+        markdown=(
+            f"# Held-out evaluation of {model_path}\n\n| figure | value |\n|---|---|\n"
+            f"| test set | {test_path} |\n| prompts | {len(table)} |\n"
+            f"| samples per prompt | {samples} (temperature {temperature}) |\n"
+            f"| accuracy | {figures['accuracy']:.3f} |\n"
+            + "".join(f"| accuracy, level {k} | {v:.2f} |\n" for k, v in figures["by_difficulty"].items())
+            + (f"| per-prompt table | {written} |\n" if written else "")
+        ),
+        description=f"held-out accuracy of {model_path}",
+    )
+    return figures
