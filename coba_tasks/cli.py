@@ -119,9 +119,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_resume(args: argparse.Namespace) -> int:
     from coba_tasks.config import config_from_dict
+    from coba_tasks.runlock import RunLock
     from coba_tasks.store import RunStore
 
     store = RunStore.open(args.run_dir)  # refuses a missing run or another schema version
+    RunLock(store.root).check_free()  # a run still going there: refuse before starting anything
     cfg = config_from_dict(store.read_config())
     from flows.train import first_step_not_done
 
@@ -143,15 +145,18 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 
 def _cmd_rerun(args: argparse.Namespace) -> int:
     from coba_tasks.rerun import apply_rerun, plan_rerun
+    from coba_tasks.runlock import RunLock
     from coba_tasks.store import RunStore
 
     store = RunStore.open(args.run_dir)
+    RunLock(store.root).check_free()
     plan = plan_rerun(store, args.step, args.stage)
     print(plan.describe(store.root))
     if not args.yes:
         print("nothing removed: pass --yes to remove these outputs and recompute them")
         return 0
-    apply_rerun(store, plan)
+    with RunLock(store.root):
+        apply_rerun(store, plan)
     print(f"removed {len(plan.tables)} table(s) and {len(plan.checkpoints)} checkpoint(s)")
     if args.no_resume:
         print(f"continue with: coba resume --run-dir {args.run_dir}")

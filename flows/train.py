@@ -30,6 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from coba_tasks import stages
 from coba_tasks.config import Config, config_from_dict
 from coba_tasks.rollout import SamplingConfig, make_backend
+from coba_tasks.runlock import LOCK_FILE, RunLock
 from coba_tasks.store import RunStore, StoreError
 from coba_tasks.trainer import PolicyTrainer, UpdateSettings
 from coba_tasks.verify import VerifierPool
@@ -395,7 +396,15 @@ def train_flow(
     log = get_run_logger()
     cfg, root, continuing = resolve_run(config_path, run_name, run_dir, overrides, config, resume)
     t_start = time.perf_counter()
-    res = _open_resources(root, cfg, continuing)
+    lock = RunLock(root)
+    lock.acquire()  # one writer per run directory (a dead holder's lock is taken over)
+    try:
+        res = _open_resources(root, cfg, continuing)
+    except BaseException:
+        lock.release()
+        if not continuing:  # a failed start leaves nothing behind
+            _remove_empty_run_dir(root)
+        raise
     store = res.store
     start_ckpt = cfg.model.path
     try:
@@ -467,6 +476,14 @@ def train_flow(
         if res.engine is not None:
             res.engine.close()
         _RUNS.pop(str(store.root), None)
+        lock.release()
+
+
+def _remove_empty_run_dir(root: Path) -> None:
+    """Remove ``root`` when it holds nothing but its lock file (a start that failed before writing)."""
+    if root.is_dir() and {p.name for p in root.iterdir()} <= {LOCK_FILE}:
+        (root / LOCK_FILE).unlink(missing_ok=True)
+        root.rmdir()
 
 
 def _post_report(root: Path) -> None:
