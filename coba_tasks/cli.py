@@ -125,6 +125,18 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     store = RunStore.open(args.run_dir)  # refuses a missing run or another schema version
     RunLock(store.root).check_free()  # a run still going there: refuse before starting anything
     cfg = config_from_dict(store.read_config())
+    from coba_tasks.rerun import apply_rerun, damaged_tables, plan_repair
+
+    damaged = damaged_tables(store)  # every done table is checked against its manifest (size, sha256)
+    if damaged and not getattr(args, "repair", False):
+        step, name, reason = damaged[0]
+        raise ValueError(f"{len(damaged)} damaged table(s), the first at step {step} ({name}): {reason}")
+    if damaged:
+        plan = plan_repair(store)
+        print(f"repairing: {len(damaged)} damaged table(s), the first at step {damaged[0][0]} ({damaged[0][1]})")
+        print(plan.describe(store.root))
+        with RunLock(store.root):
+            apply_rerun(store, plan)
     from flows.train import first_step_not_done
 
     first = first_step_not_done(store, cfg.run.steps)
@@ -161,7 +173,7 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
     if args.no_resume:
         print(f"continue with: coba resume --run-dir {args.run_dir}")
         return 0
-    return _cmd_resume(argparse.Namespace(run_dir=args.run_dir))
+    return _cmd_resume(argparse.Namespace(run_dir=args.run_dir, repair=False))
 
 
 def _print_summary(s: dict) -> None:
@@ -286,10 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Continue the run in --run-dir with its own config (config.yaml): stages already done (in their "
         "step's _manifest.json) are not recomputed, so the finished run equals an uninterrupted one. A run written "
         "by another schema version is refused.",
-        epilog="examples:\n  coba resume --run-dir runs/demo",
+        epilog="examples:\n  coba resume --run-dir runs/demo\n  coba resume --run-dir runs/demo --repair",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     resume.add_argument("--run-dir", required=True, help="the run directory to continue")
+    resume.add_argument(
+        "--repair",
+        action="store_true",
+        help="recompute from the first table that is missing, truncated or altered (checked against the manifests)",
+    )
     resume.set_defaults(func=_cmd_resume)
 
     from coba_tasks.rerun import RERUNNABLE

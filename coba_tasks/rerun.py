@@ -64,7 +64,7 @@ class RerunPlan:
         return "\n".join(lines)
 
 
-def plan_rerun(store: RunStore, step: int, stage: str) -> RerunPlan:
+def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True) -> RerunPlan:
     """The outputs that rerunning ``stage`` at ``step`` invalidates (the stage's own included).
 
     Raises:
@@ -75,7 +75,7 @@ def plan_rerun(store: RunStore, step: int, stage: str) -> RerunPlan:
         raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join(RERUNNABLE)}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    if not store.is_done(step, stage):
+    if require_done and not store.is_done(step, stage):
         done = [n for n in (*stages.STEP_STAGES, stages.EVAL) if store.is_done(step, n)]
         raise ValueError(
             f"{stage} is not done at step {step} (done there: {', '.join(done) or 'nothing'}); "
@@ -102,6 +102,32 @@ def plan_rerun(store: RunStore, step: int, stage: str) -> RerunPlan:
         if (store.root / extra).exists():
             plan.files.append(store.root / extra)
     return plan
+
+
+def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:
+    """Every table listed in a manifest that is missing, truncated, altered or unreadable:
+    (step directory, table, reason), in the order the tables were computed."""
+    out = []
+    for s in store.steps():
+        for name in store.manifest(s):
+            reason = store.damage(s, name)
+            if reason is not None:
+                out.append((s, name, reason))
+    known = (*stages.STEP_STAGES, stages.HISTORY, stages.EVAL)
+    return sorted(out, key=lambda t: _order(t[0], t[1]) if t[1] in known else (10**9, 0))
+
+
+def plan_repair(store: RunStore) -> RerunPlan | None:
+    """The rerun that recomputes from the earliest damaged table (None when nothing is damaged).
+
+    A damaged ``history`` table is recomputed by its step's capability stage.
+    """
+    damaged = damaged_tables(store)
+    if not damaged:
+        return None
+    step, name, _ = damaged[0]
+    stage = stages.CAPABILITY if name == stages.HISTORY else name
+    return plan_rerun(store, step, stage, require_done=False)
 
 
 def apply_rerun(store: RunStore, plan: RerunPlan) -> None:

@@ -263,6 +263,15 @@ class RunStore:
         """
         return _read_tracked(self.step_dir(step), _check_name(name), verify)
 
+    def damage(self, step: int, name: str | Stage) -> str | None:
+        """Why a table listed in the step's manifest is unusable (missing, truncated, altered,
+        unreadable, other schema version), or None when it is intact. Reads and hashes the file."""
+        try:
+            _read_tracked(self.step_dir(step), _check_name(name), verify=True)
+        except StoreError as e:
+            return str(e)
+        return None
+
     def is_done(self, step: int, name: str | Stage) -> bool:
         """Whether the table has a manifest entry and its file exists (no hashing)."""
         return _is_tracked(self.step_dir(step), _check_name(name))

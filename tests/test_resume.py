@@ -137,6 +137,19 @@ def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, capsys):
     for key in before:
         pd.testing.assert_frame_equal(before[key], after[key], check_exact=True, obj=str(key))
 
+    # a truncated table found on resume: --repair recomputes from it and the run is whole again
+    from coba_tasks.rerun import damaged_tables, plan_repair
+
+    path = store.table_path(1, stages.REWARDS)
+    path.write_bytes(path.read_bytes()[:100])
+    assert [(s, n) for s, n, _ in damaged_tables(store)] == [(1, "rewards")]
+    apply_rerun(store, plan_repair(store))  # what `coba resume --repair` does before resuming
+    train_flow(run_dir=str(run_dir), resume=True)
+    assert damaged_tables(store) == []
+    repaired = _all_tables(store)
+    for key in before:
+        pd.testing.assert_frame_equal(before[key], repaired[key], check_exact=True, obj=str(key))
+
 
 def _fake_run(root: Path, steps: int = 3) -> RunStore:
     """A run directory with every table of ``steps`` steps (tiny frames) and checkpoint dirs."""
@@ -263,3 +276,25 @@ def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(tmp_path, 
     for key, when in written.items():  # what was done before the failure was not recomputed
         assert store.manifest(key[0])[key[1]]["written_at"] == when, key
     _assert_same_run(baseline, store)
+
+
+def test_damaged_tables_are_found_and_repair_plans_from_the_first(tmp_path, capsys):
+    from coba_tasks.rerun import damaged_tables, plan_repair
+
+    store = _fake_run(tmp_path / "r")
+    assert damaged_tables(store) == [] and plan_repair(store) is None
+    path = store.table_path(2, stages.REWARDS)
+    path.write_bytes(path.read_bytes()[:-7])  # truncated
+    altered = store.table_path(1, stages.HISTORY)
+    data = bytearray(altered.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped, same size
+    altered.write_bytes(bytes(data))
+    found = damaged_tables(store)
+    assert [(s, n) for s, n, _ in found] == [(1, "history"), (2, "rewards")]
+    assert "does not match the manifest" in found[0][2] and "truncated" in found[1][2]
+    plan = plan_repair(store)  # a damaged history is recomputed by its step's capability stage
+    assert plan.tables[0] == (1, "capability") and (2, "rewards") in plan.tables and (1, "rewards") not in plan.tables
+
+    assert cli_main(["resume", "--run-dir", str(store.root)]) == 2
+    err = capsys.readouterr().err
+    assert "2 damaged table(s), the first at step 1 (history)" in err and "coba resume --repair" in err
