@@ -10,7 +10,8 @@ Then the runs are read back into tables in ``<out>/``:
 
     results.parquet      strategy, seed, step, accuracy (avg@k), accuracy_greedy, one column per level
     steps.parquet        strategy, seed, step, S, F, alpha, beta, effective gradient ratio (share of
-                         groups with non-zero reward variance, Knapsack-RL's headline metric)
+                         groups with non-zero reward variance) and effective rollout ratio (share of
+                         rollouts in such groups: the samples that carry a gradient)
     budget_by_level.parquet  strategy, seed, step, difficulty, prompts, mean and total budget
     transitions.parquet  strategy, seed, from_class, to_class, prompts: how a prompt's class (all
                          wrong / mixed / all right) changes from one visit to the next (the paper's Fig. 7)
@@ -147,18 +148,19 @@ def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
                 results.append(row)
             if store.is_done(step, "capability") and store.is_done(step, "rewards"):
                 cap = store.read_table(step, "capability").iloc[0]
+                rewards = store.read_table(step, "rewards")
+                rates = (rewards["reward"] == 1.0).groupby(rewards["prompt_id"]).mean()
+                sizes = rewards.groupby("prompt_id").size()
+                mixed = ((rates > 0) & (rates < 1)).reindex(sizes.index)
                 steps_rows.append(
                     {
                         **key,
                         "step": step,
                         **{k: float(cap[k]) for k in ("S", "F", "alpha_used", "beta_used", "alpha", "beta")},
                         "effective_gradient_ratio": 1.0 - float(cap["zero_variance_groups"]),
+                        # share of the step's rollouts in groups with non-zero reward variance (non-zero advantage)
+                        "effective_rollout_ratio": float(sizes[mixed].sum() / sizes.sum()),
                     }
-                )
-                rates = (
-                    (store.read_table(step, "rewards")["reward"] == 1.0)
-                    .groupby(store.read_table(step, "rewards")["prompt_id"])
-                    .mean()
                 )
                 for pid, rate in rates.items():
                     visits.setdefault(pid, []).append((step, float(rate)))
@@ -247,9 +249,13 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
         ax.legend(fontsize=8)
     ax = axes[1, 0]
     for s in strategies:
-        g = steps[steps["strategy"] == s].groupby("step")["effective_gradient_ratio"].mean()
-        ax.plot(g.index, g.to_numpy(), color=colors[s], label=s)
-    ax.set(title="effective gradient ratio (groups with non-zero reward variance)", xlabel="step", ylim=(0, 1.02))
+        g = steps[steps["strategy"] == s].groupby("step")[["effective_rollout_ratio", "effective_gradient_ratio"]]
+        g = g.mean()
+        ax.plot(g.index, g["effective_rollout_ratio"].to_numpy(), color=colors[s], label=f"{s}: rollouts")
+        ax.plot(g.index, g["effective_gradient_ratio"].to_numpy(), color=colors[s], ls=":", label=f"{s}: groups")
+    ax.set(
+        title="share with non-zero reward variance: rollouts (solid), groups (dotted)", xlabel="step", ylim=(0, 1.02)
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax = axes[1, 1]
@@ -358,7 +364,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     text = json.dumps(final.to_dict("records"), indent=2)
     atomic_write(out / "final.json", lambda f: f.write(text.encode()))
     print(format_final(final))
-    eff = tables["steps"].groupby("strategy", sort=False)["effective_gradient_ratio"].mean()
-    print("effective gradient ratio (mean over steps): " + "  ".join(f"{k} {v:.3f}" for k, v in eff.items()))
+    cols = ["effective_rollout_ratio", "effective_gradient_ratio"]
+    eff = tables["steps"].groupby("strategy", sort=False)[cols].mean()
+    print(
+        "share of rollouts / groups with non-zero reward variance (mean over steps): "
+        + "  ".join(
+            f"{k} {r.effective_rollout_ratio:.3f} / {r.effective_gradient_ratio:.3f}" for k, r in eff.iterrows()
+        )
+    )
     print(f"tables: {out}/results.parquet steps.parquet budget_by_level.parquet transitions.parquet; plot: {png}")
     return 0

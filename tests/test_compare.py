@@ -64,12 +64,13 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     )
     assert compare.cmd_compare(args) == 0
     printed = capsys.readouterr().out
-    assert "uniform" in printed and "effective gradient ratio" in printed
+    assert "uniform" in printed and "share of rollouts / groups with non-zero reward variance" in printed
     results = pd.read_parquet(out / "results.parquet")
     assert sorted(set(results["strategy"])) == ["coba", "uniform"] and sorted(set(results["step"])) == [0, 1, 2]
     assert results[["accuracy", "accuracy_greedy"]].notna().all().all()
     steps = pd.read_parquet(out / "steps.parquet")
-    assert len(steps) == 4 and steps["effective_gradient_ratio"].between(0, 1).all()
+    ratios = steps[["effective_gradient_ratio", "effective_rollout_ratio"]].stack()
+    assert len(steps) == 4 and ratios.between(0, 1).all()
     budget = pd.read_parquet(out / "budget_by_level.parquet")
     per_step = budget.groupby(["strategy", "step"])["total_budget"].sum()
     assert (per_step == 4 * 4).all()  # M * G of configs/tiny-test.yaml on every step, whatever the strategy
