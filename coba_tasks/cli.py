@@ -11,6 +11,7 @@
     coba bench allocate [--json]   time the allocators at the paper's setting and at scale
     coba bench rollout  [--json]   tokens per second of the rollout backends
     coba bench verify   [--json]   verifier items per second
+    coba bench stages   [--json]   a training step's stages: against bare vLLM and plain function calls
 
 Each subcommand has ``--help`` with examples.
 """
@@ -408,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--workers", type=_positive, default=2, help="worker processes (default 2)")
     ver.add_argument("--json", action="store_true", help="print the figures as JSON")
     ver.set_defaults(func=_cmd_bench_verify)
+
+    from coba_tasks.bench_stages import add_bench_stages_parser
+
+    add_bench_stages_parser(bench_sub)
     return parser
 
 

@@ -1,0 +1,609 @@
+"""``coba bench stages``: where a training step's time goes, printed as ratios measured in one run.
+
+Everything runs in one process, one after the other, on the same machine state:
+
+1. **Rollout stage vs bare vLLM.** For the prompts, budgets and seeds of one step, the rollout stage
+   (``stages.rollout_table``: requests, ``VLLMBackend.generate``, the DataFrame) against a bare
+   ``llm.generate(prompts, [SamplingParams(n=b_i, seed=s_i, ...)])`` on the same ``vllm.LLM``
+   object (prompts and parameters built outside the timed region), alternated and compared by
+   medians. The Parquet write of the rollouts table is a figure of its own.
+2. **A step through Prefect vs the same step as plain function calls.** ``train_flow`` runs
+   ``steps`` steps on a temporary run directory (its summary.json gives the step wall time and
+   the Prefect overhead it measures; ``steps/NNNNNN/timing.json`` the seconds per stage). Then the
+   same steps run on a second run directory without Prefect: the same resources (``_open_resources``,
+   an engine, a verifier pool and a trainer built as ``train_flow`` builds them), the same warm-up
+   (the uniform first budget, the held-out evaluation before training) and, per step, the five
+   task bodies called as plain functions (``rollout_task.fn(run_dir, step)`` ...) plus the same
+   timing.json write: the code inside the tasks, without task runs, logs or artifacts. Both
+   directories then hold the same tables (compared by sha256), so both did the same work. The
+   difference flow - plain also holds any drift of the machine's load between the two runs (and
+   CPU taken from the stage bodies by Prefect's own threads and server): the per-stage rows show
+   where it comes from, and the flow's own figure (step wall - stage bodies) is printed beside it.
+3. **Parquet per step.** ``RunStore.write_table`` and ``read_table`` (sha256 verified) of each of
+   the step's tables, in a scratch run directory.
+4. **Verification.** ``VerifierPool.score`` items per second on the step's rollouts.
+5. **GRPO update.** ``PolicyTrainer.update`` completion tokens per second on the step's rollouts;
+   also the checkpoint save and the vLLM weight reload that end the update stage.
+
+Times are medians over repeats (steps: means over the steps); compare the ratios, not the
+absolute times (the machines are shared and noisy). Nothing here asserts a time: the goals are
+printed with whether this run met them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
+EVAL_PROMPTS = 16  # held-out prompts per evaluation in the benchmark's runs (unless --set data.eval_prompts=...)
+STEP_TABLES = ("budget", "rollouts", "rewards", "capability", "history", "update")
+STAGE_NAMES = ("rollouts", "rewards", "capability", "budget", "update")
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def _bench_config(config_path: str | None, overrides: Sequence[str], steps: int):
+    """The config of both runs: the file with the overrides, ``steps`` steps, no evaluation in between."""
+    from coba_tasks.config import check_paths, load_config
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    # no evaluation between steps (it is not part of a step); a small held-out set for the one before and after
+    forced = [f"run.steps={steps}", "run.eval_every=0"]
+    cfg = load_config(config_path, [*overrides, *forced])
+    if not any(o.strip().startswith("data.eval_prompts=") for o in overrides) and (
+        cfg.data.eval_prompts == 0 or cfg.data.eval_prompts > EVAL_PROMPTS
+    ):
+        cfg = load_config(config_path, [*overrides, *forced, f"data.eval_prompts={EVAL_PROMPTS}"])
+    if cfg.rollout.backend != "vllm":
+        raise ValueError(
+            f"bench stages compares the rollout stage with bare vLLM: needs rollout.backend=vllm, got "
+            f"{cfg.rollout.backend!r}"
+        )
+    check_paths(cfg)
+    return cfg
+
+
+def _start_resources(res: Any, cfg: Any) -> None:
+    """Engine, verifier pool and trainer, built with the same arguments as ``train_flow`` builds them."""
+    from coba_tasks.rollout import make_backend
+    from coba_tasks.trainer import PolicyTrainer, UpdateSettings
+    from coba_tasks.verify import VerifierPool
+
+    r = cfg.rollout
+    res.engine = make_backend(
+        r.backend,
+        cfg.model.path,
+        dtype=cfg.model.dtype,
+        max_model_len=r.max_model_len or None,
+        seed=cfg.run.seed,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        trust_remote_code=cfg.model.trust_remote_code,
+        in_process=r.in_process,
+    )
+    res.engine.weight_version = 0
+    res.pool = VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
+    o = cfg.optim
+    res.trainer = PolicyTrainer(
+        cfg.model.path,
+        UpdateSettings(
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            max_grad_norm=o.max_grad_norm,
+            micro_batch_size=o.micro_batch_size,
+            mini_batches=o.mini_batches,
+            clip_low=o.clip_low,
+            clip_high=o.clip_high,
+            kl_coef=o.kl_coef,
+            update_epochs=o.update_epochs,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+        ),
+        seed=cfg.run.seed,
+    )
+
+
+def _plain_step(run_dir: str, step: int) -> None:
+    """One step as plain calls: the bodies of the flow's five tasks, in order, and timing.json."""
+    from coba_tasks import stages
+    from flows.train import _res, allocation_task, capability_task, rollout_task, update_task, verify_task
+
+    res = _res(run_dir)
+    before = dict(res.stage_seconds)
+    rollout_task.fn(run_dir, step)
+    verify_task.fn(run_dir, step)
+    capability_task.fn(run_dir, step)
+    allocation_task.fn(run_dir, step)
+    update_task.fn(run_dir, step)
+    res.store.write_json(
+        f"steps/{step:06d}/timing.json",
+        {k: v - before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != stages.EVAL},
+    )
+
+
+def _flow_figures(summary: dict, root: Path, steps: int) -> dict[str, Any]:
+    per_stage = {name: [] for name in STAGE_NAMES}
+    for step in range(steps):
+        timing = json.loads((root / "steps" / f"{step:06d}" / "timing.json").read_text())
+        for name in STAGE_NAMES:
+            per_stage[name].append(float(timing[name]))
+    return {
+        "step_s": float(summary["step_seconds_mean"]),
+        "prefect_overhead_s": float(summary["prefect_overhead_seconds_per_step"]),
+        "stage_s": {k: _mean(v) for k, v in per_stage.items()},
+    }
+
+
+def _same_tables(a: Path, b: Path, steps: int) -> list[str]:
+    """Tables whose sha256 differs between the two run directories (or that one of them lacks)."""
+    from coba_tasks.store import RunStore
+
+    sa, sb = RunStore.open(a), RunStore.open(b)
+    differ = []
+    for step in range(steps + 1):
+        ma, mb = sa.manifest(step), sb.manifest(step)
+        for name in sorted(set(ma) | set(mb)):
+            if name == "eval" and not (name in ma and name in mb):
+                continue  # the flow evaluates after training too; the plain run does not
+            if ma.get(name, {}).get("sha256") != mb.get(name, {}).get("sha256"):
+                differ.append(f"{step:06d}/{name}")
+    return differ
+
+
+def bench_stages(
+    config_path: str | None = "configs/demo.yaml",
+    overrides: Sequence[str] = (),
+    steps: int = 3,
+    progress: Callable[[str], None] = print,
+    repeats: int = 5,
+    work_dir: str | os.PathLike[str] | None = None,
+) -> dict:
+    """Measure where a training step's time goes (see the module docstring); returns the figures.
+
+    Prefect must be configured (``configure_prefect()``, or a test harness) before the call.
+    ``work_dir`` keeps the two run directories (``flow/``, ``plain/``) and the scratch one; by
+    default they live in a temporary directory removed at the end. Times are seconds.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    cfg = _bench_config(config_path, list(overrides), steps)
+    if work_dir is None:
+        with tempfile.TemporaryDirectory(prefix="coba-bench-stages-") as tmp:
+            return _bench(cfg, config_path, Path(tmp), steps, repeats, progress)
+    return _bench(cfg, config_path, Path(work_dir), steps, repeats, progress)
+
+
+def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: int, progress) -> dict:
+    import torch
+
+    from coba_tasks import stages
+    from coba_tasks.config import config_to_dict
+    from flows.train import _RUNS, _open_resources, _sampling, _tracker_before, _write_budget, eval_task, train_flow
+
+    work.mkdir(parents=True, exist_ok=True)
+    flow_dir, plain_dir, scratch_dir = (work / n for n in ("flow", "plain", "scratch"))
+    for d in (flow_dir, plain_dir, scratch_dir):
+        if d.exists() and any(d.iterdir()):
+            raise ValueError(f"{d} is not empty; give bench stages an empty work directory")
+    machine = {
+        "python": platform.python_version(),
+        "processor": platform.machine(),
+        "cpus": _cpus(),
+        "torch_threads_at_start": torch.get_num_threads(),
+        "cuda": bool(torch.cuda.is_available()),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+    # -- 2a. the flow ------------------------------------------------------------------------------
+    progress(f"flow: {steps} steps of coba-train through Prefect")
+    t0 = time.perf_counter()
+    summary = train_flow(run_dir=str(flow_dir), config=config_to_dict(cfg))
+    flow_run_s = time.perf_counter() - t0
+    flow = _flow_figures(summary, flow_dir.resolve(), steps)
+    flow["run_s"] = flow_run_s
+
+    # -- 2b. the same steps as plain calls, then the stage benchmarks on that run's resources -------
+    root = plain_dir.resolve()
+    res = _open_resources(root, cfg, continuing=False)
+    try:
+        progress("plain: start the engine, the verifier pool and the trainer")
+        _write_budget(res, 0, stages.empty_history(), _tracker_before(res, 0))
+        _start_resources(res, cfg)
+        machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
+        eval_task.fn(str(root), 0)  # the flow evaluates before training: the same warm-up
+        walls, inside, per_stage = [], [], {name: [] for name in STAGE_NAMES}
+        for step in range(steps):
+            progress(f"plain: step {step + 1}/{steps} as plain function calls")
+            t0, in0 = time.perf_counter(), sum(res.stage_seconds.values())
+            _plain_step(str(root), step)
+            walls.append(time.perf_counter() - t0)
+            inside.append(sum(res.stage_seconds.values()) - in0)
+            timing = res.store.read_json(f"steps/{step:06d}/timing.json")
+            for name in STAGE_NAMES:
+                per_stage[name].append(float(timing[name]))
+        plain = {
+            "step_s": _mean(walls),
+            "outside_stages_s": _mean([w - i for w, i in zip(walls, inside, strict=True)]),
+            "stage_s": {k: _mean(v) for k, v in per_stage.items()},
+        }
+
+        t = steps - 1  # the step whose inputs and outputs the stage benchmarks use
+        store = res.store
+        budget = store.read_table(t, stages.BUDGET)
+        rollouts = store.read_table(t, stages.ROLLOUTS)
+        rewards = store.read_table(t, stages.REWARDS)
+        rollout = _bench_rollout(res, cfg, budget, t, repeats, progress, _sampling(cfg))
+        verify = _bench_verify(res, rollouts, rewards, repeats, progress)
+        parquet = _bench_parquet(store, scratch_dir, cfg, t, repeats, progress)
+        update = _bench_update(res, rollouts, rewards, scratch_dir, repeats, progress)
+    finally:
+        if res.pool is not None:
+            res.pool.close()
+        if res.engine is not None:
+            res.engine.close()
+        _RUNS.pop(str(root), None)
+
+    machine["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    differ = _same_tables(flow_dir, plain_dir, steps)
+    orchestration_s = flow["step_s"] - plain["step_s"]
+    rollout["write_s"] = parquet["tables"]["rollouts"]["write_s"]
+    ratios = {
+        "rollout_stage_over_bare": rollout["stage_s"] / rollout["bare_s"],
+        "rollout_stage_and_write_over_bare": (rollout["stage_s"] + rollout["write_s"]) / rollout["bare_s"],
+        "flow_over_plain_step": flow["step_s"] / plain["step_s"],
+        "orchestration_share": orchestration_s / flow["step_s"],
+        "prefect_overhead_share_in_flow": flow["prefect_overhead_s"] / flow["step_s"],
+    }
+    goals = {
+        name: {"value": ratios[name], "goal": limit, "met": bool(ratios[name] <= limit)}
+        for name, limit in GOALS.items()
+    }
+    return {
+        "benchmark": "stages",
+        "config": str(config_path) if config_path is not None else "configs/demo.yaml",
+        "steps": steps,
+        "repeats": repeats,
+        "measured_step": t,
+        "machine": machine,
+        "shape": {
+            "prompts_per_step": cfg.data.prompts_per_step,
+            "group_size": cfg.allocation.group_size,
+            "rollouts": len(rollouts),
+            "completion_tokens": int(rollouts["n_tokens"].sum()),
+            "max_tokens": cfg.rollout.max_tokens,
+            "model": cfg.model.path,
+        },
+        "rollout": rollout,
+        "step": {
+            "flow": flow,
+            "plain": plain,
+            "orchestration_s": orchestration_s,
+            "same_tables": not differ,
+            "tables_differ": differ,
+        },
+        "parquet": parquet,
+        "verify": verify,
+        "update": update,
+        "ratios": ratios,
+        "goals": goals,
+    }
+
+
+def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, progress, sampling) -> dict:
+    """stages.rollout_table vs a bare llm.generate with the same prompts, budgets and seeds, alternated."""
+    from vllm import SamplingParams
+
+    from coba_tasks import stages
+    from coba_tasks.rollout import rollout_seed
+
+    llm = res.engine._llm
+    text = res.prompts.set_index("prompt_id")["prompt_text"]
+    prompts, params = [], []
+    for pid, b in zip(budget["prompt_id"], budget["budget"], strict=True):
+        if sampling.temperature == 0.0:  # as the backend does: greedy takes n = 1, the prompt repeated
+            prompts += [text[pid]] * int(b)
+            params += [SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens)] * int(b)
+        else:
+            prompts.append(text[pid])
+            params.append(
+                SamplingParams(
+                    n=int(b),
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    max_tokens=sampling.max_tokens,
+                    seed=rollout_seed(cfg.run.seed, step, pid),
+                )
+            )
+
+    def stage():
+        return stages.rollout_table(budget, res.prompts, res.engine, sampling, cfg.run.seed, step)
+
+    def bare():
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    progress(f"rollout: stage vs bare vLLM, {repeats} alternating repeats")
+    table, outputs = stage(), bare()  # warm-up
+    stage_t, bare_t = [], []
+    for i in range(repeats):  # alternate the order so that a drift in the machine's load hits both
+        for name in ("stage", "bare") if i % 2 == 0 else ("bare", "stage"):
+            t0 = time.perf_counter()
+            if name == "stage":
+                table = stage()
+                stage_t.append(time.perf_counter() - t0)
+            else:
+                outputs = bare()
+                bare_t.append(time.perf_counter() - t0)
+    bare_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
+    tokens = int(table["n_tokens"].sum())
+    bare_s = statistics.median(bare_t)
+    return {
+        "prompts": len(budget),
+        "completions": len(table),
+        "tokens": tokens,
+        "stage_s": statistics.median(stage_t),
+        "bare_s": bare_s,
+        "bare_tokens_per_s": tokens / bare_s,
+        "same_completions": [list(x) for x in table["token_ids"]] == bare_ids,
+    }
+
+
+def _bench_verify(res: Any, rollouts: Any, rewards: Any, repeats: int, progress) -> dict:
+    from coba_tasks import stages
+    from coba_tasks.verify import count_verdicts
+
+    meta = res.prompts.set_index("prompt_id")
+    items = list(
+        zip(
+            rollouts["completion"].tolist(),
+            meta.loc[rollouts["prompt_id"], "ground_truth"].tolist(),
+            meta.loc[rollouts["prompt_id"], "data_source"].tolist(),
+            strict=True,
+        )
+    )
+    progress(f"verify: VerifierPool.score on {len(items)} rollouts")
+    res.pool.score(items[:4])  # workers (if the sources need them) start outside the timing
+    seconds, verdicts = _median_time(lambda: res.pool.score(items), repeats)
+    return {
+        "items": len(items),
+        "workers": res.pool.n_workers,
+        "seconds": seconds,
+        "items_per_s": len(items) / seconds,
+        "same_verdicts": count_verdicts(verdicts) == stages.count_verdicts_from_table(rewards),
+    }
+
+
+def _bench_parquet(store: Any, scratch: Path, cfg: Any, step: int, repeats: int, progress) -> dict:
+    """write_table / read_table (sha256 verified) of each of the step's tables, in a scratch run directory."""
+    from coba_tasks import stages
+    from coba_tasks.config import config_hash, config_to_dict
+    from coba_tasks.store import RunStore
+
+    progress("parquet: write and read each of the step's tables")
+    out = RunStore(scratch)
+    out.create(config_to_dict(cfg), config_hash(cfg), {})
+    tables = {}
+    for name in STEP_TABLES:
+        src = step + 1 if name == stages.BUDGET else step  # the budget this step allocated (for the next)
+        df = store.read_table(src, name)
+        write_s, _ = _median_time(lambda df=df, name=name: out.write_table(0, name, df), repeats)
+        read_s, back = _median_time(lambda name=name: out.read_table(0, name, verify=True), repeats)
+        entry = out.manifest(0)[name]
+        tables[name] = {
+            "rows": int(entry["rows"]),
+            "bytes": int(entry["bytes"]),
+            "write_s": write_s,
+            "read_s": read_s,
+            "round_trip_equal": bool(back.equals(df)),
+        }
+    return {
+        "tables": tables,
+        "write_s": sum(t["write_s"] for t in tables.values()),
+        "read_s": sum(t["read_s"] for t in tables.values()),
+        "bytes": sum(t["bytes"] for t in tables.values()),
+    }
+
+
+def _bench_update(res: Any, rollouts: Any, rewards: Any, scratch: Path, repeats: int, progress) -> dict:
+    """PolicyTrainer.update on the step's rollouts (as update_task prepares them), checkpoint save, reload."""
+    from coba_tasks import stages
+
+    progress(f"update: PolicyTrainer.update on {len(rollouts)} rollouts")
+    t0 = time.perf_counter()
+    adv = stages.advantages_for(rollouts, rewards)
+    text = res.prompts.set_index("prompt_id")["prompt_text"]
+    tok = res.trainer.tokenizer
+    prompt_ids = [tok(text[p], add_special_tokens=False).input_ids for p in rollouts["prompt_id"]]
+    completion_ids = [list(x) for x in rollouts["token_ids"]]
+    prepare_s = time.perf_counter() - t0
+    seconds, metrics = _median_time(lambda: res.trainer.update(prompt_ids, completion_ids, adv), repeats)
+    ckpt = scratch / "checkpoint"
+    save_s, _ = _median_time(lambda: res.trainer.save_checkpoint(ckpt, extra_state={"bench": True}), repeats)
+    reload_s, _ = _median_time(lambda: res.engine.load_weights(ckpt, version=res.engine.weight_version), repeats)
+    tokens = int(metrics["tokens"])
+    return {
+        "sequences": int(metrics["sequences"]),
+        "tokens": tokens,
+        "prepare_s": prepare_s,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "checkpoint_save_s": save_s,
+        "engine_reload_s": reload_s,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt_s(s: float) -> str:
+    if not math.isfinite(s):
+        return "-"
+    if abs(s) < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if abs(s) < 1.0:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def _load(machine: dict) -> str:
+    start, end = machine.get("load_average_at_start"), machine.get("load_average_at_end")
+    if not start or not end:
+        return ""
+    return f", load average {start[0]:.1f} at start, {end[0]:.1f} at end"
+
+
+def _met(goal: dict) -> str:
+    return "met" if goal["met"] else "NOT met"
+
+
+def format_stages(result: dict) -> str:
+    """Human-readable report of ``bench_stages``: the figures, the ratios, their goals and whether met."""
+    m, sh, ro, st = result["machine"], result["shape"], result["rollout"], result["step"]
+    pq, ve, up, ra, go = result["parquet"], result["verify"], result["update"], result["ratios"], result["goals"]
+    flow, plain = st["flow"], st["plain"]
+    g_roll, g_orch = go["rollout_stage_over_bare"], go["orchestration_share"]
+    lines = [
+        f"Where a training step's time goes ({result['config']}, {result['steps']} steps; "
+        f"M = {sh['prompts_per_step']} prompts x G = {sh['group_size']} = {sh['rollouts']} rollouts per step, "
+        f"max {sh['max_tokens']} tokens)",
+        f"{m['cpus']} CPUs, torch threads {m.get('torch_threads', m['torch_threads_at_start'])}, "
+        f"{'CUDA' if m['cuda'] else 'no GPU'}{_load(m)}; medians of {result['repeats']} repeats, steps averaged; "
+        "one process, one run: compare the ratios",
+        "",
+        f"1. Rollout stage vs bare vLLM (step {result['measured_step']}'s prompts, budgets and seeds; "
+        f"{ro['completions']} completions, {ro['tokens']:,} tokens)",
+        f"  {'bare llm.generate':<34}{_fmt_s(ro['bare_s']):>10}   {ro['bare_tokens_per_s']:,.0f} tokens/s",
+        f"  {'stages.rollout_table':<34}{_fmt_s(ro['stage_s']):>10}",
+        f"  {'Parquet write of rollouts':<34}{_fmt_s(ro['write_s']):>10}",
+        f"  stage / bare = {ra['rollout_stage_over_bare']:.3f}x (goal <= {g_roll['goal']:.2f}: {_met(g_roll)}); "
+        f"(stage + write) / bare = {ra['rollout_stage_and_write_over_bare']:.3f}x; "
+        f"same completions: {'yes' if ro['same_completions'] else 'NO'}",
+        "",
+        f"2. One step through Prefect vs the same stages as plain function calls (mean of {result['steps']} steps)",
+        f"  {'':<34}{'flow':>10}{'plain':>10}",
+    ]
+    for name in STAGE_NAMES:
+        lines.append(f"  {'stage ' + name:<34}{_fmt_s(flow['stage_s'][name]):>10}{_fmt_s(plain['stage_s'][name]):>10}")
+    outside_flow = flow["step_s"] - sum(flow["stage_s"].values())
+    lines += [
+        f"  {'outside the stage bodies':<34}{_fmt_s(outside_flow):>10}{_fmt_s(plain['outside_stages_s']):>10}",
+        f"  {'step':<34}{_fmt_s(flow['step_s']):>10}{_fmt_s(plain['step_s']):>10}",
+        f"  flow / plain = {ra['flow_over_plain_step']:.3f}x; orchestration (flow - plain) "
+        f"{_fmt_s(st['orchestration_s'])} = {ra['orchestration_share']:.1%} of a flow step "
+        f"(goal <= {g_orch['goal']:.0%}: {_met(g_orch)})",
+        f"  Prefect overhead as the flow measures it (step wall - stage bodies): {_fmt_s(flow['prefect_overhead_s'])}"
+        f" = {ra['prefect_overhead_share_in_flow']:.1%} of a flow step",
+        "  same tables in both run directories: "
+        + ("yes" if st["same_tables"] else "NO (" + ", ".join(st["tables_differ"][:6]) + ")"),
+        "",
+        "3. Parquet per step (write = RunStore.write_table, read = read_table with sha256)",
+        f"  {'table':<14}{'rows':>8}{'bytes':>12}{'write':>11}{'read':>11}",
+    ]
+    for name, t in pq["tables"].items():
+        lines.append(f"  {name:<14}{t['rows']:>8,}{t['bytes']:>12,}{_fmt_s(t['write_s']):>11}{_fmt_s(t['read_s']):>11}")
+    lines += [
+        f"  {'total':<14}{'':>8}{pq['bytes']:>12,}{_fmt_s(pq['write_s']):>11}{_fmt_s(pq['read_s']):>11}",
+        "",
+        f"4. Verification: {ve['items']:,} items in {_fmt_s(ve['seconds'])} = {ve['items_per_s']:,.0f} items/s "
+        f"(VerifierPool.score, {ve['workers']} workers); same verdicts as the step: "
+        f"{'yes' if ve['same_verdicts'] else 'NO'}",
+        "",
+        f"5. GRPO update: {up['tokens']:,} completion tokens ({up['sequences']:,} sequences) in "
+        f"{_fmt_s(up['seconds'])} = {up['tokens_per_s']:,.0f} tokens/s; tokenizing the prompts "
+        f"{_fmt_s(up['prepare_s'])}, checkpoint save {_fmt_s(up['checkpoint_save_s'])}, "
+        f"vLLM weight reload {_fmt_s(up['engine_reload_s'])}",
+        "",
+        f"Goals: rollout stage / bare vLLM <= {g_roll['goal']:.2f}: {_met(g_roll)} "
+        f"({g_roll['value']:.3f}); orchestration <= {g_orch['goal']:.0%} of a step: {_met(g_orch)} "
+        f"({g_orch['value']:.1%})",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return n
+
+
+def add_bench_stages_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``stages`` under the ``bench`` subcommand group; returns its parser."""
+    p = bench_subparsers.add_parser(
+        "stages",
+        help="where a training step's time goes: rollout stage vs bare vLLM, Prefect vs plain calls, Parquet, "
+        "verifier, update",
+        description="Run a few training steps through the Prefect flow and the same steps as plain function calls "
+        "on temporary run directories, then time the rollout stage against a bare vllm.LLM.generate with the same "
+        "prompts, budgets and seeds, the Parquet write and read of each of the step's tables, the verifier and the "
+        "GRPO update. Prints the figures and the ratios with their goals (rollout stage / bare vLLM <= 1.10, "
+        "orchestration <= 10% of a step); asserts nothing.",
+        epilog="examples:\n  coba bench stages\n  coba bench stages --steps 5 --json > stages.json\n"
+        "  coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", default="configs/demo.yaml", help="YAML config (default configs/demo.yaml)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
+    )
+    p.add_argument("--steps", type=_positive, default=3, help="training steps in each run (default 3)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=cmd_bench_stages)
+    return p
+
+
+def cmd_bench_stages(args: argparse.Namespace) -> int:
+    """``coba bench stages``: run the benchmark, print the report (or JSON); 0."""
+    from coba_tasks.prefect_env import configure_prefect
+
+    configure_prefect()
+    result = bench_stages(
+        args.config,
+        list(args.set or []),
+        steps=args.steps,
+        progress=lambda msg: print(f"[bench] {msg} ...", file=sys.stderr, flush=True),
+    )
+    print(json.dumps(result, indent=2) if args.json else format_stages(result))
+    return 0
