@@ -57,8 +57,10 @@ def plain_python_heap(
     return np.asarray(budgets, dtype=np.int64)
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    fn()  # warm up (imports, caches)
+def _median_time(fn: Callable[[], Any], repeats: int, warmup: bool = True) -> tuple[float, Any]:
+    """Median wall time of ``repeats`` calls (after one untimed call when ``warmup``) and the last result."""
+    if warmup:
+        fn()  # imports, caches
     times, out = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -45,6 +45,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from coba_tasks.bench import _median_time as bench_median_time
+
 GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
 EVAL_PROMPTS = 16  # held-out prompts per evaluation in the benchmark's runs (unless --set data.eval_prompts=...)
 STEP_TABLES = ("budget", "rollouts", "rewards", "capability", "history", "update")
@@ -52,12 +54,7 @@ STAGE_NAMES = ("rollouts", "rewards", "capability", "budget", "update")
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return bench_median_time(fn, repeats, warmup=False)  # stateful calls (the update): no untimed extra call
 
 
 def _cpus() -> int:
@@ -88,48 +85,6 @@ def _bench_config(config_path: str | None, overrides: Sequence[str], steps: int)
         )
     check_paths(cfg)
     return cfg
-
-
-def _start_resources(res: Any, cfg: Any) -> None:
-    """Engine, verifier pool and trainer, built with the same arguments as ``train_flow`` builds them."""
-    from coba_tasks.rollout import make_backend
-    from coba_tasks.trainer import PolicyTrainer, UpdateSettings
-    from coba_tasks.verify import VerifierPool
-
-    r = cfg.rollout
-    res.engine = make_backend(
-        r.backend,
-        cfg.model.path,
-        dtype=cfg.model.dtype,
-        max_model_len=r.max_model_len or None,
-        seed=cfg.run.seed,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        trust_remote_code=cfg.model.trust_remote_code,
-        in_process=r.in_process,
-    )
-    res.engine.weight_version = 0
-    res.pool = VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
-    o = cfg.optim
-    res.trainer = PolicyTrainer(
-        cfg.model.path,
-        UpdateSettings(
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=tuple(o.betas),
-            eps=o.eps,
-            max_grad_norm=o.max_grad_norm,
-            micro_batch_size=o.micro_batch_size,
-            mini_batches=o.mini_batches,
-            clip_low=o.clip_low,
-            clip_high=o.clip_high,
-            kl_coef=o.kl_coef,
-            update_epochs=o.update_epochs,
-            dtype=cfg.model.dtype,
-            trust_remote_code=cfg.model.trust_remote_code,
-            gradient_checkpointing=cfg.model.gradient_checkpointing,
-        ),
-        seed=cfg.run.seed,
-    )
 
 
 def _plain_step(run_dir: str, step: int) -> None:
@@ -207,7 +162,16 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
 
     from coba_tasks import stages
     from coba_tasks.config import config_to_dict
-    from flows.train import _RUNS, _open_resources, _sampling, _tracker_before, _write_budget, eval_task, train_flow
+    from flows.train import (
+        _RUNS,
+        _open_resources,
+        _sampling,
+        _tracker_before,
+        _write_budget,
+        eval_task,
+        start_resources,
+        train_flow,
+    )
 
     work.mkdir(parents=True, exist_ok=True)
     flow_dir, plain_dir, scratch_dir = (work / n for n in ("flow", "plain", "scratch"))
@@ -237,7 +201,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
     try:
         progress("plain: start the engine, the verifier pool and the trainer")
         _write_budget(res, 0, stages.empty_history(), _tracker_before(res, 0))
-        _start_resources(res, cfg)
+        start_resources(res, cfg.model.path, version=0)
         machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
         eval_task.fn(str(root), 0)  # the flow evaluates before training: the same warm-up
         walls, inside, per_stage = [], [], {name: [] for name in STAGE_NAMES}

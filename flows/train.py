@@ -375,6 +375,46 @@ def first_step_not_done(store: RunStore, steps: int) -> int:
     return step
 
 
+def start_resources(res: RunResources, model_path: str, version: int) -> None:
+    """Start what a run keeps alive between steps: the rollout engine on ``model_path`` (weight
+    version ``version``), the verifier pool and the training model (from the config's model path)."""
+    cfg = res.cfg
+    r = cfg.rollout
+    res.engine = make_backend(
+        r.backend,
+        model_path,
+        dtype=cfg.model.dtype,
+        max_model_len=r.max_model_len or None,
+        seed=cfg.run.seed,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        trust_remote_code=cfg.model.trust_remote_code,
+        in_process=r.in_process,
+    )
+    res.engine.weight_version = version
+    res.pool = VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
+    o = cfg.optim
+    res.trainer = PolicyTrainer(
+        cfg.model.path,
+        UpdateSettings(
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            max_grad_norm=o.max_grad_norm,
+            micro_batch_size=o.micro_batch_size,
+            mini_batches=o.mini_batches,
+            clip_low=o.clip_low,
+            clip_high=o.clip_high,
+            kl_coef=o.kl_coef,
+            update_epochs=o.update_epochs,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+        ),
+        seed=cfg.run.seed,
+    )
+
+
 @flow(name="coba-train")
 def train_flow(
     config_path: str | None = None,
@@ -415,40 +455,7 @@ def train_flow(
         if first > 0:
             start_ckpt = str(store.checkpoint_dir(first))
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
-        r = cfg.rollout
-        res.engine = make_backend(
-            r.backend,
-            start_ckpt,
-            dtype=cfg.model.dtype,
-            max_model_len=r.max_model_len or None,
-            seed=cfg.run.seed,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            trust_remote_code=cfg.model.trust_remote_code,
-            in_process=r.in_process,
-        )
-        res.engine.weight_version = first
-        res.pool = VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
-        o = cfg.optim
-        res.trainer = PolicyTrainer(
-            cfg.model.path,
-            UpdateSettings(
-                lr=o.lr,
-                weight_decay=o.weight_decay,
-                betas=tuple(o.betas),
-                eps=o.eps,
-                max_grad_norm=o.max_grad_norm,
-                micro_batch_size=o.micro_batch_size,
-                mini_batches=o.mini_batches,
-                clip_low=o.clip_low,
-                clip_high=o.clip_high,
-                kl_coef=o.kl_coef,
-                update_epochs=o.update_epochs,
-                dtype=cfg.model.dtype,
-                trust_remote_code=cfg.model.trust_remote_code,
-                gradient_checkpointing=cfg.model.gradient_checkpointing,
-            ),
-            seed=cfg.run.seed,
-        )
+        start_resources(res, start_ckpt, version=first)
         if first > 0:
             res.trainer.load_checkpoint(store.checkpoint_dir(first))
         before = eval_task(str(store.root), 0)
