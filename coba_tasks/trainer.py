@@ -178,7 +178,7 @@ class PolicyTrainer:
                     if ref_logp is not None:
                         kl = masked_mean(kl_penalty(logp, ref_logp[idx], mask[idx]), mask[idx], mb_tokens)
                         loss = loss + s.kl_coef * kl
-                        totals["kl"] += float(kl) * mb_tokens
+                        totals["kl"] += float(kl.detach()) * mb_tokens
                     loss.backward()
                     totals["loss"] += float(loss.detach()) * mb_tokens
                     n_tok = float(mask[idx].sum())
