@@ -124,6 +124,7 @@ def _class_of(rate: float) -> str:
 
 def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
     """The comparison's tables (see the module docstring) from finished or partial runs."""
+    from coba_tasks import stages
     from coba_tasks.config import config_from_dict
     from coba_tasks.store import RunStore
 
@@ -149,7 +150,7 @@ def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
             if store.is_done(step, "capability") and store.is_done(step, "rewards"):
                 cap = store.read_table(step, "capability").iloc[0]
                 rewards = store.read_table(step, "rewards")
-                rates = (rewards["reward"] == 1.0).groupby(rewards["prompt_id"]).mean()
+                rates = stages.pass_rates(rewards)
                 sizes = rewards.groupby("prompt_id").size()
                 mixed = ((rates > 0) & (rates < 1)).reindex(sizes.index)
                 steps_rows.append(
