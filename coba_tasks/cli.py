@@ -104,10 +104,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if rc:
             return rc
     check_paths(cfg)
-    from coba_tasks.data import load_dataset
+    from coba_tasks.data import load_run_datasets
 
-    load_dataset(cfg.data.train)  # a bad dataset fails here, before anything is written
-    load_dataset(cfg.data.test)
+    load_run_datasets(cfg)  # a bad dataset or over-long prompt fails here, before anything is written
     from coba_tasks.prefect_env import configure_prefect
 
     configure_prefect()

@@ -46,6 +46,10 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = PROJECT_ROOT / "configs" / "demo.yaml"
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit seed
+ON_BAD_ROWS = ("error", "skip")  # data.on_bad_rows (coba_tasks.data reads the same two words)
+# Keys added after runs were made: left out of config_hash while at these defaults, so a run made
+# before the key existed keeps its hash (and can be resumed); any other value is hashed.
+HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {("data", "on_bad_rows"): "error"}
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
@@ -110,11 +114,19 @@ class DataConfig:
     eval_prompts: int = 0  # held-out prompts used per evaluation (a seeded sample); 0 = all of data.test
     train_prompts: int = 0  # training pool: a seeded sample of this many prompts of data.train; 0 = all
     shuffle: bool = True  # shuffle the prompt order of each epoch (a pass over the training pool) with run.seed
+    on_bad_rows: str = "error"  # a bad row (or over-long prompt): error = refuse the run; skip = drop it, list it
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
         _check(self, "train", bool(self.train.strip()), "must name a Parquet file")
         _check(self, "test", bool(self.test.strip()), "must name a Parquet file")
+        _check(
+            self,
+            "on_bad_rows",
+            self.on_bad_rows in ON_BAD_ROWS,
+            "must be error (a bad row stops the run before it starts) or skip (bad rows are dropped and "
+            "listed in the run's bad_rows.parquet)",
+        )
         _check(self, "prompts_per_step", self.prompts_per_step >= 1, "must be >= 1 (M, prompts per step)")
         _check(self, "eval_prompts", self.eval_prompts >= 0, "must be >= 0 (0 = every prompt of data.test)")
         _check(self, "train_prompts", self.train_prompts >= 0, "must be >= 0 (0 = every prompt of data.train)")
@@ -411,8 +423,15 @@ def dump_config(cfg: Config, path: str | os.PathLike[str]) -> Path:
 
 
 def config_hash(cfg: Config) -> str:
-    """First 16 hex digits of the sha256 of the config's canonical JSON (sorted keys, no spaces)."""
-    text = json.dumps(config_to_dict(cfg), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    """First 16 hex digits of the sha256 of the config's canonical JSON (sorted keys, no spaces).
+
+    Keys of ``HASH_NEUTRAL_DEFAULTS`` at their default are left out (added later; older runs keep their hash).
+    """
+    data = config_to_dict(cfg)
+    for (section, key), default in HASH_NEUTRAL_DEFAULTS.items():
+        if data[section][key] == default:
+            del data[section][key]
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

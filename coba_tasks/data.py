@@ -22,7 +22,14 @@ The layout is told apart by the type of ``prompt``: a list means veRL, a string 
 Validation happens on load, so a bad file stops a run before it starts: every row is checked,
 and ``DatasetError`` reports the first few bad rows by number and column, e.g.
 ``data/x.parquet: row 17, column reward_model.ground_truth: ground truth is empty``. Row numbers
-count from 0, as in ``pandas.read_parquet(path).iloc[row]``.
+count from 0, as in ``pandas.read_parquet(path).iloc[row]``. With ``on_bad_rows="skip"``
+(the config's ``data.on_bad_rows``) bad rows are dropped instead and returned as ``Problem``s
+(a duplicated id keeps its first row); a file whose every row is bad, or that is bad as a whole
+(not Parquet, a column missing or of the wrong type), is still an error.
+
+``check_prompt_lengths`` refuses (or skips) prompts too long for the model's context once the
+completion's ``rollout.max_tokens`` are added; ``load_run_datasets`` does both checks for a
+run's train and test files, as ``coba run`` and the training flow do before a run starts.
 
 ``write_verl_parquet`` writes the veRL layout atomically (temporary name, then ``os.replace``) and
 deterministically (explicit schema, no pandas metadata), so a generator rerun gives the same bytes.
@@ -35,15 +42,18 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from coba_tasks.fileio import atomic_write
+
+if TYPE_CHECKING:
+    from coba_tasks.config import Config
 
 LOADED_COLUMNS = (
     "prompt_id",
@@ -58,6 +68,9 @@ VERL_REQUIRED = ("data_source", "prompt", "reward_model")
 FLAT_REQUIRED = ("prompt", "answer")
 VERL_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 MISSING_DIFFICULTY = -1
+ON_BAD_ROWS = ("error", "skip")  # data.on_bad_rows: refuse a file with bad rows, or drop and report them
+BAD_ROWS_COLUMNS = ("key", "file", "row", "column", "message")  # bad_rows.parquet of a run
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_REPORTED = 5  # bad rows listed in a DatasetError message; the rest are counted
 HASH_CHARS = 16
 
@@ -65,6 +78,7 @@ MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 REWARD_MODEL_TYPE = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
 
 Layout = Literal["verl", "flat"]
+OnBadRows = Literal["error", "skip"]
 Messages = list[dict[str, str]]
 
 
@@ -84,13 +98,16 @@ class Problem:
 class DatasetError(ValueError):
     """A dataset file that cannot be used; the message names the file, the row and the column."""
 
-    def __init__(self, path: str | os.PathLike[str], problems: Sequence[Problem] | str) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], problems: Sequence[Problem] | str, note: str | None = None
+    ) -> None:
         self.path = str(path)
         self.problems: list[Problem] = [] if isinstance(problems, str) else list(problems)
         if isinstance(problems, str):
             lines = [f"{self.path}: {problems}"]
         else:
-            lines = [f"{self.path}: {p}" for p in self.problems[:MAX_REPORTED]]
+            lines = [f"{self.path}: {note}"] if note else []
+            lines += [f"{self.path}: {p}" for p in self.problems[:MAX_REPORTED]]
             if len(self.problems) > MAX_REPORTED:
                 lines.append(f"{self.path}: ... and {len(self.problems) - MAX_REPORTED} more problems")
         super().__init__("\n".join(lines))
@@ -123,32 +140,188 @@ def prompt_hash(messages: Messages) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:HASH_CHARS]
 
 
-def load_dataset(path: str | os.PathLike[str], default_source: str = "math") -> pd.DataFrame:
+def load_dataset(
+    path: str | os.PathLike[str], default_source: str = "math", on_bad_rows: OnBadRows = "error"
+) -> pd.DataFrame:
     """Read a veRL or flat Parquet file of prompts and validate every row.
 
     Args:
         path: the Parquet file.
         default_source: ``data_source`` for rows of a flat table that have none.
+        on_bad_rows: ``"error"`` refuses a file with any bad row; ``"skip"`` drops the bad rows
+            (``read_dataset`` also returns what was dropped).
 
     Returns:
-        One row per prompt, in file order, with the columns of ``LOADED_COLUMNS``.
+        One row per prompt, in file order, with the columns of ``LOADED_COLUMNS``. The index is
+        the row's number in the file: 0..n-1 unless rows were skipped.
 
     Raises:
         DatasetError: the file is not Parquet, lacks a column, or has bad rows (null or empty
-            ground truth or prompt, duplicated prompt id, ...); the message lists the first few.
+            ground truth or prompt, duplicated prompt id, ...) and ``on_bad_rows`` is
+            ``"error"`` or every row is bad; the message lists the first few.
         FileNotFoundError: there is no such file.
     """
-    table = _read_table(path)
-    layout = _detect_layout(table.schema, path)
-    _check_columns(table.schema, layout, path)
+    return read_dataset(path, default_source, on_bad_rows)[0]
+
+
+def read_dataset(
+    path: str | os.PathLike[str], default_source: str = "math", on_bad_rows: OnBadRows = "error"
+) -> tuple[pd.DataFrame, list[Problem]]:
+    """``load_dataset``, and the problems of the rows it skipped (empty with ``"error"``), in row order."""
+    _check_on_bad_rows(on_bad_rows)
+    try:  # a damaged file can hold names or values that are not UTF-8, whatever reads them
+        table = _read_table(path)
+        layout = _detect_layout(table.schema, path)
+        _check_columns(table.schema, layout, path)
+        values = _column_values(table)
+    except (UnicodeDecodeError, pa.ArrowException) as e:
+        raise DatasetError(path, f"not a readable Parquet file: damaged ({_reason(e)})") from e
     if table.num_rows == 0:
         raise DatasetError(path, "the table has no rows")
     reader = _read_verl_row if layout == "verl" else _make_flat_reader(default_source)
-    rows, problems = _read_rows(_column_values(table), reader)
+    rows, problems = _read_rows(values, reader)
     problems += _duplicate_ids(rows)
-    if problems:
-        raise DatasetError(path, sorted(problems, key=lambda p: p.row or 0))
-    return _to_frame(rows)
+    problems.sort(key=lambda p: p.row or 0)
+    _refuse_or_skip(path, table.num_rows, problems, on_bad_rows)
+    bad = {p.row for p in problems}
+    return _to_frame([row for row in rows if row["_row"] not in bad]), problems
+
+
+def check_prompt_lengths(
+    df: pd.DataFrame,
+    tokenizer: Any,
+    context: int,
+    max_tokens: int,
+    path: str | os.PathLike[str],
+    on_bad_rows: OnBadRows = "error",
+    context_from: str = "rollout.max_model_len / the model's max_position_embeddings",
+) -> tuple[pd.DataFrame, list[Problem]]:
+    """Refuse (or with ``"skip"`` drop) the prompts that leave no room for a whole completion.
+
+    A prompt fits when its token count (``tokenizer(prompt_text)``, special tokens included, as the
+    rollout engine counts it) plus ``max_tokens`` is at most ``context``.
+
+    Args:
+        df: a frame of ``load_dataset``; its index is the file's row number (used in messages).
+        tokenizer: a Hugging Face tokenizer (called on a list of strings, gives ``input_ids``).
+        context: the engine's context length in tokens (prompt + completion).
+        max_tokens: tokens generated per completion (``rollout.max_tokens``).
+        path: the file ``df`` came from, for messages.
+        on_bad_rows: ``"error"`` or ``"skip"``, as in ``load_dataset``.
+        context_from: where ``context`` came from, for messages.
+
+    Returns:
+        The frame without the skipped rows (index kept), and their problems (column ``prompt``).
+
+    Raises:
+        DatasetError: some prompt is too long and ``on_bad_rows`` is ``"error"``, or every one is.
+    """
+    _check_on_bad_rows(on_bad_rows)
+    if df.empty:
+        return df, []
+    limit = context - max_tokens
+    counts = [len(ids) for ids in tokenizer(df["prompt_text"].tolist())["input_ids"]]
+    problems = [
+        Problem(
+            "prompt",
+            f"prompt is {n} tokens; with rollout.max_tokens {max_tokens} it exceeds the context of"
+            f" {context} tokens ({context_from})",
+            row=int(row),
+        )
+        for row, n in zip(df.index, counts, strict=True)
+        if n > limit
+    ]
+    _refuse_or_skip(path, len(df), problems, on_bad_rows)
+    keep = [n <= limit for n in counts]
+    return (df[keep] if problems else df), problems
+
+
+@dataclass
+class RunDatasets:
+    """A run's prompts after every check: what ``load_run_datasets`` gives."""
+
+    train: pd.DataFrame | None  # None when not asked for (a continuing run has its prompts table)
+    test: pd.DataFrame
+    skipped: dict[str, tuple[str, list[Problem]]] = field(default_factory=dict)  # config key -> (file, problems)
+
+    def bad_rows(self) -> pd.DataFrame:
+        """The skipped rows as a table (``BAD_ROWS_COLUMNS``), written to a run as bad_rows.parquet."""
+        records = [
+            (key, file, -1 if p.row is None else p.row, p.column, p.message)
+            for key, (file, problems) in self.skipped.items()
+            for p in problems
+        ]
+        frame = pd.DataFrame(records, columns=list(BAD_ROWS_COLUMNS))
+        return frame.astype({"key": str, "file": str, "row": "int64", "column": str, "message": str})
+
+    def skip_lines(self) -> list[str]:
+        """One line per file with skipped rows: ``skipped N bad rows of FILE (see bad_rows.parquet)``."""
+        return [
+            f"skipped {len(problems)} bad row{'s' if len(problems) != 1 else ''} of {file} (see bad_rows.parquet)"
+            for file, problems in self.skipped.values()
+            if problems
+        ]
+
+
+def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
+    """Load and check a run's datasets: every row (``load_dataset``) and every prompt's length.
+
+    ``data.on_bad_rows`` says whether a bad row stops the run or is skipped. The context is
+    ``rollout.max_model_len``, or the model's ``max_position_embeddings`` when that is 0 (no
+    length check when the model declares none). The frames come back with a fresh 0..n-1 index.
+
+    Raises:
+        DatasetError: a bad file, or bad rows that are not skipped (``data.train`` / ``data.test``).
+        ConfigError: the model's tokenizer or config cannot be read (naming ``model.path``).
+    """
+    tokenizer, context, context_from = model_context(
+        cfg.model.path, cfg.model.trust_remote_code, cfg.rollout.max_model_len
+    )
+    out = RunDatasets(train=None, test=pd.DataFrame())
+    keys = (("data.train", cfg.data.train),) if train else ()
+    for key, path in (*keys, ("data.test", cfg.data.test)):
+        df, problems = read_dataset(path, on_bad_rows=cfg.data.on_bad_rows)
+        if context is not None:
+            try:
+                df, too_long = check_prompt_lengths(
+                    df, tokenizer, context, cfg.rollout.max_tokens, path, cfg.data.on_bad_rows, context_from
+                )
+            except DatasetError as e:
+                if not problems:
+                    raise
+                # skipping: the rows left after the load are all too long; report the whole file's rows
+                every = sorted(problems + e.problems, key=lambda p: p.row or 0)
+                raise DatasetError(path, every, note=_all_bad(len(df) + len(problems))) from e
+            problems = sorted(problems + too_long, key=lambda p: p.row or 0)
+        if problems:
+            out.skipped[key] = (str(path), problems)
+        setattr(out, key.removeprefix("data."), df.reset_index(drop=True))
+    return out
+
+
+def model_context(model_path: str, trust_remote_code: bool, max_model_len: int) -> tuple[Any, int | None, str]:
+    """(tokenizer, context length or None when unknown, where the length came from) of a model.
+
+    The context is ``max_model_len`` when it is > 0, else the model config's
+    ``max_position_embeddings``. ConfigError naming ``model.path`` when the model cannot be read.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from coba_tasks.config import ConfigError
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        if max_model_len > 0:
+            return tokenizer, max_model_len, "rollout.max_model_len"
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot read the tokenizer and config of {model_path}: {e}") from e
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return tokenizer, value, f"the model's {name}; rollout.max_model_len is 0"
+    return tokenizer, None, "unknown"
 
 
 def write_verl_parquet(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
@@ -197,9 +370,37 @@ def write_parquet_atomic(table: pa.Table, path: str | os.PathLike[str]) -> Path:
 def _read_table(path: str | os.PathLike[str]) -> pa.Table:
     """The whole Parquet file as an Arrow table; DatasetError if it is not Parquet."""
     try:
-        return pq.read_table(path)
-    except pa.ArrowInvalid as e:
-        raise DatasetError(path, f"not a readable Parquet file ({e})") from e
+        table = pq.read_table(path)
+        table.column_names  # noqa: B018 - decodes the names: a damaged footer fails here
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # not Parquet; IO, type, damaged names
+        _refuse_repeated_columns(path, _schema_names(path))  # a valid file whose column names repeat
+        raise DatasetError(path, f"not a readable Parquet file ({_reason(e)})") from e
+    _refuse_repeated_columns(path, table.column_names)
+    try:  # a damaged file can decode into invalid values (strings that are not UTF-8, bad offsets)
+        table.validate(full=True)
+    except pa.ArrowException as e:
+        raise DatasetError(path, f"not a readable Parquet file: damaged values ({_reason(e)})") from e
+    return table
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def _schema_names(path: str | os.PathLike[str]) -> list[str]:
+    """The column names in the file's footer; empty when even that cannot be read."""
+    try:
+        return pq.read_schema(path).names
+    except (pa.ArrowException, OSError, UnicodeDecodeError):
+        return []
+
+
+def _refuse_repeated_columns(path: str | os.PathLike[str], names: list[str]) -> None:
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise DatasetError(path, [Problem(n, "appears more than once in the table") for n in twice])
 
 
 def _is_string(t: pa.DataType) -> bool:
@@ -223,6 +424,27 @@ def _detect_layout(schema: pa.Schema, path: str | os.PathLike[str]) -> Layout:
         return "verl" if "reward_model" in schema.names else "flat"
     message = f"has type {prompt_type}; expected a list of {{role, content}} (veRL) or a string (flat table)"
     raise DatasetError(path, [Problem("prompt", message)])
+
+
+def _check_on_bad_rows(on_bad_rows: str) -> None:
+    if on_bad_rows not in ON_BAD_ROWS:
+        raise ValueError(f"on_bad_rows must be one of {', '.join(ON_BAD_ROWS)}, got {on_bad_rows!r}")
+
+
+def _refuse_or_skip(path: str | os.PathLike[str], n_rows: int, problems: list[Problem], on_bad_rows: OnBadRows) -> None:
+    """Raise for ``problems`` unless they are row problems to skip and some row is left."""
+    if not problems:
+        return
+    if on_bad_rows == "error":
+        raise DatasetError(path, problems)
+    if any(p.row is None for p in problems):  # a whole column is bad: nothing to skip around
+        raise DatasetError(path, [p for p in problems if p.row is None])
+    if len({p.row for p in problems}) >= n_rows:
+        raise DatasetError(path, problems, note=_all_bad(n_rows))
+
+
+def _all_bad(n_rows: int) -> str:
+    return f"every one of the {n_rows} rows is bad, so data.on_bad_rows=skip leaves no prompt"
 
 
 def _missing_hint() -> str:
@@ -364,13 +586,24 @@ def _difficulty(value: Any, column: str) -> int:
     """An integer difficulty level; null or absent -> MISSING_DIFFICULTY."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return MISSING_DIFFICULTY
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and value.strip().removeprefix("-").isdigit():
-        return int(value)
-    raise _BadValue(column, f"difficulty must be an integer, got {value!r}")
+    integral = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    level = int(value) if integral or (isinstance(value, str) and _is_ascii_integer(value.strip())) else None
+    if level is None or not INT64_MIN <= level <= INT64_MAX:
+        raise _BadValue(column, f"difficulty must be an integer (64-bit), got {_short_repr(value)}")
+    return level
+
+
+def _is_ascii_integer(text: str) -> bool:
+    """'12', '-3': what ``int()`` reads, without '+', '_' or non-ASCII digits."""
+    digits = text.removeprefix("-")
+    return digits.isascii() and digits.isdigit()
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _required_string(value: Any, column: str) -> str:
@@ -405,4 +638,7 @@ def _to_frame(rows: list[Row]) -> pd.DataFrame:
     """Loaded rows -> a DataFrame with the columns of ``LOADED_COLUMNS``, in that order."""
     frame = pd.DataFrame({c: [row[c] for row in rows] for c in LOADED_COLUMNS})
     frame["difficulty"] = frame["difficulty"].astype("int64")
+    numbers = [row["_row"] for row in rows]
+    if numbers != list(range(len(rows))):  # rows were skipped: keep each row's number in the file
+        frame.index = pd.Index(numbers, dtype="int64")
     return frame

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,25 +347,42 @@ def resolve_run(
 
 def _open_resources(root: Path, cfg: Config, continuing: bool) -> RunResources:
     from coba_tasks.config import config_hash, config_to_dict
-    from coba_tasks.data import load_dataset
+    from coba_tasks.data import load_run_datasets
 
-    test = load_dataset(cfg.data.test)  # a bad held-out set fails before anything is written
+    # bad rows and prompts longer than the context fail here, before anything is written (or are
+    # skipped with data.on_bad_rows=skip, listed in bad_rows.parquet)
+    data = load_run_datasets(cfg, train=not continuing)
+    test = data.test
     if continuing:
         store = RunStore.open(root)
         prompts = store.read_run_table("prompts")
     else:
-        prompts = load_dataset(cfg.data.train)
+        prompts = data.train
         if cfg.data.train_prompts and cfg.data.train_prompts < len(prompts):
             prompts = prompts.sample(cfg.data.train_prompts, random_state=cfg.run.seed).reset_index(drop=True)
         store = RunStore(root)
         store.create(config_to_dict(cfg), config_hash(cfg), _versions())
         store.write_run_table("prompts", prompts)
         store.write_run_table("history", stages.empty_history())
+        if data.skipped:
+            store.write_run_table("bad_rows", data.bad_rows())
+    _warn_skipped(data.skip_lines())
     if cfg.data.eval_prompts and cfg.data.eval_prompts < len(test):
         test = test.sample(cfg.data.eval_prompts, random_state=cfg.run.seed).reset_index(drop=True)
     res = RunResources(cfg=cfg, store=store, prompts=prompts, test=test)
     _RUNS[str(root)] = res
     return res
+
+
+def _warn_skipped(lines: list[str]) -> None:
+    """Log each "skipped N bad rows of FILE" line (printed when called outside a flow run)."""
+    from prefect.exceptions import MissingContextError
+
+    for line in lines:
+        try:
+            get_run_logger().warning(line)
+        except MissingContextError:
+            print(line, file=sys.stderr)
 
 
 def first_step_not_done(store: RunStore, steps: int) -> int:

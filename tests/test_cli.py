@@ -2,10 +2,14 @@
 
 import json
 
+import pandas as pd
 import pytest
 
 from coba_tasks.cli import build_parser, main
+from coba_tasks.config import PROJECT_ROOT
 from coba_tasks.demo import DemoConfig, simulate
+
+DATA = PROJECT_ROOT / "data"
 
 
 def test_help_has_examples(capsys):
@@ -73,4 +77,70 @@ def test_run_refuses_bad_input_before_writing(tmp_path, capsys, random_checkpoin
     assert "optim.lrr" in capsys.readouterr().err
     rc = main(["run", "--run-dir", str(run_dir), "--set", "model.path=/nonexistent/model"])
     assert rc == 2 and not run_dir.exists()
-    assert "/nonexistent/model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "model.path: /nonexistent/model" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragment"),
+    [
+        (["optim.lrr=1"], "optim.lrr", "valid keys of optim"),
+        (["optim.lr=fast"], "optim.lr", "expected a number"),
+        (["run.steps=2.5"], "run.steps", "expected an integer"),
+        (["allocation.min_budget=1"], "allocation.min_budget", "must be >= 2"),
+        (["allocation.max_budget=1"], "allocation.max_budget", "must be >= allocation.min_budget (2)"),
+        (["allocation.group_size=200"], "allocation.group_size", "(needs 256 <= B_total <= 16384)"),
+        (["allocation.group_size=1"], "allocation.group_size", "set group_size between 2 and 128"),
+        (["run.name=../escape"], "run.name", "one path component"),
+        (["run.name=/tmp/escape"], "run.name", "one path component"),
+        (["run.name=a/b"], "run.name", "one path component"),
+        (["data.on_bad_rows=ignore"], "data.on_bad_rows", "must be error"),
+        (
+            [
+                f"data.train={DATA / 'arith_train.parquet'}",
+                f"data.test={DATA / 'arith_test.parquet'}",
+                "model.path=/no/m",
+            ],
+            "model.path",
+            "model.path: /no/m does not exist",
+        ),
+    ],
+)
+def test_run_with_a_bad_config_is_one_line_naming_the_key(tmp_path, monkeypatch, capsys, overrides, key, fragment):
+    monkeypatch.chdir(tmp_path)  # runs/<name> would be created here
+    args = ["run"] + [a for o in overrides for a in ("--set", o)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert key in err and fragment in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists() and not any(tmp_path.iterdir())
+
+
+def _flat(path, prompts):
+    pd.DataFrame({"prompt": prompts, "answer": [str(k) for k in range(len(prompts))]}).to_parquet(path)
+    return path
+
+
+def test_run_refuses_a_prompt_longer_than_the_context(tmp_path, capsys, random_checkpoints):
+    model, _ = random_checkpoints  # max_position_embeddings 64, one token per character
+    train = _flat(tmp_path / "long.parquet", ["1+1=", "9" * 900, "2+2="])
+    run_dir = tmp_path / "run"
+    common = ["run", "--dataset", str(train), "--run-dir", str(run_dir), "--set", f"model.path={model}"]
+    assert main([*common, "--set", "rollout.max_model_len=0"]) == 2
+    err = capsys.readouterr().err
+    assert f"{train}: row 1, column prompt: prompt is 900 tokens; with rollout.max_tokens 12 it exceeds" in err
+    assert "context of 64 tokens (the model's max_position_embeddings" in err
+    assert "Traceback" not in err and not run_dir.exists()
+    assert main([*common, "--set", "rollout.max_model_len=40"]) == 2
+    assert "context of 40 tokens (rollout.max_model_len)" in capsys.readouterr().err and not run_dir.exists()
+
+
+def test_run_with_skip_still_refuses_a_dataset_with_no_good_row(tmp_path, capsys, random_checkpoints):
+    model, _ = random_checkpoints
+    train = _flat(tmp_path / "bad.parquet", ["9" * 900, " "])
+    run_dir = tmp_path / "run"
+    args = ["run", "--dataset", str(train), "--run-dir", str(run_dir), "--set", f"model.path={model}"]
+    assert main([*args, "--set", "data.on_bad_rows=skip"]) == 2
+    err = capsys.readouterr().err
+    assert "every one of the 2 rows is bad" in err and f"{train}: row 1, column prompt: prompt is empty" in err
+    assert not run_dir.exists()

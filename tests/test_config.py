@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def test_defaults_are_the_documented_values():
         64,
     )
     assert (cfg.verify.workers, cfg.verify.timeout_s) == (2, 5.0)
+    assert cfg.data.on_bad_rows == "error"
     assert cfg.budget_per_step() == 32 * 16
 
 
@@ -245,6 +247,7 @@ def test_wrong_type_in_a_file(tmp_path):
         ("data.prompts_per_step=0", r"data\.prompts_per_step = 0: must be >= 1"),
         ("data.eval_prompts=-3", r"data\.eval_prompts = -3: must be >= 0"),
         ("data.train=", r"data\.train = '': must name a Parquet file"),
+        ("data.on_bad_rows=ignore", r"data\.on_bad_rows = 'ignore': must be error .* or skip .*bad_rows\.parquet"),
         ("model.dtype=fp8", r"model\.dtype = 'fp8': must be one of float32, bfloat16, float16, auto"),
         ("rollout.backend=sglang", r"rollout\.backend = 'sglang': must be one of transformers, vllm"),
         ("rollout.temperature=-1", r"rollout\.temperature = -1\.0: must be >= 0"),
@@ -314,6 +317,49 @@ def test_group_size_outside_the_bounds_is_infeasible_with_numbers():
         load_config(None, ["allocation.group_size=1"])
     with pytest.raises(ConfigError, match=r"group_size = 16 .*\[20, 32\]"):
         load_config(None, ["allocation.min_budget=20", "allocation.max_budget=32"])
+
+
+@pytest.mark.parametrize(
+    "name", ["..", ".", "../runs/x", "a/b", "/tmp/evil", "a\\b", "~", "x" * 201, "", " ", "run\nname", "a:b"]
+)
+def test_run_name_cannot_leave_the_runs_directory(tmp_path, name):
+    for make in (
+        lambda: load_config(None, [f"run.name={name}"]),
+        lambda: load_config(write(tmp_path, yaml.safe_dump({"run": {"name": name}}))),
+        lambda: RunConfig(name=name),
+    ):
+        with pytest.raises(ConfigError, match=r"^run\.name = .*must be one path component") as info:
+            make()
+        assert "\n" not in str(info.value)
+
+
+def test_budget_bounds_name_the_key_and_the_feasible_range():
+    cases = [
+        (["allocation.min_budget=1"], r"^allocation\.min_budget = 1: must be >= 2"),
+        (["allocation.min_budget=0", "allocation.group_size=4"], r"^allocation\.min_budget = 0: must be >= 2"),
+        (["allocation.min_budget=8", "allocation.max_budget=4"], r"^allocation\.max_budget = 4: must be >= .*\(8\)"),
+        (["allocation.group_size=1"], r"^allocation\.group_size = 1 is outside .*= \[2, 128\]"),
+        (["allocation.group_size=129"], r"^allocation\.group_size = 129 is outside .*between 2 and 128"),
+    ]
+    for overrides, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern):
+            load_config(None, overrides)
+    # B_total = M * G within [M * min_budget, M * max_budget]: the edges are feasible
+    for g in (2, 128):
+        assert load_config(None, [f"allocation.group_size={g}"]).budget_per_step() == 128 * g
+
+
+def test_on_bad_rows_is_error_or_skip_and_only_skip_changes_the_hash():
+    cfg = load_config()
+    assert cfg.data.on_bad_rows == "error"
+    skip = apply_overrides(cfg, ["data.on_bad_rows=skip"])
+    assert skip.data.on_bad_rows == "skip" and config_hash(skip) != config_hash(cfg)
+    # the key came after runs existed: at its default it is left out of the hash, so older runs keep theirs
+    without = config_to_dict(cfg)
+    del without["data"]["on_bad_rows"]
+    text = json.dumps(without, sort_keys=True, separators=(",", ":"))
+    assert config_hash(cfg) == hashlib.sha256(text.encode()).hexdigest()[:16]
+    assert config_from_dict(without) == cfg  # an older run's config.yaml (no such key) loads with the default
 
 
 def test_sections_validate_when_built_directly():

@@ -15,7 +15,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coba_tasks.data import LOADED_COLUMNS, DatasetError, load_dataset, prompt_hash, write_verl_parquet
+from coba_tasks.config import ConfigError, apply_overrides, load_config
+from coba_tasks.data import (
+    BAD_ROWS_COLUMNS,
+    LOADED_COLUMNS,
+    DatasetError,
+    check_prompt_lengths,
+    load_dataset,
+    load_run_datasets,
+    prompt_hash,
+    read_dataset,
+    write_verl_parquet,
+)
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -233,6 +244,224 @@ def test_bad_difficulty_is_named(tmp_path: Path) -> None:
 
 def test_dataset_error_is_a_value_error() -> None:
     assert issubclass(DatasetError, ValueError)
+
+
+def test_null_prompt_names_row_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", None], "answer": ["2", "4"]}).to_parquet(path)
+    raises_dataset_error(path, "row 1, column prompt: prompt is null")
+
+
+def test_missing_file_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_dataset(tmp_path / "absent.parquet")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"PAR1", b"PAR1" + bytes(range(256)) + b"PAR1", b"\x00" * 64],
+    ids=["empty", "magic-only", "magic-around-garbage", "zeros"],
+)
+def test_bytes_that_are_not_parquet(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "x.parquet"
+    path.write_bytes(content)
+    raises_dataset_error(path, "not a readable Parquet file")
+
+
+def test_truncated_parquet_file(tmp_path: Path) -> None:
+    good = write_rows(tmp_path / "good.parquet", verl_rows(20)).read_bytes()
+    path = tmp_path / "cut.parquet"
+    path.write_bytes(good[: len(good) // 2])
+    raises_dataset_error(path, "not a readable Parquet file")
+
+
+def test_empty_table_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": pd.Series([], dtype=str), "answer": pd.Series([], dtype=str)}).to_parquet(path)
+    raises_dataset_error(path, "the table has no rows")
+
+
+def test_prompt_of_the_wrong_type_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": [1, 2], "answer": ["2", "4"]}).to_parquet(path)
+    raises_dataset_error(path, "column prompt: has type int64")
+
+
+def test_a_column_written_twice_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "twice.parquet"
+    table = pa.table([pa.array(["1+1="]), pa.array(["2"]), pa.array(["3"])], names=["prompt", "answer", "answer"])
+    pq.write_table(table, path)
+    raises_dataset_error(path, "column answer: appears more than once")
+
+
+@pytest.mark.parametrize("value", ["²", "10000000000000000000000", "1.5", "hard"])
+def test_difficulty_that_is_not_a_64_bit_integer_is_a_bad_row(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"], "difficulty": ["3", value]}).to_parquet(path)
+    raises_dataset_error(path, "row 1, column difficulty: difficulty must be an integer")
+
+
+def test_difficulty_beyond_int64_as_a_float_is_a_bad_row(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"], "difficulty": [1.0, 1e30]}).to_parquet(path)
+    raises_dataset_error(path, "row 1, column difficulty")
+
+
+# ---------------------------------------------------------------------------------------------
+# on_bad_rows="skip"
+
+
+def test_skip_drops_bad_rows_and_returns_their_problems(tmp_path: Path) -> None:
+    rows = verl_rows(6)
+    rows[1]["reward_model"]["ground_truth"] = None
+    rows[3]["prompt"] = [{"role": "user", "content": " "}]
+    rows[5]["extra_info"]["index"] = rows[0]["extra_info"]["index"]  # a later duplicate: row 0 is kept
+    path = write_rows(tmp_path / "x.parquet", rows)
+    df, problems = read_dataset(path, on_bad_rows="skip")
+    assert df["prompt_id"].tolist() == ["10", "12", "14"]
+    assert df.index.tolist() == [0, 2, 4]  # the rows' numbers in the file
+    assert [(p.row, p.column) for p in problems] == [
+        (1, "reward_model.ground_truth"),
+        (3, "prompt"),
+        (5, "extra_info.index"),
+    ]
+    assert "duplicates row 0" in problems[2].message
+    pd.testing.assert_frame_equal(load_dataset(path, on_bad_rows="skip"), df)
+    with pytest.raises(DatasetError):  # the default still refuses the file
+        load_dataset(path)
+
+
+def test_skip_with_no_bad_row_is_the_plain_load(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "x.parquet", verl_rows(4))
+    df, problems = read_dataset(path, on_bad_rows="skip")
+    assert problems == []
+    pd.testing.assert_frame_equal(df, load_dataset(path))
+    assert isinstance(df.index, pd.RangeIndex)
+
+
+def test_skip_refuses_a_file_whose_every_row_is_bad(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "1+1="], "answer": ["", "2"]}).to_parquet(path)  # row 1 duplicates row 0...
+    df, problems = read_dataset(path, on_bad_rows="skip")  # ...but row 0 is bad itself: row 1 is kept
+    assert df["ground_truth"].tolist() == ["2"] and [p.row for p in problems] == [0]
+    pd.DataFrame({"prompt": ["1+1=", " "], "answer": ["", "2"]}).to_parquet(path)
+    with pytest.raises(DatasetError, match="every one of the 2 rows is bad") as info:
+        load_dataset(path, on_bad_rows="skip")
+    assert "row 0, column answer" in str(info.value) and "row 1, column prompt" in str(info.value)
+
+
+def test_skip_does_not_skip_a_bad_file_or_column(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1="]}).to_parquet(path)
+    with pytest.raises(DatasetError, match="column answer: missing"):
+        load_dataset(path, on_bad_rows="skip")
+    path.write_text("not parquet")
+    with pytest.raises(DatasetError, match="not a readable Parquet file"):
+        load_dataset(path, on_bad_rows="skip")
+
+
+def test_on_bad_rows_must_be_error_or_skip(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="on_bad_rows must be one of error, skip"):
+        load_dataset(write_rows(tmp_path / "x.parquet", verl_rows(1)), on_bad_rows="ignore")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt length against the context
+
+
+def char_tokenizer(texts: list[str]) -> dict[str, list[list[int]]]:
+    """A stand-in tokenizer: one token per character plus a BOS token."""
+    return {"input_ids": [[1] + [ord(c) for c in t] for t in texts]}
+
+
+def flat_frame(prompts: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({"prompt_text": prompts, "prompt_id": [str(k) for k in range(len(prompts))]})
+
+
+def test_a_prompt_longer_than_the_context_names_file_row_and_column() -> None:
+    df = flat_frame(["1+1=", "x" * 899, "2+2="])
+    with pytest.raises(DatasetError) as info:
+        check_prompt_lengths(df, char_tokenizer, 64, 12, "data/x.parquet", context_from="rollout.max_model_len")
+    assert str(info.value) == (
+        "data/x.parquet: row 1, column prompt: prompt is 900 tokens; with rollout.max_tokens 12 it exceeds the"
+        " context of 64 tokens (rollout.max_model_len)"
+    )
+
+
+def test_a_prompt_that_leaves_exactly_max_tokens_fits() -> None:
+    df = flat_frame(["x" * 51, "x" * 52])  # 52 and 53 tokens; 64 - 12 = 52 fit
+    kept, problems = check_prompt_lengths(df, char_tokenizer, 64, 12, "x.parquet", on_bad_rows="skip")
+    assert kept["prompt_id"].tolist() == ["0"] and [p.row for p in problems] == [1]
+    assert "prompt is 53 tokens" in problems[0].message
+
+
+def test_skipped_long_prompts_are_named_by_their_row_in_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "", "y" * 100, "3+3="], "answer": ["2", "0", "1", "6"]}).to_parquet(path)
+    df, _ = read_dataset(path, on_bad_rows="skip")  # row 1 is skipped on load
+    kept, problems = check_prompt_lengths(df, char_tokenizer, 64, 12, path, on_bad_rows="skip")
+    assert kept["prompt_text"].tolist() == ["1+1=", "3+3="]
+    assert [(p.row, p.column) for p in problems] == [(2, "prompt")]
+
+
+def test_every_prompt_too_long_is_an_error_even_when_skipping() -> None:
+    with pytest.raises(DatasetError, match="every one of the 2 rows is bad"):
+        check_prompt_lengths(flat_frame(["x" * 80, "y" * 90]), char_tokenizer, 64, 12, "x.parquet", "skip")
+
+
+# ---------------------------------------------------------------------------------------------
+# load_run_datasets: what a run start checks
+
+
+def run_config(tmp_path: Path, model: Path, train_rows: list[str], *overrides: str):
+    train = tmp_path / "train.parquet"
+    answers = [str(k) for k in range(len(train_rows))]
+    pd.DataFrame({"prompt": train_rows, "answer": answers}).to_parquet(train)
+    test = write_rows(tmp_path / "test.parquet", verl_rows(3))
+    base = [f"data.train={train}", f"data.test={test}", f"model.path={model}"]
+    return apply_overrides(load_config(None, []), [*base, *overrides]), train
+
+
+def test_run_datasets_check_lengths_against_the_models_context(tmp_path: Path, random_checkpoints) -> None:
+    model, _ = random_checkpoints  # max_position_embeddings 64, one token per character
+    cfg, train = run_config(tmp_path, model, ["1+1=", "z" * 200, ""], "rollout.max_model_len=0")
+    with pytest.raises(DatasetError) as info:  # the rows' own problems are reported first, alone
+        load_run_datasets(cfg)
+    assert str(info.value) == f"{train}: row 2, column prompt: prompt is empty"
+    cfg, train = run_config(tmp_path, model, ["1+1=", "z" * 200, "2+2="], "rollout.max_model_len=0")
+    with pytest.raises(DatasetError) as info:
+        load_run_datasets(cfg)
+    message = str(info.value)
+    assert f"{train}: row 1, column prompt: prompt is" in message
+    assert "exceeds the context of 64 tokens (the model's max_position_embeddings" in message
+    cfg, _ = run_config(tmp_path, model, ["1+1=", "z" * 200, "2+2="], "rollout.max_model_len=40")
+    with pytest.raises(DatasetError, match=r"row 1, column prompt: .*context of 40 tokens \(rollout\.max_model_len\)"):
+        load_run_datasets(cfg)
+
+
+def test_run_datasets_skip_and_report(tmp_path: Path, random_checkpoints) -> None:
+    model, _ = random_checkpoints
+    cfg, train = run_config(tmp_path, model, ["1+1=", "z" * 200, "", "2+2=", "1+1="], "data.on_bad_rows=skip")
+    data = load_run_datasets(cfg)
+    assert data.train is not None and data.train["prompt_text"].tolist() == ["1+1=", "2+2="]
+    assert isinstance(data.train.index, pd.RangeIndex) and len(data.test) == 3
+    report = data.bad_rows()
+    assert list(report.columns) == list(BAD_ROWS_COLUMNS)
+    assert report[["key", "file", "row", "column"]].values.tolist() == [
+        ["data.train", str(train), 1, "prompt"],
+        ["data.train", str(train), 2, "prompt"],
+        ["data.train", str(train), 4, "prompt"],
+    ]
+    assert report["message"].str.contains("tokens|empty|duplicates row 0").all()
+    assert data.skip_lines() == [f"skipped 3 bad rows of {train} (see bad_rows.parquet)"]
+    assert load_run_datasets(cfg, train=False).train is None
+
+
+def test_run_datasets_name_model_path_when_the_model_is_unreadable(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    cfg, _ = run_config(tmp_path, tmp_path / "model", ["1+1="])
+    with pytest.raises(ConfigError, match=r"^model\.path: cannot read the tokenizer"):
+        load_run_datasets(cfg)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,3 +81,55 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
         images = [a for a in client.read_artifacts() if a.type == "image" and str(report) in str(a.data)]
     assert {a.key for a in found} == set(keys)
     assert len(images) >= 5
+
+
+def _flat(path, prompts):
+    import pandas as pd
+
+    pd.DataFrame({"prompt": prompts, "answer": [str(k) for k in range(len(prompts))]}).to_parquet(path)
+    return path
+
+
+def test_skipped_rows_are_listed_in_bad_rows_parquet(tmp_path, capsys, random_checkpoints):
+    """data.on_bad_rows=skip: the run starts without the bad rows and lists them (no engine needed)."""
+    from flows.train import _RUNS, _open_resources
+
+    model, _ = random_checkpoints  # 64 positions, one token per character
+    train = _flat(tmp_path / "train.parquet", ["1+1=", "9" * 900, " ", "2+2=", "1+1=", "3+3="])
+    cfg = load_config(
+        "configs/tiny-test.yaml",
+        [f"model.path={model}", f"data.train={train}", "data.on_bad_rows=skip", "rollout.max_model_len=0"],
+    )
+    root = (tmp_path / "run").resolve()
+    try:
+        res = _open_resources(root, cfg, continuing=False)
+    finally:
+        _RUNS.pop(str(root), None)
+    assert res.prompts["prompt_text"].tolist() == ["1+1=", "2+2=", "3+3="]
+    store = RunStore.open(root)
+    assert store.read_run_table("prompts")["prompt_text"].tolist() == ["1+1=", "2+2=", "3+3="]
+    bad = store.read_run_table("bad_rows")  # through the store: in the run-level manifest, hashed
+    assert bad[["key", "file", "row", "column"]].values.tolist() == [
+        ["data.train", str(train), 1, "prompt"],
+        ["data.train", str(train), 2, "prompt"],
+        ["data.train", str(train), 4, "prompt"],
+    ]
+    assert bad["message"].tolist()[0].startswith("prompt is 900 tokens; with rollout.max_tokens 8 it exceeds")
+    assert "prompt is empty" in bad["message"][1] and "duplicates row 0" in bad["message"][2]
+    assert f"skipped 3 bad rows of {train} (see bad_rows.parquet)" in capsys.readouterr().err
+    assert store.run_manifest()["bad_rows"]["rows"] == 3
+
+
+@pytest.mark.slow
+def test_refused_dataset_leaves_no_run_directory(tmp_path, prefect_harness, random_checkpoints):
+    """A prompt longer than the context stops the flow before anything is written; no run directory stays."""
+    from coba_tasks.data import DatasetError
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    train = _flat(tmp_path / "train.parquet", ["1+1=", "9" * 900])
+    cfg = load_config("configs/tiny-test.yaml", [f"model.path={model}", f"data.train={train}"])
+    run_dir = tmp_path / "run"
+    with pytest.raises(DatasetError, match=r"row 1, column prompt: prompt is 900 tokens"):
+        train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    assert not run_dir.exists()
