@@ -67,7 +67,8 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from coba_tasks.bootstrap import BootstrapConfig
     from flows.bootstrap import bootstrap_flow
 
-    cfg = BootstrapConfig(seed=args.seed, **({"steps": args.steps} if args.steps else {}))
+    chosen = {"steps": args.steps, "threads": getattr(args, "threads", None)}
+    cfg = BootstrapConfig(seed=args.seed, **{k: v for k, v in chosen.items() if v is not None})
     figures = bootstrap_flow(out_dir=str(out), train_path=args.train, test_path=args.test, cfg=cfg)
     levels = "  ".join(f"level {k}: {v:.2f}" for k, v in figures["accuracy_by_difficulty"].items())
     print(f"held-out greedy accuracy {figures['accuracy']:.3f}   {levels}")
@@ -345,6 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--test", default="data/arith_test.parquet", help="held-out split (veRL Parquet)")
     boot.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     boot.add_argument("--steps", type=_positive, default=None, help="optimizer steps (default: BootstrapConfig)")
+    boot.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default 0: every core; the same seed and thread count give the same model)",
+    )
     boot.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     boot.set_defaults(func=_cmd_bootstrap)
 
