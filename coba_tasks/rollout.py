@@ -16,17 +16,38 @@ Seeds derive from (run seed, step, prompt id) through ``rollout_seed``: the same
 run gives the same rollouts whatever else happened in between (a rerun reproduces them).
 
 Every returned row carries ``weight_version`` (the step of the checkpoint that produced it).
+
+Engine death. A vLLM engine whose engine-core process died (killed, out of memory, a crash) stays
+dead: every later call raises. ``VLLMBackend`` notices it (``EngineDeadError``, or any error while
+vLLM's own liveness flag says the engine is dead), closes the dead engine, starts a new one with
+the same arguments, reloads the last weights given to ``load_weights`` (so ``weight_version`` stays
+true) and runs the call again, once; it logs "rollout engine died (...); started a new engine".
+Rollouts after a restart equal those the old engine would have produced: seeds are per request.
+If the new engine fails too, the error is raised (the Prefect task retry then tries again).
+
+Sleep. ``sleep()`` frees the engine's accelerator memory while the GRPO update runs and
+``wake_up()`` takes it back (the config's ``rollout.sleep_during_update``). vLLM: started with
+``sleep_mode=True`` (``LLM(enable_sleep_mode=True)``), ``llm.sleep(level=1)`` offloads the weights
+to CPU memory and drops the KV cache; CUDA only (vLLM's CPU platform refuses sleep mode, and
+``sleep_unavailable`` says so before a run starts). transformers: the model moves to CPU memory.
+A sleeping vLLM engine's scheduler is paused, so ``generate`` and ``load_weights`` wake it first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
+import logging
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SEED_MASK = 0x7FFF_FFFF  # vLLM and torch both take a 31-bit seed
 
@@ -99,6 +120,19 @@ class RolloutBackend(ABC):
     def close(self) -> None:
         """Release the engine."""
 
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory until ``wake_up`` (while the update runs); no-op by default."""
+        return None
+
+    def wake_up(self) -> None:
+        """Take back what ``sleep`` freed; a no-op when awake."""
+        return None
+
+    @classmethod
+    def sleep_unavailable(cls) -> str | None:
+        """Why ``sleep`` cannot work on this machine, or None when it can (or is a harmless no-op)."""
+        return None
+
     def __enter__(self) -> RolloutBackend:
         return self
 
@@ -125,6 +159,14 @@ def register_backend(name: str) -> Callable[[type[RolloutBackend]], type[Rollout
 def backends() -> list[str]:
     """Names of the registered rollout backends."""
     return sorted(_BACKENDS)
+
+
+def sleep_unavailable(name: str) -> str | None:
+    """Why backend ``name`` cannot sleep during the update on this machine; None when it can."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown rollout backend {name!r}; valid backends: {', '.join(backends())}")
+    cls = _BACKENDS[name]
+    return cls.sleep_unavailable() if isinstance(cls, type) and issubclass(cls, RolloutBackend) else None
 
 
 def make_backend(name: str, model_path: str | Path, **options: Any) -> RolloutBackend:
@@ -160,12 +202,15 @@ class VLLMBackend(RolloutBackend):
         enforce_eager: bool | None = None,
         trust_remote_code: bool = False,
         in_process: bool | None = None,
+        sleep_mode: bool = False,
         extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         import torch
 
         on_cpu = not torch.cuda.is_available()
+        if sleep_mode and on_cpu:
+            raise ValueError(f"sleep_mode=True: {self.sleep_unavailable()}")
         if in_process is None:
             in_process = on_cpu
         if in_process:
@@ -189,7 +234,14 @@ class VLLMBackend(RolloutBackend):
             kwargs["distributed_executor_backend"] = "uni"
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(extra or {})
+        self._asleep = False
+        self._llm_kwargs = kwargs  # to start an identical engine if this one dies
+        self._weights_path: str | None = None  # the last checkpoint given to load_weights
+        self.restarts = 0  # engines started to replace a dead one
+        self._closed = False
         self._llm = LLM(**kwargs)
         self.model_path = str(model_path)
 
@@ -197,6 +249,8 @@ class VLLMBackend(RolloutBackend):
         from vllm import SamplingParams
 
         _check_requests(requests)
+        if self._asleep:  # a sleeping engine's scheduler is paused: generate would wait for ever
+            self.wake_up()
         prompts: list[str] = []
         params: list[Any] = []
         owners: list[int] = []
@@ -217,7 +271,7 @@ class VLLMBackend(RolloutBackend):
                     )
                 )
                 owners.append(i)
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._call_engine(lambda llm: llm.generate(prompts, params, use_tqdm=False), "generate")
         groups: list[list[Any]] = [[] for _ in requests]
         for owner, out in zip(owners, outputs, strict=True):
             groups[owner].extend(out.outputs)
@@ -242,7 +296,17 @@ class VLLMBackend(RolloutBackend):
         return rows
 
     def load_weights(self, path: str | Path, version: int) -> None:
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        if self._asleep:
+            self.wake_up()
+
+        def reload(llm: Any) -> None:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            # the prefix cache keeps KV blocks computed with the old weights, and a prompt that fills a
+            # whole block would reuse them (seen on CPU with 32-token blocks: rollouts off the new policy)
+            llm.reset_prefix_cache()
+
+        self._call_engine(reload, "load")
+        self._weights_path = str(path)
         self.weight_version = int(version)
 
     def close(self) -> None:
@@ -253,6 +317,140 @@ class VLLMBackend(RolloutBackend):
             if callable(shutdown):
                 shutdown()
             self._llm = None
+        self._closed = True
+
+    # -- sleep during the update
+
+    @classmethod
+    def sleep_unavailable(cls) -> str | None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "vLLM's sleep mode needs a CUDA GPU and torch sees none here (vLLM's CPU platform refuses it)"
+        return None
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights offloaded to CPU memory, KV cache dropped (the engine needs ``sleep_mode=True``)."""
+        if not self._llm_kwargs.get("enable_sleep_mode"):
+            raise RuntimeError("this vLLM engine was started without sleep_mode=True: it cannot sleep")
+        if not self._asleep:
+            self._call_engine(lambda llm: llm.sleep(level=level), "sleep")
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._call_engine(lambda llm: llm.wake_up(), "wake up")
+            self._asleep = False
+
+    # -- engine death
+
+    def _engine_client(self) -> Any:
+        return getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+
+    def engine_dead(self) -> bool:
+        """Whether vLLM flags the engine as dead (its engine-core process exited); False in-process,
+        where the engine core lives in this process and a failure shows as ``EngineDeadError``."""
+        return bool(getattr(getattr(self._engine_client(), "resources", None), "engine_dead", False))
+
+    def _call_engine(self, call: Callable[[Any], Any], what: str) -> Any:
+        """``call(llm)``; if the engine is dead (before or during the call), start a new one and call again, once."""
+        if self._closed:
+            raise RuntimeError("the vLLM rollout engine is closed")
+        if self._llm is None:  # an earlier restart failed half-way
+            self._restart(f"no engine before {what}: starting the engine again failed earlier")
+        elif self.engine_dead():
+            self._restart(f"found dead before {what}")
+        else:
+            try:
+                with _EngineDeathWatch(self._engine_client()):
+                    return call(self._llm)
+            except Exception as exc:
+                if not (_is_engine_dead_error(exc) or self.engine_dead()):
+                    raise
+                why = f"{what} raised {type(exc).__name__}: {exc}"
+            # restart outside the except block: the traceback would keep the old engine alive
+            self._restart(why)
+        return call(self._llm)
+
+    def _restart(self, why: str) -> None:
+        """Replace a dead engine by a new one with the same arguments and the last loaded weights."""
+        from vllm import LLM
+
+        old, self._llm = self._llm, None
+        try:
+            old.llm_engine.shutdown()
+        except Exception:  # already dead: release what can be released, go on
+            logger.debug("shutting down the dead rollout engine failed", exc_info=True)
+        del old
+        gc.collect()
+        self._llm = LLM(**self._llm_kwargs)
+        self._asleep = False  # a new engine starts awake
+        if self._weights_path is not None:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_path})
+        self.restarts += 1
+        logger.warning(
+            "rollout engine died (%s); started a new engine on %s (weight version %d)",
+            why,
+            self._weights_path or self.model_path,
+            self.weight_version,
+        )
+
+
+def _engine_dead_error_class() -> type[Exception]:
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # another vLLM layout: the liveness flag alone tells a death
+        return RuntimeError
+    return EngineDeadError
+
+
+def _is_engine_dead_error(exc: BaseException) -> bool:
+    cls = _engine_dead_error_class()
+    return cls is not RuntimeError and isinstance(exc, cls)
+
+
+class _EngineDeathWatch:
+    """While a call to a multiprocess vLLM engine runs, wake the caller if the engine core dies.
+
+    vLLM 0.32's ``SyncMPClient`` flags the engine dead when its engine-core process exits, but a
+    caller already waiting for outputs (``generate``: ``outputs_queue.get()``) or for a utility
+    call (``collective_rpc``: ``future.result()``) waits for ever (measured: SIGKILL of the engine
+    core during ``generate`` hung it for minutes). This thread polls the flag and, once it is set,
+    hands every waiter an ``EngineDeadError``. A no-op for an in-process engine.
+    """
+
+    def __init__(self, client: Any, interval_s: float = 0.2) -> None:
+        self.client = client
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _EngineDeathWatch:
+        resources = getattr(self.client, "resources", None)
+        if resources is not None and hasattr(resources, "engine_dead"):
+            self._thread = threading.Thread(
+                target=self._watch, args=(resources,), daemon=True, name="coba-engine-watch"
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self, resources: Any) -> None:
+        while not self._stop.wait(self.interval_s):
+            if not resources.engine_dead:
+                continue
+            dead = _engine_dead_error_class()
+            queue = getattr(self.client, "outputs_queue", None)
+            if queue is not None:
+                queue.put_nowait(dead())
+            for future in list(getattr(self.client, "utility_results", {}).values()):
+                with contextlib.suppress(Exception):  # done meanwhile
+                    future.set_exception(dead())
+            return
 
 
 @register_backend("transformers")
@@ -333,6 +531,16 @@ class TransformersBackend(RolloutBackend):
     def load_weights(self, path: str | Path, version: int) -> None:
         self._load(path)
         self.weight_version = int(version)
+
+    def sleep(self) -> None:
+        """Move the model to CPU memory until ``wake_up`` (a no-op on CPU)."""
+        if self.device != "cpu" and self.model is not None:
+            self.model.to("cpu")
+            self._torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.device != "cpu" and self.model is not None:
+            self.model.to(self.device)
 
     def close(self) -> None:
         self.model = None

@@ -289,16 +289,18 @@ def evaluate(
     max_tokens: int,
     seed: int,
     greedy: bool = False,
+    top_p: float = 1.0,
 ) -> pd.DataFrame:
     """Mean reward over ``samples`` completions per held-out prompt (greedy when temperature is 0).
 
+    A sampled evaluation keeps the ``top_p`` nucleus (the paper: avg@16 at temperature 1.0, top-p 0.9).
     With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
     as ``accuracy`` when the evaluation is greedy already).
     """
 
     def accuracy(n: int, temp: float) -> np.ndarray:
         budget = pd.DataFrame({"prompt_id": test["prompt_id"], "budget": n})
-        sampling = SamplingConfig(temperature=temp, max_tokens=max_tokens)
+        sampling = SamplingConfig(temperature=temp, top_p=top_p if temp > 0 else 1.0, max_tokens=max_tokens)
         rolls = rollout_table(budget, test, engine, sampling, run_seed=seed, step=-1)
         rewards = reward_table(rolls, test, pool)
         return rewards.groupby("prompt_id", sort=False)["reward"].mean().reindex(test["prompt_id"]).to_numpy()

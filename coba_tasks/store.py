@@ -21,7 +21,9 @@ The rules, and how this module keeps them:
 
 1. **Every file is written to a temporary name and renamed.** A writer opens ``.<name>.<hex>.tmp``
    beside the destination, fsyncs it, ``os.replace``-s it into place and fsyncs the directory. A
-   reader never sees half a file; a crash leaves at most a ``.*.tmp`` file, which nothing reads.
+   reader never sees half a file; a failed write (a full disk, a read-only directory) removes its
+   temporary and leaves the destination as it was; a crash leaves at most a ``.*.tmp`` file, which
+   nothing reads and the next write of the same table removes.
 2. **A stage counts as done only when its entry is in the manifest.** ``write_table`` renames the
    Parquet file first and adds the manifest entry last (the manifest is itself written atomically),
    so a crash between the two leaves the stage not done and it is recomputed on resume. Rewriting
@@ -68,7 +70,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from coba_tasks.fileio import atomic_write
+from coba_tasks.fileio import atomic_write, remove_stale_temporaries
 
 SCHEMA_VERSION = 1
 
@@ -389,6 +391,9 @@ def _write_tracked(directory: Path, name: str, df: pd.DataFrame, config_hash: st
         del entries[name]
         _write_manifest(directory, entries)
     path = directory / f"{name}.parquet"
+    # temporaries of this table and of the manifest left by a killed writer (one writer per run)
+    remove_stale_temporaries(path)
+    remove_stale_temporaries(directory / MANIFEST_FILE)
     atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"))
     entries[name] = {
         "file": path.name,

@@ -31,6 +31,11 @@ timeouts switched off (safe in any thread), and ``VerifierPool`` runs ``score`` 
 processes (``spawn`` start method: safe beside torch's threads) with a hard wall-clock limit per
 item: a stuck worker is killed and replaced and its item scored ``timeout``; a worker that dies
 (``os._exit``, segfault) gives its item ``error`` and is replaced; the rest of the batch goes on.
+The wall-clock limit is the guarantee for any input (deeply nested LaTeX, a megabyte-long box of
+digits: both measured to run for minutes in sympy). A cheap guard in front of it:
+a completion longer than ``max_chars`` (default 1,000,000 characters, far above what any
+generation length produces) is scored ``error`` without being sent to a worker, so it costs
+neither a worker's time limit nor a worker restart.
 
 How to use::
 
@@ -84,6 +89,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_WORKERS = 2
+DEFAULT_MAX_CHARS = 1_000_000  # longer completions are scored `error` by the pool without parsing
 STARTUP_TIMEOUT_S = 120.0  # a fresh worker imports sympy and math-verify before it says "ready"
 
 
@@ -419,7 +425,9 @@ class VerifierPool:
     ``workers``: number of processes. ``timeout_s``: wall-clock limit per item, from the moment a
     worker takes it. ``start_method``: "spawn" (default) or "forkserver"; "fork" is refused
     (unsafe next to torch's threads). ``warmup``: workers import math-verify before taking
-    items, so import time never counts against an item's limit. Not thread-safe: one caller.
+    items, so import time never counts against an item's limit. ``max_chars``: a completion
+    longer than this is scored ``error`` at once, never sent to a worker (``None``: no limit;
+    verifiers registered ``in_process`` are never limited). Not thread-safe: one caller.
     Workers start on the first batch that needs them and stop at ``close()`` / the end of ``with``.
     """
 
@@ -431,6 +439,7 @@ class VerifierPool:
         start_method: str = "spawn",
         warmup: bool = True,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        max_chars: int | None = DEFAULT_MAX_CHARS,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -438,10 +447,13 @@ class VerifierPool:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+        if max_chars is not None and max_chars < 1:
+            raise ValueError(f"max_chars must be >= 1 or None, got {max_chars}")
         self.n_workers = workers
         self.timeout_s = float(timeout_s)
         self.warmup = warmup
         self.startup_timeout_s = startup_timeout_s
+        self.max_chars = max_chars
         self.restarts = 0  # workers killed (timeout) or lost (crash) and replaced, over the pool's life
         self._ctx = get_context(start_method)
         self._workers: list[_Worker] = []
@@ -484,6 +496,13 @@ class VerifierPool:
             verifier = verifier_for(source)
             if verifier.in_process:
                 results[i] = _run_verifier(verifier, completion, ground_truth)
+                continue
+            if self.max_chars is not None and isinstance(completion, str) and len(completion) > self.max_chars:
+                results[i] = Verdict.of(
+                    VerdictKind.ERROR,
+                    detail=f"{verifier.name}: not scored: the completion has {len(completion)} characters, "
+                    f"over the pool's limit of {self.max_chars} (max_chars)",
+                )
                 continue
             try:
                 payload = bytes(ForkingPickler.dumps((verifier, completion, ground_truth)))

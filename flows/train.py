@@ -29,7 +29,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from coba_tasks import stages
-from coba_tasks.config import Config, config_from_dict
+from coba_tasks.config import Config, check_platform, config_from_dict
+from coba_tasks.engine_sleep import engine_asleep
 from coba_tasks.rollout import SamplingConfig, make_backend
 from coba_tasks.runlock import LOCK_FILE, RunLock
 from coba_tasks.store import RunStore, StoreError
@@ -195,7 +196,12 @@ def update_task(run_dir: str, step: int) -> dict[str, float]:
         tok = res.trainer.tokenizer
         prompt_ids = [tok(text[p], add_special_tokens=False).input_ids for p in rollouts["prompt_id"]]
         completion_ids = [list(t) for t in rollouts["token_ids"]]
-        metrics = res.trainer.update(prompt_ids, completion_ids, adv)
+        # rollout.sleep_during_update: the engine's GPU memory is free while the update runs; it is awake
+        # again before the new weights are loaded below (engine_sleep.json: seconds and memory figures)
+        with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
+            metrics = res.trainer.update(prompt_ids, completion_ids, adv)
+        if slept:
+            res.store.write_json(f"steps/{step:06d}/engine_sleep.json", slept)
         tracker = stages.tracker_from_capability(res.store.read_table(step, stages.CAPABILITY))
         res.trainer.save_checkpoint(ckpt, extra_state={"step": step, "capability": tracker.to_dict()})
         _fault_point(step, stages.UPDATE)
@@ -221,6 +227,7 @@ def eval_task(run_dir: str, step: int) -> dict[str, Any]:
             res.cfg.rollout.max_tokens,
             r.seed,
             greedy=r.eval_greedy,
+            top_p=r.eval_top_p,
         )
         res.store.write_table(step, stages.EVAL, table)
     res.timed(stages.EVAL, time.perf_counter() - t0)
@@ -328,12 +335,14 @@ def resolve_run(
         cfg = config_from_dict(store.read_config())
         if config_hash(cfg) != store.config_hash:
             raise StoreError(f"{run_dir}: config.yaml does not match the config hash in run.json (edited by hand?)")
+        check_platform(cfg)
         return cfg, Path(run_dir).resolve(), True
     cfg = config_from_dict(config) if config is not None else load_config(config_path, overrides or [])
     if run_name:
         cfg = apply_overrides(cfg, [f"run.name={run_name}"])
     root = Path(run_dir) if run_dir else Path("runs") / cfg.run.name
     check_paths(cfg)
+    check_platform(cfg)  # e.g. sleep mode asked for on a machine without CUDA: refused before anything is written
     if (root / "run.json").exists():
         existing = RunStore.open(root).config_hash
         if existing != config_hash(cfg):
@@ -407,6 +416,7 @@ def start_resources(res: RunResources, model_path: str, version: int) -> None:
         gpu_memory_utilization=r.gpu_memory_utilization,
         trust_remote_code=cfg.model.trust_remote_code,
         in_process=r.in_process,
+        sleep_mode=r.sleep_during_update,
     )
     res.engine.weight_version = version
     res.pool = VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from coba_tasks.allocation import coba_solvers, strategies
 from coba_tasks.config import (
     DEFAULT_CONFIG_PATH,
+    HASH_NEUTRAL_DEFAULTS,
     PROJECT_ROOT,
     SECTIONS,
     AllocationConfig,
@@ -355,8 +356,11 @@ def test_on_bad_rows_is_error_or_skip_and_only_skip_changes_the_hash():
     skip = apply_overrides(cfg, ["data.on_bad_rows=skip"])
     assert skip.data.on_bad_rows == "skip" and config_hash(skip) != config_hash(cfg)
     # the key came after runs existed: at its default it is left out of the hash, so older runs keep theirs
+    # (so are the other keys added later: run.eval_top_p, rollout.sleep_during_update)
     without = config_to_dict(cfg)
-    del without["data"]["on_bad_rows"]
+    assert ("data", "on_bad_rows") in HASH_NEUTRAL_DEFAULTS
+    for section, key in HASH_NEUTRAL_DEFAULTS:
+        del without[section][key]
     text = json.dumps(without, sort_keys=True, separators=(",", ":"))
     assert config_hash(cfg) == hashlib.sha256(text.encode()).hexdigest()[:16]
     assert config_from_dict(without) == cfg  # an older run's config.yaml (no such key) loads with the default
@@ -534,3 +538,45 @@ def test_random_override_text_only_raises_config_error(key, text):
         assert str(e) and "\n" not in str(e)
     else:
         assert isinstance(cfg, Config) and config_hash(cfg) == config_hash(config_from_dict(config_to_dict(cfg)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys of the one-GPU path, and the real-model configs
+
+
+def test_eval_top_p_and_sleep_during_update_validate():
+    cfg = Config()
+    assert cfg.run.eval_top_p == 1.0 and cfg.rollout.sleep_during_update is False
+    assert load_config(overrides=["run.eval_top_p=0.9"]).run.eval_top_p == 0.9
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ConfigError, match=r"^run\.eval_top_p = .*: must be in \(0, 1\]"):
+            load_config(overrides=[f"run.eval_top_p={bad}"])
+    assert load_config(overrides=["rollout.sleep_during_update=true"]).rollout.sleep_during_update is True
+    with pytest.raises(ConfigError, match=r"^rollout\.sleep_during_update: expected true or false, got 'sometimes'"):
+        load_config(overrides=["rollout.sleep_during_update=sometimes"])
+    # both keys came after runs existed: left out of the hash at their defaults, hashed at any other value
+    assert config_hash(apply_overrides(cfg, ["run.eval_top_p=0.9"])) != config_hash(cfg)
+    assert config_hash(apply_overrides(cfg, ["rollout.sleep_during_update=true"])) != config_hash(cfg)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-math.yaml", "qwen2.5-7b-math.yaml"])
+def test_real_model_configs_load_validate_and_spell_out_every_key(name):
+    cfg = load_config(CONFIGS / name)  # no model or data needed to load and validate
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    assert sorted(f"{s}.{k}" for s, body in raw.items() for k in body) == sorted(all_keys())
+    assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing
+    assert cfg.rollout.backend == "vllm" and cfg.rollout.sleep_during_update and cfg.rollout.temperature == 1.0
+    assert cfg.rollout.max_model_len > cfg.rollout.max_tokens and 0 < cfg.rollout.gpu_memory_utilization < 1
+    assert (cfg.optim.lr, cfg.optim.clip_low, cfg.optim.clip_high, cfg.optim.kl_coef) == (1e-6, 0.2, 0.28, 0.0)
+    assert (cfg.run.eval_samples, cfg.run.eval_temperature, cfg.run.eval_top_p) == (16, 1.0, 0.9)
+    assert (cfg.data.train, cfg.data.test) == ("data/math/dapo_math_17k.parquet", "data/math/math500.parquet")
+    assert cfg.allocation.strategy == "coba"
+    if "7b" in name:  # the paper's setup
+        assert cfg.model.path == "models/Qwen2.5-7B"
+        assert (cfg.data.prompts_per_step, cfg.allocation.group_size, cfg.rollout.max_tokens) == (256, 16, 4096)
+        assert cfg.budget_per_step() == 4096
+    else:  # scaled down for one GPU, with comments saying so
+        assert cfg.model.path == "models/Qwen2.5-0.5B"
+        assert cfg.rollout.max_tokens < 4096 and cfg.budget_per_step() < 4096
+    with pytest.raises(ConfigError, match=r"^data\.train: data/math/dapo_math_17k\.parquet does not exist"):
+        check_paths(cfg, root=PROJECT_ROOT / "tests")  # the recipe's files are made by the user

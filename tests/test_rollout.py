@@ -100,3 +100,20 @@ def test_transformers_backend_group_sizes_and_seeds(random_checkpoints):
     assert [r.token_ids for r in hf.generate(requests(sizes), SAMPLE)] == [r.token_ids for r in rows]
     alone = hf.generate(requests(sizes)[3:4], SAMPLE)
     assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == "p3"]
+
+
+@pytest.mark.slow
+def test_vllm_reload_drops_the_prefix_cache(random_checkpoints):
+    """A prompt that fills a KV block leaves it in vLLM's prefix cache; those blocks were computed with
+    the old weights, so after a reload they must not be reused (32-token blocks: the CPU's smallest)."""
+    a, b = random_checkpoints
+    long_prompt = [RolloutRequest("long", "12+34+56+78+90+12+34+56+78+90+11+22+33+44=", 1, 0)]  # 42 tokens
+    engine = make_backend("vllm", a, dtype="float32", max_model_len=64, seed=0, extra={"block_size": 32})
+    try:
+        engine.generate(long_prompt, GREEDY)
+        engine.load_weights(b, version=1)
+        after = engine.generate(long_prompt, GREEDY)
+    finally:
+        engine.close()
+    expected = make_backend("transformers", b).generate(long_prompt, GREEDY)
+    assert after[0].token_ids == expected[0].token_ids

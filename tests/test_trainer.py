@@ -20,6 +20,19 @@ def params(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
+def grads_at_optimizer_step(trainer: PolicyTrainer) -> list[torch.Tensor]:
+    """The gradients the optimizer steps with (the update frees them afterwards), filled in as it runs."""
+    captured: list[torch.Tensor] = []
+    step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        captured.extend(p.grad.clone() for p in trainer.model.parameters())
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    return captured
+
+
 def test_pad_sequences_marks_completion_tokens():
     ids, attn, comp = pad_sequences([[1, 2], [3]], [[4, 5], [6, 7, 8]], pad_id=0)
     assert ids.tolist() == [[1, 2, 4, 5], [3, 6, 7, 8]]
@@ -49,13 +62,13 @@ def test_micro_batches_give_the_same_update(random_checkpoints):
     a, _ = random_checkpoints
     one = PolicyTrainer(a, UpdateSettings(lr=1e-2, micro_batch_size=64))
     many = PolicyTrainer(a, UpdateSettings(lr=1e-2, micro_batch_size=1))
+    g1, g2 = grads_at_optimizer_step(one), grads_at_optimizer_step(many)
     m1 = one.update(PROMPTS, COMPLETIONS, ADV)
     m2 = many.update(PROMPTS, COMPLETIONS, ADV)
     assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
     # the accumulated gradients agree (Adam's first step is ~lr * sign(g): compare gradients, not weights)
-    g1 = [p.grad for p in one.model.parameters()]
-    g2 = [p.grad for p in many.model.parameters()]
+    assert all(p.grad is None for p in one.model.parameters())  # freed after the update
     assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-7) for x, y in zip(g1, g2, strict=True))
 
 
@@ -116,3 +129,54 @@ def test_update_moves_probability_towards_positive_advantages(random_checkpoints
         trainer.update(prompts, completions, adv)
     delta = seq_logp() - before
     assert delta[0] > 0 and delta[1] > 0 and delta[2] < 0 and delta[3] < 0
+
+
+def _tied_checkpoint(out):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coba_tasks.model import build_char_tokenizer, save_hf
+
+    tok = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    return save_hf(LlamaForCausalLM(config), tok, out)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bfloat16_trains_with_float32_master_weights_and_resumes_exactly(random_checkpoints, tmp_path, tied):
+    a = _tied_checkpoint(tmp_path / "tied") if tied else random_checkpoints[0]
+    s = UpdateSettings(lr=1e-6, micro_batch_size=2, dtype="bfloat16")
+    straight = PolicyTrainer(a, s)
+    assert {p.dtype for p in straight.model.parameters()} == {torch.float32}
+    before = params(straight)
+    straight.update(PROMPTS, COMPLETIONS, ADV)
+    after = params(straight)
+    # at lr 1e-6 pure bfloat16 weights would barely move (steps below half an ulp); float32 ones all do
+    moved = sum(int((before[k] != after[k]).sum()) for k in before) / sum(v.numel() for v in before.values())
+    assert moved > 0.9
+    ckpt = straight.save_checkpoint(tmp_path / "ckpt", extra_state={"step": 0})
+    straight.update(PROMPTS, COMPLETIONS, -ADV)
+
+    from safetensors.torch import load_file as load_torch
+
+    engine_weights = load_torch(str(ckpt / "model.safetensors"))  # what the rollout engine reloads
+    assert {t.dtype for t in engine_weights.values()} == {torch.bfloat16}
+    assert ("lm_head.weight" in engine_weights) != tied  # a tied head is not written twice
+    assert list(ckpt.glob("*.safetensors")) == [ckpt / "model.safetensors"]
+    resumed = PolicyTrainer(a, s)
+    resumed.load_checkpoint(ckpt)  # the float32 master weights, not the bfloat16 copy
+    assert all(torch.equal(v, after[k]) for k, v in params(resumed).items())
+    resumed.update(PROMPTS, COMPLETIONS, -ADV)
+    p1, p2 = params(straight), params(resumed)
+    assert all(torch.equal(p1[k], p2[k]) for k in p1)
+    if tied:
+        assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight

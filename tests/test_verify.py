@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import time
 
+import pandas as pd
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import coba_tasks.verify as verify_module
@@ -39,6 +41,12 @@ def _hang(completion: str, ground_truth: str) -> Verdict:
 @register_verifier("test_crash")
 def _crash(completion: str, ground_truth: str) -> Verdict:
     os._exit(3)
+
+
+@register_verifier("test_sigkill")
+def _sigkill(completion: str, ground_truth: str) -> Verdict:
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
 
 
 @register_verifier("test_segfault")
@@ -261,6 +269,8 @@ def test_bad_items_and_arguments_are_refused() -> None:
         VerifierPool(workers=0)
     with pytest.raises(ValueError, match="timeout_s"):
         VerifierPool(timeout_s=0)
+    with pytest.raises(ValueError, match="max_chars"):
+        VerifierPool(max_chars=0)
 
 
 def _boxed_integers(n: int, offset: int) -> list[tuple[str, str, str]]:
@@ -347,3 +357,152 @@ def test_pool_reports_a_verifier_it_cannot_send() -> None:
         verdicts = pool.score([("x", "1", "test_local"), ("5", "5", "arith")])
     assert _kinds(verdicts) == [ERROR, CORRECT]
     assert "module level" in verdicts[0].detail
+
+
+# --------------------------------------------------------------------------- hostile inputs
+
+# Both run for minutes in sympy / math-verify when scored in-process (measured: nesting 5000 deep
+# did not finish in 60 s; a box of 10^6 digits takes ~15 s), so only the wall-clock limit stops them.
+DEEP_LATEX = "$\\boxed{" + "\\frac{1}{" * 5000 + "2" + "}" * 5000 + "}$"
+BIG_BOX = "$\\boxed{" + "1" * 999_000 + "}$"  # ~1 MB, just under the pool's default max_chars
+HUGE = "$\\boxed{" + "1" * 1_000_000 + "}$"  # over max_chars: refused without parsing
+
+
+def test_pool_cuts_off_deep_latex_and_a_megabyte_answer_and_scores_the_rest(pool: VerifierPool) -> None:
+    items = [
+        (DEEP_LATEX, "5", "math"),
+        *_boxed_integers(3, offset=0),
+        (HUGE, "5", "math"),
+        (BIG_BOX, "5", "math"),
+        *_boxed_integers(3, offset=1),
+        ("7", "7", "arith"),
+    ]
+    restarts = pool.restarts
+    start = time.monotonic()
+    verdicts = pool.score(items)
+    elapsed = time.monotonic() - start
+    kinds = _kinds(verdicts)
+    assert kinds[0] in (TIMEOUT, ERROR), verdicts[0]  # cut at 1.5 s, or a crash (C stack) if it explodes
+    assert kinds[1:4] == [CORRECT] * 3
+    assert kinds[4] == ERROR and "over the pool's limit of 1000000" in verdicts[4].detail
+    assert kinds[5] == TIMEOUT and "no verdict within 1.5 s" in verdicts[5].detail
+    assert kinds[6:] == [WRONG] * 3 + [CORRECT]
+    assert [verdicts[i].reward for i in (0, 4, 5)] == [0.0, 0.0, 0.0]
+    assert count_verdicts(verdicts)["timeout"] >= 1
+    assert pool.restarts == restarts + 2  # the two stuck workers were replaced, the refused item cost none
+    assert elapsed < 60  # nothing ran to its end (each alone runs for minutes or ~15 s)
+    assert _kinds(pool.score(_boxed_integers(4, offset=0))) == [CORRECT] * 4  # the pool still works
+
+
+def test_size_guard_can_be_switched_off_and_spares_in_process_verifiers() -> None:
+    with VerifierPool(workers=1, max_chars=10) as small:
+        verdicts = small.score([("$\\boxed{12345678}$", "1", "math"), ("5" + " " * 100, "5", "arith")])
+        assert small.worker_pids == []  # the refused item never started a worker
+    assert _kinds(verdicts) == [ERROR, CORRECT]
+    assert "18 characters, over the pool's limit of 10" in verdicts[0].detail
+    assert VerifierPool(max_chars=None).max_chars is None
+
+
+def test_pool_worker_killed_inside_an_item_or_while_idle_is_replaced(pool: VerifierPool) -> None:
+    pool.start()
+    restarts = pool.restarts
+    verdicts = pool.score([("x", "1", "test_sigkill"), *_boxed_integers(3, offset=0)])
+    assert _kinds(verdicts) == [ERROR] + [CORRECT] * 3
+    assert "killed by SIGKILL" in verdicts[0].detail
+    assert pool.restarts == restarts + 1
+    # Both workers killed from outside between two batches (the OOM killer, an operator).
+    pool.start()
+    for w in pool._workers:
+        os.kill(w.process.pid, signal.SIGKILL)
+        w.process.join(timeout=10)
+    assert _kinds(pool.score(_boxed_integers(4, offset=1))) == [WRONG] * 4
+    assert pool.restarts == restarts + 3
+
+
+def test_reward_table_records_timeouts_in_its_verdict_column(pool: VerifierPool) -> None:
+    from coba_tasks import stages
+
+    prompts = pd.DataFrame({"prompt_id": ["a", "b"], "ground_truth": ["3", "1"], "data_source": ["math", "test_hang"]})
+    rollouts = pd.DataFrame(
+        {"prompt_id": ["a", "a", "b"], "sample_idx": [0, 1, 0], "completion": ["$\\boxed{3}$", "$\\boxed{4}$", "x"]}
+    )
+    table = stages.reward_table(rollouts, prompts, pool)
+    assert table["verdict"].tolist() == [CORRECT, WRONG, TIMEOUT]
+    assert table["reward"].tolist() == [1.0, 0.0, 0.0]
+    assert stages.count_verdicts_from_table(table) == {
+        "correct": 1,
+        "wrong": 1,
+        "no_answer": 0,
+        "timeout": 1,
+        "error": 0,
+    }
+
+
+# --------------------------------------------------------------------------- properties: score never raises
+
+KINDS = {k.value for k in VerdictKind}
+LATEXISH = st.lists(
+    st.sampled_from(
+        [
+            "\\boxed{",
+            "\\frac{",
+            "\\sqrt",
+            "\\left(",
+            "\\right)",
+            "{",
+            "}",
+            "^",
+            "_",
+            "$",
+            "$$",
+            "\\",
+            "=",
+            "+",
+            "-",
+            "*",
+            "/",
+            "1",
+            "2",
+            "0.5",
+            "x",
+            "\\pi",
+            "\\infty",
+            "\\cdot",
+            "\\text{",
+            ",",
+            " ",
+            "\n",
+            "Answer:",
+            "\\begin{pmatrix}",
+            "\\end{pmatrix}",
+            "&",
+            "%",
+            "#",
+        ]
+    ),
+    max_size=40,
+).map("".join)
+
+
+def _check_verdict(v: Verdict) -> None:
+    assert isinstance(v, Verdict)
+    assert v.verdict.value in KINDS
+    assert v.reward == (1.0 if v.verdict is VerdictKind.CORRECT else 0.0)
+    assert isinstance(v.extracted_answer, str) and isinstance(v.detail, str)
+
+
+@given(completion=st.one_of(st.text(), LATEXISH), truth=st.one_of(st.integers().map(str), st.text(max_size=20)))
+def test_score_arith_never_raises(completion: str, truth: str) -> None:
+    _check_verdict(score(completion, truth, "arith"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    completion=st.one_of(st.text(max_size=200), LATEXISH),
+    truth=st.one_of(st.sampled_from(["5", "\\frac{1}{2}", "x^2", "\\sqrt{2}", "(1, 2)"]), LATEXISH),
+)
+def test_score_math_through_the_pool_never_raises(pool: VerifierPool, completion: str, truth: str) -> None:
+    # Untrusted text goes through the pool (a worker may hang on it: then it is a `timeout`).
+    verdicts = pool.score([(completion, truth, "math"), ("$\\boxed{2}$", "2", "math")])
+    _check_verdict(verdicts[0])
+    assert verdicts[1].verdict is VerdictKind.CORRECT
