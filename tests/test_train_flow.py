@@ -47,6 +47,19 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     ckpt = store.checkpoint_dir(3)
     AutoModelForCausalLM.from_pretrained(ckpt)  # the last checkpoint loads as an HF model
     assert not list(run_dir.rglob("*.bin")) and not list(run_dir.rglob("*.pkl"))
+    # safe loading: a run directory holds Parquet, JSON, YAML, safetensors and the report only
+    allowed = {".parquet", ".json", ".yaml", ".safetensors", ".png", ".html"}
+    files = [f for f in run_dir.rglob("*") if f.is_file()]
+    assert {f.suffix for f in files} <= allowed, sorted({f.suffix for f in files} - allowed)
+    magic = {".parquet": b"PAR1", ".png": b"\x89PNG"}
+    for f in files:  # and each file is what its name says: nothing pickled behind a harmless suffix
+        head = f.read_bytes()[:16]
+        if f.suffix == ".safetensors":
+            assert head[8:9] == b"{", f  # u64 header length, then the JSON header
+        elif f.suffix in magic:
+            assert head.startswith(magic[f.suffix]), f
+        else:
+            f.read_text(encoding="utf-8")  # JSON, YAML, HTML: text
 
     saved = json.loads((run_dir / "summary.json").read_text())
     for key in (
