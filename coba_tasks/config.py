@@ -54,6 +54,7 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("data", "on_bad_rows"): "error",
     ("run", "eval_top_p"): 1.0,
     ("rollout", "sleep_during_update"): False,
+    ("rollout", "engines"): 1,
 }
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -162,7 +163,7 @@ class RolloutConfig:
 
     SECTION: ClassVar[str] = "rollout"
 
-    backend: str = "vllm"  # rollout engine (coba_tasks.rollout.backends()): vllm, or transformers as the fallback
+    backend: str = "vllm"  # rollout engine (coba_tasks.rollout.backends()): vllm, vllm-ray, or transformers (fallback)
     temperature: float = 1.0  # sampling temperature of training rollouts
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
     max_tokens: int = 12  # most tokens generated per completion
@@ -170,6 +171,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # share of GPU memory vLLM may take (ignored on CPU)
     in_process: bool | None = None  # run the vLLM engine in this process; null = auto (yes on CPU, no on GPU)
     sleep_during_update: bool = False  # free the engine's GPU memory while the GRPO update runs (CUDA only)
+    engines: int = 1  # vLLM engines (Ray actors) of the vllm-ray backend (docs/scale_out.md); 1 for the others
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -186,6 +188,13 @@ class RolloutConfig:
             "or be 0 for the model's own context length",
         )
         _check(self, "gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1], e.g. 0.5")
+        _check(self, "engines", self.engines >= 1, "must be >= 1 (vLLM engines of the vllm-ray backend)")
+        _check(
+            self,
+            "engines",
+            self.engines == 1 or self.backend == "vllm-ray",
+            f"must be 1 with rollout.backend={self.backend}: only the vllm-ray backend runs several engines",
+        )
 
 
 SCHEDULES = ("adaptive", "reversed", "fixed")  # METHOD 3; the paper's ablations reverse it or fix it

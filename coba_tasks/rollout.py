@@ -8,6 +8,8 @@ Backends sit behind a registry (``register_backend``, ``make_backend(name, ...)`
   prompt gets its own ``SamplingParams(n=B_i, seed=...)``: per-prompt group sizes are native.
   On CPU the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one executor) unless
   the caller set that variable: it starts in seconds rather than minutes on 2 cores.
+- ``vllm-ray`` (``coba_tasks.ray_rollout``): several ``vllm`` engines as Ray actors, the requests
+  sharded by budget so each engine generates about as many rollouts; the same rows as ``vllm``.
 - ``transformers``: ``model.generate`` with the same interface, for machines where vLLM cannot
   run (and as the reference in tests). Per prompt, a ``torch.Generator``-free fork of the global
   RNG seeded with the prompt's seed, so results do not depend on batch order.
@@ -544,3 +546,7 @@ class TransformersBackend(RolloutBackend):
 
     def close(self) -> None:
         self.model = None
+
+
+# registers "vllm-ray" (several vLLM engines as Ray actors); Ray itself is imported only when one starts
+from coba_tasks import ray_rollout as _ray_rollout  # noqa: E402, F401

@@ -417,6 +417,7 @@ def start_resources(res: RunResources, model_path: str, version: int) -> None:
         trust_remote_code=cfg.model.trust_remote_code,
         in_process=r.in_process,
         sleep_mode=r.sleep_during_update,
+        **({"engines": r.engines} if r.backend == "vllm-ray" else {}),  # Ray actors (docs/scale_out.md)
     )
     res.engine.weight_version = version
     res.pool = VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
