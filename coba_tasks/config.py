@@ -55,6 +55,7 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("run", "eval_top_p"): 1.0,
     ("rollout", "sleep_during_update"): False,
     ("rollout", "engines"): 1,
+    ("optim", "fsdp_processes"): 1,
 }
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -277,6 +278,7 @@ class OptimConfig:
     clip_high: float = 0.28  # ratio clipped above at 1 + clip_high ("clip-higher")
     kl_coef: float = 0.0  # coefficient of the KL penalty to the initial policy; 0 = none (the default)
     update_epochs: int = 1  # optimiser passes over each step's rollouts
+    fsdp_processes: int = 1  # 1 = the update in the flow process; N > 1 = FSDP over N processes (fsdp_update.py)
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -291,6 +293,12 @@ class OptimConfig:
         _check(self, "clip_high", self.clip_high > 0, "must be > 0: the ratio is clipped above at 1 + clip_high")
         _check(self, "kl_coef", self.kl_coef >= 0, "must be >= 0 (0 = no KL term)")
         _check(self, "update_epochs", self.update_epochs >= 1, "must be >= 1")
+        _check(
+            self,
+            "fsdp_processes",
+            self.fsdp_processes >= 1,
+            "must be >= 1 (1 = the update in the flow process; N > 1 = FSDP over N processes, one GPU each)",
+        )
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,18 @@ Checkpoints are Hugging Face layout with safetensors (the rollout engine reloads
 plus ``trainer/optimizer.safetensors`` (AdamW moments and steps as tensors, the torch RNG state) and
 ``trainer/trainer_state.json`` (param groups, update count, the caller's extra state), so a resumed
 run continues exactly. No pickle anywhere.
+
+Data parallelism: ``update`` reads which rows it computes, and how its sums meet other processes',
+from ``self.shard`` (a ``DataShard``: the whole batch in one process). ``coba_tasks.fsdp_update``
+runs the same ``update`` in several processes with the policy wrapped by FSDP and a ``DataShard``
+that holds one rank's share of each mini-batch; nothing else changes.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +73,56 @@ class UpdateSettings:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     threads: int = 1
+
+
+class DataShard:
+    """Which rows of a step's batch this process computes, and how its sums meet the other processes'.
+
+    This base class is the single-process case (rank 0 of 1): every row, sums unchanged, the plain
+    ``clip_grad_norm_``. ``coba_tasks.fsdp_update.DistributedShard`` overrides ``rank``/``world``
+    and the three collectives. Rank r takes rows r, r + world, ... of each mini-batch.
+    """
+
+    rank: int = 0
+    world: int = 1
+
+    def mine(self, rows: torch.Tensor) -> torch.Tensor:
+        """This process's share of ``rows`` (all of them in one process)."""
+        return rows[self.rank :: self.world]
+
+    def micro_batches(self, n: int, size: int) -> list[slice]:
+        """Slices of ``mine(rows)`` for ``n`` rows, at most ``size`` each; every process gets as many
+        slices as the largest share needs (trailing ones empty): under FSDP each forward and backward
+        is a collective, so all processes must run the same number of passes."""
+        local = len(range(self.rank, n, self.world))
+        largest = -(-n // self.world)  # ceil(n / world)
+        count = -(-largest // size)
+        out = [slice(i, min(i + size, local)) for i in range(0, local, size)]
+        return out + [slice(0, 0)] * (count - len(out))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of ``t`` over the processes (in place)."""
+        return t
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value summed over the processes."""
+        return values
+
+    def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm to ``max_norm``; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def make_optimizer(model: torch.nn.Module, settings: UpdateSettings) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (two groups: ndim >= 2 decayed, the rest not)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+    )
 
 
 def pad_sequences(
@@ -114,14 +169,8 @@ class PolicyTrainer:
                 model_path, dtype=dtype, trust_remote_code=settings.trust_remote_code
             ).to(self.device)
             self.ref_model.eval().requires_grad_(False)
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        rest = [p for p in self.model.parameters() if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=settings.lr,
-            betas=settings.betas,
-            eps=settings.eps,
-        )
+        self.optimizer = make_optimizer(self.model, settings)
+        self.shard = DataShard()  # the whole batch here; coba_tasks.fsdp_update sets one rank's share
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.updates = 0
 
@@ -135,9 +184,25 @@ class PolicyTrainer:
         ent = entropy_from_logits(logits) if with_entropy else None
         return logp, ent
 
-    def _micro_batches(self, n: int) -> list[slice]:
-        size = self.settings.micro_batch_size
-        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    def _all_logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Per-token log p of every row, (B, T-1), without gradients, in micro-batches; each process
+        computes its share of the rows and the shares are summed (the other rows are zeros)."""
+        n = ids.shape[0]
+        mine = self.shard.mine(torch.arange(n, device=ids.device))
+        out = torch.zeros((n, ids.shape[1] - 1), dtype=torch.float32, device=ids.device)
+        for b in self.shard.micro_batches(n, self.settings.micro_batch_size):
+            idx = mine[b]
+            if idx.numel() == 0:  # an idle pass keeps FSDP's collectives in step across processes
+                self._logprobs(model, ids[:1], attn[:1])
+                continue
+            out[idx] = self._logprobs(model, ids[idx], attn[idx])[0]
+        return self.shard.sum(out)
+
+    def _idle_pass(self, ids: torch.Tensor, attn: torch.Tensor) -> None:
+        """A forward and backward with a zero loss: a process with no rows left in a mini-batch still
+        takes part in FSDP's all-gathers and reduce-scatters (its gradient contribution is 0)."""
+        logp, _ = self._logprobs(self.model, ids[:1], attn[:1])
+        (logp.sum() * 0.0).backward()
 
     # -- the update -----------------------------------------------------------------------------
     def update(
@@ -161,12 +226,8 @@ class PolicyTrainer:
         parts = max(1, min(s.mini_batches, n))
         with torch.no_grad():
             self.model.eval()  # dropout off; logp_old from the model before the update
-            logp_old = torch.cat([self._logprobs(self.model, ids[b], attn[b])[0] for b in self._micro_batches(n)])
-            ref_logp = None
-            if self.ref_model is not None:
-                ref_logp = torch.cat(
-                    [self._logprobs(self.ref_model, ids[b], attn[b])[0] for b in self._micro_batches(n)]
-                )
+            logp_old = self._all_logprobs(self.model, ids, attn)
+            ref_logp = self._all_logprobs(self.ref_model, ids, attn) if self.ref_model is not None else None
 
         self.model.train()
         totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
@@ -180,8 +241,12 @@ class PolicyTrainer:
                 if mb_tokens == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                for b in self._micro_batches(rows.numel()):
-                    idx = rows[b]
+                mine = self.shard.mine(rows)  # mb_tokens above counts every process's rows: token-mean
+                for b in self.shard.micro_batches(rows.numel(), s.micro_batch_size):
+                    idx = mine[b]
+                    if idx.numel() == 0:
+                        self._idle_pass(ids, attn)
+                        continue
                     logp, ent = self._logprobs(self.model, ids[idx], attn[idx], with_entropy=True)
                     loss, stats = policy_loss(
                         logp, logp_old[idx], adv[idx], mask[idx], s.clip_low, s.clip_high, token_count=mb_tokens
@@ -196,13 +261,14 @@ class PolicyTrainer:
                     if n_tok > 0:
                         totals["clip_tokens"] += stats["clip_frac"] * n_tok
                     totals["entropy"] += float(masked_mean(ent.detach(), mask[idx], token_count)) * token_count
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
+                grad_norm = self.shard.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
                 totals["grad_norm"] += float(grad_norm)
                 self.optimizer.step()
                 opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)  # free the gradients' memory until the next update
         self.model.eval()
         self.updates += 1
+        totals.update(self.shard.sum_floats({k: v for k, v in totals.items() if k != "grad_norm"}))
         seen = token_count * s.update_epochs  # every token is seen once per epoch
         grad_norm = totals["grad_norm"] / max(opt_steps, 1)
         return {
@@ -220,26 +286,10 @@ class PolicyTrainer:
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str | Path, extra_state: dict[str, Any] | None = None) -> Path:
         """Model + tokenizer (HF layout, safetensors), optimizer state (safetensors) and trainer state (JSON)."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        if self.compute_dtype == torch.float32:
-            self.model.save_pretrained(out, safe_serialization=True)
-        else:  # the engine's weights in the compute dtype; the float32 master weights for a resume
-            cast: dict[int, torch.Tensor] = {}  # one copy per storage: tied weights stay tied (written once)
-            low = {
-                k: cast.setdefault(v.data_ptr(), v.to(self.compute_dtype)) for k, v in self.model.state_dict().items()
-            }
-            self.model.save_pretrained(out, state_dict=low, safe_serialization=True)
-            (out / MASTER_FILE).parent.mkdir(exist_ok=True)
-            save_model(self.model, str(out / MASTER_FILE))
-        self.tokenizer.save_pretrained(out)
         tensors, groups = optimizer_to_tensors(self.optimizer)
-        tensors["rng.torch"] = torch.get_rng_state()
-        (out / OPTIMIZER_FILE).parent.mkdir(exist_ok=True)
-        save_file(tensors, str(out / OPTIMIZER_FILE))
-        state = {"updates": self.updates, "param_groups": groups, **(extra_state or {})}
-        (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
-        return out
+        return write_checkpoint(
+            out_dir, self.model, self.tokenizer, self.compute_dtype, tensors, groups, self.updates, extra_state
+        )
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer state and RNG from ``save_checkpoint`` output; returns the extra state."""
@@ -256,13 +306,55 @@ class PolicyTrainer:
         return state
 
 
-def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Flatten an optimizer's state_dict into named tensors (safetensors) and JSON-safe param groups."""
+def write_checkpoint(
+    out_dir: str | Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    compute_dtype: torch.dtype,
+    optimizer_tensors: dict[str, torch.Tensor],
+    param_groups: list[dict],
+    updates: int,
+    extra_state: dict[str, Any] | None = None,
+    rng_state: torch.Tensor | None = None,
+) -> Path:
+    """Write a checkpoint: ``model`` (a plain, unsharded HF model holding the float32 weights) and
+    ``tokenizer`` in HF layout, the optimizer tensors (``optimizer_to_tensors``) plus the torch RNG
+    state (this process's unless ``rng_state``), and the trainer state JSON."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if compute_dtype == torch.float32:
+        model.save_pretrained(out, safe_serialization=True)
+    else:  # the engine's weights in the compute dtype; the float32 master weights for a resume
+        cast: dict[int, torch.Tensor] = {}  # one copy per storage: tied weights stay tied (written once)
+        low = {k: cast.setdefault(v.data_ptr(), v.to(compute_dtype)) for k, v in model.state_dict().items()}
+        model.save_pretrained(out, state_dict=low, safe_serialization=True)
+        (out / MASTER_FILE).parent.mkdir(exist_ok=True)
+        save_model(model, str(out / MASTER_FILE))
+    tokenizer.save_pretrained(out)
+    tensors = dict(optimizer_tensors)
+    tensors["rng.torch"] = torch.get_rng_state() if rng_state is None else rng_state
+    (out / OPTIMIZER_FILE).parent.mkdir(exist_ok=True)
+    save_file(tensors, str(out / OPTIMIZER_FILE))
+    state = {"updates": updates, "param_groups": param_groups, **(extra_state or {})}
+    (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+    return out
+
+
+def optimizer_to_tensors(
+    optimizer: torch.optim.Optimizer, full: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Flatten an optimizer's state_dict into named tensors (safetensors) and JSON-safe param groups.
+
+    ``full`` maps a state tensor to the whole tensor (FSDP: ``DTensor.full_tensor``, a collective that
+    every process calls in the same order); by default tensors are taken as they are.
+    """
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for idx, st in sd["state"].items():
         for key, value in st.items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
+            if full is not None:
+                t = full(t)
             tensors[f"state.{idx}.{key}"] = t.detach().cpu().contiguous()
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
     return tensors, groups

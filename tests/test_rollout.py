@@ -34,7 +34,7 @@ def vllm_engine(random_checkpoints):
 
 
 def test_registry_and_bad_input(tmp_path):
-    assert backends() == ["transformers", "vllm"]
+    assert backends() == ["transformers", "vllm", "vllm-ray"]
     with pytest.raises(ValueError, match=r"unknown rollout backend 'sglang'.*transformers, vllm"):
         make_backend("sglang", tmp_path)
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
