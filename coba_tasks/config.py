@@ -278,7 +278,7 @@ class OptimConfig:
     clip_high: float = 0.28  # ratio clipped above at 1 + clip_high ("clip-higher")
     kl_coef: float = 0.0  # coefficient of the KL penalty to the initial policy; 0 = none (the default)
     update_epochs: int = 1  # optimiser passes over each step's rollouts
-    fsdp_processes: int = 1  # 1 = the update in the flow process; N > 1 = FSDP over N processes (fsdp_update.py)
+    fsdp_processes: int = 1  # 1 = the update in the flow process; FSDP over N > 1 (fsdp_update.py) is not wired in yet
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -298,6 +298,13 @@ class OptimConfig:
             "fsdp_processes",
             self.fsdp_processes >= 1,
             "must be >= 1 (1 = the update in the flow process; N > 1 = FSDP over N processes, one GPU each)",
+        )
+        _check(
+            self,
+            "fsdp_processes",
+            self.fsdp_processes == 1,
+            "must be 1 for now: the training flow does not call the FSDP update yet (run one update over N "
+            "processes with python -m coba_tasks.fsdp_update, see docs/scale_out.md)",
         )
 
 
