@@ -7,7 +7,7 @@ default written beside its field below. ``configs/demo.yaml`` spells every key o
     cfg = load_config("configs/demo.yaml", ["optim.lr=3e-5", "allocation.strategy=uniform"])
     cfg.budget_per_step()            # B_total = M * G rollouts per training step
     check_paths(cfg)                 # data files and model directory exist (before a run starts)
-    check_platform(cfg)              # settings this machine cannot honour (sleep mode without CUDA)
+    check_platform(cfg)              # settings this machine cannot honour (sleep mode or TP without CUDA, ...)
     dump_config(cfg, run_dir / "config.yaml")
 
 Validation happens in each section's ``__post_init__`` (types, then ranges) and in
@@ -56,6 +56,7 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("rollout", "sleep_during_update"): False,
     ("rollout", "engines"): 1,
     ("optim", "fsdp_processes"): 1,
+    ("rollout", "tensor_parallel_size"): 1,
 }
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -173,6 +174,7 @@ class RolloutConfig:
     in_process: bool | None = None  # run the vLLM engine in this process; null = auto (yes on CPU, no on GPU)
     sleep_during_update: bool = False  # free the engine's GPU memory while the GRPO update runs (CUDA only)
     engines: int = 1  # vLLM engines (Ray actors) of the vllm-ray backend (docs/scale_out.md); 1 for the others
+    tensor_parallel_size: int = 1  # GPUs each vLLM engine is split over (vLLM's tensor parallelism; CUDA only)
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -195,6 +197,20 @@ class RolloutConfig:
             "engines",
             self.engines == 1 or self.backend == "vllm-ray",
             f"must be 1 with rollout.backend={self.backend}: only the vllm-ray backend runs several engines",
+        )
+        _check(self, "tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1 (GPUs per vLLM engine)")
+        _check(
+            self,
+            "tensor_parallel_size",
+            self.tensor_parallel_size == 1 or self.backend != "transformers",
+            "must be 1 with rollout.backend=transformers: only vLLM splits a model over GPUs",
+        )
+        _check(
+            self,
+            "tensor_parallel_size",
+            self.tensor_parallel_size == 1 or self.in_process is not True,
+            "must be 1 with rollout.in_process=true (vLLM's in-process executor runs one worker); "
+            "set rollout.in_process=null",
         )
 
 
@@ -278,7 +294,7 @@ class OptimConfig:
     clip_high: float = 0.28  # ratio clipped above at 1 + clip_high ("clip-higher")
     kl_coef: float = 0.0  # coefficient of the KL penalty to the initial policy; 0 = none (the default)
     update_epochs: int = 1  # optimiser passes over each step's rollouts
-    fsdp_processes: int = 1  # 1 = the update in the flow process; FSDP over N > 1 (fsdp_update.py) is not wired in yet
+    fsdp_processes: int = 1  # 1 = the update in the flow process; N > 1 = each update a torchrun job of N FSDP ranks
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -298,13 +314,6 @@ class OptimConfig:
             "fsdp_processes",
             self.fsdp_processes >= 1,
             "must be >= 1 (1 = the update in the flow process; N > 1 = FSDP over N processes, one GPU each)",
-        )
-        _check(
-            self,
-            "fsdp_processes",
-            self.fsdp_processes == 1,
-            "must be 1 for now: the training flow does not call the FSDP update yet (run one update over N "
-            "processes with python -m coba_tasks.fsdp_update, see docs/scale_out.md)",
         )
 
 
@@ -501,8 +510,14 @@ def check_platform(cfg: Config) -> None:
 
     ``rollout.sleep_during_update`` needs a backend that can sleep here: vLLM's sleep mode exists
     only on CUDA (its CPU platform raises "Sleep mode is not supported on current platform").
-    Kept apart from ``load_config`` so that a GPU config can be loaded and checked on any machine.
+    ``rollout.tensor_parallel_size`` > 1 needs CUDA: vLLM's CPU build does not split an engine here.
+    ``optim.fsdp_processes``: on CUDA each FSDP rank takes one GPU of this machine (NCCL, one rank per
+    device), so more ranks than GPUs are refused; without CUDA the ranks are gloo processes on the CPU,
+    any number of them. Kept apart from ``load_config`` so that a GPU config can be loaded and checked
+    on any machine.
     """
+    import torch
+
     from coba_tasks.rollout import sleep_unavailable
 
     if cfg.rollout.sleep_during_update:
@@ -511,6 +526,19 @@ def check_platform(cfg: Config) -> None:
             raise ConfigError(
                 f"rollout.sleep_during_update = true: {why}; set rollout.sleep_during_update=false on this machine"
             )
+    cuda = torch.cuda.is_available()
+    tp = cfg.rollout.tensor_parallel_size
+    if tp > 1 and not cuda:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size = {tp}: tensor parallelism needs CUDA GPUs and this machine has none "
+            "(vLLM's CPU build runs one worker per engine); set rollout.tensor_parallel_size=1 on this machine"
+        )
+    n = cfg.optim.fsdp_processes
+    if n > 1 and cuda and n > torch.cuda.device_count():
+        raise ConfigError(
+            f"optim.fsdp_processes = {n}: each FSDP process needs a GPU of its own and this machine has "
+            f"{torch.cuda.device_count()}; set optim.fsdp_processes to at most {torch.cuda.device_count()}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ after ``ray start --head`` on this host) names it, or when this process already 
 ``ray.init``; otherwise the backend starts a local Ray instance (``num_cpus`` = the larger of the
 cores and the engines' CPUs, no dashboard, workers' logs not copied here) and shuts it down on
 ``close``. Each actor takes ``cpus_per_engine`` CPUs (default 1: on CPU, one thread per engine)
-and, where the cluster has GPUs, ``gpus_per_engine`` GPUs (default: vLLM's ``tensor_parallel_size``
-from ``extra``, else 1). The actors get ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache on CPU; this
-process's value, else 1) and ``VLLM_LOGGING_LEVEL`` through ``runtime_env``.
+and, where the cluster has GPUs, ``gpus_per_engine`` GPUs (default: vLLM's ``tensor_parallel_size``,
+the option of that name or the key in ``extra``, else 1). The actors get ``VLLM_CPU_KVCACHE_SPACE``
+(GiB of KV cache on CPU; this process's value, else 1) and ``VLLM_LOGGING_LEVEL`` through
+``runtime_env``.
 
 Paths. ``model_path`` and every path given to ``load_weights`` are made absolute here and opened by
 the actors, wherever Ray placed them: on several hosts they must name the same files on every host
@@ -169,7 +170,8 @@ class RayVLLMBackend(RolloutBackend):
         try:
             if gpus_per_engine is None:
                 has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-                gpus_per_engine = float(self._options["extra"].get("tensor_parallel_size", 1)) if has_gpus else 0.0
+                tp = self._options["extra"].get("tensor_parallel_size", vllm_options.get("tensor_parallel_size", 1))
+                gpus_per_engine = float(tp) if has_gpus else 0.0
             env = {
                 "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),

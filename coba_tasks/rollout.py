@@ -6,6 +6,8 @@ Backends sit behind a registry (``register_backend``, ``make_backend(name, ...)`
   checkpoint is loaded in place with ``collective_rpc("reload_weights", kwargs={"weights_path":
   ...})`` (vLLM 0.32), which takes a fraction of a second instead of a new engine's start. Each
   prompt gets its own ``SamplingParams(n=B_i, seed=...)``: per-prompt group sizes are native.
+  ``tensor_parallel_size`` (the config's ``rollout.tensor_parallel_size``) splits the engine over that
+  many GPUs of its host (vLLM's own tensor parallelism; CUDA only).
   On CPU the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one executor) unless
   the caller set that variable: it starts in seconds rather than minutes on 2 cores.
 - ``vllm-ray`` (``coba_tasks.ray_rollout``): several ``vllm`` engines as Ray actors, the requests
@@ -205,6 +207,7 @@ class VLLMBackend(RolloutBackend):
         trust_remote_code: bool = False,
         in_process: bool | None = None,
         sleep_mode: bool = False,
+        tensor_parallel_size: int = 1,
         extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -213,6 +216,14 @@ class VLLMBackend(RolloutBackend):
         on_cpu = not torch.cuda.is_available()
         if sleep_mode and on_cpu:
             raise ValueError(f"sleep_mode=True: {self.sleep_unavailable()}")
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if tp > 1 and (on_cpu or in_process):
+            # refused here rather than deep inside vLLM: its CPU build and its in-process ("uni")
+            # executor both run a single worker
+            where = "without CUDA" if on_cpu else "with in_process=True (one worker)"
+            raise ValueError(f"tensor_parallel_size={tp}: vLLM cannot split an engine {where}")
         if in_process is None:
             in_process = on_cpu
         if in_process:
@@ -238,6 +249,7 @@ class VLLMBackend(RolloutBackend):
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        kwargs["tensor_parallel_size"] = tp  # GPUs this engine is split over (vLLM's own worker processes)
         kwargs.update(extra or {})
         self._asleep = False
         self._llm_kwargs = kwargs  # to start an identical engine if this one dies

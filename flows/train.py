@@ -10,6 +10,10 @@ resources of a run (the vLLM engine, the verifier pool, the training model) live
 process in ``RunResources`` and are looked up by run directory, never passed as task parameters.
 Each task does one stage through ``coba_tasks.stages`` and writes its table via ``RunStore``;
 a stage whose table is already in the step's manifest is skipped.
+
+With ``optim.fsdp_processes`` N > 1 the GRPO update of each step is a torchrun job of N FSDP ranks
+(``coba_tasks.fsdp_update``) that starts from the previous step's checkpoint and writes the next one;
+the flow process then holds no training model, only its tokenizer (see ``start_resources``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from prefect.cache_policies import NO_CACHE
 from coba_tasks import stages
 from coba_tasks.config import Config, check_platform, config_from_dict
 from coba_tasks.engine_sleep import engine_asleep
+from coba_tasks.fsdp_update import fsdp_update
 from coba_tasks.rollout import SamplingConfig, make_backend
 from coba_tasks.runlock import LOCK_FILE, RunLock
 from coba_tasks.store import RunStore, StoreError
@@ -48,7 +53,8 @@ class RunResources:
     test: pd.DataFrame
     engine: Any = None
     pool: Any = None
-    trainer: Any = None
+    trainer: Any = None  # PolicyTrainer; None with optim.fsdp_processes > 1 (the update runs in a torchrun job)
+    tokenizer: Any = None  # the policy's tokenizer: prompt token ids for the update
     stage_seconds: dict[str, float] = field(default_factory=dict)
     step_walls: list[tuple[float, float]] = field(default_factory=list)  # (step wall, orchestration) seconds
 
@@ -193,23 +199,58 @@ def update_task(run_dir: str, step: int) -> dict[str, float]:
         rewards = res.store.read_table(step, stages.REWARDS)
         adv = stages.advantages_for(rollouts, rewards)
         text = res.prompts.set_index("prompt_id")["prompt_text"]
-        tok = res.trainer.tokenizer
+        tok = res.tokenizer
         prompt_ids = [tok(text[p], add_special_tokens=False).input_ids for p in rollouts["prompt_id"]]
         completion_ids = [list(t) for t in rollouts["token_ids"]]
+        tracker = stages.tracker_from_capability(res.store.read_table(step, stages.CAPABILITY))
+        extra_state = {"step": step, "capability": tracker.to_dict()}
+        fsdp = res.cfg.optim.fsdp_processes > 1
+        previous = _previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
         # rollout.sleep_during_update: the engine's GPU memory is free while the update runs; it is awake
         # again before the new weights are loaded below (engine_sleep.json: seconds and memory figures)
         with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
-            metrics = res.trainer.update(prompt_ids, completion_ids, adv)
+            if fsdp:  # a torchrun job of optim.fsdp_processes ranks; it writes the checkpoint itself
+                metrics = fsdp_update(
+                    res.cfg.model.path,
+                    ckpt,
+                    prompt_ids,
+                    completion_ids,
+                    adv,
+                    update_settings(res.cfg),
+                    res.cfg.optim.fsdp_processes,
+                    checkpoint=previous,
+                    seed=res.cfg.run.seed,
+                    extra_state=extra_state,
+                )
+            else:
+                metrics = res.trainer.update(prompt_ids, completion_ids, adv)
         if slept:
             res.store.write_json(f"steps/{step:06d}/engine_sleep.json", slept)
-        tracker = stages.tracker_from_capability(res.store.read_table(step, stages.CAPABILITY))
-        res.trainer.save_checkpoint(ckpt, extra_state={"step": step, "capability": tracker.to_dict()})
+        if not fsdp:
+            res.trainer.save_checkpoint(ckpt, extra_state=extra_state)
         _fault_point(step, stages.UPDATE)
         res.store.write_table(step, stages.UPDATE, stages.update_row(step, metrics, rollouts, rewards))
     res.engine.load_weights(ckpt, version=step + 1)
     res.timed(stages.UPDATE, time.perf_counter() - t0)
     row = res.store.read_table(step, stages.UPDATE).iloc[0]
     return {k: float(row[k]) for k in ("loss", "clip_frac", "grad_norm", "entropy", "tokens")}
+
+
+def _previous_checkpoint(store: RunStore, step: int) -> Path | None:
+    """The checkpoint an FSDP update of ``step`` starts from: ``checkpoints/<step>`` (weights, AdamW
+    moments, RNG and update count, written by the previous step's update), or None at step 0 (the base
+    model, a fresh optimizer). That is what the single-process trainer holds in memory at that point, so
+    both modes compute the same update, and a resumed run the same as an uninterrupted one. A missing
+    checkpoint is an error, never a silent restart from the base model."""
+    if step == 0:
+        return None
+    previous = store.checkpoint_dir(step)
+    if not previous.is_dir():
+        raise StoreError(
+            f"{previous} is missing: the update of step {step} continues from it; recompute it with "
+            f"`coba rerun --run-dir {store.root} --step {step - 1} --stage update --yes`"
+        )
+    return previous
 
 
 @task(name="heldout-eval", task_run_name="heldout-eval-step-{step}", retries=1, cache_policy=NO_CACHE)
@@ -402,46 +443,78 @@ def first_step_not_done(store: RunStore, steps: int) -> int:
     return step
 
 
-def start_resources(res: RunResources, model_path: str, version: int) -> None:
+def update_settings(cfg: Config) -> UpdateSettings:
+    """The GRPO update's settings from the run's config (the same for one process and for FSDP)."""
+    o = cfg.optim
+    return UpdateSettings(
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        max_grad_norm=o.max_grad_norm,
+        micro_batch_size=o.micro_batch_size,
+        mini_batches=o.mini_batches,
+        clip_low=o.clip_low,
+        clip_high=o.clip_high,
+        kl_coef=o.kl_coef,
+        update_epochs=o.update_epochs,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+    )
+
+
+def start_resources(
+    res: RunResources, model_path: str, version: int, engine: Any = None, pool: VerifierPool | None = None
+) -> None:
     """Start what a run keeps alive between steps: the rollout engine on ``model_path`` (weight
-    version ``version``), the verifier pool and the training model (from the config's model path)."""
+    version ``version``), the verifier pool and the training model (from the config's model path).
+
+    ``engine`` and ``pool``, when given, are used instead of new ones (``coba bench stages`` runs two
+    run directories on one engine and one pool; the caller closes them once).
+
+    With ``optim.fsdp_processes`` > 1 no training model is built here, only its tokenizer: each
+    update is a torchrun job that loads the policy and the AdamW state from the last checkpoint and
+    writes the next one, so between steps the checkpoint on disk is the training state. A trainer
+    kept in sync here would have to load every new checkpoint (float32 weights plus two AdamW moments:
+    about 4x the model's size, on the GPU the ranks need) only to hold weights the flow never reads;
+    it is also one copy fewer to go stale. A resume needs nothing more either: the next update reads
+    ``checkpoints/<first step>`` itself.
+    """
     cfg = res.cfg
     r = cfg.rollout
-    res.engine = make_backend(
-        r.backend,
-        model_path,
-        dtype=cfg.model.dtype,
-        max_model_len=r.max_model_len or None,
-        seed=cfg.run.seed,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        trust_remote_code=cfg.model.trust_remote_code,
-        in_process=r.in_process,
-        sleep_mode=r.sleep_during_update,
-        **({"engines": r.engines} if r.backend == "vllm-ray" else {}),  # Ray actors (docs/scale_out.md)
+    res.engine = (
+        engine
+        if engine is not None
+        else make_backend(
+            r.backend,
+            model_path,
+            dtype=cfg.model.dtype,
+            max_model_len=r.max_model_len or None,
+            seed=cfg.run.seed,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            trust_remote_code=cfg.model.trust_remote_code,
+            in_process=r.in_process,
+            sleep_mode=r.sleep_during_update,
+            tensor_parallel_size=r.tensor_parallel_size,  # GPUs per engine (each Ray actor asks Ray for as many)
+            **({"engines": r.engines} if r.backend == "vllm-ray" else {}),  # Ray actors (docs/scale_out.md)
+        )
     )
     res.engine.weight_version = version
-    res.pool = VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
-    o = cfg.optim
-    res.trainer = PolicyTrainer(
-        cfg.model.path,
-        UpdateSettings(
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=tuple(o.betas),
-            eps=o.eps,
-            max_grad_norm=o.max_grad_norm,
-            micro_batch_size=o.micro_batch_size,
-            mini_batches=o.mini_batches,
-            clip_low=o.clip_low,
-            clip_high=o.clip_high,
-            kl_coef=o.kl_coef,
-            update_epochs=o.update_epochs,
-            dtype=cfg.model.dtype,
-            trust_remote_code=cfg.model.trust_remote_code,
-            gradient_checkpointing=cfg.model.gradient_checkpointing,
-        ),
-        seed=cfg.run.seed,
-    )
+    res.pool = pool if pool is not None else VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
+    settings = update_settings(cfg)
+    if cfg.optim.fsdp_processes > 1:
+        import torch
+        from transformers import AutoTokenizer
+
+        # the thread count PolicyTrainer sets in the single-process mode, so that the in-process
+        # engine's CPU work runs the same in both modes (the ranks get it as OMP_NUM_THREADS)
+        torch.set_num_threads(settings.threads)
+        res.trainer = None
+        res.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    else:
+        res.trainer = PolicyTrainer(cfg.model.path, settings, seed=cfg.run.seed)
+        res.tokenizer = res.trainer.tokenizer
 
 
 @flow(name="coba-train")
@@ -485,7 +558,7 @@ def train_flow(
             start_ckpt = str(store.checkpoint_dir(first))
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
         start_resources(res, start_ckpt, version=first)
-        if first > 0:
+        if first > 0 and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
             res.trainer.load_checkpoint(store.checkpoint_dir(first))
         before = eval_task(str(store.root), 0)
         log.info(f"held-out accuracy before training: {before['accuracy']:.3f} {before['by_difficulty']}")

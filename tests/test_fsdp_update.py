@@ -84,10 +84,12 @@ def test_fsdp_processes_is_checked_and_hash_neutral_at_its_default():
     assert cfg.optim.fsdp_processes == 1 and ("optim", "fsdp_processes") in HASH_NEUTRAL_DEFAULTS
     with pytest.raises(ConfigError, match=r"optim\.fsdp_processes = 0: must be >= 1"):
         apply_overrides(cfg, ["optim.fsdp_processes=0"])
+    with pytest.raises(ConfigError, match=r"optim\.fsdp_processes: expected an integer, got 1\.5"):
+        apply_overrides(cfg, ["optim.fsdp_processes=1.5"])
     assert config_hash(apply_overrides(cfg, ["optim.fsdp_processes=1"])) == config_hash(cfg)
-    # not wired into the training flow yet: refused rather than silently ignored
-    with pytest.raises(ConfigError, match=r"optim\.fsdp_processes = 2: must be 1 for now"):
-        apply_overrides(cfg, ["optim.fsdp_processes=2"])
+    # the training flow runs the update over N > 1 processes (tests/test_fsdp_flow.py): another run
+    two = apply_overrides(cfg, ["optim.fsdp_processes=2"])
+    assert two.optim.fsdp_processes == 2 and config_hash(two) != config_hash(cfg)
 
 
 @pytest.mark.slow
