@@ -7,18 +7,17 @@ Everything runs in one process, one after the other, on the same machine state:
    ``llm.generate(prompts, [SamplingParams(n=b_i, seed=s_i, ...)])`` on the same ``vllm.LLM``
    object (prompts and parameters built outside the timed region), alternated and compared by
    medians. The Parquet write of the rollouts table is a figure of its own.
-2. **A step through Prefect vs the same step as plain function calls.** ``train_flow`` runs
-   ``steps`` steps on a temporary run directory (its summary.json gives the step wall time and
-   the Prefect overhead it measures; ``steps/NNNNNN/timing.json`` the seconds per stage). Then the
-   same steps run on a second run directory without Prefect: the same resources (``_open_resources``,
-   an engine, a verifier pool and a trainer built as ``train_flow`` builds them), the same warm-up
-   (the uniform first budget, the held-out evaluation before training) and, per step, the five
-   task bodies called as plain functions (``rollout_task.fn(run_dir, step)`` ...) plus the same
-   timing.json write: the code inside the tasks, without task runs, logs or artifacts. Both
-   directories then hold the same tables (compared by sha256), so both did the same work. The
-   difference flow - plain also holds any drift of the machine's load between the two runs (and
-   CPU taken from the stage bodies by Prefect's own threads and server): the per-stage rows show
-   where it comes from, and the flow's own figure (step wall - stage bodies) is printed beside it.
+2. **A step through Prefect vs the same step as plain function calls, interleaved.** Two run
+   directories with the same config share one vLLM engine and one verifier pool (each run has its
+   own trainer). Inside one flow run (``flows/bench.py``), step t of the first run goes through
+   ``run_step``, what ``coba-train`` runs per step (five task runs, the progress line, the
+   artifacts), and step t of the second run calls the same five task bodies as plain functions
+   (``rollout_task.fn(run_dir, step)`` ...) plus the same timing.json write; the order alternates
+   every step (flow first on even steps), and before the second run of a pair the engine is given
+   the step's weights back (untimed). Both sides thus meet the same load, server and threads; the
+   ratio flow / plain is printed per step with its median, smallest and largest value, and both
+   directories hold the same tables (compared by sha256), so both did the same work. Prefect's own
+   time as the flow sees it (step wall - stage bodies) is printed beside it.
 3. **Parquet per step.** ``RunStore.write_table`` and ``read_table`` (sha256 verified) of each of
    the step's tables, in a scratch run directory.
 4. **Verification.** ``VerifierPool.score`` items per second on the step's rollouts.
@@ -83,6 +82,11 @@ def _bench_config(config_path: str | None, overrides: Sequence[str], steps: int)
             f"bench stages compares the rollout stage with bare vLLM: needs rollout.backend=vllm, got "
             f"{cfg.rollout.backend!r}"
         )
+    if cfg.optim.fsdp_processes != 1:
+        raise ValueError(
+            "bench stages times the single-process GRPO update: needs optim.fsdp_processes=1, got "
+            f"{cfg.optim.fsdp_processes}"
+        )
     check_paths(cfg)
     return cfg
 
@@ -105,16 +109,52 @@ def _plain_step(run_dir: str, step: int) -> None:
     )
 
 
-def _flow_figures(summary: dict, root: Path, steps: int) -> dict[str, Any]:
-    per_stage = {name: [] for name in STAGE_NAMES}
-    for step in range(steps):
-        timing = json.loads((root / "steps" / f"{step:06d}" / "timing.json").read_text())
-        for name in STAGE_NAMES:
-            per_stage[name].append(float(timing[name]))
+def interleave_steps(
+    flow_dir: str, plain_dir: str, steps: int, flow_step: Callable[[str, int], Any]
+) -> list[dict[str, Any]]:
+    """Steps 0..steps-1 of two runs that share one engine, alternating which goes first.
+
+    ``flow_step(flow_dir, t)`` is the flow's step (tasks through Prefect; call this inside a flow
+    run), ``_plain_step(plain_dir, t)`` the same bodies as plain calls. Before the second run of each
+    pair the engine is given the weights of step t again (untimed). Per step and side: the wall time,
+    the seconds inside the stage bodies, and the seconds per stage (timing.json).
+    """
+    from flows.train import _res
+
+    runs = {"flow": (flow_dir, flow_step), "plain": (plain_dir, _plain_step)}
+    pairs = []
+    for t in range(steps):
+        order = ("flow", "plain") if t % 2 == 0 else ("plain", "flow")
+        pair: dict[str, Any] = {"step": t, "first": order[0]}
+        for i, side in enumerate(order):
+            run_dir, step_fn = runs[side]
+            res = _res(run_dir)
+            if i == 1:  # the first run's update loaded its step t + 1 weights: back to step t
+                ckpt = res.store.checkpoint_dir(t) if t > 0 else res.cfg.model.path
+                res.engine.load_weights(ckpt, version=t)
+            inside0 = sum(res.stage_seconds.values())
+            t0 = time.perf_counter()
+            step_fn(run_dir, t)
+            wall = time.perf_counter() - t0
+            timing = res.store.read_json(f"steps/{t:06d}/timing.json")
+            pair[side] = {
+                "wall_s": wall,
+                "inside_s": sum(res.stage_seconds.values()) - inside0,
+                "stage_s": {name: float(timing[name]) for name in STAGE_NAMES},
+            }
+        pairs.append(pair)
+    return pairs
+
+
+def _step_figures(pairs: Sequence[dict], side: str) -> dict[str, Any]:
+    """Means over the steps of one side of ``interleave_steps``'s pairs."""
+    walls = [p[side]["wall_s"] for p in pairs]
+    outside = [p[side]["wall_s"] - p[side]["inside_s"] for p in pairs]
     return {
-        "step_s": float(summary["step_seconds_mean"]),
-        "prefect_overhead_s": float(summary["prefect_overhead_seconds_per_step"]),
-        "stage_s": {k: _mean(v) for k, v in per_stage.items()},
+        "step_s": _mean(walls),
+        "outside_stages_s": _mean(outside),
+        "prefect_overhead_s": _mean(outside),
+        "stage_s": {name: _mean([p[side]["stage_s"][name] for p in pairs]) for name in STAGE_NAMES},
     }
 
 
@@ -161,7 +201,6 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
     import torch
 
     from coba_tasks import stages
-    from coba_tasks.config import config_to_dict
     from flows.train import (
         _RUNS,
         _open_resources,
@@ -170,7 +209,6 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
         _write_budget,
         eval_task,
         start_resources,
-        train_flow,
     )
 
     work.mkdir(parents=True, exist_ok=True)
@@ -187,38 +225,27 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
-    # -- 2a. the flow ------------------------------------------------------------------------------
-    progress(f"flow: {steps} steps of coba-train through Prefect")
-    t0 = time.perf_counter()
-    summary = train_flow(run_dir=str(flow_dir), config=config_to_dict(cfg))
-    flow_run_s = time.perf_counter() - t0
-    flow = _flow_figures(summary, flow_dir.resolve(), steps)
-    flow["run_s"] = flow_run_s
+    # -- 2. the same steps through Prefect and as plain calls, interleaved --------------------------
+    # Two run directories on one engine and one verifier pool (each run its own trainer): step t of
+    # the flow run, then step t of the plain run (the other order on odd steps), so both meet the same
+    # machine load. Before the second run of a pair the engine gets back the weights of step t (the
+    # first run's update moved them on; the two runs' checkpoints are bit-identical), untimed.
+    from flows.bench import bench_steps_flow
 
-    # -- 2b. the same steps as plain calls, then the stage benchmarks on that run's resources -------
-    root = plain_dir.resolve()
+    flow_root, root = flow_dir.resolve(), plain_dir.resolve()
+    res_flow = _open_resources(flow_root, cfg, continuing=False)
     res = _open_resources(root, cfg, continuing=False)
     try:
-        progress("plain: start the engine, the verifier pool and the trainer")
-        _write_budget(res, 0, stages.empty_history(), _tracker_before(res, 0))
-        start_resources(res, cfg.model.path, version=0)
+        progress("start the engine, the verifier pool and the two runs' trainers")
+        for r in (res_flow, res):
+            _write_budget(r, 0, stages.empty_history(), _tracker_before(r, 0))
+        start_resources(res_flow, cfg.model.path, version=0)
+        start_resources(res, cfg.model.path, version=0, engine=res_flow.engine, pool=res_flow.pool)
         machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
-        eval_task.fn(str(root), 0)  # the flow evaluates before training: the same warm-up
-        walls, inside, per_stage = [], [], {name: [] for name in STAGE_NAMES}
-        for step in range(steps):
-            progress(f"plain: step {step + 1}/{steps} as plain function calls")
-            t0, in0 = time.perf_counter(), sum(res.stage_seconds.values())
-            _plain_step(str(root), step)
-            walls.append(time.perf_counter() - t0)
-            inside.append(sum(res.stage_seconds.values()) - in0)
-            timing = res.store.read_json(f"steps/{step:06d}/timing.json")
-            for name in STAGE_NAMES:
-                per_stage[name].append(float(timing[name]))
-        plain = {
-            "step_s": _mean(walls),
-            "outside_stages_s": _mean([w - i for w, i in zip(walls, inside, strict=True)]),
-            "stage_s": {k: _mean(v) for k, v in per_stage.items()},
-        }
+        eval_task.fn(str(root), 0)  # a warm-up of the engine and the pool, untimed
+        progress(f"{steps} steps of each run, interleaved: through Prefect (coba-bench-steps) and as plain calls")
+        pairs = bench_steps_flow(str(flow_root), str(root), steps)
+        flow, plain = (_step_figures(pairs, side) for side in ("flow", "plain"))
 
         t = steps - 1  # the step whose inputs and outputs the stage benchmarks use
         store = res.store
@@ -230,22 +257,31 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
         parquet = _bench_parquet(store, scratch_dir, cfg, t, repeats, progress)
         update = _bench_update(res, rollouts, rewards, scratch_dir, repeats, progress)
     finally:
-        if res.pool is not None:
-            res.pool.close()
-        if res.engine is not None:
-            res.engine.close()
+        for r in (res_flow, res):  # the pool and the engine are shared: close each once
+            if r.pool is not None and not (r is res and r.pool is res_flow.pool):
+                r.pool.close()
+            if r.engine is not None and not (r is res and r.engine is res_flow.engine):
+                r.engine.close()
+        _RUNS.pop(str(flow_root), None)
         _RUNS.pop(str(root), None)
 
     machine["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     differ = _same_tables(flow_dir, plain_dir, steps)
     orchestration_s = flow["step_s"] - plain["step_s"]
     rollout["write_s"] = parquet["tables"]["rollouts"]["write_s"]
+    pair_ratios = [p["flow"]["wall_s"] / p["plain"]["wall_s"] for p in pairs]
     ratios = {
         "rollout_stage_over_bare": rollout["stage_s"] / rollout["bare_s"],
         "rollout_stage_and_write_over_bare": (rollout["stage_s"] + rollout["write_s"]) / rollout["bare_s"],
         "flow_over_plain_step": flow["step_s"] / plain["step_s"],
         "orchestration_share": orchestration_s / flow["step_s"],
         "prefect_overhead_share_in_flow": flow["prefect_overhead_s"] / flow["step_s"],
+        "flow_over_plain_pairs": {
+            "median": float(statistics.median(pair_ratios)),
+            "min": float(min(pair_ratios)),
+            "max": float(max(pair_ratios)),
+            "each": pair_ratios,
+        },
     }
     goals = {
         name: {"value": ratios[name], "goal": limit, "met": bool(ratios[name] <= limit)}
@@ -271,6 +307,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
             "flow": flow,
             "plain": plain,
             "orchestration_s": orchestration_s,
+            "pairs": pairs,
             "same_tables": not differ,
             "tables_differ": differ,
         },
@@ -454,7 +491,7 @@ def format_stages(result: dict) -> str:
     """Human-readable report of ``bench_stages``: the figures, the ratios, their goals and whether met."""
     m, sh, ro, st = result["machine"], result["shape"], result["rollout"], result["step"]
     pq, ve, up, ra, go = result["parquet"], result["verify"], result["update"], result["ratios"], result["goals"]
-    flow, plain = st["flow"], st["plain"]
+    flow, plain, pr = st["flow"], st["plain"], ra["flow_over_plain_pairs"]
     g_roll, g_orch = go["rollout_stage_over_bare"], go["orchestration_share"]
     lines = [
         f"Where a training step's time goes ({result['config']}, {result['steps']} steps; "
@@ -482,7 +519,9 @@ def format_stages(result: dict) -> str:
     lines += [
         f"  {'outside the stage bodies':<34}{_fmt_s(outside_flow):>10}{_fmt_s(plain['outside_stages_s']):>10}",
         f"  {'step':<34}{_fmt_s(flow['step_s']):>10}{_fmt_s(plain['step_s']):>10}",
-        f"  flow / plain = {ra['flow_over_plain_step']:.3f}x; orchestration (flow - plain) "
+        f"  flow / plain per step (interleaved): median {pr['median']:.3f}x, smallest {pr['min']:.3f}x, largest "
+        f"{pr['max']:.3f}x ({', '.join(f'{x:.3f}' for x in pr['each'])})",
+        f"  flow / plain = {ra['flow_over_plain_step']:.3f}x (means); orchestration (flow - plain) "
         f"{_fmt_s(st['orchestration_s'])} = {ra['orchestration_share']:.1%} of a flow step "
         f"(goal <= {g_orch['goal']:.0%}: {_met(g_orch)})",
         f"  Prefect overhead as the flow measures it (step wall - stage bodies): {_fmt_s(flow['prefect_overhead_s'])}"

@@ -66,16 +66,29 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
     # the plain run did the flow's work: the same tables, byte for byte
     assert st["same_tables"] and st["tables_differ"] == []
     assert set(st["flow"]["stage_s"]) == set(st["plain"]["stage_s"]) == set(STAGE_NAMES)
-    summary = json.loads((tmp_path / "flow" / "summary.json").read_text())
-    assert st["flow"]["step_s"] == summary["step_seconds_mean"]
-    assert st["flow"]["prefect_overhead_s"] == summary["prefect_overhead_seconds_per_step"]
+    # the two runs were interleaved, the order alternating; the means are the pairs' means
+    pairs = st["pairs"]
+    assert [p["step"] for p in pairs] == [0, 1] and [p["first"] for p in pairs] == ["flow", "plain"]
+    for side in ("flow", "plain"):
+        assert math.isclose(st[side]["step_s"], sum(p[side]["wall_s"] for p in pairs) / 2)
+        outside = sum(p[side]["wall_s"] - p[side]["inside_s"] for p in pairs) / 2
+        assert math.isclose(st[side]["outside_stages_s"], outside)
+        for p in pairs:
+            assert p[side]["inside_s"] <= p[side]["wall_s"]
+            timing = json.loads((tmp_path / side / "steps" / f"{p['step']:06d}" / "timing.json").read_text())
+            assert p[side]["stage_s"] == {k: timing[k] for k in STAGE_NAMES}
+    assert math.isclose(st["flow"]["prefect_overhead_s"], st["flow"]["outside_stages_s"])
+    each = [p["flow"]["wall_s"] / p["plain"]["wall_s"] for p in pairs]
+    pr = result["ratios"]["flow_over_plain_pairs"]
+    assert pr["each"] == each and pr["min"] == min(each) and pr["max"] == max(each)
+    assert pr["min"] <= pr["median"] <= pr["max"]
     assert ro["write_s"] == pq["tables"]["rollouts"]["write_s"]
 
     # every figure is finite; every time, count and rate positive (the difference flow - plain may be either)
     for path, value in _numbers(result):
         assert math.isfinite(value), path
         either = (".step.orchestration_s", ".ratios.orchestration_share", ".goals.orchestration_share.value")
-        if path not in either and not path.startswith(".machine.load_average"):
+        if path not in either and not path.startswith(".machine.load_average") and not path.endswith("].step"):
             assert value > 0, path
     assert result["machine"]["cpus"] >= 1 and result["machine"]["torch_threads"] >= 1
 
@@ -100,6 +113,7 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
         f"{ra['rollout_stage_over_bare']:.3f}x",
         f"{ra['rollout_stage_and_write_over_bare']:.3f}x",
         f"{ra['flow_over_plain_step']:.3f}x",
+        f"median {ra['flow_over_plain_pairs']['median']:.3f}x",
         f"{ra['orchestration_share']:.1%}",
         f"{ra['prefect_overhead_share_in_flow']:.1%}",
         "goal <= 1.10",
@@ -135,5 +149,7 @@ def test_bench_stages_refuses_bad_input():
         bench_stages("configs/tiny-test.yaml", steps=0, progress=lambda s: None)
     with pytest.raises(ValueError, match=r"needs rollout\.backend=vllm"):
         bench_stages("configs/tiny-test.yaml", ["rollout.backend=transformers"], steps=1, progress=lambda s: None)
+    with pytest.raises(ValueError, match=r"needs optim\.fsdp_processes=1, got 2"):
+        bench_stages("configs/tiny-test.yaml", ["optim.fsdp_processes=2"], steps=1, progress=lambda s: None)
     with pytest.raises(ValueError, match="does not exist"):
         bench_stages("configs/no-such.yaml", steps=1, progress=lambda s: None)
