@@ -51,6 +51,9 @@ class BootstrapConfig:
     threads: int = 0
     eval_batch_size: int = 128
     max_answer_tokens: int = 10  # greedy decoding budget at evaluation
+    # A noisy teacher: each time an example is drawn, with this probability its answer is replaced by a
+    # near miss (the true value off by 1 or 10: a slipped last digit or carry). 0 = clean answers.
+    label_noise: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_batch_size", "max_answer_tokens"):
@@ -60,6 +63,8 @@ class BootstrapConfig:
             raise ValueError(f"bootstrap threads must be >= 0 (0 = every core), got {self.threads}")
         if not self.lr > 0:
             raise ValueError(f"bootstrap lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.label_noise < 1.0:
+            raise ValueError(f"bootstrap label_noise must be in [0, 1), got {self.label_noise}")
 
 
 def encode_examples(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> list[tuple[list[int], int]]:
@@ -71,6 +76,31 @@ def encode_examples(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -
         a_ids = tokenizer(a, add_special_tokens=False).input_ids
         out.append((p_ids + a_ids + [eos], len(p_ids)))
     return out
+
+
+NEAR_MISSES = (-10, -1, 1, 10)  # offsets of the noisy teacher's wrong answers
+
+
+def near_miss_answers(answers: Sequence[str], offset: int) -> list[str]:
+    """Each integer answer moved by ``offset`` (the noisy teacher's wrong answers)."""
+    out = []
+    for a in answers:
+        try:
+            out.append(str(int(a) + offset))
+        except ValueError:
+            raise ValueError(f"label_noise needs integer answers, got {a!r}") from None
+    return out
+
+
+def draw_batch(rng: np.random.Generator, weights: np.ndarray, cfg: BootstrapConfig) -> tuple[np.ndarray, np.ndarray]:
+    """One step's example indices (drawn with ``weights``) and each one's answer: 0 the true answer,
+    k > 0 the near miss ``NEAR_MISSES[k - 1]`` (with probability ``cfg.label_noise``). Without noise
+    the generator draws only the indices, so a clean warm-up is the same as before the option existed."""
+    rows = rng.choice(len(weights), size=cfg.batch_size, p=weights)
+    if cfg.label_noise == 0:
+        return rows, np.zeros(cfg.batch_size, dtype=np.int64)
+    noisy = rng.random(cfg.batch_size) < cfg.label_noise
+    return rows, np.where(noisy, rng.integers(1, len(NEAR_MISSES) + 1, size=cfg.batch_size), 0)
 
 
 def collate(batch: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,7 +160,8 @@ def train_sft(
     tok = AutoTokenizer.from_pretrained(init_dir)
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
     model.train()
-    examples = encode_examples(tok, train["prompt_text"].tolist(), train["ground_truth"].tolist())
+    prompts, answers = train["prompt_text"].tolist(), train["ground_truth"].tolist()
+    examples = encode_examples(tok, prompts, answers)
     rng = np.random.default_rng(cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -141,15 +172,30 @@ def train_sft(
     )
     weights = level_balanced_weights(train)
     all_ids, all_mask, all_labels = collate(examples, tok.pad_token_id)  # (N, T) each, built once
-    lengths = all_mask.sum(dim=1)
+    if cfg.label_noise > 0:  # (V, N, T): variant 0 the true answers, then one per near-miss offset
+        variants = [(all_ids, all_mask, all_labels)] + [
+            collate(encode_examples(tok, prompts, near_miss_answers(answers, d)), tok.pad_token_id) for d in NEAR_MISSES
+        ]
+        width_all = max(v[0].shape[1] for v in variants)
+        pad = [(tok.pad_token_id, 0, -100)]
+        all_ids, all_mask, all_labels = (
+            torch.stack(
+                [torch.nn.functional.pad(v[i], (0, width_all - v[i].shape[1]), value=pad[0][i]) for v in variants]
+            )
+            for i in range(3)
+        )
+    lengths = all_mask.sum(dim=-1)
     t0 = time.perf_counter()
     tokens = 0
     losses: list[float] = []
     every = max(1, cfg.steps // 20)
     for step in range(cfg.steps):
-        idx = torch.from_numpy(rng.choice(len(examples), size=cfg.batch_size, p=weights))
+        rows, variant = draw_batch(rng, weights, cfg)
+        idx = torch.from_numpy(rows)
+        if cfg.label_noise > 0:
+            idx = (torch.from_numpy(variant), idx)
         width = int(lengths[idx].max())
-        input_ids, mask, labels = all_ids[idx, :width], all_mask[idx, :width], all_labels[idx, :width]
+        input_ids, mask, labels = all_ids[idx][:, :width], all_mask[idx][:, :width], all_labels[idx][:, :width]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss

@@ -67,7 +67,11 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from coba_tasks.bootstrap import BootstrapConfig
     from flows.bootstrap import bootstrap_flow
 
-    chosen = {"steps": args.steps, "threads": getattr(args, "threads", None)}
+    chosen = {
+        "steps": args.steps,
+        "threads": getattr(args, "threads", None),
+        "label_noise": getattr(args, "label_noise", None),
+    }
     cfg = BootstrapConfig(seed=args.seed, **{k: v for k, v in chosen.items() if v is not None})
     figures = bootstrap_flow(out_dir=str(out), train_path=args.train, test_path=args.test, cfg=cfg)
     levels = "  ".join(f"level {k}: {v:.2f}" for k, v in figures["accuracy_by_difficulty"].items())
@@ -351,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="torch CPU threads (default 0: every core; the same seed and thread count give the same model)",
+    )
+    boot.add_argument(
+        "--label-noise",
+        type=float,
+        default=None,
+        help="probability that a drawn example's answer is a near miss (off by 1 or 10); default 0",
     )
     boot.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     boot.set_defaults(func=_cmd_bootstrap)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,13 +11,16 @@ import pytest
 from safetensors.numpy import load_file
 
 from coba_tasks.bootstrap import (
+    NEAR_MISSES,
     BootstrapConfig,
     collate,
+    draw_batch,
     encode_examples,
     evaluate_greedy,
     init_model,
     level_balanced_weights,
     lr_at,
+    near_miss_answers,
     train_sft,
 )
 from coba_tasks.data import load_dataset
@@ -107,3 +111,39 @@ def test_bootstrap_flow_end_to_end(tmp_path, prefect_harness, splits):
     assert (out / "model.safetensors").is_file() and not (tmp_path / "model.partial").exists()
     saved = json.loads((out / "bootstrap.json").read_text())
     assert saved["accuracy"] == figures["accuracy"] and saved["config"]["steps"] == SMALL.steps
+
+
+def test_near_miss_answers_and_label_noise_bounds():
+    assert near_miss_answers(["5", "-2", "0"], 10) == ["15", "8", "10"]
+    assert near_miss_answers(["5", "-2"], -1) == ["4", "-3"]
+    with pytest.raises(ValueError, match="label_noise needs integer answers"):
+        near_miss_answers(["1/2"], 1)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="label_noise must be in"):
+            BootstrapConfig(label_noise=bad)
+
+
+def test_draw_batch_gives_near_misses_at_the_noise_rate():
+    weights = np.full(50, 1 / 50)
+    big = dataclasses.replace(SMALL, batch_size=20_000)
+    rows, variant = draw_batch(np.random.default_rng(3), weights, big)
+    assert np.array_equal(rows, np.random.default_rng(3).choice(50, size=20_000, p=weights))  # clean: indices only
+    assert not variant.any()
+    rows, variant = draw_batch(np.random.default_rng(3), weights, dataclasses.replace(big, label_noise=0.3))
+    assert rows.min() >= 0 and rows.max() < 50
+    assert abs((variant > 0).mean() - 0.3) < 0.02  # 20,000 draws: standard error 0.003
+    counts = np.bincount(variant, minlength=len(NEAR_MISSES) + 1)[1:]
+    assert len(counts) == len(NEAR_MISSES) and counts.min() > 0.2 * counts.sum()  # each offset about 1/4
+
+
+def test_label_noise_changes_training_reproducibly(tmp_path, splits):
+    """A noisy teacher trains on other answers than the clean one (same seed), the same way every time."""
+    train, _ = splits
+    init = init_model(tmp_path / "init", SMALL)
+    noisy = dataclasses.replace(SMALL, label_noise=0.5)
+    train_sft(init, train, tmp_path / "clean", SMALL, log=lambda s: None)
+    train_sft(init, train, tmp_path / "n1", noisy, log=lambda s: None)
+    train_sft(init, train, tmp_path / "n2", noisy, log=lambda s: None)
+    clean, n1, n2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("clean", "n1", "n2"))
+    assert all(np.array_equal(n1[k], n2[k]) for k in n1)
+    assert any(not np.array_equal(clean[k], n1[k]) for k in clean)
