@@ -57,6 +57,7 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("rollout", "engines"): 1,
     ("optim", "fsdp_processes"): 1,
     ("rollout", "tensor_parallel_size"): 1,
+    ("optim", "lr_warmup_steps"): 0,
 }
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -294,11 +295,13 @@ class OptimConfig:
     clip_high: float = 0.28  # ratio clipped above at 1 + clip_high ("clip-higher")
     kl_coef: float = 0.0  # coefficient of the KL penalty to the initial policy; 0 = none (the default)
     update_epochs: int = 1  # optimiser passes over each step's rollouts
+    lr_warmup_steps: int = 0  # linear warm-up: training step k (from 0) updates at lr * min(1, (k + 1) / N); 0 = none
     fsdp_processes: int = 1  # 1 = the update in the flow process; N > 1 = each update a torchrun job of N FSDP ranks
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
         _check(self, "lr", self.lr > 0, "must be > 0 (the AdamW step size, e.g. 1e-4)")
+        _check(self, "lr_warmup_steps", self.lr_warmup_steps >= 0, "must be >= 0 (training steps; 0 = no warm-up)")
         _check(self, "weight_decay", self.weight_decay >= 0, "must be >= 0 (0 = no weight decay)")
         _check(self, "betas", all(0 <= b < 1 for b in self.betas), "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
         _check(self, "eps", self.eps > 0, "must be > 0, e.g. 1e-8")

@@ -59,6 +59,7 @@ class UpdateSettings:
     """What the update needs from the run's config."""
 
     lr: float = 1e-4
+    lr_warmup_steps: int = 0  # linear warm-up over this many updates (training steps); 0 = none
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -73,6 +74,17 @@ class UpdateSettings:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     threads: int = 1
+
+
+def warmup_lr(lr: float, warmup_steps: int, update: int) -> float:
+    """The learning rate of update ``update`` (from 0): linear warm-up ``lr * (update + 1) / warmup_steps``
+    for the first ``warmup_steps`` updates, then ``lr`` (veRL's constant schedule with warm-up).
+
+    AdamW's first steps move every weight by about the learning rate whatever its gradient's noise; a
+    warm-up keeps those steps small while the moment estimates settle."""
+    if warmup_steps <= 0:
+        return lr
+    return lr * min(1.0, (update + 1) / warmup_steps)
 
 
 class DataShard:
@@ -229,6 +241,8 @@ class PolicyTrainer:
             logp_old = self._all_logprobs(self.model, ids, attn)
             ref_logp = self._all_logprobs(self.ref_model, ids, attn) if self.ref_model is not None else None
 
+        for group in self.optimizer.param_groups:  # the warm-up follows the update count, so a resume agrees
+            group["lr"] = warmup_lr(s.lr, s.lr_warmup_steps, self.updates)
         self.model.train()
         totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
         gen = torch.Generator().manual_seed(self.updates)

@@ -448,6 +448,7 @@ def update_settings(cfg: Config) -> UpdateSettings:
     o = cfg.optim
     return UpdateSettings(
         lr=o.lr,
+        lr_warmup_steps=o.lr_warmup_steps,
         weight_decay=o.weight_decay,
         betas=tuple(o.betas),
         eps=o.eps,

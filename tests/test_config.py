@@ -278,6 +278,7 @@ def test_wrong_type_in_a_file(tmp_path):
         ("optim.clip_high=0", r"optim\.clip_high = 0\.0: must be > 0"),
         ("optim.kl_coef=-0.1", r"optim\.kl_coef = -0\.1: must be >= 0"),
         ("optim.update_epochs=0", r"optim\.update_epochs = 0: must be >= 1"),
+        ("optim.lr_warmup_steps=-1", r"optim\.lr_warmup_steps = -1: must be >= 0"),
         ("verify.workers=0", r"verify\.workers = 0: must be >= 1"),
         ("verify.timeout_s=0", r"verify\.timeout_s = 0\.0: must be > 0"),
     ],

@@ -180,3 +180,35 @@ def test_bfloat16_trains_with_float32_master_weights_and_resumes_exactly(random_
     assert all(torch.equal(p1[k], p2[k]) for k in p1)
     if tied:
         assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
+
+
+def test_warmup_lr_is_linear_then_constant():
+    from coba_tasks.trainer import warmup_lr
+
+    assert [warmup_lr(1e-3, 4, k) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert warmup_lr(1e-3, 0, 0) == 1e-3 and warmup_lr(1e-3, 1, 0) == 1e-3
+
+
+def test_update_follows_the_warmup_and_resumes_on_it(random_checkpoints, tmp_path):
+    """Each update steps at the warm-up's rate for its update count; a reloaded trainer continues the schedule."""
+    a, _ = random_checkpoints
+    settings = UpdateSettings(lr=1e-2, lr_warmup_steps=3, micro_batch_size=4)
+    trainer = PolicyTrainer(a, settings)
+    rates = [trainer.update(PROMPTS, COMPLETIONS, ADV)["lr"] for _ in range(2)]
+    assert rates == pytest.approx([1e-2 / 3, 2e-2 / 3])
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    resumed = PolicyTrainer(a, settings)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    rates = [resumed.update(PROMPTS, COMPLETIONS, ADV)["lr"] for _ in range(2)]
+    assert rates == pytest.approx([1e-2, 1e-2])
+    # a smaller first step than without warm-up: the weights move less
+    plain = PolicyTrainer(a, UpdateSettings(lr=1e-2, micro_batch_size=4))
+    warm = PolicyTrainer(a, settings)
+    start = params(plain)
+    plain.update(PROMPTS, COMPLETIONS, ADV)
+    warm.update(PROMPTS, COMPLETIONS, ADV)
+    moved = {
+        name: sum(float((p[k] - start[k]).abs().max()) for k in start)
+        for name, p in (("plain", params(plain)), ("warm", params(warm)))
+    }
+    assert 0 < moved["warm"] < moved["plain"]
