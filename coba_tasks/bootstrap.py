@@ -171,18 +171,13 @@ def train_sft(
         betas=(0.9, 0.98),
     )
     weights = level_balanced_weights(train)
-    all_ids, all_mask, all_labels = collate(examples, tok.pad_token_id)  # (N, T) each, built once
-    if cfg.label_noise > 0:  # (V, N, T): variant 0 the true answers, then one per near-miss offset
-        variants = [(all_ids, all_mask, all_labels)] + [
-            collate(encode_examples(tok, prompts, near_miss_answers(answers, d)), tok.pad_token_id) for d in NEAR_MISSES
-        ]
-        width_all = max(v[0].shape[1] for v in variants)
-        pad = [(tok.pad_token_id, 0, -100)]
+    if cfg.label_noise == 0:
+        all_ids, all_mask, all_labels = collate(examples, tok.pad_token_id)  # (N, T) each, built once
+    else:  # (V, N, T): variant 0 the true answers, then one per near-miss offset, padded together
+        noisy = [e for d in NEAR_MISSES for e in encode_examples(tok, prompts, near_miss_answers(answers, d))]
+        variants = len(NEAR_MISSES) + 1
         all_ids, all_mask, all_labels = (
-            torch.stack(
-                [torch.nn.functional.pad(v[i], (0, width_all - v[i].shape[1]), value=pad[0][i]) for v in variants]
-            )
-            for i in range(3)
+            t.view(variants, len(examples), -1) for t in collate(examples + noisy, tok.pad_token_id)
         )
     lengths = all_mask.sum(dim=-1)
     t0 = time.perf_counter()
