@@ -54,6 +54,9 @@ class BootstrapConfig:
     # A noisy teacher: each time an example is drawn, with this probability its answer is replaced by a
     # near miss (the true value off by 1 or 10: a slipped last digit or carry). 0 = clean answers.
     label_noise: float = 0.0
+    # A teacher that sometimes gives up: each time an example is drawn, with this probability its
+    # target is GIVE_UP ("?", no answer: reward 0) instead of the answer. 0 = it always answers.
+    give_up: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_batch_size", "max_answer_tokens"):
@@ -65,6 +68,8 @@ class BootstrapConfig:
             raise ValueError(f"bootstrap lr must be > 0, got {self.lr}")
         if not 0.0 <= self.label_noise < 1.0:
             raise ValueError(f"bootstrap label_noise must be in [0, 1), got {self.label_noise}")
+        if not 0.0 <= self.give_up < 1.0:
+            raise ValueError(f"bootstrap give_up must be in [0, 1), got {self.give_up}")
 
 
 def encode_examples(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> list[tuple[list[int], int]]:
@@ -79,6 +84,8 @@ def encode_examples(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -
 
 
 NEAR_MISSES = (-10, -1, 1, 10)  # offsets of the noisy teacher's wrong answers
+GIVE_UP = "?"  # the target of a problem the teacher leaves unanswered
+GAVE_UP = len(NEAR_MISSES) + 1  # draw_batch's variant index of GIVE_UP
 
 
 def near_miss_answers(answers: Sequence[str], offset: int) -> list[str]:
@@ -93,14 +100,19 @@ def near_miss_answers(answers: Sequence[str], offset: int) -> list[str]:
 
 
 def draw_batch(rng: np.random.Generator, weights: np.ndarray, cfg: BootstrapConfig) -> tuple[np.ndarray, np.ndarray]:
-    """One step's example indices (drawn with ``weights``) and each one's answer: 0 the true answer,
-    k > 0 the near miss ``NEAR_MISSES[k - 1]`` (with probability ``cfg.label_noise``). Without noise
-    the generator draws only the indices, so a clean warm-up is the same as before the option existed."""
+    """One step's example indices (drawn with ``weights``) and each one's target: 0 the true answer,
+    k in 1..4 the near miss ``NEAR_MISSES[k - 1]`` (with probability ``cfg.label_noise``), 5
+    (``GAVE_UP``) no answer (with probability ``cfg.give_up``, where the answer is not a near miss). The generator draws only what the options need, so a clean warm-up is the same as
+    before the options existed."""
     rows = rng.choice(len(weights), size=cfg.batch_size, p=weights)
-    if cfg.label_noise == 0:
-        return rows, np.zeros(cfg.batch_size, dtype=np.int64)
-    noisy = rng.random(cfg.batch_size) < cfg.label_noise
-    return rows, np.where(noisy, rng.integers(1, len(NEAR_MISSES) + 1, size=cfg.batch_size), 0)
+    variant = np.zeros(cfg.batch_size, dtype=np.int64)
+    if cfg.label_noise > 0:
+        noisy = rng.random(cfg.batch_size) < cfg.label_noise
+        variant = np.where(noisy, rng.integers(1, len(NEAR_MISSES) + 1, size=cfg.batch_size), 0)
+    if cfg.give_up > 0:
+        gave_up = rng.random(cfg.batch_size) < cfg.give_up
+        variant = np.where(gave_up & (variant == 0), GAVE_UP, variant)
+    return rows, variant
 
 
 def collate(batch: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,13 +183,14 @@ def train_sft(
         betas=(0.9, 0.98),
     )
     weights = level_balanced_weights(train)
-    if cfg.label_noise == 0:
+    if cfg.label_noise == 0 and cfg.give_up == 0:
         all_ids, all_mask, all_labels = collate(examples, tok.pad_token_id)  # (N, T) each, built once
-    else:  # (V, N, T): variant 0 the true answers, then one per near-miss offset, padded together
-        noisy = [e for d in NEAR_MISSES for e in encode_examples(tok, prompts, near_miss_answers(answers, d))]
-        variants = len(NEAR_MISSES) + 1
+    else:  # (V, N, T): variant 0 the true answers, one per near-miss offset (GAVE_UP - 1), GIVE_UP
+        targets = [near_miss_answers(answers, d) if cfg.label_noise > 0 else answers for d in NEAR_MISSES]
+        targets.append([GIVE_UP] * len(answers))
+        more = [e for t in targets for e in encode_examples(tok, prompts, t)]
         all_ids, all_mask, all_labels = (
-            t.view(variants, len(examples), -1) for t in collate(examples + noisy, tok.pad_token_id)
+            t.view(len(targets) + 1, len(examples), -1) for t in collate(examples + more, tok.pad_token_id)
         )
     lengths = all_mask.sum(dim=-1)
     t0 = time.perf_counter()
@@ -187,7 +200,7 @@ def train_sft(
     for step in range(cfg.steps):
         rows, variant = draw_batch(rng, weights, cfg)
         idx = torch.from_numpy(rows)
-        if cfg.label_noise > 0:
+        if cfg.label_noise > 0 or cfg.give_up > 0:
             idx = (torch.from_numpy(variant), idx)
         width = int(lengths[idx].max())
         input_ids, mask, labels = all_ids[idx][:, :width], all_mask[idx][:, :width], all_labels[idx][:, :width]

@@ -71,6 +71,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "threads": getattr(args, "threads", None),
         "label_noise": getattr(args, "label_noise", None),
+        "give_up": getattr(args, "give_up", None),
     }
     cfg = BootstrapConfig(seed=args.seed, **{k: v for k, v in chosen.items() if v is not None})
     figures = bootstrap_flow(out_dir=str(out), train_path=args.train, test_path=args.test, cfg=cfg)
@@ -191,6 +192,11 @@ def _print_summary(s: dict) -> None:
     g0, g1 = s.get("heldout_greedy_before", float("nan")), s.get("heldout_greedy_after", float("nan"))
     if g0 == g0 and g1 == g1 and (g0, g1) != (s["heldout_accuracy_before"], s["heldout_accuracy_after"]):
         print(f"held-out greedy:   before {g0:.3f} -> after {g1:.3f}")
+    n0, n1 = s.get("heldout_answered_before", float("nan")), s.get("heldout_answered_after", float("nan"))
+    if n0 == n0 and n1 == n1 and n0 > 0 and n1 > 0:  # where the gain comes from: answering more, or better
+        a0, a1 = s["heldout_accuracy_before"] / n0, s["heldout_accuracy_after"] / n1
+        print(f"answers given:     before {n0:.3f} -> after {n1:.3f} (share of completions with an answer)")
+        print(f"correct if answered: before {a0:.3f} -> after {a1:.3f}")
     levels = sorted(s["heldout_accuracy_by_difficulty_after"])
     print("by difficulty:      " + "  ".join(f"L{k}" + " " * 8 for k in levels))
     print("  before            " + "  ".join(f"{s['heldout_accuracy_by_difficulty_before'][k]:<10.2f}" for k in levels))
@@ -361,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="probability that a drawn example's answer is a near miss (off by 1 or 10); default 0",
+    )
+    boot.add_argument(
+        "--give-up",
+        type=float,
+        default=None,
+        help="probability that a drawn problem is taught with no answer ('?'), so the model learns to "
+        "give up sometimes; default 0",
     )
     boot.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     boot.set_defaults(func=_cmd_bootstrap)

@@ -12,6 +12,8 @@ from safetensors.numpy import load_file
 
 from coba_tasks.bootstrap import (
     NEAR_MISSES,
+    GAVE_UP,
+    GIVE_UP,
     BootstrapConfig,
     collate,
     draw_batch,
@@ -147,3 +149,52 @@ def test_label_noise_changes_training_reproducibly(tmp_path, splits):
     clean, n1, n2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("clean", "n1", "n2"))
     assert all(np.array_equal(n1[k], n2[k]) for k in n1)
     assert any(not np.array_equal(clean[k], n1[k]) for k in clean)
+
+
+
+def test_give_up_bounds_and_target():
+    from coba_tasks.verify import score
+
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="give_up must be in"):
+            BootstrapConfig(give_up=bad)
+    assert score(GIVE_UP, "5", "arith").verdict.value == "no_answer"  # giving up earns no reward
+
+
+def test_draw_batch_gives_up_at_its_rate_and_keeps_the_clean_draws():
+    weights = np.full(50, 1 / 50)
+    big = dataclasses.replace(SMALL, batch_size=20_000)
+    clean_rows, _ = draw_batch(np.random.default_rng(4), weights, big)
+    rows, variant = draw_batch(np.random.default_rng(4), weights, dataclasses.replace(big, give_up=0.4))
+    assert np.array_equal(rows, clean_rows)  # the same problems; only their targets differ
+    assert set(np.unique(variant)) == {0, GAVE_UP}
+    assert abs((variant == GAVE_UP).mean() - 0.4) < 0.02  # 20,000 draws: standard error 0.0035
+    both = dataclasses.replace(big, give_up=0.4, label_noise=0.5)
+    _, variant = draw_batch(np.random.default_rng(4), weights, both)
+    assert abs((variant == GAVE_UP).mean() - 0.2) < 0.02  # only answers that are not near misses
+    assert abs(((variant > 0) & (variant < GAVE_UP)).mean() - 0.5) < 0.02
+
+
+def test_give_up_trains_on_question_marks(tmp_path, splits):
+    """A teacher that gives up trains the model towards '?', the same way every time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train, _ = splits
+    init = init_model(tmp_path / "init", SMALL)
+    quitter = dataclasses.replace(SMALL, give_up=0.9, steps=30, lr=1e-2)
+    train_sft(init, train, tmp_path / "q1", quitter, log=lambda s: None)
+    train_sft(init, train, tmp_path / "q2", quitter, log=lambda s: None)
+    train_sft(init, train, tmp_path / "clean", dataclasses.replace(quitter, give_up=0.0), log=lambda s: None)
+    q1, q2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("q1", "q2"))
+    assert all(np.array_equal(q1[k], q2[k]) for k in q1)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "q1")
+    ids = tok(train["prompt_text"].head(64).tolist(), return_tensors="pt", padding=True, add_special_tokens=False)
+    q = tok(GIVE_UP, add_special_tokens=False).input_ids[0]
+    p_give_up = {}
+    for name in ("q1", "clean"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        with torch.no_grad():  # right padding: the next-token distribution after each prompt's last token
+            logits = model(**ids).logits[torch.arange(64), ids.attention_mask.sum(-1) - 1]
+        p_give_up[name] = float(logits.softmax(-1)[:, q].mean())
+    assert p_give_up["q1"] > 0.5 > 0.1 > p_give_up["clean"]
