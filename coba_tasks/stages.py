@@ -295,21 +295,24 @@ def evaluate(
 
     A sampled evaluation keeps the ``top_p`` nucleus (the paper: avg@16 at temperature 1.0, top-p 0.9).
     With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
-    as ``accuracy`` when the evaluation is greedy already).
+    as ``accuracy`` when the evaluation is greedy already). ``answered`` is the share of a prompt's
+    completions with an answer at all (any verdict but ``no_answer``).
     """
 
-    def accuracy(n: int, temp: float) -> np.ndarray:
+    def accuracy(n: int, temp: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per prompt: mean reward, and the share of completions that gave an answer at all."""
         budget = pd.DataFrame({"prompt_id": test["prompt_id"], "budget": n})
         sampling = SamplingConfig(temperature=temp, top_p=top_p if temp > 0 else 1.0, max_tokens=max_tokens)
         rolls = rollout_table(budget, test, engine, sampling, run_seed=seed, step=-1)
-        rewards = reward_table(rolls, test, pool)
-        return rewards.groupby("prompt_id", sort=False)["reward"].mean().reindex(test["prompt_id"]).to_numpy()
+        rewards = reward_table(rolls, test, pool).assign(answered=lambda r: r["verdict"] != str(VerdictKind.NO_ANSWER))
+        means = rewards.groupby("prompt_id", sort=False)[["reward", "answered"]].mean().reindex(test["prompt_id"])
+        return means["reward"].to_numpy(), means["answered"].to_numpy(dtype=np.float64)
 
     out = test[["prompt_id"]].copy()
     out["difficulty"] = test["difficulty"].to_numpy() if "difficulty" in test else -1
-    out["accuracy"] = accuracy(samples, temperature)
+    out["accuracy"], out["answered"] = accuracy(samples, temperature)
     if greedy:
         is_greedy = temperature == 0.0 and samples == 1
-        out["accuracy_greedy"] = out["accuracy"].to_numpy() if is_greedy else accuracy(1, 0.0)
+        out["accuracy_greedy"] = out["accuracy"].to_numpy() if is_greedy else accuracy(1, 0.0)[0]
     out["weight_version"] = engine.weight_version
     return out.reset_index(drop=True)

@@ -275,9 +275,11 @@ def eval_task(run_dir: str, step: int) -> dict[str, Any]:
     table = res.store.read_table(step, stages.EVAL)
     by_level = table.groupby("difficulty")["accuracy"].mean()
     greedy = float(table["accuracy_greedy"].mean()) if "accuracy_greedy" in table else float("nan")
+    answered = float(table["answered"].mean()) if "answered" in table else float("nan")  # older runs: none
     return {
         "accuracy": float(table["accuracy"].mean()),
         "greedy": greedy,
+        "answered": answered,
         "by_difficulty": {str(k): float(v) for k, v in by_level.items()},
     }
 
@@ -638,6 +640,8 @@ def summarize(res: RunResources, before: dict, after: dict, wall: float) -> dict
         "heldout_accuracy_after": after["accuracy"],
         "heldout_greedy_before": before["greedy"],
         "heldout_greedy_after": after["greedy"],
+        "heldout_answered_before": before["answered"],
+        "heldout_answered_after": after["answered"],
         "heldout_accuracy_by_difficulty_before": before["by_difficulty"],
         "heldout_accuracy_by_difficulty_after": after["by_difficulty"],
         "mean_budget_by_difficulty": {str(k): float(v) for k, v in by_level.items()},

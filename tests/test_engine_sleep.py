@@ -221,6 +221,27 @@ def test_evaluate_samples_with_eval_top_p_and_decodes_greedy_without_it():
         table = stages.evaluate(test, engine, pool, 4, 1.0, 8, seed=0, greedy=True, top_p=0.9)
     assert [(s.temperature, s.top_p) for s in engine.samplings] == [(1.0, 0.9), (0.0, 1.0)]
     assert table["accuracy"].tolist() == [1.0, 0.0] and table["weight_version"].tolist() == [4, 4]
+    assert table["answered"].tolist() == [1.0, 1.0]  # "3" for 2+2 is wrong, but an answer
+
+
+class _GivingUpEngine(_RecordingEngine):
+    """Answers "4" to every other sample and gives up ("?") on the rest."""
+
+    def generate(self, requests, sampling):
+        return [
+            Rollout(r.prompt_id, j, "4" if j % 2 else "?", (5,), 1, "stop", r.seed, self.weight_version)
+            for r in requests
+            for j in range(r.n)
+        ]
+
+
+def test_evaluate_counts_the_completions_that_give_an_answer():
+    test = pd.DataFrame({"prompt_id": ["a", "b"], "prompt_text": ["1+3=", "2+3="], "ground_truth": ["4", "5"]})
+    test["data_source"] = "arith"
+    with VerifierPool(workers=1, timeout_s=5.0) as pool:
+        table = stages.evaluate(test, _GivingUpEngine(), pool, 4, 1.0, 8, seed=0)
+    assert table["answered"].tolist() == [0.5, 0.5]  # "?" is no_answer; "4" is an answer, right or wrong
+    assert table["accuracy"].tolist() == [0.5, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,6 +79,8 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     ev = store.read_table(3, stages.EVAL)  # greedy evaluation: its greedy column is the same figures
     assert ev["accuracy_greedy"].tolist() == ev["accuracy"].tolist() and len(ev) == cfg.data.eval_prompts
     assert saved["heldout_greedy_after"] == saved["heldout_accuracy_after"]
+    assert ev["answered"].between(0, 1).all() and (ev["accuracy"] <= ev["answered"]).all()  # correct is answered
+    assert saved["heldout_answered_after"] == pytest.approx(ev["answered"].mean())
     timing = json.loads((run_dir / "steps/000001/timing.json").read_text())
     assert set(timing) == {"rollouts", "rewards", "capability", "budget", "update"} and min(timing.values()) > 0
     # the report is drawn at the end and posted as artifacts
