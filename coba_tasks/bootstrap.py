@@ -8,6 +8,11 @@ split by difficulty level. The target (issue: the default model) is an overall a
 0.2 and 0.6, high on the easiest level and near zero on the hardest, in a few minutes on 2 cores:
 a policy with room to improve, and a spread of pass rates for the allocator to work on.
 
+The default teacher leaves a quarter of the problems unanswered (``give_up``): the warmed-up model
+then gives up ("?") on about a quarter of its samples, whatever the problem, much as a base model
+often ignores the answer format a verifier wants. Unlearning that habit is what RL from the
+verifier's reward does well on this tiny model; its arithmetic moves much less (README).
+
 Reproducible: the seed fixes the initial weights and the order of the training examples; the
 number of steps (not a time budget) ends training. Stage functions here are plain; the Prefect
 flow in ``flows/bootstrap.py`` wraps them.
@@ -55,8 +60,10 @@ class BootstrapConfig:
     # near miss (the true value off by 1 or 10: a slipped last digit or carry). 0 = clean answers.
     label_noise: float = 0.0
     # A teacher that sometimes gives up: each time an example is drawn, with this probability its
-    # target is GIVE_UP ("?", no answer: reward 0) instead of the answer. 0 = it always answers.
-    give_up: float = 0.0
+    # target is GIVE_UP ("?", no answer: reward 0) instead of the answer. 0 = it always answers. The
+    # default model is warmed up with 0.25: giving up is a habit shared by every prompt, which RL from
+    # the verifier's reward can unlearn in a few steps (README, "Does RL improve held-out accuracy").
+    give_up: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_batch_size", "max_answer_tokens"):
@@ -102,8 +109,9 @@ def near_miss_answers(answers: Sequence[str], offset: int) -> list[str]:
 def draw_batch(rng: np.random.Generator, weights: np.ndarray, cfg: BootstrapConfig) -> tuple[np.ndarray, np.ndarray]:
     """One step's example indices (drawn with ``weights``) and each one's target: 0 the true answer,
     k in 1..4 the near miss ``NEAR_MISSES[k - 1]`` (with probability ``cfg.label_noise``), 5
-    (``GAVE_UP``) no answer (with probability ``cfg.give_up``, where the answer is not a near miss). The generator draws only what the options need, so a clean warm-up is the same as
-    before the options existed."""
+    (``GAVE_UP``) no answer (with probability ``cfg.give_up``, where the answer is not a near miss).
+    The generator draws only what the options need, so a clean warm-up is the same as before the
+    options existed."""
     rows = rng.choice(len(weights), size=cfg.batch_size, p=weights)
     variant = np.zeros(cfg.batch_size, dtype=np.int64)
     if cfg.label_noise > 0:

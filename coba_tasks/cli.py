@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
         "supervised training on the arithmetic train split, then measure greedy held-out accuracy by difficulty. "
         "Saved in Hugging Face layout (safetensors) with bootstrap.json beside it. Runs as the Prefect flow "
         "'coba-bootstrap' (embedded server unless PREFECT_API_URL is set).",
-        epilog="examples:\n  coba bootstrap\n  coba bootstrap --out models/arith-tiny-s1 --seed 1 --force",
+        epilog="examples:\n  coba bootstrap\n  coba bootstrap --out models/arith-tiny-s1 --seed 1 --force\n"
+        "  coba bootstrap --out models/arith-clean --give-up 0   # a teacher that always answers",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     boot.add_argument("--out", default="models/arith-tiny", help="model directory (default models/arith-tiny)")
@@ -373,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="probability that a drawn problem is taught with no answer ('?'), so the model learns to "
-        "give up sometimes; default 0",
+        "give up sometimes; default 0.25 (0 = a teacher that always answers)",
     )
     boot.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     boot.set_defaults(func=_cmd_bootstrap)

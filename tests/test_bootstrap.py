@@ -11,9 +11,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from coba_tasks.bootstrap import (
-    NEAR_MISSES,
     GAVE_UP,
     GIVE_UP,
+    NEAR_MISSES,
     BootstrapConfig,
     collate,
     draw_batch,
@@ -33,6 +33,7 @@ SMALL = BootstrapConfig(
     steps=6,
     batch_size=8,
     warmup_steps=2,
+    give_up=0.0,  # a clean teacher unless a test says otherwise
 )
 
 
@@ -149,7 +150,6 @@ def test_label_noise_changes_training_reproducibly(tmp_path, splits):
     clean, n1, n2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("clean", "n1", "n2"))
     assert all(np.array_equal(n1[k], n2[k]) for k in n1)
     assert any(not np.array_equal(clean[k], n1[k]) for k in clean)
-
 
 
 def test_give_up_bounds_and_target():

@@ -92,6 +92,8 @@ def test_demo_yaml_is_the_default_and_spells_out_every_key():
     assert (cfg.run.steps, cfg.run.eval_every, cfg.data.prompts_per_step, cfg.allocation.group_size) == (24, 6, 128, 16)
     assert cfg.budget_per_step() == 2048
     assert cfg.allocation.strategy == "coba" and cfg.optim.lr == 1e-4
+    r = cfg.run
+    assert (r.eval_samples, r.eval_temperature, r.eval_top_p, r.eval_greedy) == (16, 1.0, 0.9, True)  # avg@16
     raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
     assert list(raw) == list(SECTIONS)
     assert sorted(f"{s}.{k}" for s, body in raw.items() for k in body) == sorted(all_keys())
@@ -243,7 +245,7 @@ def test_wrong_type_in_a_file(tmp_path):
         ("run.steps=0", r"run\.steps = 0: must be >= 1"),
         ("run.eval_every=-1", r"run\.eval_every = -1: must be >= 0"),
         ("run.eval_samples=0", r"run\.eval_samples = 0: must be >= 1"),
-        ("run.eval_samples=4", r"run\.eval_samples = 4: .*needs run\.eval_temperature > 0"),
+        ("run.eval_temperature=0", r"run\.eval_samples = 16: .*needs run\.eval_temperature > 0"),
         ("run.eval_temperature=-0.5", r"run\.eval_temperature = -0\.5: must be >= 0"),
         ("data.prompts_per_step=0", r"data\.prompts_per_step = 0: must be >= 1"),
         ("data.eval_prompts=-3", r"data\.eval_prompts = -3: must be >= 0"),
@@ -360,7 +362,9 @@ def test_on_bad_rows_is_error_or_skip_and_only_skip_changes_the_hash():
     # (so are the other keys added later: run.eval_top_p, rollout.sleep_during_update)
     without = config_to_dict(cfg)
     assert ("data", "on_bad_rows") in HASH_NEUTRAL_DEFAULTS
-    for section, key in HASH_NEUTRAL_DEFAULTS:
+    at_default = [(s, k) for (s, k), v in HASH_NEUTRAL_DEFAULTS.items() if without[s][k] == v]
+    assert ("data", "on_bad_rows") in at_default and ("run", "eval_top_p") not in at_default  # demo: top-p 0.9
+    for section, key in at_default:
         del without[section][key]
     text = json.dumps(without, sort_keys=True, separators=(",", ":"))
     assert config_hash(cfg) == hashlib.sha256(text.encode()).hexdigest()[:16]
