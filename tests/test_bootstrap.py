@@ -198,3 +198,17 @@ def test_give_up_trains_on_question_marks(tmp_path, splits):
             logits = model(**ids).logits[torch.arange(64), ids.attention_mask.sum(-1) - 1]
         p_give_up[name] = float(logits.softmax(-1)[:, q].mean())
     assert p_give_up["q1"] > 0.5 > 0.1 > p_give_up["clean"]
+
+
+def test_stale_bootstrap_note_names_the_rebuild(tmp_path):
+    from coba_tasks.cli import stale_bootstrap_note
+
+    assert stale_bootstrap_note(tmp_path) is None  # no bootstrap.json: someone's own checkpoint
+    (tmp_path / "bootstrap.json").write_text(json.dumps({"config": {"steps": 10}}))  # before give_up existed
+    note = stale_bootstrap_note(tmp_path)
+    assert note is not None and "give_up 0" in note and f"coba bootstrap --out {tmp_path} --force" in note
+    default = BootstrapConfig().give_up
+    (tmp_path / "bootstrap.json").write_text(json.dumps({"config": {"give_up": default}}))
+    assert stale_bootstrap_note(tmp_path) is None
+    (tmp_path / "bootstrap.json").write_text("{not json")
+    assert stale_bootstrap_note(tmp_path) is None
