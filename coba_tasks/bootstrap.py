@@ -194,11 +194,15 @@ def train_sft(
     if cfg.label_noise == 0 and cfg.give_up == 0:
         all_ids, all_mask, all_labels = collate(examples, tok.pad_token_id)  # (N, T) each, built once
     else:  # (V, N, T): variant 0 the true answers, one per near-miss offset (GAVE_UP - 1), GIVE_UP
-        targets = [near_miss_answers(answers, d) if cfg.label_noise > 0 else answers for d in NEAR_MISSES]
-        targets.append([GIVE_UP] * len(answers))
-        more = [e for t in targets for e in encode_examples(tok, prompts, t)]
+        # an option that is off keeps its slots (the variant indices are fixed) filled with the true answers
+        variants = [examples]
+        for d in NEAR_MISSES:
+            noisy = cfg.label_noise > 0
+            variants.append(encode_examples(tok, prompts, near_miss_answers(answers, d)) if noisy else examples)
+        variants.append(encode_examples(tok, prompts, [GIVE_UP] * len(answers)))
         all_ids, all_mask, all_labels = (
-            t.view(len(targets) + 1, len(examples), -1) for t in collate(examples + more, tok.pad_token_id)
+            t.view(len(variants), len(examples), -1)
+            for t in collate([e for v in variants for e in v], tok.pad_token_id)
         )
     lengths = all_mask.sum(dim=-1)
     t0 = time.perf_counter()
@@ -291,3 +295,25 @@ def write_metrics(model_dir: str | Path, cfg: BootstrapConfig, figures: dict) ->
     tmp.write_text(json.dumps({"config": asdict(cfg), **figures}, indent=2))
     tmp.replace(path)
     return path
+
+
+def stale_bootstrap_note(model_dir: str | Path) -> str | None:
+    """A note when ``model_dir`` was bootstrapped with another teacher than today's default, else None.
+
+    ``make demo`` keeps an existing model; one warmed up before the default teacher changed (it gave
+    up on no problem then) leaves RL almost nothing to learn, so say how to rebuild it.
+    """
+    path = Path(model_dir) / METRICS_FILE
+    if not path.is_file():
+        return None  # not a bootstrapped model: the user's own checkpoint
+    try:
+        saved = json.loads(path.read_text()).get("config", {})
+    except (OSError, ValueError):
+        return None
+    used, default = float(saved.get("give_up", 0.0)), BootstrapConfig().give_up
+    if used == default:
+        return None
+    return (
+        f"note: {model_dir} was bootstrapped with give_up {used:g}, the default is now {default:g}; "
+        f"`coba bootstrap --out {model_dir} --force` rebuilds it with the default teacher"
+    )

@@ -81,32 +81,6 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
-def stale_bootstrap_note(model_dir) -> str | None:
-    """A note when ``model_dir`` was bootstrapped with another teacher than today's default, else None.
-
-    ``make demo`` keeps an existing model; one warmed up before the default teacher changed (it gave
-    up on no problem then) leaves RL almost nothing to learn, so say how to rebuild it.
-    """
-    import json
-
-    from coba_tasks.bootstrap import BootstrapConfig
-
-    path = model_dir / "bootstrap.json"
-    if not path.is_file():
-        return None  # not a bootstrapped model: the user's own checkpoint
-    try:
-        saved = json.loads(path.read_text()).get("config", {})
-    except (OSError, ValueError):
-        return None
-    used, default = float(saved.get("give_up", 0.0)), BootstrapConfig().give_up
-    if used == default:
-        return None
-    return (
-        f"note: {model_dir} was bootstrapped with give_up {used:g}, the default is now {default:g}; "
-        f"`coba bootstrap --out {model_dir} --force` rebuilds it with the default teacher"
-    )
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -136,6 +110,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if rc:
             return rc
     elif args.bootstrap_if_missing:
+        from coba_tasks.bootstrap import stale_bootstrap_note
+
         note = stale_bootstrap_note(Path(cfg.model.path))
         if note:
             print(note)

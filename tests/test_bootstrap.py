@@ -23,6 +23,7 @@ from coba_tasks.bootstrap import (
     level_balanced_weights,
     lr_at,
     near_miss_answers,
+    stale_bootstrap_note,
     train_sft,
 )
 from coba_tasks.data import load_dataset
@@ -201,8 +202,6 @@ def test_give_up_trains_on_question_marks(tmp_path, splits):
 
 
 def test_stale_bootstrap_note_names_the_rebuild(tmp_path):
-    from coba_tasks.cli import stale_bootstrap_note
-
     assert stale_bootstrap_note(tmp_path) is None  # no bootstrap.json: someone's own checkpoint
     (tmp_path / "bootstrap.json").write_text(json.dumps({"config": {"steps": 10}}))  # before give_up existed
     note = stale_bootstrap_note(tmp_path)
