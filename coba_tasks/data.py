@@ -16,7 +16,8 @@ The layout is told apart by the type of ``prompt``: a list means veRL, a string 
   else ``prompt_hash(messages)``, a stable hash of the prompt;
 - ``data_source``, ``ability``: strings (a flat table's source defaults to ``default_source``);
 - ``difficulty``: ``extra_info.difficulty`` or a ``difficulty`` column as an int, -1 when missing;
-- ``prompt_text``: the content of the last user message; ``messages``: the whole chat prompt;
+- ``prompt_text``: the content of the last user message; ``messages``: the whole chat prompt (what the
+  model sees is rendered from these by ``render_prompts``);
 - ``ground_truth``: ``reward_model.ground_truth`` or ``answer`` as a string.
 
 Validation happens on load, so a bad file stops a run before it starts: every row is checked,
@@ -27,9 +28,12 @@ count from 0, as in ``pandas.read_parquet(path).iloc[row]``. With ``on_bad_rows=
 (a duplicated id keeps its first row); a file whose every row is bad, or that is bad as a whole
 (not Parquet, a column missing or of the wrong type), is still an error.
 
-``check_prompt_lengths`` refuses (or skips) prompts too long for the model's context once the
-completion's ``rollout.max_tokens`` are added; ``load_run_datasets`` does both checks for a
-run's train and test files, as ``coba run`` and the training flow do before a run starts.
+``render_prompts`` renders each prompt as the model sees it (the tokenizer's chat template over the
+whole message list, or the last user message as raw text) and tokenizes it: the one place where
+prompts become token ids, for the rollout engine and the trainer alike. ``check_prompt_lengths``
+refuses (or skips) rendered prompts too long for the model's context once the completion's
+``rollout.max_tokens`` are added; ``load_run_datasets`` does all of it for a run's train and test
+files, as ``coba run`` and the training flow do before a run starts.
 
 ``write_verl_parquet`` writes the veRL layout atomically (temporary name, then ``os.replace``) and
 deterministically (explicit schema, no pandas metadata), so a generator rerun gives the same bytes.
@@ -79,6 +83,8 @@ REWARD_MODEL_TYPE = pa.struct([("style", pa.string()), ("ground_truth", pa.strin
 
 Layout = Literal["verl", "flat"]
 OnBadRows = Literal["error", "skip"]
+PromptFormat = Literal["auto", "chat", "raw"]
+PROMPT_FORMATS = ("auto", "chat", "raw")  # data.prompt_format (render_prompts)
 Messages = list[dict[str, str]]
 
 
@@ -187,9 +193,76 @@ def read_dataset(
     return _to_frame([row for row in rows if row["_row"] not in bad]), problems
 
 
+def prompt_format_of(tokenizer: Any, prompt_format: PromptFormat) -> Literal["chat", "raw"]:
+    """The format ``render_prompts`` uses: ``auto`` is ``chat`` when the tokenizer has a chat template.
+
+    Raises:
+        ValueError: ``chat`` asked for and the tokenizer has no chat template, or an unknown format.
+    """
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if prompt_format == "chat" and not has_template:
+        raise ValueError(
+            "data.prompt_format=chat but the model's tokenizer has no chat template; "
+            "use data.prompt_format=raw (the last user message as plain text) or a model with a template"
+        )
+    if prompt_format == "auto":
+        return "chat" if has_template else "raw"
+    return prompt_format
+
+
+def render_prompts(
+    df: pd.DataFrame, tokenizer: Any, prompt_format: PromptFormat = "auto"
+) -> tuple[pd.DataFrame, list[Problem]]:
+    """Render every prompt as the model will see it, and tokenize it: the one place prompts become tokens.
+
+    - ``chat``: the tokenizer's chat template over the whole ``messages`` list (system messages and
+      earlier turns included) with ``add_generation_prompt=True``, tokenized without adding special
+      tokens (the template writes them), as Hugging Face's ``apply_chat_template(tokenize=True)`` and
+      veRL do.
+    - ``raw``: the last user message as plain text, tokenized with the tokenizer's special tokens (a
+      BOS where the tokenizer adds one), as vLLM tokenizes a text prompt. For base models and the
+      tiny character model.
+    - ``auto`` (the config's default): ``chat`` when the tokenizer has a chat template, else ``raw``.
+
+    The rollout engine receives ``prompt_token_ids`` as they are (a token prompt: it tokenizes
+    nothing) and the trainer reads the same ids, so the policy is trained on the sequence it sampled.
+
+    Args:
+        df: a frame of ``load_dataset`` (columns ``prompt_text`` and ``messages``).
+        tokenizer: the policy's Hugging Face tokenizer.
+        prompt_format: ``auto``, ``chat`` or ``raw`` (the config's ``data.prompt_format``).
+
+    Returns:
+        ``df`` with two more columns, ``prompt_rendered`` (the text) and ``prompt_token_ids`` (a list
+        of ints per row), and the problems of rows whose template failed to render (those rows dropped).
+    """
+    fmt = prompt_format_of(tokenizer, prompt_format)
+    texts, problems = [], []
+    for row, (messages, text) in zip(df.index, zip(df["messages"], df["prompt_text"], strict=True), strict=True):
+        if fmt == "raw":
+            texts.append(text)
+            continue
+        try:
+            chat = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+            texts.append(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+        except Exception as e:  # a template refuses some role orders (jinja raises its own errors)
+            problems.append(
+                Problem("prompt", f"the chat template cannot render this prompt: {_reason(e)}", row=int(row))
+            )
+            texts.append(None)
+    keep = [t is not None for t in texts]
+    kept = [t for t in texts if t is not None]
+    ids = tokenizer(kept, add_special_tokens=fmt == "raw")["input_ids"] if kept else []
+    out = df[keep].copy() if problems else df.copy()
+    out["prompt_rendered"] = kept
+    out["prompt_token_ids"] = [list(map(int, i)) for i in ids]
+    return out, problems
+
+
 def check_prompt_lengths(
     df: pd.DataFrame,
-    tokenizer: Any,
     context: int,
     max_tokens: int,
     path: str | os.PathLike[str],
@@ -198,12 +271,11 @@ def check_prompt_lengths(
 ) -> tuple[pd.DataFrame, list[Problem]]:
     """Refuse (or with ``"skip"`` drop) the prompts that leave no room for a whole completion.
 
-    A prompt fits when its token count (``tokenizer(prompt_text)``, special tokens included, as the
-    rollout engine counts it) plus ``max_tokens`` is at most ``context``.
+    A prompt fits when its token count (``prompt_token_ids`` of ``render_prompts``: the rendered
+    prompt, as the rollout engine receives it) plus ``max_tokens`` is at most ``context``.
 
     Args:
-        df: a frame of ``load_dataset``; its index is the file's row number (used in messages).
-        tokenizer: a Hugging Face tokenizer (called on a list of strings, gives ``input_ids``).
+        df: a frame of ``render_prompts``; its index is the file's row number (used in messages).
         context: the engine's context length in tokens (prompt + completion).
         max_tokens: tokens generated per completion (``rollout.max_tokens``).
         path: the file ``df`` came from, for messages.
@@ -220,7 +292,7 @@ def check_prompt_lengths(
     if df.empty:
         return df, []
     limit = context - max_tokens
-    counts = [len(ids) for ids in tokenizer(df["prompt_text"].tolist())["input_ids"]]
+    counts = [len(ids) for ids in df["prompt_token_ids"]]
     problems = [
         Problem(
             "prompt",
@@ -243,6 +315,7 @@ class RunDatasets:
     train: pd.DataFrame | None  # None when not asked for (a continuing run has its prompts table)
     test: pd.DataFrame
     skipped: dict[str, tuple[str, list[Problem]]] = field(default_factory=dict)  # config key -> (file, problems)
+    tokenizer: Any = None  # the model's tokenizer, which rendered the prompts
 
     def bad_rows(self) -> pd.DataFrame:
         """The skipped rows as a table (``BAD_ROWS_COLUMNS``), written to a run as bad_rows.parquet."""
@@ -264,7 +337,8 @@ class RunDatasets:
 
 
 def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
-    """Load and check a run's datasets: every row (``load_dataset``) and every prompt's length.
+    """Load and check a run's datasets: every row (``load_dataset``), rendered and tokenized as the model
+    will see it (``render_prompts`` with ``data.prompt_format``), and every prompt's length.
 
     ``data.on_bad_rows`` says whether a bad row stops the run or is skipped. The context is
     ``rollout.max_model_len``, or the model's ``max_position_embeddings`` when that is 0 (no
@@ -277,14 +351,22 @@ def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
     tokenizer, context, context_from = model_context(
         cfg.model.path, cfg.model.trust_remote_code, cfg.rollout.max_model_len
     )
-    out = RunDatasets(train=None, test=pd.DataFrame())
+    out = RunDatasets(train=None, test=pd.DataFrame(), tokenizer=tokenizer)
     keys = (("data.train", cfg.data.train),) if train else ()
     for key, path in (*keys, ("data.test", cfg.data.test)):
         df, problems = read_dataset(path, on_bad_rows=cfg.data.on_bad_rows)
+        rows = len(df) + len(problems)
+        df, unrendered = render_prompts(df, tokenizer, cfg.data.prompt_format)
+        if unrendered:
+            if cfg.data.on_bad_rows == "error":
+                raise DatasetError(path, unrendered)
+            problems = sorted(problems + unrendered, key=lambda p: p.row or 0)
+            if df.empty:
+                raise DatasetError(path, problems, note=_all_bad(rows))
         if context is not None:
             try:
                 df, too_long = check_prompt_lengths(
-                    df, tokenizer, context, cfg.rollout.max_tokens, path, cfg.data.on_bad_rows, context_from
+                    df, context, cfg.rollout.max_tokens, path, cfg.data.on_bad_rows, context_from
                 )
             except DatasetError as e:
                 if not problems:

@@ -217,8 +217,8 @@ def run_rank(
         if checkpoint:
             trainer.load_checkpoint(checkpoint)
         shard_trainer(trainer, init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),)))
-        prompt_ids, completion_ids, advantages = read_batch(rollouts)
-        metrics = trainer.update(prompt_ids, completion_ids, advantages)
+        prompt_ids, completion_ids, advantages, sampler_logprobs = read_batch(rollouts)
+        metrics = trainer.update(prompt_ids, completion_ids, advantages, sampler_logprobs)
         save_sharded_checkpoint(trainer, out, model_path, extra_state)
         if dist.get_rank() == 0:
             Path(metrics_path).write_text(json.dumps(metrics, indent=2))
@@ -236,8 +236,10 @@ def write_batch(
     prompt_ids: Sequence[Sequence[int]],
     completion_ids: Sequence[Sequence[int]],
     advantages: np.ndarray | torch.Tensor,
+    sampler_logprobs: Sequence[Sequence[float]] | None = None,
 ) -> Path:
-    """One step's update batch as Parquet: prompt_ids, completion_ids (lists of int64), advantage (float64)."""
+    """One step's update batch as Parquet: prompt_ids, completion_ids (lists of int64), advantage (float64),
+    and the sampler's per-token logprobs (lists of float64) when given."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -251,19 +253,25 @@ def write_batch(
             "advantage": pa.array(adv, type=pa.float64()),
         }
     )
+    if sampler_logprobs is not None:
+        table = table.append_column(
+            "sampler_logprobs", pa.array([list(map(float, x)) for x in sampler_logprobs], type=pa.list_(pa.float64()))
+        )
     pq.write_table(table, str(path))
     return Path(path)
 
 
-def read_batch(path: str | Path) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
+def read_batch(path: str | Path) -> tuple[list[list[int]], list[list[int]], np.ndarray, list[list[float]] | None]:
     """Inverse of ``write_batch``."""
     import pyarrow.parquet as pq
 
     table = pq.read_table(str(path))
+    logprobs = table.column("sampler_logprobs").to_pylist() if "sampler_logprobs" in table.column_names else None
     return (
         table.column("prompt_ids").to_pylist(),
         table.column("completion_ids").to_pylist(),
         table.column("advantage").to_numpy(),
+        logprobs,
     )
 
 
@@ -283,6 +291,7 @@ def fsdp_update(
     seed: int = 0,
     extra_state: dict[str, Any] | None = None,
     timeout_s: float | None = None,
+    sampler_logprobs: Sequence[Sequence[float]] | None = None,
 ) -> dict[str, float]:
     """One GRPO update in ``processes`` FSDP ranks (a torchrun job); writes the checkpoint to ``out_dir``.
 
@@ -294,7 +303,7 @@ def fsdp_update(
         raise ValueError(f"processes must be >= 1, got {processes}")
     with tempfile.TemporaryDirectory(prefix="coba-fsdp-") as tmp:
         t = Path(tmp)
-        write_batch(t / "batch.parquet", prompt_ids, completion_ids, advantages)
+        write_batch(t / "batch.parquet", prompt_ids, completion_ids, advantages, sampler_logprobs)
         (t / "settings.json").write_text(json.dumps(dataclasses.asdict(settings)))
         (t / "extra.json").write_text(json.dumps(extra_state or {}))
         cmd = [

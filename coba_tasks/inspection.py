@@ -53,7 +53,17 @@ _CELL_WIDTH = 48  # characters a cell may take in the ``table`` format before it
 _FILE_COLUMN = "_coba_file"  # the file-name column DuckDB adds while building a view (dropped again)
 _STEP_DIR_SQL_RE = r"/([0-9]+)/[^/]*$"  # the step directory in .../steps/000007/budget.parquet
 _CAPABILITY_FIELDS = ("F", "S", "alpha_used", "beta_used", "alpha", "beta")
-_UPDATE_FIELDS = ("loss", "grad_norm", "entropy", "kl", "clip_frac", "lr", "tokens")
+_UPDATE_FIELDS = (
+    "loss",
+    "grad_norm",
+    "entropy",
+    "kl",
+    "clip_frac",
+    "lr",
+    "tokens",
+    "logprob_diff_mean",
+    "logprob_diff_max",
+)
 _VERDICT_PREFIX = "verdict_"
 
 
@@ -354,6 +364,32 @@ def show_table(
     return render(df, fmt, total=total, note=note)
 
 
+PROMPT_COLUMNS = ("prompt_id", "difficulty", "prompt_tokens", "prompt_rendered")  # what --prompts shows by default
+
+
+def show_prompts(
+    run_dir: str | os.PathLike[str],
+    limit: int | None = DEFAULT_LIMIT,
+    columns: Sequence[str] | None = None,
+    fmt: str = "table",
+) -> str:
+    """The run's training prompts as the model saw them: ``prompt_rendered`` is the exact text the rollout
+    engine received (chat template applied, or the raw user message) and ``prompt_tokens`` its length in
+    tokens (``prompt_token_ids``, the same ids the trainer reads). ``columns`` may name any column of
+    prompts.parquet (e.g. ``messages``, ``prompt_token_ids``, ``ground_truth``)."""
+    store = _open(run_dir)
+    _check_format(fmt)
+    limit = _check_limit(limit)
+    df = store.read_run_table("prompts")
+    if "prompt_token_ids" in df:
+        df.insert(len(df.columns), "prompt_tokens", [len(ids) for ids in df["prompt_token_ids"]])
+    if columns is None:
+        columns = [c for c in PROMPT_COLUMNS if c in df.columns] or None
+    df = _select_columns(df, columns, "prompts")
+    total = len(df)
+    return render(df.head(limit) if limit else df, fmt, total=total)
+
+
 def render(df: pd.DataFrame, fmt: str = "table", total: int | None = None, note: str | None = None) -> str:
     """``df`` as ``table`` (aligned, long cells cut), ``csv`` or ``json`` (an array of records).
 
@@ -570,6 +606,7 @@ EPILOG = """examples:
   coba inspect --run-dir runs/demo --step 3 --stage rewards --limit 10
   coba inspect --run-dir runs/demo --step 3 --stage rollouts --columns prompt_id,completion,n_tokens
   coba inspect --run-dir runs/demo --step 0 --stage eval --format csv > eval0.csv
+  coba inspect --run-dir runs/demo --prompts --limit 3  # the prompts exactly as the model saw them
   coba inspect --run-dir runs/demo --sql "select step, F, alpha, beta from capability order by step"
   coba inspect --run-dir runs/demo --format json --sql \\
       "select b.step, avg(r.reward) from rewards r join budget b using (step, prompt_id) group by 1"
@@ -606,6 +643,11 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--columns", default=None, metavar="A,B,C", help="comma-separated columns to keep")
     parser.add_argument("--format", choices=FORMATS, default=None, dest="fmt", help="table (default), csv or json")
     parser.add_argument("--sql", default=None, metavar="QUERY", help="one read-only SELECT over the run's tables")
+    parser.add_argument(
+        "--prompts",
+        action="store_true",
+        help="the training prompts as the model saw them (rendered text and token count; --columns for more)",
+    )
     parser.set_defaults(func=cmd_inspect)
     return parser
 
@@ -616,8 +658,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if (args.step is None) != (args.stage is None):
         missing = "--stage" if args.stage is None else "--step"
         raise ValueError(f"--step and --stage go together: {missing} is missing (e.g. --step 0 --stage rewards)")
-    if table_mode and args.sql is not None:
-        raise ValueError("choose either --step/--stage or --sql, not both")
+    if sum([table_mode, args.sql is not None, bool(getattr(args, "prompts", False))]) > 1:
+        raise ValueError("choose one of --step/--stage, --sql and --prompts")
     if args.json and args.fmt not in (None, "json"):
         raise ValueError(f"--json and --format {args.fmt} contradict each other")
     fmt = "json" if args.json else (args.fmt or "table")
@@ -630,6 +672,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if table_mode:
         limit = DEFAULT_LIMIT if args.limit is None else args.limit
         print(show_table(args.run_dir, args.step, args.stage, limit=limit, columns=columns, fmt=fmt))
+        return 0
+    if getattr(args, "prompts", False):
+        limit = DEFAULT_LIMIT if args.limit is None else args.limit
+        print(show_prompts(args.run_dir, limit=limit, columns=columns, fmt=fmt))
         return 0
     if args.sql is not None:
         df = run_sql(args.run_dir, args.sql)

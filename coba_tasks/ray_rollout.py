@@ -85,7 +85,7 @@ def shard_by_budget(requests: Sequence[RolloutRequest], n_shards: int) -> list[l
     budget, and the result is deterministic. Within a shard the requests keep their input order;
     shards may be empty when there are fewer requests than shards.
 
-    >>> reqs = [RolloutRequest(f"p{i}", "1+1=", n, i) for i, n in enumerate([8, 2, 5, 5, 4])]
+    >>> reqs = [RolloutRequest(f"p{i}", (5, 76, 5, 84), n, i) for i, n in enumerate([8, 2, 5, 5, 4])]
     >>> [[r.prompt_id for r in s] for s in shard_by_budget(reqs, 2)]
     [['p0', 'p4'], ['p1', 'p2', 'p3']]
     >>> [sum(r.n for r in s) for s in shard_by_budget(reqs, 2)]

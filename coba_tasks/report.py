@@ -9,6 +9,8 @@ a table counts only when the store says it is done) and writes into ``<run_dir>/
     budget_vs_pass_rate.png  per-prompt budget against the prompt's pass-rate estimate, a few steps
     budget_hist.png          histogram of per-prompt budgets over all steps
     verdicts.png             verdict counts per step (stacked bars)
+    update.png               the train/rollout log-prob gap (sampler vs trainer, mean and max) and the
+                             gradient norm of each step's update
     stage_time.png           seconds per stage, from summary.json (only once the run has finished)
     index.html               all of the above, a table of headline figures and the paths
 
@@ -43,6 +45,7 @@ from coba_tasks.store import SUMMARY_FILE, RunStore, Stage
 
 # Table names (the same strings as coba_tasks.stages, which is not imported: it pulls in torch).
 BUDGET, CAPABILITY, REWARDS = Stage.BUDGET.value, Stage.CAPABILITY.value, Stage.REWARDS.value
+UPDATE = Stage.UPDATE.value
 EVAL = "eval"
 
 DPI = 110
@@ -51,9 +54,10 @@ CAPABILITY_PNG = "capability.png"
 SCATTER_PNG = "budget_vs_pass_rate.png"
 BUDGET_HIST_PNG = "budget_hist.png"
 VERDICTS_PNG = "verdicts.png"
+UPDATE_PNG = "update.png"
 STAGE_TIME_PNG = "stage_time.png"
 INDEX_HTML = "index.html"
-PLOT_FILES = (ACCURACY_PNG, CAPABILITY_PNG, SCATTER_PNG, BUDGET_HIST_PNG, VERDICTS_PNG, STAGE_TIME_PNG)
+PLOT_FILES = (ACCURACY_PNG, CAPABILITY_PNG, SCATTER_PNG, BUDGET_HIST_PNG, VERDICTS_PNG, UPDATE_PNG, STAGE_TIME_PNG)
 VERDICTS = ("correct", "wrong", "no_answer", "timeout", "error")  # coba_tasks.verify.VerdictKind values
 VERDICT_COLOURS = {
     "correct": "#2ca02c",
@@ -74,6 +78,9 @@ _CAPTIONS = {
     "prompts never seen before (no estimate) are drawn at the left with an x.",
     BUDGET_HIST_PNG: "Histogram of the per-prompt budgets (rollouts per prompt) of every budget table.",
     VERDICTS_PNG: "Verdict counts of each step's rollouts (stacked).",
+    UPDATE_PNG: "Left: |sampler log p - trainer log p| over the completion tokens of step t (mean and max): the "
+    "rollout engine and the trainer should agree on the policy they share; a stale weight reload, another "
+    "tokenization or a dtype difference shows here. Right: the gradient norm of step t's update (before clipping).",
     STAGE_TIME_PNG: "Wall-clock seconds spent in each stage over the whole run (summary.json).",
 }
 
@@ -93,6 +100,7 @@ class _RunData:
     capability: pd.DataFrame  # one row per step with a done capability table, sorted by step
     evals: dict[int, pd.DataFrame]  # step -> eval table
     budgets: dict[int, pd.DataFrame]  # step -> budget table (the budget used by that step)
+    updates: pd.DataFrame  # one row per step with a done update table, sorted by step
     verdicts: pd.DataFrame  # index step, columns VERDICTS
     verdicts_from_rewards: list[int]  # steps whose verdicts were counted from rewards.parquet (no capability yet)
     steps_done: list[int]  # steps with every stage table done
@@ -117,6 +125,8 @@ def _load(run_dir: str | os.PathLike[str]) -> _RunData:
     capability = pd.concat(cap_rows, ignore_index=True).sort_values("step").reset_index(drop=True)
     evals = {t: store.read_table(t, EVAL) for t in steps if store.is_done(t, EVAL)}
     budgets = {t: store.read_table(t, BUDGET) for t in steps if store.is_done(t, BUDGET)}
+    update_rows = [store.read_table(t, UPDATE) for t in steps if store.is_done(t, UPDATE)]
+    updates = pd.concat(update_rows, ignore_index=True).sort_values("step") if update_rows else pd.DataFrame()
 
     verdict_rows: dict[int, dict[str, int]] = {}
     from_rewards: list[int] = []
@@ -150,6 +160,7 @@ def _load(run_dir: str | os.PathLike[str]) -> _RunData:
         capability=capability,
         evals=evals,
         budgets=budgets,
+        updates=updates.reset_index(drop=True),
         verdicts=verdicts,
         verdicts_from_rewards=from_rewards,
         steps_done=store.steps_done(),
@@ -169,6 +180,7 @@ class Headline:
     total_rollouts: int
     strategy: str
     finished: bool
+    logprob_gap: tuple[int, float, float] | None = None  # (step, mean, max) of the last update that has one
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) pairs for a table."""
@@ -179,7 +191,15 @@ class Headline:
             ("held-out accuracy after", _acc_text(self.accuracy_after, self.accuracy_after_step)),
             ("total rollouts", f"{self.total_rollouts:,}"),
             ("strategy", self.strategy),
+            ("train/rollout log-prob gap", _gap_text(self.logprob_gap)),
         ]
+
+
+def _gap_text(gap: tuple[int, float, float] | None) -> str:
+    if gap is None:
+        return "not recorded"
+    step, mean, largest = gap
+    return f"mean {mean:.2e}, max {largest:.2e} (step {step})"
 
 
 def _acc_text(value: float | None, step: int | None) -> str:
@@ -220,7 +240,18 @@ def _headline(data: _RunData) -> Headline:
         total_rollouts=total,
         strategy=str(strategy),
         finished=data.summary is not None,
+        logprob_gap=_last_gap(data.updates),
     )
+
+
+def _last_gap(updates: pd.DataFrame) -> tuple[int, float, float] | None:
+    if "logprob_diff_mean" not in updates:
+        return None
+    rows = updates.dropna(subset=["logprob_diff_mean"])
+    if rows.empty:
+        return None
+    last = rows.iloc[-1]
+    return int(last["step"]), float(last["logprob_diff_mean"]), float(last["logprob_diff_max"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,6 +549,32 @@ def _plot_verdicts(data: _RunData, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _plot_update(data: _RunData, path: Path) -> Path:
+    plt = _pyplot()
+    fig, (gap_ax, norm_ax) = plt.subplots(1, 2, figsize=(11.0, 4.2), layout="constrained")
+    u = data.updates
+    gap = u[["step", "logprob_diff_mean", "logprob_diff_max"]].dropna() if "logprob_diff_mean" in u else u
+    if len(gap):
+        for col, style in (("logprob_diff_mean", "o-"), ("logprob_diff_max", "s--")):
+            ys = gap[col].to_numpy(dtype=float).clip(min=1e-12)  # log axis: an exact 0 drawn at 1e-12
+            gap_ax.plot(gap["step"], ys, style, ms=4, label=col.removeprefix("logprob_diff_"))
+        gap_ax.set_yscale("log")
+        _step_axis(gap_ax, gap["step"].astype(int).tolist())
+        gap_ax.legend(fontsize=9, frameon=False)
+    else:
+        _no_data(gap_ax, "no sampler log-probabilities recorded")
+    gap_ax.set_title("train/rollout log-prob gap |sampler - trainer|")
+    gap_ax.grid(True, alpha=0.3)
+    if len(u) and "grad_norm" in u:
+        norm_ax.plot(u["step"], u["grad_norm"], "o-", ms=4, color="C2")
+        _step_axis(norm_ax, u["step"].astype(int).tolist())
+    else:
+        _no_data(norm_ax, "no update yet")
+    norm_ax.set_title("gradient norm (before clipping)")
+    norm_ax.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
 def _plot_stage_time(stage_seconds: dict[str, float], wall: float | None, path: Path) -> Path:
     plt = _pyplot()
     items = sorted(stage_seconds.items(), key=lambda kv: kv[1])
@@ -581,6 +638,7 @@ def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[in
         (SCATTER_PNG, lambda p: _plot_scatter(data, p, scatter_steps)),
         (BUDGET_HIST_PNG, lambda p: _plot_budget_hist(data, p)),
         (VERDICTS_PNG, lambda p: _plot_verdicts(data, p)),
+        (UPDATE_PNG, lambda p: _plot_update(data, p)),
     ]
     skipped: dict[str, str] = {}
     stage_seconds, why = _stage_seconds(data.summary)

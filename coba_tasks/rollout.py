@@ -51,9 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 SEED_MASK = 0x7FFF_FFFF  # vLLM and torch both take a 31-bit seed
+# vLLM's worker gets the methods of this class (LLM(worker_extension_cls=...)); the reload goes through it
+WORKER_EXTENSION = "coba_tasks.vllm_worker.WeightReload"
+RELOAD_METHOD = "coba_reload_weights"
 
 
 def rollout_seed(run_seed: int, step: int, prompt_id: str) -> int:
@@ -81,12 +86,27 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """One prompt's group: ``n`` completions of ``prompt`` (already rendered text) with ``seed``."""
+    """One prompt's group: ``n`` completions of the prompt ``prompt_token_ids`` with ``seed``.
+
+    The token ids are the prompt exactly as the engine receives it, rendered and tokenized once by
+    ``coba_tasks.data.render_prompts`` (the trainer reads the same ids, so the policy is sampled and
+    trained on one sequence); ``prompt`` is the rendered text, for logs and errors only.
+    """
 
     prompt_id: str
-    prompt: str
+    prompt_token_ids: tuple[int, ...]
     n: int
     seed: int
+    prompt: str = ""
+
+    def __post_init__(self) -> None:
+        ids = self.prompt_token_ids
+        if isinstance(ids, str | bytes) or not all(isinstance(t, int | np.integer) for t in ids):
+            raise TypeError(
+                f"prompt {self.prompt_id}: prompt_token_ids must be a sequence of token ids (ints), got {ids!r:.80};"
+                " tokenize the prompt first (coba_tasks.data.render_prompts)"
+            )
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in ids))
 
 
 @dataclass(frozen=True)
@@ -101,6 +121,7 @@ class Rollout:
     finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
     seed: int
     weight_version: int
+    logprobs: tuple[float, ...] = ()  # the sampler's log p of each completion token (raw logits, temperature 1)
 
 
 class RolloutBackend(ABC):
@@ -187,8 +208,8 @@ def _check_requests(requests: Sequence[RolloutRequest]) -> None:
     for r in requests:
         if r.n < 1:
             raise ValueError(f"prompt {r.prompt_id}: group size must be >= 1, got {r.n}")
-        if not r.prompt:
-            raise ValueError(f"prompt {r.prompt_id}: empty prompt")
+        if not r.prompt_token_ids:
+            raise ValueError(f"prompt {r.prompt_id}: empty prompt (no token ids)")
 
 
 @register_backend("vllm")
@@ -243,6 +264,16 @@ class VLLMBackend(RolloutBackend):
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if on_cpu:
+            # vLLM 0.32 on CPU: a seeded request whose prefill is split into chunks crashes the engine
+            # ("CPU Generator does not use offset": the discarded sample of a partial prefill is undone by
+            # rewinding the request's generator, which only CUDA generators can do). Even where it does not
+            # crash, that sample would move the generator, so a group's tokens would depend on how the batch
+            # happened to be chunked. Whole-prompt prefills keep every group a function of its seed alone.
+            # (vLLM then raises max_num_batched_tokens to the context length by itself.)
+            kwargs["enable_chunked_prefill"] = False
+        # the in-place reload, made right for tied input/output embeddings (coba_tasks.vllm_worker)
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
         if not on_cpu:
@@ -265,16 +296,19 @@ class VLLMBackend(RolloutBackend):
         _check_requests(requests)
         if self._asleep:  # a sleeping engine's scheduler is paused: generate would wait for ever
             self.wake_up()
-        prompts: list[str] = []
+        prompts: list[dict[str, list[int]]] = []  # vLLM token prompts: the engine tokenizes nothing
         params: list[Any] = []
         owners: list[int] = []
         for i, r in enumerate(requests):
+            tokens = {"prompt_token_ids": list(r.prompt_token_ids)}
+            # logprobs=0: the log-probability of each sampled token (vLLM's default "raw_logprobs": from the
+            # model's logits before temperature and top-p, as the trainer computes it)
             if sampling.temperature == 0.0:  # vLLM's greedy sampling takes n = 1: repeat the prompt
-                prompts += [r.prompt] * r.n
-                params += [SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens)] * r.n
+                prompts += [tokens] * r.n
+                params += [SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens, logprobs=0)] * r.n
                 owners += [i] * r.n
             else:
-                prompts.append(r.prompt)
+                prompts.append(tokens)
                 params.append(
                     SamplingParams(
                         n=r.n,
@@ -282,6 +316,7 @@ class VLLMBackend(RolloutBackend):
                         top_p=sampling.top_p,
                         max_tokens=sampling.max_tokens,
                         seed=r.seed,
+                        logprobs=0,
                     )
                 )
                 owners.append(i)
@@ -305,6 +340,7 @@ class VLLMBackend(RolloutBackend):
                         finish_reason="length" if c.finish_reason == "length" else "stop",
                         seed=r.seed,
                         weight_version=self.weight_version,
+                        logprobs=_sampled_logprobs(ids, c.logprobs),
                     )
                 )
         return rows
@@ -314,7 +350,7 @@ class VLLMBackend(RolloutBackend):
             self.wake_up()
 
         def reload(llm: Any) -> None:
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": str(path)})
             # the prefix cache keeps KV blocks computed with the old weights, and a prompt that fills a
             # whole block would reuse them (seen on CPU with 32-token blocks: rollouts off the new policy)
             llm.reset_prefix_cache()
@@ -400,7 +436,7 @@ class VLLMBackend(RolloutBackend):
         self._llm = LLM(**self._llm_kwargs)
         self._asleep = False  # a new engine starts awake
         if self._weights_path is not None:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_path})
+            self._llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": self._weights_path})
         self.restarts += 1
         logger.warning(
             "rollout engine died (%s); started a new engine on %s (weight version %d)",
@@ -408,6 +444,15 @@ class VLLMBackend(RolloutBackend):
             self._weights_path or self.model_path,
             self.weight_version,
         )
+
+
+def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> tuple[float, ...]:
+    """The log p of each sampled token from vLLM's per-position ``{token id: Logprob}`` dicts."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError(
+            f"vLLM returned {0 if logprobs is None else len(logprobs)} logprobs for {len(token_ids)} tokens"
+        )
+    return tuple(float(position[t].logprob) for t, position in zip(token_ids, logprobs, strict=True))
 
 
 def _engine_dead_error_class() -> type[Exception]:
@@ -508,7 +553,7 @@ class TransformersBackend(RolloutBackend):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         rows: list[Rollout] = []
         for r in requests:
-            ids = self.tokenizer(r.prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(self.device)
+            ids = torch.tensor([r.prompt_token_ids], dtype=torch.long, device=self.device)  # (1, P)
             greedy = sampling.temperature == 0.0
             gen_kwargs: dict[str, Any] = {
                 "max_new_tokens": sampling.max_tokens,
@@ -516,13 +561,18 @@ class TransformersBackend(RolloutBackend):
                 "num_return_sequences": r.n,
                 "pad_token_id": pad,
                 "eos_token_id": eos,
+                "return_dict_in_generate": True,
+                "output_logits": True,  # raw logits, before temperature and top-p: the sampled tokens' log p
             }
             if not greedy:
                 gen_kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
             with torch.random.fork_rng(devices=[] if self.device == "cpu" else None), torch.no_grad():
                 torch.manual_seed(r.seed)
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs)
-            for j, seq in enumerate(out[:, ids.shape[1] :].tolist()):
+            new_tokens = out.sequences[:, ids.shape[1] :]  # (n, L)
+            logits = torch.stack(out.logits, dim=1).float()  # (n, L, V)
+            token_logp = logits.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (n, L)
+            for j, (seq, logp) in enumerate(zip(new_tokens.tolist(), token_logp.tolist(), strict=True)):
                 finish = "length"
                 if eos in seq:
                     seq = seq[: seq.index(eos) + 1]
@@ -538,6 +588,7 @@ class TransformersBackend(RolloutBackend):
                         finish_reason=finish,
                         seed=r.seed,
                         weight_version=self.weight_version,
+                        logprobs=tuple(logp[: len(seq)]),
                     )
                 )
         return rows

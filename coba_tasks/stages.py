@@ -33,6 +33,7 @@ from coba_tasks.verify import VerdictKind
 ROLLOUTS, REWARDS, CAPABILITY, BUDGET, UPDATE = "rollouts", "rewards", "capability", "budget", "update"
 HISTORY, EVAL = "history", "eval"  # per-step history snapshot; held-out evaluation of the step's weights
 STEP_STAGES = (ROLLOUTS, REWARDS, CAPABILITY, BUDGET, UPDATE)
+BOXED = "\\boxed{"  # the answer format of math prompts ("put your final answer within \\boxed{}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,10 +81,22 @@ def rollout_table(
     run_seed: int,
     step: int,
 ) -> pd.DataFrame:
-    """Generate ``budget.budget`` completions per prompt; one row per completion."""
-    text = prompts.set_index("prompt_id")["prompt_text"]
+    """Generate ``budget.budget`` completions per prompt; one row per completion.
+
+    ``prompts`` holds each prompt's ``prompt_token_ids`` (``coba_tasks.data.render_prompts``): the
+    engine receives those ids, the same the update trains on. Column ``logprobs`` is the sampler's
+    log-probability of each completion token.
+    """
+    by_id = prompts.set_index("prompt_id")
+    ids, text = by_id["prompt_token_ids"], by_id["prompt_rendered"]
     requests = [
-        RolloutRequest(prompt_id=pid, prompt=text[pid], n=int(b), seed=rollout_seed(run_seed, step, pid))
+        RolloutRequest(
+            prompt_id=pid,
+            prompt_token_ids=tuple(ids[pid]),
+            n=int(b),
+            seed=rollout_seed(run_seed, step, pid),
+            prompt=text[pid],
+        )
         for pid, b in zip(budget["prompt_id"], budget["budget"], strict=True)
     ]
     rows = engine.generate(requests, sampling)
@@ -97,6 +110,7 @@ def rollout_table(
             "finish_reason": [r.finish_reason for r in rows],
             "seed": np.array([r.seed for r in rows], dtype=np.int64),
             "weight_version": np.array([r.weight_version for r in rows], dtype=np.int64),
+            "logprobs": [list(r.logprobs) for r in rows],
         }
     )
 
@@ -268,6 +282,19 @@ def advantages_for(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> np.ndarray:
     return group_advantages(torch.tensor(merged["reward"].to_numpy(dtype=np.float64)), ids).numpy()
 
 
+def update_batch(
+    rollouts: pd.DataFrame, prompts: pd.DataFrame
+) -> tuple[list[list[int]], list[list[int]], list[list[float]] | None]:
+    """What the update trains on, one entry per rollout row: the prompt's token ids (the very ids the
+    engine received), the completion's token ids, and the sampler's log p of each completion token
+    (None for rollouts written before the sampler recorded them)."""
+    ids = prompts.set_index("prompt_id")["prompt_token_ids"]
+    prompt_ids = [list(ids[p]) for p in rollouts["prompt_id"]]
+    completion_ids = [list(t) for t in rollouts["token_ids"]]
+    logprobs = [list(x) for x in rollouts["logprobs"]] if "logprobs" in rollouts else None
+    return prompt_ids, completion_ids, logprobs
+
+
 def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rewards: pd.DataFrame) -> pd.DataFrame:
     """update.parquet: the update's metrics and the share of groups with zero reward variance."""
     ids = torch.as_tensor(pd.factorize(rewards["prompt_id"])[0])
@@ -296,23 +323,30 @@ def evaluate(
     A sampled evaluation keeps the ``top_p`` nucleus (the paper: avg@16 at temperature 1.0, top-p 0.9).
     With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
     as ``accuracy`` when the evaluation is greedy already). ``answered`` is the share of a prompt's
-    completions with an answer at all (any verdict but ``no_answer``).
+    completions with an answer at all (any verdict but ``no_answer``), ``boxed`` the share that write
+    a ``\\boxed{}`` answer (the format math prompts ask for; math-verify also finds unboxed answers).
     """
 
-    def accuracy(n: int, temp: float) -> tuple[np.ndarray, np.ndarray]:
-        """Per prompt: mean reward, and the share of completions that gave an answer at all."""
+    def accuracy(n: int, temp: float) -> pd.DataFrame:
+        """Per prompt (in test order): mean reward, share of completions with an answer, share with \\boxed{}."""
         budget = pd.DataFrame({"prompt_id": test["prompt_id"], "budget": n})
         sampling = SamplingConfig(temperature=temp, top_p=top_p if temp > 0 else 1.0, max_tokens=max_tokens)
         rolls = rollout_table(budget, test, engine, sampling, run_seed=seed, step=-1)
-        rewards = reward_table(rolls, test, pool).assign(answered=lambda r: r["verdict"] != str(VerdictKind.NO_ANSWER))
-        means = rewards.groupby("prompt_id", sort=False)[["reward", "answered"]].mean().reindex(test["prompt_id"])
-        return means["reward"].to_numpy(), means["answered"].to_numpy(dtype=np.float64)
+        rewards = reward_table(rolls, test, pool).assign(
+            answered=lambda r: r["verdict"] != str(VerdictKind.NO_ANSWER),
+            boxed=rolls["completion"].str.contains(BOXED, regex=False).to_numpy(),
+        )
+        columns = ["reward", "answered", "boxed"]
+        return rewards.groupby("prompt_id", sort=False)[columns].mean().reindex(test["prompt_id"]).astype(np.float64)
 
     out = test[["prompt_id"]].copy()
     out["difficulty"] = test["difficulty"].to_numpy() if "difficulty" in test else -1
-    out["accuracy"], out["answered"] = accuracy(samples, temperature)
+    sampled = accuracy(samples, temperature)
+    out["accuracy"] = sampled["reward"].to_numpy()
+    out["answered"] = sampled["answered"].to_numpy()
+    out["boxed"] = sampled["boxed"].to_numpy()
     if greedy:
         is_greedy = temperature == 0.0 and samples == 1
-        out["accuracy_greedy"] = out["accuracy"].to_numpy() if is_greedy else accuracy(1, 0.0)[0]
+        out["accuracy_greedy"] = out["accuracy"].to_numpy() if is_greedy else accuracy(1, 0.0)["reward"].to_numpy()
     out["weight_version"] = engine.weight_version
     return out.reset_index(drop=True)

@@ -125,6 +125,28 @@ class DataShard:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
+def sampler_gap(
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    sampler_logprobs: Sequence[Sequence[float]] | None,
+    completion_ids: Sequence[Sequence[int]],
+) -> tuple[float, float]:
+    """(mean, max) of |sampler log p - trainer log p| over the completion tokens; NaNs without sampler figures.
+
+    ``logp`` (B, T-1) and ``mask`` (B, T-1) as in ``update``: the completion tokens of row b are the
+    positions where ``mask[b]`` is 1, in order, one per entry of ``sampler_logprobs[b]``.
+    """
+    if sampler_logprobs is None:
+        return float("nan"), float("nan")
+    for b, (lp, c) in enumerate(zip(sampler_logprobs, completion_ids, strict=True)):
+        if len(lp) != len(c):
+            raise ValueError(f"rollout {b}: {len(lp)} sampler logprobs for {len(c)} completion tokens")
+    ours = logp[mask.bool()].double()  # row-major: row 0's completion tokens, then row 1's, ...
+    theirs = torch.tensor([x for lp in sampler_logprobs for x in lp], dtype=torch.float64, device=ours.device)
+    diff = (theirs - ours).abs()
+    return float(diff.mean()), float(diff.max())
+
+
 def make_optimizer(model: torch.nn.Module, settings: UpdateSettings) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (two groups: ndim >= 2 decayed, the rest not)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -222,8 +244,16 @@ class PolicyTrainer:
         prompt_ids: Sequence[Sequence[int]],
         completion_ids: Sequence[Sequence[int]],
         advantages: np.ndarray | torch.Tensor,
+        sampler_logprobs: Sequence[Sequence[float]] | None = None,
     ) -> dict[str, float]:
-        """One GRPO update on a step's rollouts; returns its metrics (METHOD 7)."""
+        """One GRPO update on a step's rollouts; returns its metrics.
+
+        ``sampler_logprobs`` (one list per rollout, one float per completion token: the rollout
+        engine's log p of the tokens it sampled) are compared with the trainer's own log p of the same
+        tokens before the update: ``logprob_diff_mean`` and ``logprob_diff_max`` are the mean and the
+        largest |sampler - trainer| over the completion tokens (NaN when not given). They measure the
+        train/rollout mismatch: a stale weight reload, another tokenization or a dtype difference.
+        """
         s = self.settings
         if len(prompt_ids) == 0:
             raise ValueError("GRPO update on an empty batch")
@@ -240,6 +270,7 @@ class PolicyTrainer:
             self.model.eval()  # dropout off; logp_old from the model before the update
             logp_old = self._all_logprobs(self.model, ids, attn)
             ref_logp = self._all_logprobs(self.ref_model, ids, attn) if self.ref_model is not None else None
+        gap = sampler_gap(logp_old, mask, sampler_logprobs, completion_ids)
 
         for group in self.optimizer.param_groups:  # the warm-up follows the update count, so a resume agrees
             group["lr"] = warmup_lr(s.lr, s.lr_warmup_steps, self.updates)
@@ -295,6 +326,8 @@ class PolicyTrainer:
             "sequences": int(n),
             "optimizer_steps": opt_steps,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "logprob_diff_mean": gap[0],
+            "logprob_diff_max": gap[1],
         }
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ a stage whose table is already in the step's manifest is skipped.
 
 With ``optim.fsdp_processes`` N > 1 the GRPO update of each step is a torchrun job of N FSDP ranks
 (``coba_tasks.fsdp_update``) that starts from the previous step's checkpoint and writes the next one;
-the flow process then holds no training model, only its tokenizer (see ``start_resources``).
+the flow process then holds no training model (see ``start_resources``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ class RunResources:
     engine: Any = None
     pool: Any = None
     trainer: Any = None  # PolicyTrainer; None with optim.fsdp_processes > 1 (the update runs in a torchrun job)
-    tokenizer: Any = None  # the policy's tokenizer: prompt token ids for the update
     stage_seconds: dict[str, float] = field(default_factory=dict)
     step_walls: list[tuple[float, float]] = field(default_factory=list)  # (step wall, orchestration) seconds
 
@@ -198,10 +197,7 @@ def update_task(run_dir: str, step: int) -> dict[str, float]:
         rollouts = res.store.read_table(step, stages.ROLLOUTS)
         rewards = res.store.read_table(step, stages.REWARDS)
         adv = stages.advantages_for(rollouts, rewards)
-        text = res.prompts.set_index("prompt_id")["prompt_text"]
-        tok = res.tokenizer
-        prompt_ids = [tok(text[p], add_special_tokens=False).input_ids for p in rollouts["prompt_id"]]
-        completion_ids = [list(t) for t in rollouts["token_ids"]]
+        prompt_ids, completion_ids, sampler_logprobs = stages.update_batch(rollouts, res.prompts)
         tracker = stages.tracker_from_capability(res.store.read_table(step, stages.CAPABILITY))
         extra_state = {"step": step, "capability": tracker.to_dict()}
         fsdp = res.cfg.optim.fsdp_processes > 1
@@ -221,9 +217,10 @@ def update_task(run_dir: str, step: int) -> dict[str, float]:
                     checkpoint=previous,
                     seed=res.cfg.run.seed,
                     extra_state=extra_state,
+                    sampler_logprobs=sampler_logprobs,
                 )
             else:
-                metrics = res.trainer.update(prompt_ids, completion_ids, adv)
+                metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs)
         if slept:
             res.store.write_json(f"steps/{step:06d}/engine_sleep.json", slept)
         if not fsdp:
@@ -276,10 +273,12 @@ def eval_task(run_dir: str, step: int) -> dict[str, Any]:
     by_level = table.groupby("difficulty")["accuracy"].mean()
     greedy = float(table["accuracy_greedy"].mean()) if "accuracy_greedy" in table else float("nan")
     answered = float(table["answered"].mean()) if "answered" in table else float("nan")  # older runs: none
+    boxed = float(table["boxed"].mean()) if "boxed" in table else float("nan")
     return {
         "accuracy": float(table["accuracy"].mean()),
         "greedy": greedy,
         "answered": answered,
+        "boxed": boxed,
         "by_difficulty": {str(k): float(v) for k, v in by_level.items()},
     }
 
@@ -399,7 +398,7 @@ def resolve_run(
 
 def _open_resources(root: Path, cfg: Config, continuing: bool) -> RunResources:
     from coba_tasks.config import config_hash, config_to_dict
-    from coba_tasks.data import load_run_datasets
+    from coba_tasks.data import load_run_datasets, render_prompts
 
     # bad rows and prompts longer than the context fail here, before anything is written (or are
     # skipped with data.on_bad_rows=skip, listed in bad_rows.parquet)
@@ -408,6 +407,8 @@ def _open_resources(root: Path, cfg: Config, continuing: bool) -> RunResources:
     if continuing:
         store = RunStore.open(root)
         prompts = store.read_run_table("prompts")
+        if "prompt_token_ids" not in prompts:  # a run made before prompts were rendered and stored
+            prompts, _ = render_prompts(prompts, data.tokenizer, cfg.data.prompt_format)
     else:
         prompts = data.train
         if cfg.data.train_prompts and cfg.data.train_prompts < len(prompts):
@@ -476,7 +477,7 @@ def start_resources(
     ``engine`` and ``pool``, when given, are used instead of new ones (``coba bench stages`` runs two
     run directories on one engine and one pool; the caller closes them once).
 
-    With ``optim.fsdp_processes`` > 1 no training model is built here, only its tokenizer: each
+    With ``optim.fsdp_processes`` > 1 no training model is built here: each
     update is a torchrun job that loads the policy and the AdamW state from the last checkpoint and
     writes the next one, so between steps the checkpoint on disk is the training state. A trainer
     kept in sync here would have to load every new checkpoint (float32 weights plus two AdamW moments:
@@ -508,16 +509,13 @@ def start_resources(
     settings = update_settings(cfg)
     if cfg.optim.fsdp_processes > 1:
         import torch
-        from transformers import AutoTokenizer
 
         # the thread count PolicyTrainer sets in the single-process mode, so that the in-process
         # engine's CPU work runs the same in both modes (the ranks get it as OMP_NUM_THREADS)
         torch.set_num_threads(settings.threads)
         res.trainer = None
-        res.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     else:
         res.trainer = PolicyTrainer(cfg.model.path, settings, seed=cfg.run.seed)
-        res.tokenizer = res.trainer.tokenizer
 
 
 @flow(name="coba-train")
@@ -633,6 +631,9 @@ def summarize(res: RunResources, before: dict, after: dict, wall: float) -> dict
         [store.read_table(s, stages.BUDGET).assign(step=s) for s in range(steps)], ignore_index=True
     ).merge(res.prompts[["prompt_id", "difficulty"]], on="prompt_id", how="left")
     by_level = budgets.groupby("difficulty")["budget"].mean()
+    updates = pd.concat([store.read_table(s, stages.UPDATE) for s in range(steps)], ignore_index=True)
+    gap = updates["logprob_diff_mean"] if "logprob_diff_mean" in updates else pd.Series(dtype=float)
+    gap_max = updates["logprob_diff_max"] if "logprob_diff_max" in updates else pd.Series(dtype=float)
     return {
         "steps": steps,
         "strategy": cfg.allocation.strategy,
@@ -642,12 +643,16 @@ def summarize(res: RunResources, before: dict, after: dict, wall: float) -> dict
         "heldout_greedy_after": after["greedy"],
         "heldout_answered_before": before["answered"],
         "heldout_answered_after": after["answered"],
+        "heldout_boxed_before": before["boxed"],
+        "heldout_boxed_after": after["boxed"],
         "heldout_accuracy_by_difficulty_before": before["by_difficulty"],
         "heldout_accuracy_by_difficulty_after": after["by_difficulty"],
         "mean_budget_by_difficulty": {str(k): float(v) for k, v in by_level.items()},
         "alpha_beta_start": [float(caps["alpha_used"].iloc[0]), float(caps["beta_used"].iloc[0])],
         "alpha_beta_end": [float(caps["alpha"].iloc[-1]), float(caps["beta"].iloc[-1])],
         "total_rollouts": int(caps["rollouts"].sum()),
+        "logprob_gap_mean": float(gap.mean()),  # over steps: |sampler - trainer| log p of completion tokens
+        "logprob_gap_max": float(gap_max.max()),  # the largest token gap of any step
         "wall_seconds": wall,
         "stage_seconds": res.stage_seconds,
         "step_seconds_mean": _mean([w for w, _ in res.step_walls]),

@@ -267,9 +267,12 @@ def _agreement(xs: list[Any], ys: list[Any]) -> float:
 
 def check_reload(model_a: Path, model_b: Path, dtype: str = "float32") -> Check:
     """vLLM on A; greedy; reload B in place; greedy again; both compared with transformers' greedy."""
+    from transformers import AutoTokenizer
+
     from coba_tasks.rollout import RolloutRequest, SamplingConfig, make_backend
 
-    requests = [RolloutRequest(f"p{i}", p, 1, 0) for i, p in enumerate(LONG_PROMPTS)]
+    tok = AutoTokenizer.from_pretrained(model_a)
+    requests = [RolloutRequest(f"p{i}", tuple(tok(p).input_ids), 1, 0, prompt=p) for i, p in enumerate(LONG_PROMPTS)]
     greedy = SamplingConfig(temperature=0.0, max_tokens=12)
 
     def tokens(rows: list[Any]) -> list[tuple[int, ...]]:

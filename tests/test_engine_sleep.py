@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import pandas as pd
 import pytest
+from char_prompts import char_ids, with_char_ids
 
 from coba_tasks import rollout, stages
 from coba_tasks.config import ConfigError, check_platform, config_to_dict, load_config
@@ -121,7 +122,9 @@ class _FakeLLM:
 
     def generate(self, prompts, params, use_tqdm=False):
         self.calls.append("generate")
-        out = SimpleNamespace(text="7", token_ids=[5], finish_reason="stop")
+        out = SimpleNamespace(
+            text="7", token_ids=[5], finish_reason="stop", logprobs=[{5: SimpleNamespace(logprob=-0.5)}]
+        )
         return [SimpleNamespace(outputs=[out] * p.n) for p in params]
 
 
@@ -150,11 +153,11 @@ def test_vllm_sleep_wake_and_reload_order():
     fake.calls.clear()
     backend.sleep()
     backend.load_weights("ckpt/000001", version=1)  # wakes first; the prefix cache is dropped after the reload
-    assert fake.calls == ["sleep(1)", "wake_up", "reload_weights(ckpt/000001)", "reset_prefix_cache"]
+    assert fake.calls == ["sleep(1)", "wake_up", "coba_reload_weights(ckpt/000001)", "reset_prefix_cache"]
     assert backend.weight_version == 1
     fake.calls.clear()
     backend.sleep()
-    rows = backend.generate([rollout.RolloutRequest("p", "1+6=", 2, 3)], SamplingConfig())
+    rows = backend.generate([rollout.RolloutRequest("p", char_ids("1+6="), 2, 3)], SamplingConfig())
     assert fake.calls == ["sleep(1)", "wake_up", "generate"] and len(rows) == 2
 
 
@@ -213,8 +216,15 @@ class _RecordingEngine:
 
 
 def test_evaluate_samples_with_eval_top_p_and_decodes_greedy_without_it():
-    test = pd.DataFrame(
-        {"prompt_id": ["a", "b"], "prompt_text": ["1+2=", "2+2="], "ground_truth": ["3", "4"], "data_source": "arith"}
+    test = with_char_ids(
+        pd.DataFrame(
+            {
+                "prompt_id": ["a", "b"],
+                "prompt_text": ["1+2=", "2+2="],
+                "ground_truth": ["3", "4"],
+                "data_source": "arith",
+            }
+        )
     )
     engine = _RecordingEngine()
     with VerifierPool(workers=1, timeout_s=5.0) as pool:  # arith is scored in-process: no worker starts
@@ -236,7 +246,9 @@ class _GivingUpEngine(_RecordingEngine):
 
 
 def test_evaluate_counts_the_completions_that_give_an_answer():
-    test = pd.DataFrame({"prompt_id": ["a", "b"], "prompt_text": ["1+3=", "2+3="], "ground_truth": ["4", "5"]})
+    test = with_char_ids(
+        pd.DataFrame({"prompt_id": ["a", "b"], "prompt_text": ["1+3=", "2+3="], "ground_truth": ["4", "5"]})
+    )
     test["data_source"] = "arith"
     with VerifierPool(workers=1, timeout_s=5.0) as pool:
         table = stages.evaluate(test, _GivingUpEngine(), pool, 4, 1.0, 8, seed=0)

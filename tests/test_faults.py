@@ -5,6 +5,9 @@ no permission). Verifier hangs and crashes are tested in test_verify.py.
   rollouts come out the same (seeds are per request).
 - Failed write: nothing is visible under the final name, no temporary is left, the manifest does
   not list the table, and a later write (or ``resume``) succeeds with the same tables.
+
+The runs here train on prompts scored by a reward the random tiny model earns (tests/helpers_reward.py),
+so every update moves the weights and a resumed run's weights are compared with trained ones.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import test_resume
+from char_prompts import char_ids
+from helpers_reward import assert_updates_moved
 
 from coba_tasks import fileio, stages
 from coba_tasks import store as store_module
@@ -29,7 +34,7 @@ SAMPLE = SamplingConfig(temperature=1.0, max_tokens=8)
 
 def _requests(sizes: list[int]) -> list[RolloutRequest]:
     return [
-        RolloutRequest(prompt_id=f"p{i}", prompt=p, n=k, seed=rollout_seed(7, 0, f"p{i}"))
+        RolloutRequest(f"p{i}", char_ids(p), n=k, seed=rollout_seed(7, 0, f"p{i}"), prompt=p)
         for i, (p, k) in enumerate(zip(PROMPTS, sizes, strict=True))
     ]
 
@@ -276,25 +281,24 @@ def test_temporaries_left_by_a_killed_writer_are_ignored_then_removed(tmp_path):
 SHORT_RUN = ["run.steps=2", "run.eval_every=0"]  # after test_resume's overrides: 2 steps, eval before/after
 
 
-def _short_config(model: Path) -> dict:
+def _short_config(model: Path, data: tuple[Path, Path]) -> dict:
     from coba_tasks.config import config_to_dict, load_config
 
-    return config_to_dict(
-        load_config(test_resume.ROOT / "configs/tiny-test.yaml", [*test_resume._overrides(model), *SHORT_RUN])
-    )
+    overrides = [*test_resume._overrides(model, data), *SHORT_RUN]
+    return config_to_dict(load_config(test_resume.ROOT / "configs/tiny-test.yaml", overrides))
 
 
 @pytest.fixture(scope="module")
-def short_baseline(tmp_path_factory, prefect_harness, random_checkpoints) -> RunStore:
+def short_baseline(tmp_path_factory, prefect_harness, random_checkpoints, first_char_data) -> RunStore:
     """An uninterrupted 2-step run (in this process)."""
     from flows.train import train_flow
 
     run_dir = tmp_path_factory.mktemp("baseline") / "run"
-    train_flow(run_dir=str(run_dir), config=_short_config(random_checkpoints[0]))
+    train_flow(run_dir=str(run_dir), config=_short_config(random_checkpoints[0], first_char_data))
     return RunStore.open(run_dir)
 
 
-def _assert_same_tables_and_weights(a: RunStore, b: RunStore) -> None:
+def _assert_same_tables_and_weights(a: RunStore, b: RunStore, base_model: Path) -> None:
     from safetensors.torch import load_file
 
     ta, tb = test_resume._all_tables(a), test_resume._all_tables(b)
@@ -305,10 +309,15 @@ def _assert_same_tables_and_weights(a: RunStore, b: RunStore) -> None:
         wa = load_file(str(a.checkpoint_dir(step) / "model.safetensors"))
         wb = load_file(str(b.checkpoint_dir(step) / "model.safetensors"))
         assert wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa), step
+    test_resume._assert_same_trainer_state(a, b, 2)
+    for store in (a, b):  # trained weights, not copies of the base model
+        assert_updates_moved(store, base_model, 2)
 
 
 @pytest.mark.slow
-def test_disk_full_in_a_run_then_resume_equals_uninterrupted(tmp_path, short_baseline, random_checkpoints, monkeypatch):
+def test_disk_full_in_a_run_then_resume_equals_uninterrupted(
+    tmp_path, short_baseline, random_checkpoints, first_char_data, monkeypatch
+):
     """The rewards table of step 1 cannot be written (its task retry fails too): the run fails with
     ENOSPC; once space is freed, ``resume`` ends with the tables of an uninterrupted run."""
     from flows.train import train_flow
@@ -325,7 +334,8 @@ def test_disk_full_in_a_run_then_resume_equals_uninterrupted(tmp_path, short_bas
         return real(path, write)
 
     monkeypatch.setattr(store_module, "atomic_write", full_disk)
-    state = train_flow(run_dir=str(run_dir), config=_short_config(random_checkpoints[0]), return_state=True)
+    config = _short_config(random_checkpoints[0], first_char_data)
+    state = train_flow(run_dir=str(run_dir), config=config, return_state=True)
     assert state.is_failed()
     assert len(attempts) == 2  # the task and its retry
     store = RunStore.open(run_dir)
@@ -334,7 +344,7 @@ def test_disk_full_in_a_run_then_resume_equals_uninterrupted(tmp_path, short_bas
 
     monkeypatch.undo()  # space freed
     train_flow(run_dir=str(run_dir), resume=True)
-    _assert_same_tables_and_weights(short_baseline, store)
+    _assert_same_tables_and_weights(short_baseline, store, random_checkpoints[0])
     assert _tmp_files(run_dir) == []
 
 

@@ -24,6 +24,7 @@ from typing import ClassVar
 import pandas as pd
 import pytest
 import torch
+from helpers_reward import write_flat
 from safetensors.torch import load_file
 
 from coba_tasks import stages
@@ -40,7 +41,6 @@ from coba_tasks.config import (
 from coba_tasks.rerun import apply_rerun, plan_rerun
 from coba_tasks.rollout import make_backend
 from coba_tasks.store import RunStore, StoreError
-from coba_tasks.verify import Verdict, VerdictKind, register_verifier
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
@@ -207,8 +207,6 @@ def test_ray_engines_get_tensor_parallel_size_and_ask_ray_for_as_many_gpus(fake_
 
 
 def test_start_resources_passes_tensor_parallel_size_and_builds_no_trainer_for_fsdp(random_checkpoints, monkeypatch):
-    from transformers import AutoTokenizer
-
     from flows import train
 
     model, _ = random_checkpoints
@@ -227,11 +225,9 @@ def test_start_resources_passes_tensor_parallel_size_and_builds_no_trainer_for_f
         fsdp = train.RunResources(cfg=_tiny(model, "optim.fsdp_processes=2"), store=None, prompts=None, test=None)
         train.start_resources(fsdp, str(model), version=0)
     assert fsdp.trainer is None and seen[0]["tensor_parallel_size"] == 1
-    expected = AutoTokenizer.from_pretrained(model)
-    assert fsdp.tokenizer("12+7=").input_ids == expected("12+7=").input_ids
     single = train.RunResources(cfg=_tiny(model), store=None, prompts=None, test=None)
     train.start_resources(single, str(model), version=0)
-    assert single.trainer is not None and single.tokenizer is single.trainer.tokenizer
+    assert single.trainer is not None
     for res in (fsdp, single):
         res.pool.close()
 
@@ -240,24 +236,9 @@ def test_start_resources_passes_tensor_parallel_size_and_builds_no_trainer_for_f
 # End to end: 2 FSDP processes against the update in the flow process
 #
 # The random tiny model never answers arithmetic (every reward 0, every advantage 0: an update that
-# moves nothing), so the prompts here are scored by a verifier that rewards a completion starting
-# with a lowercase letter or a digit: about 38% of a random model's samples, so most groups have
-# both rewards and every update moves the policy (toward those characters).
-
-COIN = "fsdp-test-first-char"
-
-
-@register_verifier(COIN, in_process=True)
-def first_char_verifier(completion: str, ground_truth: str) -> Verdict:
-    """Reward 1 when the completion starts with a lowercase letter or a digit (the ground truth is unused)."""
-    head = completion[:1]
-    good = head.isascii() and (head.islower() or head.isdigit())
-    return Verdict.of(VerdictKind.CORRECT if good else VerdictKind.WRONG, head)
-
-
-def _flat(path: Path, prompts: list[str]) -> Path:
-    pd.DataFrame({"prompt": prompts, "answer": "0", "data_source": COIN}).to_parquet(path)
-    return path
+# moves nothing), so the prompts here are scored by helpers_reward's verifier, which rewards a
+# completion starting with a lowercase letter or a digit: about 38% of a random model's samples, so
+# most groups have both rewards and every update moves the policy (toward those characters).
 
 
 @pytest.fixture(scope="module")
@@ -268,8 +249,8 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
 
     model, _ = random_checkpoints
     root = tmp_path_factory.mktemp("fsdp-flow")
-    train_file = _flat(root / "train.parquet", ["12+7=", "3*4=", "40-9=", "5+5=", "81-6=", "7*7="])
-    test_file = _flat(root / "test.parquet", ["2+2=", "9-3=", "6*2=", "1+8="])
+    train_file = write_flat(root / "train.parquet", ["12+7=", "3*4=", "40-9=", "5+5=", "81-6=", "7*7="])
+    test_file = write_flat(root / "test.parquet", ["2+2=", "9-3=", "6*2=", "1+8="])
     # AdamW's eps 1e-5 (default 1e-8): the first step from fresh moments is lr * g / (|g| + eps), so with
     # eps 1e-8 a weight whose gradient is ~1e-8 moves by a visibly different amount when its gradient
     # differs in the last bits (summed over 2 ranks in another order). Measured here with eps 1e-8: 7 of
@@ -405,7 +386,7 @@ def test_update_task_sleeps_the_engine_around_the_job_and_needs_the_previous_che
     """The update stage alone on a copy of the FSDP run, the job replaced by a recording fake."""
     import flows.train as train
 
-    stores, _, model = runs
+    stores, _, _ = runs
     original = stores[2]
     root = (tmp_path / "run").resolve()
     shutil.copytree(original.root, root)
@@ -423,9 +404,6 @@ def test_update_task_sleeps_the_engine_around_the_job_and_needs_the_previous_che
     monkeypatch.setattr(train, "fsdp_update", fake_job)
     cfg = apply_overrides(config_from_dict(store.read_config()), ["rollout.sleep_during_update=true"])
     res = train.RunResources(cfg=cfg, store=store, prompts=store.read_run_table("prompts"), test=None, engine=engine)
-    from transformers import AutoTokenizer
-
-    res.tokenizer = AutoTokenizer.from_pretrained(model)
     monkeypatch.setitem(train._RUNS, str(root), res)
     train.update_task.fn(str(root), step)
     job = ("job", True, 2, store.checkpoint_dir(step))

@@ -75,8 +75,11 @@ def test_shards_cover_each_row_once_with_the_same_number_of_passes():
 
 def test_batch_file_round_trips(tmp_path):
     prompts, completions, adv = ragged_batch(0)
-    p, c, a = read_batch(write_batch(tmp_path / "b.parquet", prompts, completions, adv))
-    assert p == prompts and c == completions and np.array_equal(a, adv.astype(np.float64))
+    p, c, a, lp = read_batch(write_batch(tmp_path / "b.parquet", prompts, completions, adv))
+    assert p == prompts and c == completions and np.array_equal(a, adv.astype(np.float64)) and lp is None
+    logprobs = [[-0.5 - k for k in range(len(x))] for x in completions]
+    *_, lp = read_batch(write_batch(tmp_path / "c.parquet", prompts, completions, adv, logprobs))
+    assert lp == logprobs
 
 
 def test_fsdp_processes_is_checked_and_hash_neutral_at_its_default():

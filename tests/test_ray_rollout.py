@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from char_prompts import char_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,9 +16,7 @@ from coba_tasks.rollout import RolloutRequest, SamplingConfig, backends, make_ba
 
 def reqs(budgets: list[int], step: int = 0) -> list[RolloutRequest]:
     return [
-        RolloutRequest(
-            prompt_id=f"p{i:02d}", prompt=f"{7 * i + 3}+{5 * i % 9}=", n=n, seed=rollout_seed(7, step, f"p{i}")
-        )
+        RolloutRequest(f"p{i:02d}", char_ids(f"{7 * i + 3}+{5 * i % 9}="), n=n, seed=rollout_seed(7, step, f"p{i}"))
         for i, n in enumerate(budgets)
     ]
 
@@ -54,7 +53,7 @@ def test_bad_arguments_are_refused():
         with pytest.raises(ValueError, match="n_shards must be an int >= 1"):
             shard_by_budget(reqs([2, 3]), bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="group size must be >= 1"):
-        shard_by_budget([*reqs([2]), RolloutRequest("bad", "1+1=", 0, 0)], 2)
+        shard_by_budget([*reqs([2]), RolloutRequest("bad", char_ids("1+1="), 0, 0)], 2)
 
 
 def test_shards_do_not_depend_on_the_input_order():

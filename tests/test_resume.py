@@ -3,6 +3,11 @@
 The killed runs are separate processes (``coba run`` / ``coba resume``) that SIGKILL themselves
 inside a named stage (``COBA_KILL_AT=<step>:<stage>``, after the stage's work is done and before
 its table is recorded); they talk to the session's Prefect test server.
+
+The runs train the random tiny model on prompts scored by a reward it earns (tests/helpers_reward.py):
+every update moves the weights (checked), so a resume that lost the optimizer state or loaded the wrong
+checkpoint ends with other weights than the uninterrupted run. Subprocesses run through
+``python_with_first_char`` so that they score those prompts too.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
+from helpers_reward import assert_updates_moved, data_overrides, python_with_first_char
 from safetensors.torch import load_file
 
 from coba_tasks import stages
@@ -30,8 +36,10 @@ STEPS = 3
 TABLES = (*stages.STEP_STAGES, stages.HISTORY, stages.EVAL)
 
 
-def _overrides(model: Path) -> list[str]:
-    return [f"model.path={model}", "data.train_prompts=6", f"run.steps={STEPS}", "run.eval_every=1"]
+def _overrides(model: Path, data: tuple[Path, Path]) -> list[str]:
+    """``data``: the ``first_char_data`` fixture's (train, test) files."""
+    base = [f"model.path={model}", "data.train_prompts=6", f"run.steps={STEPS}", "run.eval_every=1"]
+    return [*base, *data_overrides(data)]
 
 
 def _all_tables(store: RunStore) -> dict[tuple[int, str], pd.DataFrame]:
@@ -44,7 +52,7 @@ def _all_tables(store: RunStore) -> dict[tuple[int, str], pd.DataFrame]:
     return out
 
 
-def _assert_same_run(a: RunStore, b: RunStore) -> None:
+def _assert_same_run(a: RunStore, b: RunStore, base_model: Path) -> None:
     ta, tb = _all_tables(a), _all_tables(b)
     assert sorted(ta) == sorted(tb)
     for key in ta:
@@ -53,15 +61,33 @@ def _assert_same_run(a: RunStore, b: RunStore) -> None:
         wa = load_file(str(a.checkpoint_dir(step) / "model.safetensors"))
         wb = load_file(str(b.checkpoint_dir(step) / "model.safetensors"))
         assert wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa), step
+    _assert_same_trainer_state(a, b)
+    for store in (a, b):  # and they are trained weights, not copies of the base model
+        assert_updates_moved(store, base_model, STEPS)
+
+
+def _assert_same_trainer_state(a: RunStore, b: RunStore, steps: int = STEPS) -> None:
+    """Every checkpoint's AdamW moments and step counts and trainer state, bit for bit.
+
+    Not the saved torch RNG state (``rng.torch``): the in-process engine's sampled rollouts advance the
+    global torch generator, so it depends on which stages this process ran (a resumed run skips the ones
+    done); nothing in the update draws from it (its shuffle has a generator of its own)."""
+    for step in range(1, steps + 1):
+        da, db = a.checkpoint_dir(step), b.checkpoint_dir(step)
+        oa, ob = (load_file(str(d / "trainer/optimizer.safetensors")) for d in (da, db))
+        assert oa.keys() == ob.keys(), step
+        assert all(torch.equal(oa[k], ob[k]) for k in oa if k != "rng.torch"), step
+        sa, sb = (json.loads((d / "trainer/trainer_state.json").read_text()) for d in (da, db))
+        assert sa == sb and sa["updates"] == step, step
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, prefect_harness, random_checkpoints) -> RunStore:
+def baseline(tmp_path_factory, prefect_harness, random_checkpoints, first_char_data) -> RunStore:
     """An uninterrupted 3-step run (in this process)."""
     from flows.train import train_flow
 
     model, _ = random_checkpoints
-    cfg = load_config(ROOT / "configs/tiny-test.yaml", _overrides(model))
+    cfg = load_config(ROOT / "configs/tiny-test.yaml", _overrides(model, first_char_data))
     run_dir = tmp_path_factory.mktemp("baseline") / "run"
     train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
     return RunStore.open(run_dir)
@@ -76,18 +102,20 @@ def _coba(args: list[str], kill_at: str | None, log: Path) -> int:
         env["COBA_KILL_AT"] = kill_at
     with open(log, "ab") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "coba_tasks.cli", *args], cwd=ROOT, env=env, stdout=out, stderr=out, timeout=600
+            python_with_first_char("coba_tasks.cli", *args), cwd=ROOT, env=env, stdout=out, stderr=out, timeout=600
         )
     return proc.returncode
 
 
 @pytest.mark.slow
-def test_killed_in_each_stage_then_resumed_equals_uninterrupted(tmp_path, baseline, random_checkpoints):
+def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
+    tmp_path, baseline, random_checkpoints, first_char_data
+):
     model, _ = random_checkpoints
     run_dir = tmp_path / "run"
     log = tmp_path / "coba.log"
     start = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(run_dir)]
-    start += [a for o in _overrides(model) for a in ("--set", o)]
+    start += [a for o in _overrides(model, first_char_data) for a in ("--set", o)]
     resume = ["resume", "--run-dir", str(run_dir)]
     kills = [f"1:{s}" for s in (stages.ROLLOUTS, stages.REWARDS, stages.CAPABILITY, stages.BUDGET, stages.UPDATE)]
     store = RunStore(run_dir)
@@ -100,7 +128,7 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(tmp_path, baseli
     assert not (run_dir / "summary.json").exists()
     rc = _coba(resume, None, log)
     assert rc == 0, log.read_text()[-3000:]
-    _assert_same_run(baseline, RunStore.open(run_dir))
+    _assert_same_run(baseline, RunStore.open(run_dir), model)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
     # a finished run: resume says so and changes nothing
@@ -109,9 +137,10 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(tmp_path, baseli
 
 
 @pytest.mark.slow
-def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, capsys):
+def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, random_checkpoints, capsys):
     from flows.train import train_flow
 
+    model, _ = random_checkpoints
     run_dir = tmp_path / "run"
     shutil.copytree(baseline.root, run_dir)
     store = RunStore.open(run_dir)
@@ -136,6 +165,7 @@ def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, capsys):
     assert after.keys() == before.keys()
     for key in before:
         pd.testing.assert_frame_equal(before[key], after[key], check_exact=True, obj=str(key))
+    _assert_same_run(baseline, store, model)  # checkpoints 2 and 3 recomputed from checkpoint 1: the same
 
     # a truncated table found on resume: --repair recomputes from it and the run is whole again
     from coba_tasks.rerun import damaged_tables, plan_repair
@@ -149,6 +179,7 @@ def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, capsys):
     repaired = _all_tables(store)
     for key in before:
         pd.testing.assert_frame_equal(before[key], repaired[key], check_exact=True, obj=str(key))
+    _assert_same_run(baseline, store, model)
 
 
 def _fake_run(root: Path, steps: int = 3) -> RunStore:
@@ -228,7 +259,9 @@ def test_resume_refuses_other_schema_version(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(tmp_path, baseline, random_checkpoints):
+def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(
+    tmp_path, baseline, random_checkpoints, first_char_data
+):
     """A stage fails (after its task retry); `prefect flow-run retry` finishes the run without redoing done stages."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
@@ -236,7 +269,7 @@ def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(tmp_path, 
     from flows.train import FAIL_FILE_ENV, train_flow
 
     model, _ = random_checkpoints
-    cfg = load_config(ROOT / "configs/tiny-test.yaml", _overrides(model))
+    cfg = load_config(ROOT / "configs/tiny-test.yaml", _overrides(model, first_char_data))
     run_dir = tmp_path / "run"
     fail = tmp_path / "fail-at"
     fail.write_text("1:rewards")
@@ -254,16 +287,9 @@ def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(tmp_path, 
     flow_run_id = state.state_details.flow_run_id
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()), PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "flow-run",
-            "retry",
-            str(flow_run_id),
-            "--entrypoint",
-            "flows/train.py:train_flow",
-        ],
+        python_with_first_char(
+            "prefect", "flow-run", "retry", str(flow_run_id), "--entrypoint", "flows/train.py:train_flow"
+        ),
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -275,7 +301,7 @@ def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(tmp_path, 
         assert client.read_flow_run(flow_run_id).state.is_completed()
     for key, when in written.items():  # what was done before the failure was not recomputed
         assert store.manifest(key[0])[key[1]]["written_at"] == when, key
-    _assert_same_run(baseline, store)
+    _assert_same_run(baseline, store, model)
 
 
 def test_damaged_tables_are_found_and_repair_plans_from_the_first(tmp_path, capsys):

@@ -1,10 +1,15 @@
-"""End to end: the coba-train flow through Prefect on a tiny config, with real vLLM on CPU."""
+"""End to end: the coba-train flow through Prefect on a tiny config, with real vLLM on CPU.
+
+The run trains the random tiny model on prompts scored by a reward it earns (tests/helpers_reward.py),
+so its updates have something to learn from and move the weights (checked).
+"""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from helpers_reward import assert_updates_moved, data_overrides
 
 from coba_tasks import stages
 from coba_tasks.config import config_to_dict, load_config
@@ -12,11 +17,12 @@ from coba_tasks.store import RunStore
 
 
 @pytest.mark.slow
-def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpoints):
+def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpoints, first_char_data):
     from flows.train import train_flow
 
     model, _ = random_checkpoints
-    cfg = load_config("configs/tiny-test.yaml", [f"model.path={model}", "data.train_prompts=6", "run.steps=3"])
+    overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=3", *data_overrides(first_char_data)]
+    cfg = load_config("configs/tiny-test.yaml", overrides)
     run_dir = tmp_path / "run"
     summary = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
 
@@ -41,6 +47,7 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     assert store.read_table(0, stages.BUDGET)["fallback"].str.contains("unseen").all()
     assert not store.read_table(2, stages.BUDGET)["fallback"].str.contains("unseen").any()
     assert store.is_done(3, stages.BUDGET)  # the allocation for the step after the last
+    assert_updates_moved(store, model, 3)  # every update had a gradient and changed the weights
 
     from transformers import AutoModelForCausalLM
 
