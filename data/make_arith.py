@@ -1,6 +1,6 @@
 """Generate the synthetic arithmetic task: integer expressions in five graded difficulty levels.
 
-The default dataset of coba-rl (DESIGN.md, "The embedded default"). A tiny character-level model,
+The default dataset of coba-rl (docs/design.md). A tiny character-level model,
 warmed up by supervised training on the train split, should solve level 0 almost always, part of
 the middle levels and almost none of level 4: that spread of pass rates is what rollout-budget
 allocation works on. Problems are short (at most 13 characters) and every answer is an integer.
@@ -38,10 +38,10 @@ import numpy as np
 import pandas as pd
 
 try:
-    from coba_tasks.data import write_verl_parquet
+    from coba_tasks.pipeline.data import write_verl_parquet
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: import from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from coba_tasks.data import write_verl_parquet
+    from coba_tasks.pipeline.data import write_verl_parquet
 
 DATA_SOURCE = "arith"
 ABILITY = "arithmetic"

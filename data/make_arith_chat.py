@@ -7,10 +7,10 @@ Reads ``arith_train.parquet`` and ``arith_test.parquet`` (made by ``make_arith.p
 - the user message ``36-48+54=`` becomes
   ``Compute 36-48+54. Put your final answer within \boxed{}.``, an instruction an instruct model
   (SmolLM2-135M-Instruct, ``make smollm2``) follows through its chat template;
-- ``data_source`` becomes ``"math"``, so ``coba_tasks.verify`` scores the completion with
+- ``data_source`` becomes ``"math"``, so ``coba_tasks.engines.verify`` scores the completion with
   math-verify (the last ``\boxed{}``) instead of the ``arith`` verifier (the integer at the start).
 
-The files are written with ``coba_tasks.data.write_verl_parquet``: a rerun gives identical bytes.
+The files are written with ``coba_tasks.pipeline.data.write_verl_parquet``: a rerun gives identical bytes.
 
 Run (from the repository root):
 
@@ -30,13 +30,13 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 try:
-    from coba_tasks.data import write_verl_parquet
+    from coba_tasks.pipeline.data import write_verl_parquet
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: import from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from coba_tasks.data import write_verl_parquet
+    from coba_tasks.pipeline.data import write_verl_parquet
 
 DATA_DIR = Path(__file__).resolve().parent
-DATA_SOURCE = "math"  # scored by math-verify (coba_tasks.verify)
+DATA_SOURCE = "math"  # scored by math-verify (coba_tasks.engines.verify)
 INSTRUCTION = "Compute {expression}. Put your final answer within \\boxed{{}}."
 SPLITS = ("train", "test")
 

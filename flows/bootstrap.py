@@ -15,8 +15,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from coba_tasks.bootstrap import BootstrapConfig, evaluate_greedy, init_model, train_sft, write_metrics
-from coba_tasks.data import load_dataset
+from coba_tasks.pipeline.bootstrap import BootstrapConfig, evaluate_greedy, init_model, train_sft, write_metrics
+from coba_tasks.pipeline.data import load_dataset
 
 
 @task(name="build-model", retries=1)

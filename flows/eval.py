@@ -6,7 +6,7 @@
 The model is any Hugging Face model directory: a run's checkpoint (``runs/<name>/checkpoints/NNNNNN``)
 or a model such as ``models/arith-tiny``. Two tasks in order, as in the training flow's
 evaluation: ``heldout-eval`` starts the rollout engine and the verifier pool, scores every selected
-prompt (``coba_tasks.stages.evaluate``) and closes both; ``write-eval-table`` writes the per-prompt
+prompt (``coba_tasks.pipeline.stages.evaluate``) and closes both; ``write-eval-table`` writes the per-prompt
 table (prompt_id, difficulty, accuracy, weight_version) atomically where ``out_path`` says. The
 figures go to a markdown artifact ``eval-<model>`` and are returned. Importing this module starts
 nothing; relative paths are from the working directory (the project, in a deployment).
@@ -23,11 +23,11 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from coba_tasks import stages
-from coba_tasks.data import PROMPT_FORMATS, DatasetError, load_dataset, render_prompts
-from coba_tasks.fileio import atomic_write
-from coba_tasks.rollout import backends, make_backend
-from coba_tasks.verify import VerifierPool
+from coba_tasks.engines.rollout import backends, make_backend
+from coba_tasks.engines.verify import VerifierPool
+from coba_tasks.pipeline import stages
+from coba_tasks.pipeline.data import PROMPT_FORMATS, DatasetError, load_dataset, render_prompts
+from coba_tasks.pipeline.fileio import atomic_write
 
 VERIFY_WORKERS, VERIFY_TIMEOUT_S = 2, 5.0  # the defaults of the run config's verify section
 

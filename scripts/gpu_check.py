@@ -11,7 +11,7 @@ arithmetic task).
 Phases:
 1. build a small model in Hugging Face layout: a Qwen2-architecture causal LM with *tied*
    input/output embeddings, as Qwen2.5-0.5B has (``--arch llama`` builds the untied tiny Llama of
-   ``coba_tasks.model`` instead), with the character tokenizer;
+   ``coba_tasks.engines.model`` instead), with the character tokenizer;
 2. write a config (CUDA, vllm backend, bfloat16, ``rollout.sleep_during_update: true``, 3 steps,
    M = 16, G = 8) and run ``coba run`` on it;
 3. check the run directory (``check_run``): every step's tables are recorded in its manifest
@@ -106,7 +106,7 @@ def check_run(
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
 ) -> list[Check]:
     """The checks of a finished run: stage tables, weight versions, sleep records; one Check each."""
-    from coba_tasks.store import RunStore
+    from coba_tasks.pipeline.store import RunStore
 
     run_dir = Path(run_dir)
     out: list[Check] = []
@@ -165,7 +165,7 @@ def build_model(out: Path, seed: int, arch: str = "qwen2-tied", sharpen: float =
     weight from N(0, sharpen) so greedy decoding has clear winners (for output comparisons)."""
     import torch
 
-    from coba_tasks.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
+    from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
 
     tok = build_char_tokenizer()
     if arch == "llama":
@@ -209,7 +209,7 @@ def build_model(out: Path, seed: int, arch: str = "qwen2-tied", sharpen: float =
 
 
 def write_config(path: Path, model_dir: Path, dtype: str = "bfloat16") -> Path:
-    """The check's run config: every key not written takes its default (coba_tasks/config.py)."""
+    """The check's run config: every key not written takes its default (coba_tasks/pipeline/config.py)."""
     import yaml
 
     config = {
@@ -248,7 +248,7 @@ def write_config(path: Path, model_dir: Path, dtype: str = "bfloat16") -> Path:
 def run_training(config: Path, run_dir: Path, log: Path, timeout_s: float) -> Check:
     """``coba run`` on the config, output to ``log``; a Check of its exit status."""
     coba = Path(sys.executable).with_name("coba")
-    cmd = [str(coba)] if coba.exists() else [sys.executable, "-m", "coba_tasks.cli"]
+    cmd = [str(coba)] if coba.exists() else [sys.executable, "-m", "coba_tasks.commands.cli"]
     cmd += ["run", "--config", str(config), "--run-dir", str(run_dir)]
     t0 = time.perf_counter()
     with log.open("w") as f:
@@ -269,7 +269,7 @@ def check_reload(model_a: Path, model_b: Path, dtype: str = "float32") -> Check:
     """vLLM on A; greedy; reload B in place; greedy again; both compared with transformers' greedy."""
     from transformers import AutoTokenizer
 
-    from coba_tasks.rollout import RolloutRequest, SamplingConfig, make_backend
+    from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend
 
     tok = AutoTokenizer.from_pretrained(model_a)
     requests = [RolloutRequest(f"p{i}", tuple(tok(p).input_ids), 1, 0, prompt=p) for i, p in enumerate(LONG_PROMPTS)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from coba_tasks.model import build_char_tokenizer
+from coba_tasks.engines.model import build_char_tokenizer
 
 
 @cache

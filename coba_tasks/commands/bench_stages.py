@@ -1,0 +1,540 @@
+"""``coba bench stages``: where a training step's time goes, printed as ratios measured in one run.
+
+Everything runs in one process, one after the other, on the same machine state:
+
+1. **Rollout stage vs bare vLLM.** For the prompts, budgets and seeds of one step, the rollout stage
+   (``stages.rollout_table``: requests, ``VLLMBackend.generate``, the DataFrame) against a bare
+   ``llm.generate(prompts, [SamplingParams(n=b_i, seed=s_i, ...)])`` on the same ``vllm.LLM``
+   object (prompts and parameters built outside the timed region), alternated and compared by
+   medians. The Parquet write of the rollouts table is a figure of its own.
+2. **A step through Prefect vs the same step as plain function calls, interleaved.** Two run
+   directories with the same config share one vLLM engine and one verifier pool (each run has its
+   own trainer). Inside one flow run (``flows/bench.py``), step t of the first run goes through
+   ``run_step``, what ``coba-train`` runs per step (five task runs, the progress line, the
+   artifacts), and step t of the second run calls the same five task bodies as plain functions
+   (``rollout_task.fn(run_dir, step)`` ...) plus the same timing.json write; the order alternates
+   every step (flow first on even steps), and before the second run of a pair the engine is given
+   the step's weights back (untimed). Both sides thus meet the same load, server and threads; the
+   ratio flow / plain is printed per step with its median, smallest and largest value, and both
+   directories hold the same tables (compared by sha256), so both did the same work. Prefect's own
+   time as the flow sees it (step wall - stage bodies) is printed beside it.
+3. **Parquet per step.** ``RunStore.write_table`` and ``read_table`` (sha256 verified) of each of
+   the step's tables, in a scratch run directory.
+4. **Verification.** ``VerifierPool.score`` items per second on the step's rollouts.
+5. **GRPO update.** ``PolicyTrainer.update`` completion tokens per second on the step's rollouts;
+   also the checkpoint save and the vLLM weight reload that end the update stage.
+
+Times are medians over repeats (steps: means over the steps); compare the ratios, not the
+absolute times (the machines are shared and noisy). Nothing here asserts a time: the goals are
+printed with whether this run met them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from coba_tasks.commands.bench import _median_time as bench_median_time
+from coba_tasks.pipeline.store import STAGES, Stage
+
+GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
+EVAL_PROMPTS = 16  # held-out prompts per evaluation in the benchmark's runs (unless --set data.eval_prompts=...)
+STEP_TABLES = ("budget", "rollouts", "rewards", "capability", "history", "update")
+STAGE_NAMES = STAGES  # the five stages of a step, in pipeline order
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    return bench_median_time(fn, repeats, warmup=False)  # stateful calls (the update): no untimed extra call
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def _bench_config(config_path: str | None, overrides: Sequence[str], steps: int):
+    """The config of both runs: the file with the overrides, ``steps`` steps, no evaluation in between."""
+    from coba_tasks.pipeline.config import check_paths, load_config
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    # no evaluation between steps (it is not part of a step); a small held-out set for the one before and after
+    forced = [f"run.steps={steps}", "run.eval_every=0"]
+    cfg = load_config(config_path, [*overrides, *forced])
+    if not any(o.strip().startswith("data.eval_prompts=") for o in overrides) and (
+        cfg.data.eval_prompts == 0 or cfg.data.eval_prompts > EVAL_PROMPTS
+    ):
+        cfg = load_config(config_path, [*overrides, *forced, f"data.eval_prompts={EVAL_PROMPTS}"])
+    if cfg.rollout.backend != "vllm":
+        raise ValueError(
+            f"bench stages compares the rollout stage with bare vLLM: needs rollout.backend=vllm, got "
+            f"{cfg.rollout.backend!r}"
+        )
+    if cfg.optim.fsdp_processes != 1:
+        raise ValueError(
+            "bench stages times the single-process GRPO update: needs optim.fsdp_processes=1, got "
+            f"{cfg.optim.fsdp_processes}"
+        )
+    check_paths(cfg)
+    return cfg
+
+
+def _step_figures(pairs: Sequence[dict], side: str) -> dict[str, Any]:
+    """Means over the steps of one side of ``flows.bench.bench_steps_flow``'s pairs."""
+    walls = [p[side]["wall_s"] for p in pairs]
+    outside = [p[side]["wall_s"] - p[side]["inside_s"] for p in pairs]
+    return {
+        "step_s": _mean(walls),
+        "outside_stages_s": _mean(outside),  # for the flow: Prefect's own time per step
+        "stage_s": {name: _mean([p[side]["stage_s"][name] for p in pairs]) for name in STAGE_NAMES},
+    }
+
+
+def _same_tables(a: Path, b: Path, steps: int) -> list[str]:
+    """Tables whose sha256 differs between the two run directories (or that one of them lacks)."""
+    from coba_tasks.pipeline.store import RunStore
+
+    sa, sb = RunStore.open(a), RunStore.open(b)
+    differ = []
+    for step in range(steps + 1):
+        ma, mb = sa.manifest(step), sb.manifest(step)
+        for name in sorted(set(ma) | set(mb)):
+            if name == "eval" and not (name in ma and name in mb):
+                continue  # the flow evaluates after training too; the plain run does not
+            if ma.get(name, {}).get("sha256") != mb.get(name, {}).get("sha256"):
+                differ.append(f"{step:06d}/{name}")
+    return differ
+
+
+def bench_stages(
+    config_path: str | None = "configs/demo.yaml",
+    overrides: Sequence[str] = (),
+    steps: int = 3,
+    progress: Callable[[str], None] = print,
+    repeats: int = 5,
+    work_dir: str | os.PathLike[str] | None = None,
+) -> dict:
+    """Measure where a training step's time goes (see the module docstring); returns the figures.
+
+    Prefect must be configured (``configure_prefect()``, or a test harness) before the call.
+    ``work_dir`` keeps the two run directories (``flow/``, ``plain/``) and the scratch one; by
+    default they live in a temporary directory removed at the end. Times are seconds.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    cfg = _bench_config(config_path, list(overrides), steps)
+    if work_dir is None:
+        with tempfile.TemporaryDirectory(prefix="coba-bench-stages-") as tmp:
+            return _bench(cfg, config_path, Path(tmp), steps, repeats, progress)
+    return _bench(cfg, config_path, Path(work_dir), steps, repeats, progress)
+
+
+def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: int, progress) -> dict:
+    import torch
+
+    from coba_tasks.pipeline import run
+
+    work.mkdir(parents=True, exist_ok=True)
+    flow_dir, plain_dir, scratch_dir = (work / n for n in ("flow", "plain", "scratch"))
+    for d in (flow_dir, plain_dir, scratch_dir):
+        if d.exists() and any(d.iterdir()):
+            raise ValueError(f"{d} is not empty; give bench stages an empty work directory")
+    machine = {
+        "python": platform.python_version(),
+        "processor": platform.machine(),
+        "cpus": _cpus(),
+        "torch_threads_at_start": torch.get_num_threads(),
+        "cuda": bool(torch.cuda.is_available()),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+    # -- 2. the same steps through Prefect and as plain calls, interleaved --------------------------
+    # Two run directories on one engine and one verifier pool (each run its own trainer): step t of
+    # the flow run, then step t of the plain run (the other order on odd steps), so both meet the same
+    # machine load. Before the second run of a pair the engine gets back the weights of step t (the
+    # first run's update moved them on; the two runs' checkpoints are bit-identical), untimed.
+    from flows.bench import bench_steps_flow
+
+    flow_root, root = flow_dir.resolve(), plain_dir.resolve()
+    res_flow = run.open_run(flow_root, cfg, continuing=False)
+    res = run.open_run(root, cfg, continuing=False)
+    try:
+        progress("start the engine, the verifier pool and the two runs' trainers")
+        for r in (res_flow, res):
+            run.write_first_budget(r)
+        run.start_resources(res_flow, cfg.model.path, version=0)
+        run.start_resources(res, cfg.model.path, version=0, engine=res_flow.engine, pool=res_flow.pool)
+        machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
+        run.run_stage(root, 0, Stage.EVAL)  # a warm-up of the engine and the pool, untimed
+        progress(f"{steps} steps of each run, interleaved: through Prefect (coba-bench-steps) and as plain calls")
+        pairs = bench_steps_flow(str(flow_root), str(root), steps)
+        flow, plain = (_step_figures(pairs, side) for side in ("flow", "plain"))
+
+        t = steps - 1  # the step whose inputs and outputs the stage benchmarks use
+        store = res.store
+        budget = store.read_table(t, Stage.BUDGET)
+        rollouts = store.read_table(t, Stage.ROLLOUTS)
+        rewards = store.read_table(t, Stage.REWARDS)
+        rollout = _bench_rollout(res, cfg, budget, t, repeats, progress, run.sampling(cfg))
+        verify = _bench_verify(res, rollouts, rewards, repeats, progress)
+        parquet = _bench_parquet(store, scratch_dir, cfg, t, repeats, progress)
+        update = _bench_update(res, rollouts, rewards, scratch_dir, repeats, progress)
+    finally:  # the pool and the engine are shared: closed once, with the flow side
+        run.close_run(res, engine=False, pool=False)
+        run.close_run(res_flow)
+
+    machine["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    differ = _same_tables(flow_dir, plain_dir, steps)
+    orchestration_s = flow["step_s"] - plain["step_s"]
+    rollout["write_s"] = parquet["tables"]["rollouts"]["write_s"]
+    pair_ratios = [p["flow"]["wall_s"] / p["plain"]["wall_s"] for p in pairs]
+    ratios = {
+        "rollout_stage_over_bare": rollout["stage_s"] / rollout["bare_s"],
+        "rollout_stage_and_write_over_bare": (rollout["stage_s"] + rollout["write_s"]) / rollout["bare_s"],
+        "flow_over_plain_step": flow["step_s"] / plain["step_s"],
+        "orchestration_share": orchestration_s / flow["step_s"],
+        "prefect_overhead_share_in_flow": flow["outside_stages_s"] / flow["step_s"],
+        "flow_over_plain_pairs": {
+            "median": float(statistics.median(pair_ratios)),
+            "min": float(min(pair_ratios)),
+            "max": float(max(pair_ratios)),
+            "each": pair_ratios,
+        },
+    }
+    goals = {
+        name: {"value": ratios[name], "goal": limit, "met": bool(ratios[name] <= limit)}
+        for name, limit in GOALS.items()
+    }
+    return {
+        "benchmark": "stages",
+        "config": str(config_path) if config_path is not None else "configs/demo.yaml",
+        "steps": steps,
+        "repeats": repeats,
+        "measured_step": t,
+        "machine": machine,
+        "shape": {
+            "prompts_per_step": cfg.data.prompts_per_step,
+            "group_size": cfg.allocation.group_size,
+            "rollouts": len(rollouts),
+            "completion_tokens": int(rollouts["n_tokens"].sum()),
+            "max_tokens": cfg.rollout.max_tokens,
+            "model": cfg.model.path,
+        },
+        "rollout": rollout,
+        "step": {
+            "flow": flow,
+            "plain": plain,
+            "orchestration_s": orchestration_s,
+            "pairs": pairs,
+            "same_tables": not differ,
+            "tables_differ": differ,
+        },
+        "parquet": parquet,
+        "verify": verify,
+        "update": update,
+        "ratios": ratios,
+        "goals": goals,
+    }
+
+
+def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, progress, sampling) -> dict:
+    """stages.rollout_table vs a bare llm.generate with the same prompts, budgets and seeds, alternated."""
+    from vllm import SamplingParams
+
+    from coba_tasks.engines.rollout import rollout_seed
+    from coba_tasks.pipeline import stages
+
+    llm = res.engine._llm
+    ids = res.prompts.set_index("prompt_id")["prompt_token_ids"]
+    prompts, params = [], []
+    for pid, b in zip(budget["prompt_id"], budget["budget"], strict=True):
+        tokens = {"prompt_token_ids": list(ids[pid])}  # the same token prompts; bare vLLM asks for no logprobs
+        if sampling.temperature == 0.0:  # as the backend does: greedy takes n = 1, the prompt repeated
+            prompts += [tokens] * int(b)
+            params += [SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens)] * int(b)
+        else:
+            prompts.append(tokens)
+            params.append(
+                SamplingParams(
+                    n=int(b),
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    max_tokens=sampling.max_tokens,
+                    seed=rollout_seed(cfg.run.seed, step, pid),
+                )
+            )
+
+    def stage():
+        return stages.rollout_table(budget, res.prompts, res.engine, sampling, cfg.run.seed, step)
+
+    def bare():
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    progress(f"rollout: stage vs bare vLLM, {repeats} alternating repeats")
+    table, outputs = stage(), bare()  # warm-up
+    stage_t, bare_t = [], []
+    for i in range(repeats):  # alternate the order so that a drift in the machine's load hits both
+        for name in ("stage", "bare") if i % 2 == 0 else ("bare", "stage"):
+            t0 = time.perf_counter()
+            if name == "stage":
+                table = stage()
+                stage_t.append(time.perf_counter() - t0)
+            else:
+                outputs = bare()
+                bare_t.append(time.perf_counter() - t0)
+    bare_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
+    tokens = int(table["n_tokens"].sum())
+    bare_s = statistics.median(bare_t)
+    return {
+        "prompts": len(budget),
+        "completions": len(table),
+        "tokens": tokens,
+        "stage_s": statistics.median(stage_t),
+        "bare_s": bare_s,
+        "bare_tokens_per_s": tokens / bare_s,
+        "same_completions": [list(x) for x in table["token_ids"]] == bare_ids,
+    }
+
+
+def _bench_verify(res: Any, rollouts: Any, rewards: Any, repeats: int, progress) -> dict:
+    from coba_tasks.engines.verify import count_verdicts
+    from coba_tasks.pipeline import stages
+
+    meta = res.prompts.set_index("prompt_id")
+    items = list(
+        zip(
+            rollouts["completion"].tolist(),
+            meta.loc[rollouts["prompt_id"], "ground_truth"].tolist(),
+            meta.loc[rollouts["prompt_id"], "data_source"].tolist(),
+            strict=True,
+        )
+    )
+    progress(f"verify: VerifierPool.score on {len(items)} rollouts")
+    res.pool.score(items[:4])  # workers (if the sources need them) start outside the timing
+    seconds, verdicts = _median_time(lambda: res.pool.score(items), repeats)
+    return {
+        "items": len(items),
+        "workers": res.pool.n_workers,
+        "seconds": seconds,
+        "items_per_s": len(items) / seconds,
+        "same_verdicts": count_verdicts(verdicts) == stages.count_verdicts_from_table(rewards),
+    }
+
+
+def _bench_parquet(store: Any, scratch: Path, cfg: Any, step: int, repeats: int, progress) -> dict:
+    """write_table / read_table (sha256 verified) of each of the step's tables, in a scratch run directory."""
+    from coba_tasks.pipeline.config import config_hash, config_to_dict
+    from coba_tasks.pipeline.store import RunStore
+
+    progress("parquet: write and read each of the step's tables")
+    out = RunStore(scratch)
+    out.create(config_to_dict(cfg), config_hash(cfg), {})
+    tables = {}
+    for name in STEP_TABLES:
+        src = step + 1 if name == Stage.BUDGET else step  # the budget this step allocated (for the next)
+        df = store.read_table(src, name)
+        write_s, _ = _median_time(lambda df=df, name=name: out.write_table(0, name, df), repeats)
+        read_s, back = _median_time(lambda name=name: out.read_table(0, name, verify=True), repeats)
+        entry = out.manifest(0)[name]
+        tables[name] = {
+            "rows": int(entry["rows"]),
+            "bytes": int(entry["bytes"]),
+            "write_s": write_s,
+            "read_s": read_s,
+            "round_trip_equal": bool(back.equals(df)),
+        }
+    return {
+        "tables": tables,
+        "write_s": sum(t["write_s"] for t in tables.values()),
+        "read_s": sum(t["read_s"] for t in tables.values()),
+        "bytes": sum(t["bytes"] for t in tables.values()),
+    }
+
+
+def _bench_update(res: Any, rollouts: Any, rewards: Any, scratch: Path, repeats: int, progress) -> dict:
+    """PolicyTrainer.update on the step's rollouts (as update_task prepares them), checkpoint save, reload."""
+    from coba_tasks.pipeline import stages
+
+    progress(f"update: PolicyTrainer.update on {len(rollouts)} rollouts")
+    t0 = time.perf_counter()
+    adv = stages.advantages_for(rollouts, rewards)
+    prompt_ids, completion_ids, logprobs = stages.update_batch(rollouts, res.prompts)
+    prepare_s = time.perf_counter() - t0
+    seconds, metrics = _median_time(lambda: res.trainer.update(prompt_ids, completion_ids, adv, logprobs), repeats)
+    ckpt = scratch / "checkpoint"
+    save_s, _ = _median_time(lambda: res.trainer.save_checkpoint(ckpt, extra_state={"bench": True}), repeats)
+    reload_s, _ = _median_time(lambda: res.engine.load_weights(ckpt, version=res.engine.weight_version), repeats)
+    tokens = int(metrics["tokens"])
+    return {
+        "sequences": int(metrics["sequences"]),
+        "tokens": tokens,
+        "prepare_s": prepare_s,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "checkpoint_save_s": save_s,
+        "engine_reload_s": reload_s,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt_s(s: float) -> str:
+    if not math.isfinite(s):
+        return "-"
+    if abs(s) < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if abs(s) < 1.0:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def _load(machine: dict) -> str:
+    start, end = machine.get("load_average_at_start"), machine.get("load_average_at_end")
+    if not start or not end:
+        return ""
+    return f", load average {start[0]:.1f} at start, {end[0]:.1f} at end"
+
+
+def _met(goal: dict) -> str:
+    return "met" if goal["met"] else "NOT met"
+
+
+def format_stages(result: dict) -> str:
+    """Human-readable report of ``bench_stages``: the figures, the ratios, their goals and whether met."""
+    m, sh, ro, st = result["machine"], result["shape"], result["rollout"], result["step"]
+    pq, ve, up, ra, go = result["parquet"], result["verify"], result["update"], result["ratios"], result["goals"]
+    flow, plain, pr = st["flow"], st["plain"], ra["flow_over_plain_pairs"]
+    g_roll, g_orch = go["rollout_stage_over_bare"], go["orchestration_share"]
+    lines = [
+        f"Where a training step's time goes ({result['config']}, {result['steps']} steps; "
+        f"M = {sh['prompts_per_step']} prompts x G = {sh['group_size']} = {sh['rollouts']} rollouts per step, "
+        f"max {sh['max_tokens']} tokens)",
+        f"{m['cpus']} CPUs, torch threads {m.get('torch_threads', m['torch_threads_at_start'])}, "
+        f"{'CUDA' if m['cuda'] else 'no GPU'}{_load(m)}; medians of {result['repeats']} repeats, steps averaged; "
+        "one process, one run: compare the ratios",
+        "",
+        f"1. Rollout stage vs bare vLLM (step {result['measured_step']}'s prompts, budgets and seeds; "
+        f"{ro['completions']} completions, {ro['tokens']:,} tokens)",
+        f"  {'bare llm.generate':<34}{_fmt_s(ro['bare_s']):>10}   {ro['bare_tokens_per_s']:,.0f} tokens/s",
+        f"  {'stages.rollout_table':<34}{_fmt_s(ro['stage_s']):>10}",
+        f"  {'Parquet write of rollouts':<34}{_fmt_s(ro['write_s']):>10}",
+        f"  stage / bare = {ra['rollout_stage_over_bare']:.3f}x (goal <= {g_roll['goal']:.2f}: {_met(g_roll)}); "
+        f"(stage + write) / bare = {ra['rollout_stage_and_write_over_bare']:.3f}x; "
+        f"same completions: {'yes' if ro['same_completions'] else 'NO'}",
+        "",
+        f"2. One step through Prefect vs the same stages as plain function calls (mean of {result['steps']} steps)",
+        f"  {'':<34}{'flow':>10}{'plain':>10}",
+    ]
+    for name in STAGE_NAMES:
+        lines.append(f"  {'stage ' + name:<34}{_fmt_s(flow['stage_s'][name]):>10}{_fmt_s(plain['stage_s'][name]):>10}")
+    outside_flow = flow["step_s"] - sum(flow["stage_s"].values())
+    lines += [
+        f"  {'outside the stage bodies':<34}{_fmt_s(outside_flow):>10}{_fmt_s(plain['outside_stages_s']):>10}",
+        f"  {'step':<34}{_fmt_s(flow['step_s']):>10}{_fmt_s(plain['step_s']):>10}",
+        f"  flow / plain per step (interleaved): median {pr['median']:.3f}x, smallest {pr['min']:.3f}x, largest "
+        f"{pr['max']:.3f}x ({', '.join(f'{x:.3f}' for x in pr['each'])})",
+        f"  flow / plain = {ra['flow_over_plain_step']:.3f}x (means); orchestration (flow - plain) "
+        f"{_fmt_s(st['orchestration_s'])} = {ra['orchestration_share']:.1%} of a flow step "
+        f"(goal <= {g_orch['goal']:.0%}: {_met(g_orch)})",
+        f"  Prefect overhead as the flow measures it (step wall - stage bodies): {_fmt_s(flow['outside_stages_s'])}"
+        f" = {ra['prefect_overhead_share_in_flow']:.1%} of a flow step",
+        "  same tables in both run directories: "
+        + ("yes" if st["same_tables"] else "NO (" + ", ".join(st["tables_differ"][:6]) + ")"),
+        "",
+        "3. Parquet per step (write = RunStore.write_table, read = read_table with sha256)",
+        f"  {'table':<14}{'rows':>8}{'bytes':>12}{'write':>11}{'read':>11}",
+    ]
+    for name, t in pq["tables"].items():
+        lines.append(f"  {name:<14}{t['rows']:>8,}{t['bytes']:>12,}{_fmt_s(t['write_s']):>11}{_fmt_s(t['read_s']):>11}")
+    lines += [
+        f"  {'total':<14}{'':>8}{pq['bytes']:>12,}{_fmt_s(pq['write_s']):>11}{_fmt_s(pq['read_s']):>11}",
+        "",
+        f"4. Verification: {ve['items']:,} items in {_fmt_s(ve['seconds'])} = {ve['items_per_s']:,.0f} items/s "
+        f"(VerifierPool.score, {ve['workers']} workers); same verdicts as the step: "
+        f"{'yes' if ve['same_verdicts'] else 'NO'}",
+        "",
+        f"5. GRPO update: {up['tokens']:,} completion tokens ({up['sequences']:,} sequences) in "
+        f"{_fmt_s(up['seconds'])} = {up['tokens_per_s']:,.0f} tokens/s; tokenizing the prompts "
+        f"{_fmt_s(up['prepare_s'])}, checkpoint save {_fmt_s(up['checkpoint_save_s'])}, "
+        f"vLLM weight reload {_fmt_s(up['engine_reload_s'])}",
+        "",
+        f"Goals: rollout stage / bare vLLM <= {g_roll['goal']:.2f}: {_met(g_roll)} "
+        f"({g_roll['value']:.3f}); orchestration <= {g_orch['goal']:.0%} of a step: {_met(g_orch)} "
+        f"({g_orch['value']:.1%})",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return n
+
+
+def add_bench_stages_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``stages`` under the ``bench`` subcommand group; returns its parser."""
+    p = bench_subparsers.add_parser(
+        "stages",
+        help="where a training step's time goes: rollout stage vs bare vLLM, Prefect vs plain calls, Parquet, "
+        "verifier, update",
+        description="Run a few training steps through the Prefect flow and the same steps as plain function calls "
+        "on temporary run directories, then time the rollout stage against a bare vllm.LLM.generate with the same "
+        "prompts, budgets and seeds, the Parquet write and read of each of the step's tables, the verifier and the "
+        "GRPO update. Prints the figures and the ratios with their goals (rollout stage / bare vLLM <= 1.10, "
+        "orchestration <= 10% of a step); asserts nothing.",
+        epilog="examples:\n  coba bench stages\n  coba bench stages --steps 5 --json > stages.json\n"
+        "  coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", default="configs/demo.yaml", help="YAML config (default configs/demo.yaml)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
+    )
+    p.add_argument("--steps", type=_positive, default=3, help="training steps in each run (default 3)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=cmd_bench_stages)
+    return p
+
+
+def cmd_bench_stages(args: argparse.Namespace) -> int:
+    """``coba bench stages``: run the benchmark, print the report (or JSON); 0."""
+    from coba_tasks.pipeline.prefect_env import configure_prefect
+
+    configure_prefect()
+    result = bench_stages(
+        args.config,
+        list(args.set or []),
+        steps=args.steps,
+        progress=lambda msg: print(f"[bench] {msg} ...", file=sys.stderr, flush=True),
+    )
+    print(json.dumps(result, indent=2) if args.json else format_stages(result))
+    return 0

@@ -1,0 +1,323 @@
+"""GRPO math for groups of different sizes (docs/method.md): advantages, clipped loss, KL.
+
+CoBA-RL gives each prompt its own number of rollouts B_i, so a batch holds groups of different
+sizes. Everything here groups by prompt id (an int64 tensor next to the rewards), never by
+reshaping to a fixed group size, so ragged, unsorted and non-contiguous groups just work.
+
+Equations. Rollout j of prompt i has reward r_ij and response tokens t = 1 .. T_ij:
+
+    A_ij      = (r_ij - mean_i) / (std_i + 1e-6)        mean, std over prompt i's B_i rollouts
+    rho_ijt   = exp(logp_new_ijt - logp_old_ijt)         per-token probability ratio
+    L_ijt     = max(-A_ij * rho_ijt, -A_ij * clip(rho_ijt, 1 - eps_low, 1 + eps_high))
+    loss      = sum_{i,j,t} L_ijt / sum_{i,j} T_ij       token mean over the whole batch
+
+with eps_low = 0.2 and eps_high = 0.28. ``std_i`` is the unbiased sample standard deviation
+(``torch.std``'s default, as veRL's GRPO outcome advantage), a group whose rewards are all
+equal gets A = 0 exactly, and a group of size 1 is an error (B_low >= 2 rules it out).
+
+How this deviates from PPO:
+
+- no value function: the baseline is the group mean, the scale the group std (GRPO);
+- the advantage is per sequence, the same for every token of a response;
+- "clip-higher" (DAPO): the upper clip bound 1 + 0.28 is looser than the lower 1 - 0.2, so a
+  low-probability token with a positive advantage can grow further before its gradient stops;
+- "token-mean" aggregation: every unmasked token of the batch weighs the same, instead of a mean
+  per sequence then over sequences (which favours short responses);
+- no KL term by default (``kl_penalty`` exists for a configurable coefficient); no entropy bonus.
+
+Micro-batches (gradient accumulation): ``policy_loss`` takes ``token_count``, the normaliser.
+Pass the token count of the *whole* batch to each micro-batch and the micro-batch losses sum to
+the full-batch loss, so their accumulated gradients equal the full-batch gradient.
+
+Shapes: B sequences, T tokens (padded), V vocabulary. Everything is torch in, torch out: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import StrEnum
+
+import torch
+
+LOG_RATIO_MAX = 20.0  # |log ratio| is clamped before exp so a stray token cannot overflow
+ADV_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
+    if rewards.ndim != 1 or group_ids.ndim != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(
+            f"rewards and group_ids must be 1-D of the same length, got {tuple(rewards.shape)} and "
+            f"{tuple(group_ids.shape)}"
+        )
+    if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool or group_ids.is_complex():
+        raise ValueError(f"group_ids must be an integer tensor (prompt index), got {group_ids.dtype}")
+
+
+def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
+    return rewards.dtype if rewards.dtype.is_floating_point else torch.get_default_dtype()
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = ADV_EPS) -> torch.Tensor:
+    """GRPO advantages A_ij = (r_ij - mean_i) / (std_i + eps), grouped by ``group_ids``.
+
+    Args:
+        rewards: (N,) one reward per rollout (float, int or bool).
+        group_ids: (N,) int, the prompt each rollout belongs to. Groups may have different sizes;
+            ids need not be sorted or contiguous.
+        eps: added to the std (1e-6, as the paper).
+
+    Returns:
+        (N,) advantages in the rewards' float dtype (the default dtype for integer rewards),
+        computed in float64. ``std_i`` is the unbiased sample std (Bessel's correction, the
+        ``torch.std`` default, as veRL); a group of 2 with rewards {0, 1} gets -/+ 0.7071.
+        A group whose rewards are all equal gets exactly 0.
+
+    Raises:
+        ValueError: a group has a single rollout (its sample std is undefined), naming the id.
+
+    Vectorised: one ``unique`` plus ``index_add_``/``scatter_reduce`` passes, no loop over groups.
+
+    >>> r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    >>> g = torch.tensor([7, 7, 3, 7, 3, 9, 9])
+    >>> group_advantages(r, g).round(decimals=4)
+    tensor([ 0.5773, -1.1547, -0.7071,  0.5773,  0.7071,  0.0000,  0.0000])
+    """
+    _check_groups(rewards, group_ids)
+    out_dtype = _out_dtype(rewards)
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    r = rewards.to(torch.float64)  # (N,)
+    uniq, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)  # (G,), (N,), (G,)
+    if bool((counts < 2).any()):
+        bad = uniq[counts < 2].tolist()
+        raise ValueError(f"group id(s) {bad} have a single rollout; GRPO needs at least 2 per group (B_low >= 2)")
+    n_groups = uniq.numel()
+    zeros = torch.zeros(n_groups, dtype=torch.float64, device=r.device)
+    cnt = counts.to(torch.float64)  # (G,)
+    mean = zeros.index_add(0, inv, r) / cnt  # (G,)
+    dev = r - mean[inv]  # (N,) two-pass: centre first, then square (stable)
+    var = zeros.index_add(0, inv, dev * dev) / (cnt - 1.0)  # (G,) unbiased
+    std = var.sqrt()
+    lo = zeros.scatter_reduce(0, inv, r, reduce="amin", include_self=False)  # (G,)
+    hi = zeros.scatter_reduce(0, inv, r, reduce="amax", include_self=False)  # (G,)
+    adv = dev / (std[inv] + eps)  # (N,)
+    # All-equal group: mean_i may differ from r_ij by a rounding error, so zero it explicitly.
+    adv = torch.where((lo == hi)[inv], torch.zeros_like(adv), adv)
+    return adv.to(out_dtype)
+
+
+def group_advantages_loop(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = ADV_EPS) -> torch.Tensor:
+    """Reference for ``group_advantages``: a plain Python loop over groups (tests only, slow)."""
+    _check_groups(rewards, group_ids)
+    out = torch.zeros(rewards.shape, dtype=torch.float64, device=rewards.device)
+    for gid in group_ids.unique().tolist():
+        idx = (group_ids == gid).nonzero(as_tuple=True)[0]
+        r = rewards[idx].to(torch.float64)
+        if r.numel() < 2:
+            raise ValueError(f"group id(s) [{gid}] have a single rollout; GRPO needs at least 2 per group")
+        if bool((r == r[0]).all()):
+            continue  # all equal: advantage 0
+        out[idx] = (r - r.mean()) / (r.std() + eps)
+    return out.to(_out_dtype(rewards))
+
+
+def zero_variance_share(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """Share of groups whose rewards are all equal (they carry no GRPO gradient); 0.0 for no groups.
+
+    >>> zero_variance_share(torch.tensor([1, 1, 0, 1, 0, 0]), torch.tensor([5, 5, 2, 2, 8, 8]))
+    0.6666666666666666
+    """
+    _check_groups(rewards, group_ids)
+    if rewards.numel() == 0:
+        return 0.0
+    r = rewards.to(torch.float64)
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    zeros = torch.zeros(uniq.numel(), dtype=torch.float64, device=r.device)
+    lo = zeros.scatter_reduce(0, inv, r, reduce="amin", include_self=False)
+    hi = zeros.scatter_reduce(0, inv, r, reduce="amax", include_self=False)
+    return float((lo == hi).to(torch.float64).mean())
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-level helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: float | int | torch.Tensor | None = None) -> torch.Tensor:
+    """sum(x over mask) / count; ``count`` defaults to the number of unmasked entries.
+
+    Masked entries are dropped with ``where`` (not multiplied by 0), so inf/NaN there do not leak.
+    An all-masked input with the default count gives 0. An explicit ``count`` must be > 0.
+
+    >>> masked_mean(torch.tensor([1.0, 2.0, 9.0]), torch.tensor([True, True, False]))
+    tensor(1.5000)
+    """
+    mask = mask.bool()
+    total = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+    if count is None:
+        return total / mask.sum().clamp(min=1).to(x.dtype)
+    if float(count) <= 0:
+        raise ValueError(f"count must be > 0, got {float(count)}")
+    return total / count
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens | logits): (B, T, V) logits and (B, T) token ids -> (B, T), in float32 or wider.
+
+    No shift: ``logits[:, t]`` must already be the distribution of ``tokens[:, t]`` (for a causal
+    LM, pass ``logits[:, :-1]`` with ``input_ids[:, 1:]``).
+
+    Memory: ``log_softmax`` materialises a second (B, T, V) tensor, in float32 (bf16 logits are
+    upcast, which adds a float32 copy too). With V ~ 150k that is 0.6 MB per token, so callers
+    should bound B * T with micro-batches (or chunk over T) rather than call this on a full batch.
+    """
+    if logits.ndim != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(
+            f"need logits (B, T, V) and tokens (B, T), got {tuple(logits.shape)} and {tuple(tokens.shape)}"
+        )
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) in nats: (B, T, V) -> (B, T). H = logsumexp(l) - sum softmax(l) * l."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    p = torch.softmax(logits, dim=-1)  # (B, T, V)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------------------------
+
+
+class KLKind(StrEnum):
+    """Per-token estimators of KL(pi || ref) from tokens sampled from pi (Schulman, "Approximating KL")."""
+
+    K1 = "k1"  # log pi - log ref: unbiased, high variance, can be negative
+    K2 = "k2"  # 0.5 (log pi - log ref)^2: biased, non-negative
+    K3 = "k3"  # ref/pi - 1 - log(ref/pi): unbiased, non-negative, low variance ("low_var_kl")
+
+
+def _kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    return -log_ratio
+
+
+def _kl_k2(log_ratio: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_ratio.square()
+
+
+def _kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.expm1(log_ratio) - log_ratio  # exp(x) - 1 - x, accurate near x = 0
+
+
+# Each estimator takes log(ref / pi) = ref_logp - logp, clamped to +/- LOG_RATIO_MAX.
+_KL_ESTIMATORS: dict[KLKind, Callable[[torch.Tensor], torch.Tensor]] = {
+    KLKind.K1: _kl_k1,
+    KLKind.K2: _kl_k2,
+    KLKind.K3: _kl_k3,
+}
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref), (B, T) -> (B, T), zero where ``mask`` is 0.
+
+    ``logp`` are the current policy's log-probs of the sampled tokens (gradients flow through it),
+    ``ref_logp`` the reference model's (treated as constant). Aggregate with ``masked_mean`` and
+    the same ``token_count`` as the policy loss. ``kind``: one of ``KLKind`` ("k1", "k2", "k3").
+    """
+    try:
+        fn = _KL_ESTIMATORS[KLKind(kind)]
+    except ValueError:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {[k.value for k in KLKind]}") from None
+    if logp.shape != ref_logp.shape or logp.shape != mask.shape:
+        raise ValueError(
+            f"logp, ref_logp and mask must have one shape, got {tuple(logp.shape)}, "
+            f"{tuple(ref_logp.shape)}, {tuple(mask.shape)}"
+        )
+    log_ratio = (ref_logp.detach() - logp).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)  # (B, T) log(ref / pi)
+    kl = fn(log_ratio)
+    return torch.where(mask.bool(), kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
+
+
+def policy_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    token_count: float | int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped-surrogate GRPO loss with clip-higher and token-mean aggregation.
+
+    Args:
+        logp_new: (B, T) log-probs of the response tokens under the policy being trained
+            (the only input gradients flow through).
+        logp_old: (B, T) the same under the policy before this update (computed by the training
+            model, not the sampler); treated as constant.
+        advantages: (B,) one advantage per sequence (``group_advantages``); constant.
+        mask: (B, T) bool or 0/1 float, 1 on response tokens that count.
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+        token_count: the normaliser. ``None``: the number of unmasked tokens in *this* call
+            (the loss is the token mean of this batch). With gradient accumulation pass the
+            unmasked-token count of the *whole* batch (all micro-batches; in data-parallel
+            training, of all ranks) to every micro-batch: the micro-batch losses then sum to the
+            full-batch loss, and their accumulated gradients equal the full-batch gradient.
+
+    Returns:
+        ``(loss, stats)``: ``loss`` a scalar tensor, ``sum_t L_t / token_count`` over unmasked
+        tokens (0 if there are none). ``stats`` (floats over this call's unmasked tokens, NaN if
+        none; ``n_tokens`` lets the caller weight micro-batches):
+
+        - ``clip_frac``: share of tokens where the clipped branch is strictly the larger one
+          (its gradient is zero there);
+        - ``approx_kl``: k3 estimate of KL(pi_old || pi_new), mean of (rho - 1) - log rho;
+        - ``approx_kl_k1``: mean of logp_old - logp_new (unbiased, can be negative);
+        - ``ratio_mean``, ``ratio_max``: of rho;
+        - ``n_tokens``: the number of unmasked tokens in this call.
+    """
+    if logp_new.ndim != 2 or logp_new.shape != logp_old.shape or logp_new.shape != mask.shape:
+        raise ValueError(
+            f"logp_new, logp_old and mask must all be (B, T), got {tuple(logp_new.shape)}, "
+            f"{tuple(logp_old.shape)}, {tuple(mask.shape)}"
+        )
+    if advantages.shape != logp_new.shape[:1]:
+        raise ValueError(f"advantages must be (B,) = ({logp_new.shape[0]},), got {tuple(advantages.shape)}")
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+
+    mask = mask.bool()
+    log_ratio = (logp_new - logp_old.detach()).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = advantages.detach().to(ratio.dtype).unsqueeze(-1)  # (B, 1), broadcast over tokens
+    surr = -adv * ratio  # (B, T)
+    surr_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
+    per_token = torch.maximum(surr, surr_clipped)  # (B, T) pessimistic bound
+    loss = masked_mean(per_token, mask, token_count)
+
+    with torch.no_grad():
+        n = int(mask.sum())
+        if n == 0:
+            nan = float("nan")
+            stats = dict.fromkeys(("clip_frac", "approx_kl", "approx_kl_k1", "ratio_mean", "ratio_max"), nan)
+        else:
+            lr = log_ratio.detach()
+            r = ratio.detach()
+            stats = {
+                "clip_frac": float(masked_mean((surr_clipped > surr).to(r.dtype), mask)),
+                "approx_kl": float(masked_mean(torch.expm1(lr) - lr, mask)),
+                "approx_kl_k1": float(masked_mean(-lr, mask)),
+                "ratio_mean": float(masked_mean(r, mask)),
+                "ratio_max": float(r[mask].max()),
+            }
+        stats["n_tokens"] = float(n)
+    return loss, stats

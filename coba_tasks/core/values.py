@@ -1,0 +1,104 @@
+"""Per-prompt value of a rollout budget: CoBA-RL and Knapsack-RL (docs/method.md).
+
+CoBA-RL scores giving B rollouts to a prompt with pass rate p as
+
+    density(p) = BetaPDF(p; alpha, beta)
+    eta(B, p)  = 1 - exp(-(B / tau) * p * (1 - p))      budget saturation factor
+    V(B, p)    = eta(B, p) * density(p)
+
+with p clipped to [0.01, 0.99]. Its marginal gain (the paper's Proposition), with
+C = density(p) and k = p (1 - p) / tau,
+
+    dV(B) = V(B + 1) - V(B) = C * exp(-k B) * (1 - exp(-k))
+
+falls geometrically in B, so V is concave and the greedy allocation is optimal. The allocators work
+with the log of that gain, ``log dV(B) = a - k B`` with ``a = log C + log(1 - exp(-k))``: one affine
+function per prompt, the same float arithmetic in every solver.
+
+Knapsack-RL scores N rollouts as value(N, p) = (1 - p^N - (1 - p)^N) * p * (1 - p)^2.
+
+Everything here is numpy in, numpy out: no I/O.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import special
+
+P_CLIP = (0.01, 0.99)
+VAR_MAX = 1.0 / 6.0
+TAU_MIN = 3.0
+TAU_MAX = 12.0
+
+
+def clip_pass_rates(p: np.ndarray) -> np.ndarray:
+    """Clip pass rates to [0.01, 0.99], where the Beta density is finite and non-zero."""
+    return np.clip(np.asarray(p, dtype=np.float64), *P_CLIP)
+
+
+def log_beta_density(p: np.ndarray, alpha: float, beta: float) -> np.ndarray:
+    """log BetaPDF(p; alpha, beta) for p in (0, 1), shape-preserving."""
+    p = np.asarray(p, dtype=np.float64)
+    return special.xlogy(alpha - 1.0, p) + special.xlog1py(beta - 1.0, -p) - special.betaln(alpha, beta)
+
+
+def beta_density(p: np.ndarray, alpha: float, beta: float) -> np.ndarray:
+    """BetaPDF(p; alpha, beta), shape-preserving (equals scipy.stats.beta.pdf)."""
+    return np.exp(log_beta_density(p, alpha, beta))
+
+
+def adaptive_tau(p: np.ndarray, tau_min: float = TAU_MIN, tau_max: float = TAU_MAX, var_max: float = VAR_MAX) -> float:
+    """tau from the spread of pass rates (released code): tau_min + (tau_max - tau_min) * v.
+
+    v = clip(var(p) / var_max, 0, 1) with the population variance of ``p`` (shape (M,)).
+    An empty ``p`` gives tau_min.
+    """
+    p = np.asarray(p, dtype=np.float64)
+    if p.size == 0:
+        return float(tau_min)
+    v = min(max(float(np.var(p)) / var_max, 0.0), 1.0)
+    return float(tau_min + (tau_max - tau_min) * v)
+
+
+def saturation(budget: np.ndarray, p: np.ndarray, tau: float) -> np.ndarray:
+    """eta(B, p) = 1 - exp(-(B / tau) p (1 - p)) with p clipped; broadcasts."""
+    pc = clip_pass_rates(p)
+    return -np.expm1(-(np.asarray(budget, dtype=np.float64) / tau) * pc * (1.0 - pc))
+
+
+def coba_value(budget: np.ndarray, p: np.ndarray, alpha: float, beta: float, tau: float) -> np.ndarray:
+    """V(B, p) = eta(B, p) * BetaPDF(p; alpha, beta) with p clipped to [0.01, 0.99]; broadcasts."""
+    pc = clip_pass_rates(p)
+    return saturation(budget, pc, tau) * beta_density(pc, alpha, beta)
+
+
+def coba_gain_params(p: np.ndarray, alpha: float, beta: float, tau: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per-prompt (a, k) such that log dV(B) = a - k * B.
+
+    Args:
+        p: pass rates, shape (M,), clipped here to [0.01, 0.99].
+    Returns:
+        a: log C + log(1 - exp(-k)), shape (M,).
+        k: p (1 - p) / tau, shape (M,), strictly positive.
+    """
+    pc = clip_pass_rates(p)
+    k = pc * (1.0 - pc) / tau
+    a = log_beta_density(pc, alpha, beta) + np.log(-np.expm1(-k))
+    return a, k
+
+
+def coba_marginal_gain(budget: np.ndarray, p: np.ndarray, alpha: float, beta: float, tau: float) -> np.ndarray:
+    """dV(B) = V(B + 1) - V(B) = C exp(-k B) (1 - exp(-k)) in closed form; broadcasts."""
+    a, k = coba_gain_params(p, alpha, beta, tau)
+    return np.exp(a - k * np.asarray(budget, dtype=np.float64))
+
+
+def knapsack_value(n: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """Knapsack-RL value(N, p) = (1 - p^N - (1 - p)^N) * p * (1 - p)^2; broadcasts.
+
+    1 - p^N - (1 - p)^N is the probability that a group of N rollouts holds both a success and a
+    failure (a non-zero GRPO gradient); it is 0 for p in {0, 1}.
+    """
+    n = np.asarray(n, dtype=np.float64)
+    p = np.asarray(p, dtype=np.float64)
+    return (1.0 - p**n - (1.0 - p) ** n) * p * (1.0 - p) ** 2

@@ -1,0 +1,371 @@
+"""The GRPO update in several processes: the policy sharded with FSDP2, the rollouts split across ranks.
+
+``optim.fsdp_processes`` > 1 runs a step's update here instead of in the flow process. One update is
+one ``torchrun`` job; ``fsdp_update`` (below) writes its inputs to a temporary directory and runs
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m coba_tasks.engines.fsdp_update \\
+        --model BASE --checkpoint PREV --rollouts batch.parquet --settings settings.json \\
+        --seed S --out OUT --metrics metrics.json [--extra-state extra.json]
+
+Each rank:
+
+1. starts torch.distributed (NCCL on CUDA, one GPU per rank via ``LOCAL_RANK``; gloo on CPU);
+2. builds the same ``PolicyTrainer`` as the single-process path (``BASE``: model, tokenizer and the
+   KL reference) and, with ``--checkpoint``, restores ``PolicyTrainer.load_checkpoint``'s state
+   (float32 master weights, AdamW moments, RNG, update count);
+3. wraps the policy with ``torch.distributed.fsdp.fully_shard`` (FSDP2: each decoder layer named in
+   the model's ``_no_split_modules``, then the root), gradients *summed* over ranks, and rebuilds
+   AdamW over the sharded parameters with the restored moments sharded the same way;
+4. runs ``PolicyTrainer.update`` unchanged, with a ``DistributedShard``: every rank reads the whole
+   step (token ids are small), so the mini-batch split and each mini-batch's token count are known
+   everywhere; rank r computes rows r, r + N, ... of each mini-batch with the loss divided by the
+   *whole* mini-batch's token count, so the summed gradient is the single-process token-mean one.
+   logp_old (and the reference's log-probs) are computed the same way and summed across ranks;
+   the gradient norm is the global one (``get_total_norm`` on the sharded gradients, gathered);
+5. gathers the full float32 weights and AdamW state and, on rank 0 only, writes the checkpoint
+   with ``coba_tasks.engines.trainer.write_checkpoint``: the layout of ``PolicyTrainer.save_checkpoint``, so
+   the rollout engine reloads it and a single-process run resumes from it.
+
+Mixed precision stays what the single-process trainer does (float32 sharded weights, forward and
+backward under ``torch.autocast``), so both paths compute the same update. Every rank loads the full
+float32 model before sharding it (peak memory: one full copy per rank, for a moment), and rank 0
+loads one more on the CPU to write the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from coba_tasks.engines.trainer import (
+    DataShard,
+    PolicyTrainer,
+    UpdateSettings,
+    make_optimizer,
+    optimizer_to_tensors,
+    write_checkpoint,
+)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
+LOG_TAIL_LINES = 60
+COLLECTIVE_TIMEOUT = timedelta(hours=1)  # the other ranks wait at a barrier while rank 0 writes the checkpoint
+
+
+class FSDPUpdateError(RuntimeError):
+    """The torchrun job of an FSDP update failed (the message ends with its last output lines)."""
+
+
+# -- inside each rank -------------------------------------------------------------------------------
+
+
+class DistributedShard(DataShard):
+    """One rank's share of each mini-batch, and the collectives ``PolicyTrainer.update`` needs."""
+
+    def __init__(self, rank: int, world: int, device: torch.device) -> None:
+        self.rank, self.world, self.device = rank, world, device
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return dict(zip(values, t.tolist(), strict=True))
+
+    def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        params = list(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, 2.0)  # a DTensor: each rank's partial norm
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+
+def shard_module(model: torch.nn.Module, mesh) -> None:
+    """FSDP2 on each decoder layer (the classes in the HF model's ``_no_split_modules``), then the root;
+    gradients are summed across ranks (not averaged): the loss is already divided by the global tokens."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for module in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no AVG or PREMUL_SUM
+
+
+def shard_trainer(trainer: PolicyTrainer, mesh) -> None:
+    """Shard ``trainer``'s policy (and KL reference) in place; rebuild AdamW over the sharded parameters
+    with the current moments (e.g. from ``load_checkpoint``) sharded like their parameters."""
+    from torch.distributed.tensor import distribute_tensor
+
+    old = trainer.optimizer.state_dict()
+    shard_module(trainer.model, mesh)
+    if trainer.ref_model is not None:
+        shard_module(trainer.ref_model, mesh)
+    trainer.optimizer = make_optimizer(trainer.model, trainer.settings)
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]  # state_dict's order
+    state: dict[int, dict[str, Any]] = {}
+    for idx, st in old["state"].items():
+        p = params[idx]
+        state[idx] = {
+            k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            if torch.is_tensor(v) and v.ndim > 0 and v.shape == p.shape
+            else v
+            for k, v in st.items()
+        }
+    trainer.optimizer.load_state_dict({"state": state, "param_groups": old["param_groups"]})
+    trainer.shard = DistributedShard(dist.get_rank(), dist.get_world_size(), torch.device(mesh.device_type))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _to_rank0(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on rank 0's CPU (an empty one elsewhere); a collective for a DTensor."""
+    whole = _full(t)
+    return whole.detach().cpu() if dist.get_rank() == 0 else torch.empty(0)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict on rank 0's CPU, one tensor at a time (a collective: every rank calls it;
+    the other ranks get empty tensors); a tied weight is gathered once and stays one tensor."""
+    gathered: dict[int, torch.Tensor] = {}
+    out = {}
+    for k, v in model.state_dict().items():
+        if id(v) not in gathered:
+            gathered[id(v)] = _to_rank0(v)
+        out[k] = gathered[id(v)]
+    return out
+
+
+def save_sharded_checkpoint(
+    trainer: PolicyTrainer, out_dir: str | Path, model_path: str | Path, extra_state: dict[str, Any] | None
+) -> None:
+    """``PolicyTrainer.save_checkpoint``'s layout from a sharded trainer: every rank takes part in the
+    gathers, rank 0 writes (through a plain copy of the model loaded on the CPU from ``model_path``)."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForCausalLM
+
+    for module in trainer.model.modules():  # the registered parameters are the sharded ones (DTensors)
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    weights = full_state_dict(trainer.model)
+    tensors, groups = optimizer_to_tensors(trainer.optimizer, full=_to_rank0)
+    if dist.get_rank() == 0:
+        rng = torch.get_rng_state()
+        with torch.random.fork_rng(devices=[]):
+            plain = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=torch.float32, trust_remote_code=trainer.settings.trust_remote_code
+            )
+        plain.load_state_dict(weights, strict=True)
+        write_checkpoint(
+            out_dir, plain, trainer.tokenizer, trainer.compute_dtype, tensors, groups, trainer.updates, extra_state, rng
+        )
+    dist.barrier()
+
+
+def run_rank(
+    model_path: str,
+    rollouts: str,
+    settings: UpdateSettings,
+    out: str,
+    metrics_path: str,
+    seed: int = 0,
+    checkpoint: str | None = None,
+    extra_state: dict[str, Any] | None = None,
+) -> dict[str, float]:
+    """One rank of the torchrun job (see the module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cuda = torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cuda:
+        if world > torch.cuda.device_count():
+            raise RuntimeError(
+                f"optim.fsdp_processes = {world} but this machine has {torch.cuda.device_count()} GPU(s)"
+            )
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=local, timeout=COLLECTIVE_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        trainer = PolicyTrainer(model_path, settings, seed=seed)
+        if checkpoint:
+            trainer.load_checkpoint(checkpoint)
+        shard_trainer(trainer, init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),)))
+        prompt_ids, completion_ids, advantages, sampler_logprobs = read_batch(rollouts)
+        metrics = trainer.update(prompt_ids, completion_ids, advantages, sampler_logprobs)
+        save_sharded_checkpoint(trainer, out, model_path, extra_state)
+        if dist.get_rank() == 0:
+            Path(metrics_path).write_text(json.dumps(metrics, indent=2))
+        dist.barrier()
+        return metrics
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the batch file -----------------------------------------------------------------------------------
+
+
+def write_batch(
+    path: str | Path,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    advantages: np.ndarray | torch.Tensor,
+    sampler_logprobs: Sequence[Sequence[float]] | None = None,
+) -> Path:
+    """One step's update batch as Parquet: prompt_ids, completion_ids (lists of int64), advantage (float64),
+    and the sampler's per-token logprobs (lists of float64) when given."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    adv = np.asarray(advantages, dtype=np.float64)
+    if not len(prompt_ids) == len(completion_ids) == len(adv):
+        raise ValueError(f"{len(prompt_ids)} prompts, {len(completion_ids)} completions, {len(adv)} advantages")
+    table = pa.table(
+        {
+            "prompt_ids": pa.array([list(map(int, p)) for p in prompt_ids], type=pa.list_(pa.int64())),
+            "completion_ids": pa.array([list(map(int, c)) for c in completion_ids], type=pa.list_(pa.int64())),
+            "advantage": pa.array(adv, type=pa.float64()),
+        }
+    )
+    if sampler_logprobs is not None:
+        table = table.append_column(
+            "sampler_logprobs", pa.array([list(map(float, x)) for x in sampler_logprobs], type=pa.list_(pa.float64()))
+        )
+    pq.write_table(table, str(path))
+    return Path(path)
+
+
+def read_batch(path: str | Path) -> tuple[list[list[int]], list[list[int]], np.ndarray, list[list[float]] | None]:
+    """Inverse of ``write_batch``."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(str(path))
+    logprobs = table.column("sampler_logprobs").to_pylist() if "sampler_logprobs" in table.column_names else None
+    return (
+        table.column("prompt_ids").to_pylist(),
+        table.column("completion_ids").to_pylist(),
+        table.column("advantage").to_numpy(),
+        logprobs,
+    )
+
+
+# -- the caller's side ------------------------------------------------------------------------------
+
+
+def fsdp_update(
+    model_path: str | Path,
+    out_dir: str | Path,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    advantages: np.ndarray | torch.Tensor,
+    settings: UpdateSettings,
+    processes: int,
+    *,
+    checkpoint: str | Path | None = None,
+    seed: int = 0,
+    extra_state: dict[str, Any] | None = None,
+    timeout_s: float | None = None,
+    sampler_logprobs: Sequence[Sequence[float]] | None = None,
+) -> dict[str, float]:
+    """One GRPO update in ``processes`` FSDP ranks (a torchrun job); writes the checkpoint to ``out_dir``.
+
+    The equivalent of ``PolicyTrainer(model_path, settings, seed)``, ``load_checkpoint(checkpoint)``
+    (when given), ``update(...)`` and ``save_checkpoint(out_dir, extra_state)``; returns the update's
+    metrics. Raises ``FSDPUpdateError`` with the job's last output lines if it fails.
+    """
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    with tempfile.TemporaryDirectory(prefix="coba-fsdp-") as tmp:
+        t = Path(tmp)
+        write_batch(t / "batch.parquet", prompt_ids, completion_ids, advantages, sampler_logprobs)
+        (t / "settings.json").write_text(json.dumps(dataclasses.asdict(settings)))
+        (t / "extra.json").write_text(json.dumps(extra_state or {}))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={processes}",
+            "-m",
+            "coba_tasks.engines.fsdp_update",
+            "--model",
+            str(model_path),
+            "--rollouts",
+            str(t / "batch.parquet"),
+            "--settings",
+            str(t / "settings.json"),
+            "--seed",
+            str(seed),
+            "--out",
+            str(out_dir),
+            "--metrics",
+            str(t / "metrics.json"),
+            "--extra-state",
+            str(t / "extra.json"),
+        ]
+        if checkpoint is not None:
+            cmd += ["--checkpoint", str(checkpoint)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+        env.setdefault("OMP_NUM_THREADS", str(settings.threads))
+        with open(t / "torchrun.log", "w") as log:
+            try:
+                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        if rc != 0:
+            tail = "\n".join((t / "torchrun.log").read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+            why = f"timed out after {timeout_s} s" if rc is None else f"exit status {rc}"
+            raise FSDPUpdateError(f"FSDP update in {processes} processes failed ({why}); its last lines:\n{tail}")
+        return json.loads((t / "metrics.json").read_text())
+
+
+def _settings_from_json(path: str) -> UpdateSettings:
+    raw = json.loads(Path(path).read_text())
+    raw["betas"] = tuple(raw["betas"])
+    return UpdateSettings(**raw)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="One GRPO update as an FSDP rank (run under torchrun).")
+    ap.add_argument("--model", required=True, help="the base model directory (config.model.path)")
+    ap.add_argument("--checkpoint", help="the previous step's checkpoint to continue from (none: a fresh start)")
+    ap.add_argument("--rollouts", required=True, help="Parquet file written by write_batch")
+    ap.add_argument("--settings", required=True, help="JSON of UpdateSettings")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="the checkpoint directory to write")
+    ap.add_argument("--metrics", required=True, help="JSON file for the update's metrics (rank 0)")
+    ap.add_argument("--extra-state", help="JSON file of extra trainer state stored in the checkpoint")
+    a = ap.parse_args(argv)
+    extra = json.loads(Path(a.extra_state).read_text()) if a.extra_state else None
+    run_rank(a.model, a.rollouts, _settings_from_json(a.settings), a.out, a.metrics, a.seed, a.checkpoint, extra)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The rollout engines' common ground: requests, rows, the backend interface, the registry and seeds.
+
+A backend samples ``n`` completions for each prompt (``RolloutRequest``: the prompt's token ids, its
+group size and seed) and returns one ``Rollout`` row per completion, with the sampler's log-probability
+of every token and the weight version that produced it. Backends sit behind a registry
+(``register_backend``, ``make_backend(name, ...)``); the built-in ones live in their own modules and
+are imported only when used:
+
+- ``vllm`` (``vllm_backend``): one ``vllm.LLM`` engine kept for the whole run, weights reloaded in place;
+- ``vllm-ray`` (``ray_backend``): several vLLM engines as Ray actors, requests sharded by budget;
+- ``transformers`` (``hf_backend``): ``model.generate``, where vLLM cannot run, and the tests' reference.
+
+Seeds derive from (run seed, step, prompt id) through ``rollout_seed``: the same step of the same
+run gives the same rollouts whatever else happened in between (a rerun reproduces them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SEED_MASK = 0x7FFF_FFFF  # vLLM and torch both take a 31-bit seed
+
+
+def rollout_seed(run_seed: int, step: int, prompt_id: str) -> int:
+    """Seed of one prompt's group at one step: a stable hash of (run seed, step, prompt id)."""
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & SEED_MASK
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are sampled."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One prompt's group: ``n`` completions of the prompt ``prompt_token_ids`` with ``seed``.
+
+    The token ids are the prompt exactly as the engine receives it, rendered and tokenized once by
+    ``coba_tasks.pipeline.data.render_prompts`` (the trainer reads the same ids, so the policy is sampled and
+    trained on one sequence); ``prompt`` is the rendered text, for logs and errors only.
+    """
+
+    prompt_id: str
+    prompt_token_ids: tuple[int, ...]
+    n: int
+    seed: int
+    prompt: str = ""
+
+    def __post_init__(self) -> None:
+        ids = self.prompt_token_ids
+        if isinstance(ids, str | bytes) or not all(isinstance(t, int | np.integer) for t in ids):
+            raise TypeError(
+                f"prompt {self.prompt_id}: prompt_token_ids must be a sequence of token ids (ints), got {ids!r:.80};"
+                " tokenize the prompt first (coba_tasks.pipeline.data.render_prompts)"
+            )
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in ids))
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One completion (a row of rollouts.parquet)."""
+
+    prompt_id: str
+    sample_idx: int
+    completion: str
+    token_ids: tuple[int, ...]
+    n_tokens: int
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
+    seed: int
+    weight_version: int
+    logprobs: tuple[float, ...] = ()  # the sampler's log p of each completion token (raw logits, temperature 1)
+
+
+class RolloutBackend(ABC):
+    """A rollout engine: ``generate`` groups, ``load_weights`` after an update, ``close`` at the end."""
+
+    name: str = ""
+
+    def __init__(self) -> None:
+        self.weight_version = 0
+        self.model_path = ""
+
+    @abstractmethod
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
+        """All completions of all requests, grouped by request, ``sample_idx`` 0..n-1 within a group."""
+
+    @abstractmethod
+    def load_weights(self, path: str | Path, version: int) -> None:
+        """Replace the policy weights by the checkpoint at ``path`` (HF layout); rows then carry ``version``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine."""
+
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory until ``wake_up`` (while the update runs); no-op by default."""
+        return None
+
+    def wake_up(self) -> None:
+        """Take back what ``sleep`` freed; a no-op when awake."""
+        return None
+
+    @classmethod
+    def sleep_unavailable(cls) -> str | None:
+        """Why ``sleep`` cannot work on this machine, or None when it can (or is a harmless no-op)."""
+        return None
+
+    def __enter__(self) -> RolloutBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# Built-in backends by "module:Class", imported on first use: importing this module stays cheap (no vLLM,
+# no Ray) and no backend module imports another to register it. register_backend adds classes directly.
+_BACKENDS: dict[str, str | type[RolloutBackend]] = {
+    "vllm": "coba_tasks.engines.rollout.vllm_backend:VLLMBackend",
+    "vllm-ray": "coba_tasks.engines.rollout.ray_backend:RayVLLMBackend",
+    "transformers": "coba_tasks.engines.rollout.hf_backend:TransformersBackend",
+}
+
+
+def register_backend(name: str) -> Callable[[type[RolloutBackend]], type[RolloutBackend]]:
+    """Class decorator: register a rollout backend under ``name`` (a built-in's module registers itself
+    under the name the table above gives it)."""
+
+    def wrap(cls: type[RolloutBackend]) -> type[RolloutBackend]:
+        known = _BACKENDS.get(name)
+        if known is not None and known != f"{cls.__module__}:{cls.__qualname__}" and known is not cls:
+            raise ValueError(f"rollout backend {name!r} is already registered")
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def backends() -> list[str]:
+    """Names of the registered rollout backends."""
+    return sorted(_BACKENDS)
+
+
+def backend_class(name: str) -> type[RolloutBackend]:
+    """The class of backend ``name`` (its module is imported on first use)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown rollout backend {name!r}; valid backends: {', '.join(backends())}")
+    entry = _BACKENDS[name]
+    if isinstance(entry, str):
+        module, _, qualname = entry.partition(":")
+        entry = getattr(importlib.import_module(module), qualname)
+        _BACKENDS[name] = entry
+    return entry
+
+
+def sleep_unavailable(name: str) -> str | None:
+    """Why backend ``name`` cannot sleep during the update on this machine; None when it can."""
+    cls = backend_class(name)
+    return cls.sleep_unavailable() if isinstance(cls, type) and issubclass(cls, RolloutBackend) else None
+
+
+def make_backend(name: str, model_path: str | Path, **options: Any) -> RolloutBackend:
+    """Start the backend ``name`` on the HF checkpoint at ``model_path``."""
+    cls = backend_class(name)
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    return cls(path, **options)
+
+
+def check_requests(requests: Sequence[RolloutRequest]) -> None:
+    """Refuse a group of fewer than one completion or a prompt without tokens."""
+    for r in requests:
+        if r.n < 1:
+            raise ValueError(f"prompt {r.prompt_id}: group size must be >= 1, got {r.n}")
+        if not r.prompt_token_ids:
+            raise ValueError(f"prompt {r.prompt_id}: empty prompt (no token ids)")

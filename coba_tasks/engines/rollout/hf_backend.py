@@ -1,0 +1,121 @@
+"""The ``transformers`` rollout backend: ``model.generate`` on CPU or GPU, where vLLM cannot run.
+
+The same interface and rows as the vLLM backend (it is the tests' reference for them). Each prompt's
+group is sampled in a fork of the global RNG seeded with the prompt's seed, so a group does not depend
+on the rest of the batch. Sleep moves the model to CPU memory. The sampler log-probabilities are
+taken from the raw logits (before temperature and top-p), as the trainer computes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from coba_tasks.engines.rollout.base import (
+    Rollout,
+    RolloutBackend,
+    RolloutRequest,
+    SamplingConfig,
+    check_requests,
+    register_backend,
+)
+
+
+@register_backend("transformers")
+class TransformersBackend(RolloutBackend):
+    """``model.generate`` on CPU or GPU: the fallback where vLLM cannot run."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        trust_remote_code: bool = False,
+        batch_prompts: int = 1,
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        import torch
+        from transformers import AutoTokenizer
+
+        self._torch = torch
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, dtype) if dtype != "auto" else torch.float32
+        self.trust_remote_code = trust_remote_code
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self._load(model_path)
+
+    def _load(self, path: str | Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=self.dtype, trust_remote_code=self.trust_remote_code
+        ).to(self.device)
+        self.model.eval()
+        self.model_path = str(path)
+
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
+        torch = self._torch
+        check_requests(requests)
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        rows: list[Rollout] = []
+        for r in requests:
+            ids = torch.tensor([r.prompt_token_ids], dtype=torch.long, device=self.device)  # (1, P)
+            greedy = sampling.temperature == 0.0
+            gen_kwargs: dict[str, Any] = {
+                "max_new_tokens": sampling.max_tokens,
+                "do_sample": not greedy,
+                "num_return_sequences": r.n,
+                "pad_token_id": pad,
+                "eos_token_id": eos,
+                "return_dict_in_generate": True,
+                "output_logits": True,  # raw logits, before temperature and top-p: the sampled tokens' log p
+            }
+            if not greedy:
+                gen_kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+            with torch.random.fork_rng(devices=[] if self.device == "cpu" else None), torch.no_grad():
+                torch.manual_seed(r.seed)
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs)
+            new_tokens = out.sequences[:, ids.shape[1] :]  # (n, L)
+            logits = torch.stack(out.logits, dim=1).float()  # (n, L, V)
+            token_logp = logits.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (n, L)
+            for j, (seq, logp) in enumerate(zip(new_tokens.tolist(), token_logp.tolist(), strict=True)):
+                finish = "length"
+                if eos in seq:
+                    seq = seq[: seq.index(eos) + 1]
+                    finish = "stop"
+                text_ids = [t for t in seq if t not in (eos, pad)]
+                rows.append(
+                    Rollout(
+                        prompt_id=r.prompt_id,
+                        sample_idx=j,
+                        completion=self.tokenizer.decode(text_ids, skip_special_tokens=True),
+                        token_ids=tuple(seq),
+                        n_tokens=len(seq),
+                        finish_reason=finish,
+                        seed=r.seed,
+                        weight_version=self.weight_version,
+                        logprobs=tuple(logp[: len(seq)]),
+                    )
+                )
+        return rows
+
+    def load_weights(self, path: str | Path, version: int) -> None:
+        self._load(path)
+        self.weight_version = int(version)
+
+    def sleep(self) -> None:
+        """Move the model to CPU memory until ``wake_up`` (a no-op on CPU)."""
+        if self.device != "cpu" and self.model is not None:
+            self.model.to("cpu")
+            self._torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.device != "cpu" and self.model is not None:
+            self.model.to(self.device)
+
+    def close(self) -> None:
+        self.model = None

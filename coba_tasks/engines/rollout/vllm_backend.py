@@ -1,0 +1,353 @@
+"""The ``vllm`` rollout backend: one vLLM engine kept for the whole run, weights reloaded in place.
+
+After a GRPO update the new checkpoint is loaded in place through ``vllm_worker.WeightReload`` (vLLM's
+``reload_weights``, made right for tied input/output embeddings), which takes a fraction of a second
+instead of a new engine's start. Each prompt is a token prompt (the ids ``render_prompts`` made: vLLM
+tokenizes nothing) with its own ``SamplingParams(n=B_i, seed=..., logprobs=0)``: per-prompt group
+sizes are native, and each row carries the sampler's log-probability of every token it sampled.
+``tensor_parallel_size`` (the config's ``rollout.tensor_parallel_size``) splits the engine over that
+many GPUs of its host (vLLM's own tensor parallelism; CUDA only). On CPU the engine runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one executor) unless the caller set that variable: it starts in
+seconds rather than minutes on 2 cores; and prefills are not chunked (see ``VLLMBackend.__init__``).
+
+Engine death. A vLLM engine whose engine-core process died (killed, out of memory, a crash) stays
+dead: every later call raises. ``VLLMBackend`` notices it (``EngineDeadError``, or any error while
+vLLM's own liveness flag says the engine is dead), closes the dead engine, starts a new one with
+the same arguments, reloads the last weights given to ``load_weights`` (so ``weight_version`` stays
+true) and runs the call again, once; it logs "rollout engine died (...); started a new engine".
+Rollouts after a restart equal those the old engine would have produced: seeds are per request.
+If the new engine fails too, the error is raised (the Prefect task retry then tries again).
+
+Sleep. ``sleep()`` frees the engine's accelerator memory while the GRPO update runs and
+``wake_up()`` takes it back (the config's ``rollout.sleep_during_update``): started with
+``sleep_mode=True`` (``LLM(enable_sleep_mode=True)``), ``llm.sleep(level=1)`` offloads the weights
+to CPU memory and drops the KV cache; CUDA only (vLLM's CPU platform refuses sleep mode, and
+``sleep_unavailable`` says so before a run starts). A sleeping engine's scheduler is paused, so
+``generate`` and ``load_weights`` wake it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from coba_tasks.engines.rollout.base import (
+    Rollout,
+    RolloutBackend,
+    RolloutRequest,
+    SamplingConfig,
+    check_requests,
+    register_backend,
+)
+
+logger = logging.getLogger(__name__)
+
+# vLLM's worker gets the methods of this class (LLM(worker_extension_cls=...)); the reload goes through it
+WORKER_EXTENSION = "coba_tasks.engines.rollout.vllm_worker.WeightReload"
+RELOAD_METHOD = "coba_reload_weights"
+
+
+@register_backend("vllm")
+class VLLMBackend(RolloutBackend):
+    """vLLM engine kept for the whole run; weights reloaded in place after each update."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool | None = None,
+        trust_remote_code: bool = False,
+        in_process: bool | None = None,
+        sleep_mode: bool = False,
+        tensor_parallel_size: int = 1,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+        if sleep_mode and on_cpu:
+            raise ValueError(f"sleep_mode=True: {self.sleep_unavailable()}")
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if tp > 1 and (on_cpu or in_process):
+            # refused here rather than deep inside vLLM: its CPU build and its in-process ("uni")
+            # executor both run a single worker
+            where = "without CUDA" if on_cpu else "with in_process=True (one worker)"
+            raise ValueError(f"tensor_parallel_size={tp}: vLLM cannot split an engine {where}")
+        if in_process is None:
+            in_process = on_cpu
+        if in_process:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM logs to stdout at INFO by default: keep stdout for our output (set these to override)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {
+            "model": str(model_path),
+            "dtype": dtype,
+            "seed": seed,
+            "trust_remote_code": trust_remote_code,
+            "enforce_eager": on_cpu if enforce_eager is None else enforce_eager,
+        }
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if on_cpu:
+            # vLLM 0.32 on CPU: a seeded request whose prefill is split into chunks crashes the engine
+            # ("CPU Generator does not use offset": the discarded sample of a partial prefill is undone by
+            # rewinding the request's generator, which only CUDA generators can do). Even where it does not
+            # crash, that sample would move the generator, so a group's tokens would depend on how the batch
+            # happened to be chunked. Whole-prompt prefills keep every group a function of its seed alone.
+            # (vLLM then raises max_num_batched_tokens to the context length by itself.)
+            kwargs["enable_chunked_prefill"] = False
+        # the in-place reload, made right for tied input/output embeddings (coba_tasks.engines.rollout.vllm_worker)
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+        if in_process:
+            kwargs["distributed_executor_backend"] = "uni"
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        kwargs["tensor_parallel_size"] = tp  # GPUs this engine is split over (vLLM's own worker processes)
+        kwargs.update(extra or {})
+        self._asleep = False
+        self._llm_kwargs = kwargs  # to start an identical engine if this one dies
+        self._weights_path: str | None = None  # the last checkpoint given to load_weights
+        self.restarts = 0  # engines started to replace a dead one
+        self._closed = False
+        self._llm = LLM(**kwargs)
+        self.model_path = str(model_path)
+
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
+        from vllm import SamplingParams
+
+        check_requests(requests)
+        if self._asleep:  # a sleeping engine's scheduler is paused: generate would wait for ever
+            self.wake_up()
+        prompts: list[dict[str, list[int]]] = []  # vLLM token prompts: the engine tokenizes nothing
+        params: list[Any] = []
+        owners: list[int] = []
+        for i, r in enumerate(requests):
+            tokens = {"prompt_token_ids": list(r.prompt_token_ids)}
+            # logprobs=0: the log-probability of each sampled token (vLLM's default "raw_logprobs": from the
+            # model's logits before temperature and top-p, as the trainer computes it)
+            if sampling.temperature == 0.0:  # vLLM's greedy sampling takes n = 1: repeat the prompt
+                prompts += [tokens] * r.n
+                params += [SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens, logprobs=0)] * r.n
+                owners += [i] * r.n
+            else:
+                prompts.append(tokens)
+                params.append(
+                    SamplingParams(
+                        n=r.n,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        max_tokens=sampling.max_tokens,
+                        seed=r.seed,
+                        logprobs=0,
+                    )
+                )
+                owners.append(i)
+        outputs = self._call_engine(lambda llm: llm.generate(prompts, params, use_tqdm=False), "generate")
+        groups: list[list[Any]] = [[] for _ in requests]
+        for owner, out in zip(owners, outputs, strict=True):
+            groups[owner].extend(out.outputs)
+        rows = []
+        for r, completions in zip(requests, groups, strict=True):
+            if len(completions) != r.n:
+                raise RuntimeError(f"prompt {r.prompt_id}: asked vLLM for {r.n} completions, got {len(completions)}")
+            for j, c in enumerate(completions):
+                ids = tuple(int(t) for t in c.token_ids)
+                rows.append(
+                    Rollout(
+                        prompt_id=r.prompt_id,
+                        sample_idx=j,
+                        completion=c.text,
+                        token_ids=ids,
+                        n_tokens=len(ids),
+                        finish_reason="length" if c.finish_reason == "length" else "stop",
+                        seed=r.seed,
+                        weight_version=self.weight_version,
+                        logprobs=_sampled_logprobs(ids, c.logprobs),
+                    )
+                )
+        return rows
+
+    def load_weights(self, path: str | Path, version: int) -> None:
+        if self._asleep:
+            self.wake_up()
+
+        def reload(llm: Any) -> None:
+            llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": str(path)})
+            # the prefix cache keeps KV blocks computed with the old weights, and a prompt that fills a
+            # whole block would reuse them (seen on CPU with 32-token blocks: rollouts off the new policy)
+            llm.reset_prefix_cache()
+
+        self._call_engine(reload, "load")
+        self._weights_path = str(path)
+        self.weight_version = int(version)
+
+    def close(self) -> None:
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            self._llm = None
+        self._closed = True
+
+    # -- sleep during the update
+
+    @classmethod
+    def sleep_unavailable(cls) -> str | None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "vLLM's sleep mode needs a CUDA GPU and torch sees none here (vLLM's CPU platform refuses it)"
+        return None
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights offloaded to CPU memory, KV cache dropped (the engine needs ``sleep_mode=True``)."""
+        if not self._llm_kwargs.get("enable_sleep_mode"):
+            raise RuntimeError("this vLLM engine was started without sleep_mode=True: it cannot sleep")
+        if not self._asleep:
+            self._call_engine(lambda llm: llm.sleep(level=level), "sleep")
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._call_engine(lambda llm: llm.wake_up(), "wake up")
+            self._asleep = False
+
+    # -- engine death
+
+    def _engine_client(self) -> Any:
+        return getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+
+    def engine_dead(self) -> bool:
+        """Whether vLLM flags the engine as dead (its engine-core process exited); False in-process,
+        where the engine core lives in this process and a failure shows as ``EngineDeadError``."""
+        return bool(getattr(getattr(self._engine_client(), "resources", None), "engine_dead", False))
+
+    def _call_engine(self, call: Callable[[Any], Any], what: str) -> Any:
+        """``call(llm)``; if the engine is dead (before or during the call), start a new one and call again, once."""
+        if self._closed:
+            raise RuntimeError("the vLLM rollout engine is closed")
+        if self._llm is None:  # an earlier restart failed half-way
+            self._restart(f"no engine before {what}: starting the engine again failed earlier")
+        elif self.engine_dead():
+            self._restart(f"found dead before {what}")
+        else:
+            try:
+                with _EngineDeathWatch(self._engine_client()):
+                    return call(self._llm)
+            except Exception as exc:
+                if not (_is_engine_dead_error(exc) or self.engine_dead()):
+                    raise
+                why = f"{what} raised {type(exc).__name__}: {exc}"
+            # restart outside the except block: the traceback would keep the old engine alive
+            self._restart(why)
+        return call(self._llm)
+
+    def _restart(self, why: str) -> None:
+        """Replace a dead engine by a new one with the same arguments and the last loaded weights."""
+        from vllm import LLM
+
+        old, self._llm = self._llm, None
+        try:
+            old.llm_engine.shutdown()
+        except Exception:  # already dead: release what can be released, go on
+            logger.debug("shutting down the dead rollout engine failed", exc_info=True)
+        del old
+        gc.collect()
+        self._llm = LLM(**self._llm_kwargs)
+        self._asleep = False  # a new engine starts awake
+        if self._weights_path is not None:
+            self._llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": self._weights_path})
+        self.restarts += 1
+        logger.warning(
+            "rollout engine died (%s); started a new engine on %s (weight version %d)",
+            why,
+            self._weights_path or self.model_path,
+            self.weight_version,
+        )
+
+
+def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> tuple[float, ...]:
+    """The log p of each sampled token from vLLM's per-position ``{token id: Logprob}`` dicts."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError(
+            f"vLLM returned {0 if logprobs is None else len(logprobs)} logprobs for {len(token_ids)} tokens"
+        )
+    return tuple(float(position[t].logprob) for t, position in zip(token_ids, logprobs, strict=True))
+
+
+def _engine_dead_error_class() -> type[Exception]:
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # another vLLM layout: the liveness flag alone tells a death
+        return RuntimeError
+    return EngineDeadError
+
+
+def _is_engine_dead_error(exc: BaseException) -> bool:
+    cls = _engine_dead_error_class()
+    return cls is not RuntimeError and isinstance(exc, cls)
+
+
+class _EngineDeathWatch:
+    """While a call to a multiprocess vLLM engine runs, wake the caller if the engine core dies.
+
+    vLLM 0.32's ``SyncMPClient`` flags the engine dead when its engine-core process exits, but a
+    caller already waiting for outputs (``generate``: ``outputs_queue.get()``) or for a utility
+    call (``collective_rpc``: ``future.result()``) waits for ever (measured: SIGKILL of the engine
+    core during ``generate`` hung it for minutes). This thread polls the flag and, once it is set,
+    hands every waiter an ``EngineDeadError``. A no-op for an in-process engine.
+    """
+
+    def __init__(self, client: Any, interval_s: float = 0.2) -> None:
+        self.client = client
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _EngineDeathWatch:
+        resources = getattr(self.client, "resources", None)
+        if resources is not None and hasattr(resources, "engine_dead"):
+            self._thread = threading.Thread(
+                target=self._watch, args=(resources,), daemon=True, name="coba-engine-watch"
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self, resources: Any) -> None:
+        while not self._stop.wait(self.interval_s):
+            if not resources.engine_dead:
+                continue
+            dead = _engine_dead_error_class()
+            queue = getattr(self.client, "outputs_queue", None)
+            if queue is not None:
+                queue.put_nowait(dead())
+            for future in list(getattr(self.client, "utility_results", {}).values()):
+                with contextlib.suppress(Exception):  # done meanwhile
+                    future.set_exception(dead())
+            return

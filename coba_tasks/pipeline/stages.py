@@ -1,0 +1,349 @@
+"""Stage functions of one training step (layer 2): read input tables, call the math or a backend,
+write the output table. Plain functions, testable without Prefect; the flow wraps them as tasks.
+
+Per step t (docs/design.md, "One training step"):
+
+    rollouts   budget(t) + policy            -> steps/t/rollouts.parquet
+    rewards    rollouts(t) + ground truths    -> steps/t/rewards.parquet
+    capability rewards(t) + capability(t-1)   -> steps/t/capability.parquet (+ history.parquet)
+    budget     capability(t) + history + batch(t+1) -> steps/t+1/budget.parquet
+    update     rollouts(t) + rewards(t)       -> steps/t/update.parquet + checkpoints/t+1/
+
+The allocation for step t+1 uses only what is known at the end of step t. Seeds derive from
+(run seed, step, prompt id); the capability tracker's state travels in capability.parquet, so
+every output is a function of its inputs and the config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from coba_tasks.core.allocation import plan_allocation
+from coba_tasks.core.capability import CapabilityTracker
+from coba_tasks.core.grpo import group_advantages, zero_variance_share
+from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
+from coba_tasks.engines.verify import VerdictKind
+
+BOXED = "\\boxed{"  # the answer format of math prompts ("put your final answer within \\boxed{}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: which prompts a step visits (an epoch is one pass over the shuffled dataset)
+# ---------------------------------------------------------------------------------------------
+
+
+def batch_for_step(prompt_ids: Sequence[str], step: int, batch_size: int, seed: int, shuffle: bool = True) -> list[str]:
+    """The ``batch_size`` distinct prompt ids of ``step``: slices of per-epoch permutations.
+
+    Epoch e's order is a permutation seeded by (seed, e); step t reads from position t * M of their
+    concatenation. A batch that straddles two epochs skips ids it already holds (a prompt is never
+    twice in one batch: its group would merge), so it may read a little past its slice.
+    """
+    n = len(prompt_ids)
+    if batch_size > n:
+        raise ValueError(f"prompts per step ({batch_size}) exceed the training pool ({n} prompts)")
+    out: list[str] = []
+    chosen: set[str] = set()
+    pos = step * batch_size
+    order, order_epoch = None, -1
+    while len(out) < batch_size:
+        epoch, offset = divmod(pos, n)
+        if epoch != order_epoch:
+            order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+            order_epoch = epoch
+        pid = prompt_ids[int(order[offset])]
+        if pid not in chosen:
+            chosen.add(pid)
+            out.append(pid)
+        pos += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Rollout generation
+# ---------------------------------------------------------------------------------------------
+
+
+def rollout_table(
+    budget: pd.DataFrame,
+    prompts: pd.DataFrame,
+    engine: RolloutBackend,
+    sampling: SamplingConfig,
+    run_seed: int,
+    step: int,
+) -> pd.DataFrame:
+    """Generate ``budget.budget`` completions per prompt; one row per completion.
+
+    ``prompts`` holds each prompt's ``prompt_token_ids`` (``coba_tasks.pipeline.data.render_prompts``): the
+    engine receives those ids, the same the update trains on. Column ``logprobs`` is the sampler's
+    log-probability of each completion token.
+    """
+    by_id = prompts.set_index("prompt_id")
+    ids, text = by_id["prompt_token_ids"], by_id["prompt_rendered"]
+    requests = [
+        RolloutRequest(
+            prompt_id=pid,
+            prompt_token_ids=tuple(ids[pid]),
+            n=int(b),
+            seed=rollout_seed(run_seed, step, pid),
+            prompt=text[pid],
+        )
+        for pid, b in zip(budget["prompt_id"], budget["budget"], strict=True)
+    ]
+    rows = engine.generate(requests, sampling)
+    return pd.DataFrame(
+        {
+            "prompt_id": [r.prompt_id for r in rows],
+            "sample_idx": np.array([r.sample_idx for r in rows], dtype=np.int64),
+            "completion": [r.completion for r in rows],
+            "token_ids": [list(r.token_ids) for r in rows],
+            "n_tokens": np.array([r.n_tokens for r in rows], dtype=np.int64),
+            "finish_reason": [r.finish_reason for r in rows],
+            "seed": np.array([r.seed for r in rows], dtype=np.int64),
+            "weight_version": np.array([r.weight_version for r in rows], dtype=np.int64),
+            "logprobs": [list(r.logprobs) for r in rows],
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Verification
+# ---------------------------------------------------------------------------------------------
+
+
+def reward_table(rollouts: pd.DataFrame, prompts: pd.DataFrame, pool: Any) -> pd.DataFrame:
+    """Score every completion with the verifier of its prompt's data_source (in worker processes)."""
+    meta = prompts.set_index("prompt_id")
+    truth = meta.loc[rollouts["prompt_id"], "ground_truth"].tolist()
+    source = meta.loc[rollouts["prompt_id"], "data_source"].tolist()
+    verdicts = pool.score(list(zip(rollouts["completion"].tolist(), truth, source, strict=True)))
+    return pd.DataFrame(
+        {
+            "prompt_id": rollouts["prompt_id"].tolist(),
+            "sample_idx": rollouts["sample_idx"].to_numpy(),
+            "reward": np.array([v.reward for v in verdicts], dtype=np.float64),
+            "verdict": [str(v.verdict) for v in verdicts],
+            "extracted_answer": [v.extracted_answer for v in verdicts],
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Failure-rate update
+# ---------------------------------------------------------------------------------------------
+
+
+def pass_rates(rewards: pd.DataFrame) -> pd.Series:
+    """Per-prompt pass rate of this step: share of reward == 1 among its rollouts (index prompt_id)."""
+    return (rewards["reward"] == 1.0).groupby(rewards["prompt_id"], sort=False).mean()
+
+
+def capability_table(
+    step: int, rewards: pd.DataFrame, previous: CapabilityTracker
+) -> tuple[pd.DataFrame, CapabilityTracker]:
+    """Fold the step's pass rates into the tracker; one row of figures (tracker state as JSON)."""
+    tracker = CapabilityTracker.from_dict(previous.to_dict())
+    alpha_used, beta_used = tracker.alpha, tracker.beta
+    rates = pass_rates(rewards)
+    tracker.update(rates.to_numpy())
+    group_ids = torch.as_tensor(pd.factorize(rewards["prompt_id"])[0])
+    counts = count_verdicts_from_table(rewards)
+    row = {
+        "step": step,
+        "S": float(rates.mean()),
+        "F": tracker.failure_rate,
+        "Fbar": tracker.failure_rate_avg,
+        "Ftil": tracker.failure_rate_transformed,
+        "alpha_used": alpha_used,
+        "beta_used": beta_used,
+        "alpha": tracker.alpha,
+        "beta": tracker.beta,
+        "prompts": int(rates.size),
+        "rollouts": len(rewards),
+        "zero_variance_groups": zero_variance_share(
+            torch.tensor(rewards["reward"].to_numpy(dtype=np.float64)), group_ids
+        ),
+        **{f"verdict_{k}": v for k, v in counts.items()},
+        "tracker_state": json.dumps(tracker.to_dict()),
+    }
+    return pd.DataFrame([row]), tracker
+
+
+def count_verdicts_from_table(rewards: pd.DataFrame) -> dict[str, int]:
+    """Counts of every verdict kind (all five keys) in a rewards table."""
+    counts = rewards["verdict"].value_counts()
+    return {k.value: int(counts.get(k.value, 0)) for k in VerdictKind}
+
+
+def tracker_from_capability(capability: pd.DataFrame) -> CapabilityTracker:
+    """The tracker as it was at the end of the step that wrote ``capability``."""
+    return CapabilityTracker.from_dict(json.loads(capability["tracker_state"].iloc[0]))
+
+
+def update_history(history: pd.DataFrame, rewards: pd.DataFrame, step: int, window: int) -> pd.DataFrame:
+    """Per prompt, its last ``window`` visits' pass rates (the allocator's memory)."""
+    rates = pass_rates(rewards)
+    hist = {pid: list(v) for pid, v in zip(history["prompt_id"], history["pass_rates"], strict=True)}
+    last = dict(zip(history["prompt_id"], history["last_step"], strict=True))
+    for pid, rate in rates.items():
+        hist[pid] = ([*hist.get(pid, []), float(rate)])[-window:]
+        last[pid] = step
+    ids = sorted(hist)
+    return pd.DataFrame(
+        {
+            "prompt_id": ids,
+            "pass_rates": [hist[i] for i in ids],
+            "last_step": np.array([last[i] for i in ids], dtype=np.int64),
+        }
+    )
+
+
+def empty_history() -> pd.DataFrame:
+    """History before the first visit."""
+    return pd.DataFrame(
+        {"prompt_id": pd.Series([], dtype=object), "pass_rates": pd.Series([], dtype=object), "last_step": []}
+    ).astype({"last_step": np.int64})
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Allocation (for the next step's batch)
+# ---------------------------------------------------------------------------------------------
+
+
+def schedule_shape(tracker: CapabilityTracker, alloc: Any) -> tuple[float, float]:
+    """(alpha, beta) of the Beta density for the next allocation.
+
+    ``adaptive`` (the method): from the failure rate. The paper's ablations:
+    ``reversed`` swaps them (Beta(beta, alpha) peaks at 1 - Ftil: explore first, exploit later) and
+    ``fixed`` uses ``fixed_alpha`` and ``fixed_beta`` at every step.
+    """
+    schedule = getattr(alloc, "schedule", "adaptive")
+    if schedule == "reversed":
+        return tracker.beta, tracker.alpha
+    if schedule == "fixed":
+        return float(alloc.fixed_alpha), float(alloc.fixed_beta)
+    return tracker.alpha, tracker.beta
+
+
+def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: CapabilityTracker, alloc: Any) -> pd.DataFrame:
+    """Budgets for ``batch`` from each prompt's recent pass rate (NaN if never seen) and (alpha, beta)."""
+    known = {pid: float(np.mean(r)) for pid, r in zip(history["prompt_id"], history["pass_rates"], strict=True)}
+    est = np.array([known.get(pid, np.nan) for pid in batch], dtype=np.float64)
+    alpha, beta = schedule_shape(tracker, alloc)
+    plan = plan_allocation(
+        est,
+        len(batch) * alloc.group_size,
+        strategy=alloc.strategy,
+        min_budget=alloc.min_budget,
+        max_budget=alloc.max_budget,
+        alpha=alpha,
+        beta=beta,
+        tau=alloc.tau,
+        mode=alloc.mode,
+        solver=alloc.solver,
+    )
+    return pd.DataFrame(
+        {
+            "prompt_id": list(batch),
+            "pass_rate_est": est,
+            "budget": plan.budgets,
+            "value": plan.values,
+            "marginal_gain": plan.marginal_gains,
+            "group": [str(g) for g in plan.groups],
+            "alpha": plan.alpha,
+            "beta": plan.beta,
+            "tau": plan.tau,
+            "strategy": alloc.strategy,
+            "fallback": plan.fallback,
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. GRPO update
+# ---------------------------------------------------------------------------------------------
+
+
+def advantages_for(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> np.ndarray:
+    """GRPO advantages aligned with ``rollouts`` rows, grouped by prompt id (groups of any size >= 2)."""
+    merged = rollouts[["prompt_id", "sample_idx"]].merge(rewards, on=["prompt_id", "sample_idx"], how="left")
+    if merged["reward"].isna().any():
+        raise ValueError("rewards do not cover every rollout (prompt_id, sample_idx)")
+    ids = torch.as_tensor(pd.factorize(merged["prompt_id"])[0])
+    return group_advantages(torch.tensor(merged["reward"].to_numpy(dtype=np.float64)), ids).numpy()
+
+
+def update_batch(
+    rollouts: pd.DataFrame, prompts: pd.DataFrame
+) -> tuple[list[list[int]], list[list[int]], list[list[float]] | None]:
+    """What the update trains on, one entry per rollout row: the prompt's token ids (the very ids the
+    engine received), the completion's token ids, and the sampler's log p of each completion token
+    (None for rollouts written before the sampler recorded them)."""
+    ids = prompts.set_index("prompt_id")["prompt_token_ids"]
+    prompt_ids = [list(ids[p]) for p in rollouts["prompt_id"]]
+    completion_ids = [list(t) for t in rollouts["token_ids"]]
+    logprobs = [list(x) for x in rollouts["logprobs"]] if "logprobs" in rollouts else None
+    return prompt_ids, completion_ids, logprobs
+
+
+def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rewards: pd.DataFrame) -> pd.DataFrame:
+    """update.parquet: the update's metrics and the share of groups with zero reward variance."""
+    ids = torch.as_tensor(pd.factorize(rewards["prompt_id"])[0])
+    zero = zero_variance_share(torch.tensor(rewards["reward"].to_numpy(dtype=np.float64)), ids)
+    return pd.DataFrame([{"step": step, **metrics, "zero_variance_groups": zero, "rollouts": len(rollouts)}])
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def evaluate(
+    test: pd.DataFrame,
+    engine: RolloutBackend,
+    pool: Any,
+    samples: int,
+    temperature: float,
+    max_tokens: int,
+    seed: int,
+    greedy: bool = False,
+    top_p: float = 1.0,
+) -> pd.DataFrame:
+    """Mean reward over ``samples`` completions per held-out prompt (greedy when temperature is 0).
+
+    A sampled evaluation keeps the ``top_p`` nucleus (the paper: avg@16 at temperature 1.0, top-p 0.9).
+    With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
+    as ``accuracy`` when the evaluation is greedy already). ``answered`` is the share of a prompt's
+    completions with an answer at all (any verdict but ``no_answer``), ``boxed`` the share that write
+    a ``\\boxed{}`` answer (the format math prompts ask for; math-verify also finds unboxed answers).
+    """
+
+    def accuracy(n: int, temp: float) -> pd.DataFrame:
+        """Per prompt (in test order): mean reward, share of completions with an answer, share with \\boxed{}."""
+        budget = pd.DataFrame({"prompt_id": test["prompt_id"], "budget": n})
+        sampling = SamplingConfig(temperature=temp, top_p=top_p if temp > 0 else 1.0, max_tokens=max_tokens)
+        rolls = rollout_table(budget, test, engine, sampling, run_seed=seed, step=-1)
+        rewards = reward_table(rolls, test, pool).assign(
+            answered=lambda r: r["verdict"] != str(VerdictKind.NO_ANSWER),
+            boxed=rolls["completion"].str.contains(BOXED, regex=False).to_numpy(),
+        )
+        columns = ["reward", "answered", "boxed"]
+        return rewards.groupby("prompt_id", sort=False)[columns].mean().reindex(test["prompt_id"]).astype(np.float64)
+
+    out = test[["prompt_id"]].copy()
+    out["difficulty"] = test["difficulty"].to_numpy() if "difficulty" in test else -1
+    sampled = accuracy(samples, temperature)
+    out["accuracy"] = sampled["reward"].to_numpy()
+    out["answered"] = sampled["answered"].to_numpy()
+    out["boxed"] = sampled["boxed"].to_numpy()
+    if greedy:
+        is_greedy = temperature == 0.0 and samples == 1
+        out["accuracy_greedy"] = out["accuracy"].to_numpy() if is_greedy else accuracy(1, 0.0)["reward"].to_numpy()
+    out["weight_version"] = engine.weight_version
+    return out.reset_index(drop=True)

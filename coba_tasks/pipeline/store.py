@@ -1,0 +1,528 @@
+"""The run directory: the contract between stages (docs/design.md, "The run directory").
+
+Every stage of a training step reads the tables earlier stages wrote and writes its own table;
+this module is the only code that knows where those files live and how they are written::
+
+    runs/<name>/
+      run.json                  schema version, creation time, config hash, package versions
+      config.yaml               the resolved config (yaml.safe_dump)
+      prompts.parquet           run-level tables, tracked in the root _manifest.json
+      history.parquet
+      _manifest.json
+      steps/000007/
+        budget.parquet  rollouts.parquet  rewards.parquet  capability.parquet  update.parquet
+        _manifest.json          one entry per table: file, rows, bytes, schema_version, sha256,
+                                config_hash, written_at
+      checkpoints/000007/       model weights, tokenizer, optimizer state (written by the trainer)
+      summary.json
+      report/
+
+The rules, and how this module keeps them:
+
+1. **Every file is written to a temporary name and renamed.** A writer opens ``.<name>.<hex>.tmp``
+   beside the destination, fsyncs it, ``os.replace``-s it into place and fsyncs the directory. A
+   reader never sees half a file; a failed write (a full disk, a read-only directory) removes its
+   temporary and leaves the destination as it was; a crash leaves at most a ``.*.tmp`` file, which
+   nothing reads and the next write of the same table removes.
+2. **A stage counts as done only when its entry is in the manifest.** ``write_table`` renames the
+   Parquet file first and adds the manifest entry last (the manifest is itself written atomically),
+   so a crash between the two leaves the stage not done and it is recomputed on resume. Rewriting
+   a done table first removes its entry, so a crash mid-rewrite never leaves an entry that
+   describes other bytes. ``invalidate`` goes the other way: entry first, then the file.
+3. **A stage's output is a pure function of its inputs and the config (seeds included).** The store
+   cannot check purity, but it records what is needed to notice a violation: the sha256 of the
+   bytes and the hash of the config that produced them. Tables are written without pandas
+   metadata or index, so equal frames give equal bytes and a rerun's sha256 can be compared.
+
+Steps and stages. ``Stage`` lists the five stages of one step in pipeline order. A table is
+addressed by ``(step, name)``, the step whose directory holds it, *not* the step that computed
+it: the allocation stage (``Stage.BUDGET``) runs at the end of step ``t`` and writes the budget
+that step ``t + 1`` consumes, so it writes ``(t + 1, "budget")``; ``Stage.output_step`` gives the
+directory a stage run during step ``t`` writes to. The first step's (uniform) budget is written
+before the first step runs. Consequently ``steps_done(STAGES)`` asks "are all five files of this
+directory there", i.e. step ``t`` ran *and* its budget was allocated beforehand; whether the
+allocation *for* the next step finished is ``is_done(t + 1, "budget")``.
+
+Integrity. ``read_table`` checks the file's size and sha256 against its manifest entry (unless
+``verify=False``); a mismatch or an unreadable file raises ``StoreError`` naming the file and
+pointing to ``coba resume --repair``, which recomputes it. ``is_done`` only checks that the entry
+and the file exist (no hashing), so asking is cheap.
+
+Not provided: locking. One process writes a run directory at a time; atomic renames are the only
+concurrency guarantee. This module is layer 2 (I/O, no Prefect).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import os
+import re
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from coba_tasks.pipeline.fileio import atomic_write, remove_stale_temporaries
+
+SCHEMA_VERSION = 1
+
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.yaml"
+MANIFEST_FILE = "_manifest.json"
+STEPS_DIR = "steps"
+CHECKPOINTS_DIR = "checkpoints"
+REPORT_DIR = "report"
+SUMMARY_FILE = "summary.json"
+RUN_TABLES = ("prompts", "history")  # the run-level tables the pipeline writes (others are allowed)
+STEP_DIGITS = 6
+
+# A table name is one path component: letters, digits, '_' and '-', not starting with '_' or '-'
+# (names starting with '_' are the store's own files, names starting with '.' are temporaries).
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")
+# A component of a relative path for write_json / read_json: the same, plus dots after the first char.
+_COMPONENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+_STEP_DIR_RE = re.compile(rf"\d{{{STEP_DIGITS},}}")
+_HASH_CHUNK = 1 << 20  # bytes read at a time when hashing a file
+_REPAIR_HINT = "run `coba resume --repair` to recompute it"
+
+
+class Stage(StrEnum):
+    """The tables of a step directory; the value is the table's name (the one list of stage names).
+
+    The first five are the stages of one training step, in pipeline order (``STEP_STAGES``);
+    ``history`` is the per-prompt pass-rate memory the capability stage writes beside its table, and
+    ``eval`` the held-out evaluation of the weights after that many updates.
+
+    >>> [s.value for s in STEP_STAGES]
+    ['rollouts', 'rewards', 'capability', 'budget', 'update']
+    >>> Stage.REWARDS.output_step(7), Stage.BUDGET.output_step(7)
+    (7, 8)
+    """
+
+    ROLLOUTS = "rollouts"
+    REWARDS = "rewards"
+    CAPABILITY = "capability"
+    BUDGET = "budget"  # allocation: computed at the end of step t, written to step t + 1
+    UPDATE = "update"
+    HISTORY = "history"
+    EVAL = "eval"
+
+    def output_step(self, step: int) -> int:
+        """The step directory this stage writes to when it runs during ``step``."""
+        return step + 1 if self is Stage.BUDGET else step
+
+
+STEP_STAGES: tuple[Stage, ...] = (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.BUDGET, Stage.UPDATE)
+STAGES: tuple[str, ...] = tuple(s.value for s in STEP_STAGES)
+
+
+class StoreError(ValueError):
+    """A run directory is missing, of another schema version, corrupt, or asked for a bad name."""
+
+
+class RunStore:
+    """A handle on one run directory ``runs/<name>/``.
+
+    ``RunStore(root)`` only remembers the path; ``create`` makes a new run there and ``open``
+    checks that one exists and was written by this schema version. Table names may be given as a
+    ``Stage`` or a plain string (``"rollouts"``).
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._run_info: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"RunStore({str(self.root)!r})"
+
+    # -----------------------------------------------------------------------------------------
+    # The run
+
+    def create(self, config_dict: Mapping[str, Any], config_hash: str, versions: Mapping[str, str]) -> None:
+        """Start a new run: write ``config.yaml``, then ``run.json`` (last, it marks the run as created).
+
+        Args:
+            config_dict: the resolved config, as plain YAML-safe values (dicts, lists, str, numbers).
+            config_hash: a hash of the config; recorded in run.json and in every manifest entry.
+            versions: package name -> version string, recorded in run.json.
+
+        Raises:
+            StoreError: a run already exists at ``root`` (resume it instead), the directory holds
+                run files without a run.json, or ``config_hash`` is empty.
+        """
+        if (self.root / RUN_FILE).exists():
+            raise StoreError(
+                f"{self.root}: a run already exists here ({RUN_FILE} found); "
+                f"continue it with `coba resume {self.root}` or choose another run name"
+            )
+        leftovers = [p for p in (STEPS_DIR, CHECKPOINTS_DIR, MANIFEST_FILE) if (self.root / p).exists()]
+        if leftovers:
+            raise StoreError(
+                f"{self.root}: holds run files ({', '.join(leftovers)}) but no {RUN_FILE}; "
+                "remove the directory or choose another run name"
+            )
+        if not isinstance(config_hash, str) or not config_hash:
+            raise StoreError(f"create: config_hash must be a non-empty string, got {config_hash!r}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        config_text = yaml.safe_dump(dict(config_dict), sort_keys=False, allow_unicode=True)
+        atomic_write(self.root / CONFIG_FILE, lambda f: f.write(config_text.encode("utf-8")))
+        info = {
+            "schema_version": SCHEMA_VERSION,
+            "created": _now(),
+            "config_hash": config_hash,
+            "versions": dict(versions),
+        }
+        _write_json_file(self.root / RUN_FILE, info)
+        self._run_info = info
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str]) -> RunStore:
+        """Open an existing run, checking its run.json and schema version.
+
+        Raises:
+            StoreError: there is no run.json, it is unreadable, or it was written by another schema version.
+        """
+        store = cls(root)
+        store._load_run_info()
+        return store
+
+    @property
+    def config_hash(self) -> str:
+        """The config hash recorded in run.json."""
+        return self._load_run_info()["config_hash"]
+
+    @property
+    def run_info(self) -> dict[str, Any]:
+        """The contents of run.json (schema_version, created, config_hash, versions); a copy."""
+        return dict(self._load_run_info())
+
+    def read_config(self) -> dict[str, Any]:
+        """The config as written to config.yaml by ``create``."""
+        with open(self.root / CONFIG_FILE, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+
+    def _load_run_info(self) -> dict[str, Any]:
+        if self._run_info is not None:
+            return self._run_info
+        path = self.root / RUN_FILE
+        if not path.is_file():
+            raise StoreError(f"{self.root}: no run here ({RUN_FILE} is missing); start one with `coba run`")
+        try:
+            info = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StoreError(f"{path}: unreadable ({e})") from e
+        version = info.get("schema_version") if isinstance(info, dict) else None
+        if version != SCHEMA_VERSION:
+            raise StoreError(
+                f"{path}: written by schema version {version}; this build reads version {SCHEMA_VERSION}. "
+                "Use the coba-rl version that wrote the run (see the versions in run.json)"
+            )
+        if not isinstance(info.get("config_hash"), str):
+            raise StoreError(f"{path}: has no config_hash")
+        self._run_info = info
+        return info
+
+    # -----------------------------------------------------------------------------------------
+    # Paths
+
+    def step_dir(self, step: int) -> Path:
+        """``steps/000007`` for step 7 (not created here)."""
+        return self.root / STEPS_DIR / _step_name(step)
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """``checkpoints/000007`` for the policy after step 7's update (not created here)."""
+        return self.root / CHECKPOINTS_DIR / _step_name(step)
+
+    def report_dir(self) -> Path:
+        """``report/``, for plots and the HTML summary (not created here)."""
+        return self.root / REPORT_DIR
+
+    def table_path(self, step: int, name: str | Stage) -> Path:
+        """``steps/000007/<name>.parquet``; the file may not exist."""
+        return self.step_dir(step) / f"{_check_name(name)}.parquet"
+
+    # -----------------------------------------------------------------------------------------
+    # Step tables
+
+    def write_table(self, step: int, name: str | Stage, df: pd.DataFrame) -> Path:
+        """Write ``df`` as ``steps/<step>/<name>.parquet`` atomically, then record it in the step's manifest.
+
+        ``(step, name)`` is the directory the table lives in: the budget allocated at the end of
+        step t is written as ``(t + 1, "budget")`` (see ``Stage.output_step``). The index is not
+        written; list and struct columns are kept as Arrow lists and structs.
+
+        Returns:
+            The path of the Parquet file.
+        """
+        return _write_tracked(self.step_dir(step), _check_name(name), df, self.config_hash)
+
+    def read_table(self, step: int, name: str | Stage, verify: bool = True) -> pd.DataFrame:
+        """Read a done table; with ``verify``, check its size and sha256 against the manifest first.
+
+        Raises:
+            StoreError: the table is not done, or its file is missing, altered, truncated or unreadable.
+        """
+        return _read_tracked(self.step_dir(step), _check_name(name), verify)
+
+    def damage(self, step: int, name: str | Stage) -> str | None:
+        """Why a table listed in the step's manifest is unusable (missing, truncated, altered,
+        unreadable, other schema version), or None when it is intact. Reads and hashes the file."""
+        try:
+            _read_tracked(self.step_dir(step), _check_name(name), verify=True)
+        except StoreError as e:
+            return str(e)
+        return None
+
+    def is_done(self, step: int, name: str | Stage) -> bool:
+        """Whether the table has a manifest entry and its file exists (no hashing)."""
+        return _is_tracked(self.step_dir(step), _check_name(name))
+
+    def manifest(self, step: int) -> dict[str, dict[str, Any]]:
+        """The step's manifest entries, name -> {file, rows, bytes, schema_version, sha256, config_hash,
+        written_at}; empty when nothing is done."""
+        return _read_manifest(self.step_dir(step))
+
+    def invalidate(self, step: int, name: str | Stage) -> None:
+        """Forget a table: remove its manifest entry first, then its file. Missing ones are fine."""
+        _untrack(self.step_dir(step), _check_name(name))
+
+    def steps(self) -> list[int]:
+        """Every step that has a directory under ``steps/``, ascending."""
+        base = self.root / STEPS_DIR
+        if not base.is_dir():
+            return []
+        return sorted(int(p.name) for p in base.iterdir() if p.is_dir() and _STEP_DIR_RE.fullmatch(p.name))
+
+    def steps_done(self, names: Iterable[str | Stage] = STAGES) -> list[int]:
+        """The steps, ascending, whose directory holds every table of ``names`` as done.
+
+        Tables are looked up in the step's own directory (see the module docstring: budget of step
+        t was allocated during step t - 1). An empty ``names`` selects every step directory.
+        """
+        wanted = [_check_name(n) for n in names]
+        return [s for s in self.steps() if all(_is_tracked(self.step_dir(s), n) for n in wanted)]
+
+    # -----------------------------------------------------------------------------------------
+    # Run-level tables (prompts.parquet, history.parquet), tracked in the root _manifest.json
+
+    def write_run_table(self, name: str, df: pd.DataFrame) -> Path:
+        """Write ``<root>/<name>.parquet`` atomically and record it in the run-level manifest."""
+        return _write_tracked(self.root, _check_name(name), df, self.config_hash)
+
+    def read_run_table(self, name: str, verify: bool = True) -> pd.DataFrame:
+        """Read a run-level table, verified against the run-level manifest like ``read_table``."""
+        return _read_tracked(self.root, _check_name(name), verify)
+
+    def has_run_table(self, name: str) -> bool:
+        """Whether the run-level table has a manifest entry and its file exists."""
+        return _is_tracked(self.root, _check_name(name))
+
+    def run_manifest(self) -> dict[str, dict[str, Any]]:
+        """The run-level manifest entries, name -> entry (same fields as a step's)."""
+        return _read_manifest(self.root)
+
+    # -----------------------------------------------------------------------------------------
+    # JSON files (summary.json, checkpoint metadata)
+
+    def write_json(self, relpath: str | os.PathLike[str], obj: Any) -> Path:
+        """Write ``obj`` as indented JSON to ``<root>/<relpath>`` atomically, creating directories.
+
+        ``relpath`` is relative, uses '/' between parts, ends in ``.json`` and stays inside the run
+        (e.g. ``summary.json``, ``checkpoints/000007/meta.json``). run.json and manifests belong
+        to the store and are refused. NaN and infinities are written as Python's json writes them.
+        """
+        path = self._resolve(relpath)
+        if path.suffix != ".json":
+            raise StoreError(f"write_json: {relpath!r} must end in .json")
+        if path == self.root / RUN_FILE:
+            raise StoreError(f"write_json: {RUN_FILE} is written by RunStore.create only")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_json_file(path, obj)
+        return path
+
+    def read_json(self, relpath: str | os.PathLike[str]) -> Any:
+        """Read ``<root>/<relpath>`` as JSON.
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            StoreError: the path escapes the run, or the file is not valid JSON.
+        """
+        path = self._resolve(relpath)
+        text = path.read_text(encoding="utf-8")
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise StoreError(f"{path}: not valid JSON ({e})") from e
+
+    def _resolve(self, relpath: str | os.PathLike[str]) -> Path:
+        """``root / relpath`` after checking every part is a plain name and the result stays inside root."""
+        text = os.fspath(relpath)
+        parts = PurePosixPath(text).parts
+        bad = (
+            not parts
+            or "\\" in text
+            or PurePosixPath(text).is_absolute()
+            or not all(_COMPONENT_RE.fullmatch(p) for p in parts)
+        )
+        if bad:
+            raise StoreError(
+                f"{relpath!r}: not a path inside the run directory; use '/'-separated names of letters, digits, "
+                "'_', '-' and '.', none starting with '.' or '_' (no '..', no absolute paths)"
+            )
+        path = self.root.joinpath(*parts)
+        if not path.resolve().is_relative_to(self.root.resolve()):  # a symlink pointing outside
+            raise StoreError(f"{relpath!r}: resolves to {path.resolve()}, outside the run directory {self.root}")
+        return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracked tables: a directory, its Parquet files and its _manifest.json
+
+
+def _write_tracked(directory: Path, name: str, df: pd.DataFrame, config_hash: str) -> Path:
+    """Untrack a previous version, write the file atomically, then add the manifest entry (last)."""
+    if not isinstance(df, pd.DataFrame):
+        raise StoreError(f"{name}: expected a pandas DataFrame, got {type(df).__name__}")
+    table = pa.Table.from_pandas(df, preserve_index=False).replace_schema_metadata(None)
+    directory.mkdir(parents=True, exist_ok=True)
+    entries = _read_manifest(directory)
+    if name in entries:  # never leave an entry that describes bytes about to be replaced
+        del entries[name]
+        _write_manifest(directory, entries)
+    path = directory / f"{name}.parquet"
+    # temporaries of this table and of the manifest left by a killed writer (one writer per run)
+    remove_stale_temporaries(path)
+    remove_stale_temporaries(directory / MANIFEST_FILE)
+    atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"))
+    entries[name] = {
+        "file": path.name,
+        "rows": table.num_rows,
+        "bytes": path.stat().st_size,
+        "schema_version": SCHEMA_VERSION,
+        "sha256": _sha256(path),
+        "config_hash": config_hash,
+        "written_at": _now(),
+    }
+    _write_manifest(directory, entries)
+    return path
+
+
+def _read_tracked(directory: Path, name: str, verify: bool) -> pd.DataFrame:
+    entries = _read_manifest(directory)
+    path = directory / f"{name}.parquet"  # never a path taken from the manifest: it could point anywhere
+    entry = entries.get(name)
+    if entry is None:
+        raise StoreError(f"{path}: not done (no entry in {directory / MANIFEST_FILE}); run the stage that writes it")
+    if entry.get("schema_version") != SCHEMA_VERSION:
+        raise StoreError(
+            f"{path}: written by schema version {entry.get('schema_version')}; this build reads version "
+            f"{SCHEMA_VERSION}"
+        )
+    if not path.is_file():
+        raise StoreError(f"{path}: listed in the manifest but missing; {_REPAIR_HINT}")
+    if verify:
+        size = path.stat().st_size
+        if size != entry.get("bytes", size):
+            raise StoreError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated?); {_REPAIR_HINT}")
+        digest = _sha256(path)
+        if digest != entry.get("sha256"):
+            raise StoreError(
+                f"{path}: sha256 {digest[:12]}... does not match the manifest's {str(entry.get('sha256'))[:12]}... "
+                f"(the file was altered); {_REPAIR_HINT}"
+            )
+    try:
+        return pq.read_table(path).to_pandas()
+    except (pa.ArrowException, OSError) as e:
+        raise StoreError(f"{path}: unreadable Parquet ({e}); {_REPAIR_HINT}") from e
+
+
+def _is_tracked(directory: Path, name: str) -> bool:
+    return name in _read_manifest(directory) and (directory / f"{name}.parquet").is_file()
+
+
+def _untrack(directory: Path, name: str) -> None:
+    entries = _read_manifest(directory)
+    entry = entries.pop(name, None)
+    if entry is not None:
+        _write_manifest(directory, entries)
+    (directory / f"{name}.parquet").unlink(missing_ok=True)
+
+
+def _read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    path = directory / MANIFEST_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{path}: not valid JSON ({e}); {_REPAIR_HINT}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+        raise StoreError(f"{path}: not a manifest (no 'entries' object); {_REPAIR_HINT}")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise StoreError(
+            f"{path}: written by schema version {data.get('schema_version')}; this build reads version {SCHEMA_VERSION}"
+        )
+    return data["entries"]
+
+
+def _write_manifest(directory: Path, entries: Mapping[str, Any]) -> None:
+    _write_json_file(directory / MANIFEST_FILE, {"schema_version": SCHEMA_VERSION, "entries": dict(entries)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic files
+
+
+def _write_json_file(path: Path, obj: Any) -> None:
+    text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Names
+
+
+def _step_name(step: int) -> str:
+    """'000007' for 7; a step is a non-negative integer (bools refused)."""
+    if isinstance(step, bool):
+        raise StoreError(f"step must be a non-negative integer, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise StoreError(f"step must be a non-negative integer, got {step!r}") from None
+    if value < 0:
+        raise StoreError(f"step must be a non-negative integer, got {value}")
+    return f"{value:0{STEP_DIGITS}d}"
+
+
+def _check_name(name: str | Stage) -> str:
+    """A table name as a plain string; one path component, no extension."""
+    text = name.value if isinstance(name, Stage) else name
+    if not isinstance(text, str) or not _NAME_RE.fullmatch(text):
+        raise StoreError(
+            f"table name {name!r}: use letters, digits, '_' and '-', starting with a letter or digit, without "
+            "'.parquet' (no '/', '..' or absolute paths: a table lives inside its directory)"
+        )
+    return text
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

@@ -1,0 +1,355 @@
+"""A run's done tables, read once, and the one summary computed from them.
+
+``RunTables`` (``load_run``) is the loader that ``coba inspect``, ``coba report`` and the training
+flow's ``summary.json`` share: it reads only *done* tables (an entry in the step's manifest and the
+file present, ``RunStore.is_done``), so a run still going can be read at any moment, and each table
+at most once. ``run_summary`` computes every figure the three show; ``run_summary_json`` adds the
+timings the flow measured and flattens it into ``summary.json``.
+
+Step numbering: a table lives in the directory of the step that *uses* it. ``budget`` in
+``steps/000007`` is the budget step 7 consumed (allocated at the end of step 6); ``eval`` in
+``steps/000008`` is the held-out accuracy of the weights after 8 updates.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import date, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, StoreError
+
+if TYPE_CHECKING:
+    from coba_tasks.pipeline.run import RunResources
+
+# The per-step tables in the order a step produces them (budget first: it is written into the step's
+# directory before the step runs), then the history snapshot and the held-out evaluation.
+TABLE_ORDER: tuple[str, ...] = tuple(
+    s.value
+    for s in (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.UPDATE, Stage.HISTORY, Stage.EVAL)
+)
+VERDICTS = ("correct", "wrong", "no_answer", "timeout", "error")  # coba_tasks.engines.verify.VerdictKind values
+CAPABILITY_FIELDS = ("F", "S", "alpha_used", "beta_used", "alpha", "beta")
+UPDATE_FIELDS = (
+    "loss",
+    "grad_norm",
+    "entropy",
+    "kl",
+    "clip_frac",
+    "lr",
+    "tokens",
+    "logprob_diff_mean",
+    "logprob_diff_max",
+)
+_VERDICT_PREFIX = "verdict_"
+
+
+@dataclass
+class RunTables:
+    """The done tables of a run directory, read on first use and kept."""
+
+    store: RunStore
+    config: dict[str, Any]
+    steps: list[int]  # step directories, ascending
+    done: dict[int, set[str]]  # step -> names of its done tables
+    _cache: dict[tuple[int, str], pd.DataFrame] = field(default_factory=dict, repr=False)
+
+    def table(self, step: int, name: str) -> pd.DataFrame:
+        """A done table (read and checked against its manifest entry once)."""
+        key = (step, str(name))
+        if key not in self._cache:
+            self._cache[key] = self.store.read_table(step, name)
+        return self._cache[key]
+
+    def steps_with(self, name: str) -> list[int]:
+        """The steps where table ``name`` is done, ascending."""
+        return [s for s in self.steps if name in self.done[s]]
+
+    def stacked(self, name: str) -> pd.DataFrame:
+        """Table ``name`` of every step where it is done, one frame sorted by step (``step`` column added
+        where the table has none); empty when it is done nowhere."""
+        parts = []
+        for s in self.steps_with(name):
+            t = self.table(s, name)
+            parts.append(t if "step" in t.columns else t.assign(step=s))
+        return pd.concat(parts, ignore_index=True).sort_values("step", kind="stable") if parts else pd.DataFrame()
+
+    def by_step(self, name: str) -> dict[int, pd.DataFrame]:
+        """step -> table ``name``, for every step where it is done."""
+        return {s: self.table(s, name) for s in self.steps_with(name)}
+
+    def prompts(self) -> pd.DataFrame | None:
+        return self.store.read_run_table("prompts") if self.store.has_run_table("prompts") else None
+
+    def summary_file(self) -> dict[str, Any] | None:
+        """summary.json (written when the run finished), or None."""
+        if not (self.store.root / SUMMARY_FILE).is_file():
+            return None
+        try:
+            loaded = self.store.read_json(SUMMARY_FILE)
+        except (StoreError, OSError, ValueError):
+            return None
+        return loaded if isinstance(loaded, dict) else None
+
+    def config_value(self, section: str, key: str) -> Any:
+        part = self.config.get(section)
+        return part.get(key) if isinstance(part, dict) else None
+
+    def verdicts_by_step(self) -> tuple[pd.DataFrame, list[int]]:
+        """(index step, one column per verdict) counts, and the steps counted from rewards.parquet because
+        their capability table (which holds the counts) is not done yet."""
+        rows: dict[int, dict[str, int]] = {}
+        from_rewards: list[int] = []
+        for s in self.steps:
+            if Stage.CAPABILITY in self.done[s]:
+                cap = self.table(s, Stage.CAPABILITY)
+                rows[s] = {
+                    v: int(cap[f"{_VERDICT_PREFIX}{v}"].fillna(0).sum())
+                    for v in VERDICTS
+                    if f"{_VERDICT_PREFIX}{v}" in cap
+                }
+            elif Stage.REWARDS in self.done[s]:
+                counts = self.table(s, Stage.REWARDS)["verdict"].astype(str).value_counts()
+                rows[s] = {v: int(counts.get(v, 0)) for v in VERDICTS}
+                from_rewards.append(s)
+        frame = pd.DataFrame.from_dict(rows, orient="index", columns=list(VERDICTS)).fillna(0).astype(int)
+        return frame.sort_index(), from_rewards
+
+
+def load_run(run_dir: str | os.PathLike[str]) -> RunTables:
+    """The done tables of the run in ``run_dir`` (StoreError, a ValueError, when it holds no run)."""
+    if run_dir is None or not Path(run_dir).is_dir():
+        raise ValueError(f"{run_dir}: no such directory")
+    store = RunStore.open(run_dir)
+    try:
+        config = store.read_config()
+    except (OSError, ValueError):  # config.yaml missing or unreadable: the figures go on without it
+        config = {}
+    steps = store.steps()
+    done = {s: {n for n in store.manifest(s) if store.table_path(s, n).is_file()} for s in steps}
+    return RunTables(store=store, config=config if isinstance(config, dict) else {}, steps=steps, done=done)
+
+
+def ordered(names: set[str]) -> list[str]:
+    """Table names in the order a step produces them, then any others alphabetically."""
+    return [n for n in TABLE_ORDER if n in names] + sorted(n for n in names if n not in TABLE_ORDER)
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+
+
+def eval_figures(table: pd.DataFrame) -> dict[str, Any]:
+    """Held-out figures of an eval table: accuracy (avg@k), greedy, answered, boxed, accuracy by level."""
+
+    def mean(col: str) -> float:  # runs made before a column existed lack it
+        return float(table[col].astype(float).mean()) if col in table and len(table) else float("nan")
+
+    by_level = table.groupby("difficulty")["accuracy"].mean() if "difficulty" in table else pd.Series(dtype=float)
+    return {
+        "accuracy": mean("accuracy"),
+        "greedy": mean("accuracy_greedy"),
+        "answered": mean("answered"),
+        "boxed": mean("boxed"),
+        "by_difficulty": {str(plain(k)): float(v) for k, v in by_level.items()},
+    }
+
+
+def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
+    """Figures about a run, finished or not; JSON-serialisable (plain numbers and strings, NaN -> None).
+
+    Keys: ``run_dir``, ``finished``, ``wall_seconds`` (from summary.json, None while running),
+    ``strategy`` and ``steps_planned`` (config), ``step_dirs`` (steps with a directory),
+    ``steps_done`` (steps whose update table is done), ``last_step_done``, ``latest_step``
+    (``{"step", "tables"}``: the last step directory and the tables done there), ``heldout``
+    (one ``{"step", "accuracy", "prompts", "by_difficulty"}`` per evaluated step, ascending),
+    ``heldout_before`` / ``heldout_after`` (``eval_figures`` of the evaluation at step 0 and of the
+    latest one after it), ``capability`` (``{"first", "latest"}``: the first and latest capability
+    rows, each with step, F, S, alpha_used, beta_used, alpha, beta; alpha/beta are the values after
+    that step's update, alpha_used/beta_used the ones that step allocated with), ``budget`` (min,
+    mean, max, rows, steps and ``mean_by_difficulty`` over the budgets used by done steps),
+    ``verdicts`` (verdict -> count), ``total_rollouts`` (rows of the done rollouts tables),
+    ``last_update`` (the latest update row's loss, grad_norm, ...) and ``logprob_gap`` (the mean
+    over done updates of their mean train/rollout log-prob gap, and the largest token gap).
+
+    Raises:
+        ValueError: ``run_dir`` is not a run directory (``StoreError``), or a done table is corrupt.
+    """
+    t = run if isinstance(run, RunTables) else load_run(run)
+    steps_done = t.steps_with(Stage.UPDATE)
+
+    heldout = []
+    for s in t.steps_with(Stage.EVAL):
+        ev = t.table(s, Stage.EVAL)
+        item: dict[str, Any] = {"step": s, "accuracy": _mean(ev, "accuracy"), "prompts": len(ev)}
+        if "difficulty" in ev.columns and "accuracy" in ev.columns:
+            item["by_difficulty"] = _group_means(ev, "difficulty", "accuracy")
+        heldout.append(item)
+    evals = t.steps_with(Stage.EVAL)
+    before = eval_figures(t.table(0, Stage.EVAL)) if 0 in evals else None
+    after = eval_figures(t.table(evals[-1], Stage.EVAL)) | {"step": evals[-1]} if evals and evals[-1] > 0 else None
+
+    cap_steps = t.steps_with(Stage.CAPABILITY)
+    capability: dict[str, Any] = {"first": None, "latest": None}
+    for key, s in (("first", cap_steps[0] if cap_steps else None), ("latest", cap_steps[-1] if cap_steps else None)):
+        if s is not None:
+            row = t.table(s, Stage.CAPABILITY)
+            capability[key] = {"step": s} | {f: _first(row, f) for f in CAPABILITY_FIELDS if f in row.columns}
+
+    verdict_frame, _ = t.verdicts_by_step()
+    verdicts = {k: int(v) for k, v in verdict_frame.sum().items()}
+
+    last_update = None
+    if steps_done:
+        row = t.table(steps_done[-1], Stage.UPDATE)
+        last_update = {"step": steps_done[-1]} | {f: _first(row, f) for f in UPDATE_FIELDS if f in row.columns}
+    updates = t.stacked(Stage.UPDATE)
+    gap_mean = updates["logprob_diff_mean"].mean() if "logprob_diff_mean" in updates else None
+    gap_max = updates["logprob_diff_max"].max() if "logprob_diff_max" in updates else None
+
+    wall = (t.summary_file() or {}).get("wall_seconds")
+    summary = {
+        "run_dir": str(t.store.root.resolve()),
+        "finished": (t.store.root / SUMMARY_FILE).is_file(),
+        "wall_seconds": wall,
+        "strategy": t.config_value("allocation", "strategy"),
+        "steps_planned": t.config_value("run", "steps"),
+        "step_dirs": len(t.steps),
+        "steps_done": len(steps_done),
+        "last_step_done": steps_done[-1] if steps_done else None,
+        "latest_step": {"step": t.steps[-1], "tables": ordered(t.done[t.steps[-1]])} if t.steps else None,
+        "heldout": heldout,
+        "heldout_before": before,
+        "heldout_after": after,
+        "capability": capability,
+        "budget": _budget_stats(t, [s for s in steps_done if Stage.BUDGET in t.done[s]]),
+        "verdicts": verdicts,
+        "total_rollouts": sum(
+            int(t.store.manifest(s)["rollouts"].get("rows", 0)) for s in t.steps_with(Stage.ROLLOUTS)
+        ),
+        "last_update": last_update,
+        "logprob_gap": {"mean": gap_mean, "max": gap_max},
+    }
+    return plain(summary)
+
+
+def _budget_stats(t: RunTables, steps: list[int]) -> dict[str, Any] | None:
+    """min/mean/max of the budgets used by ``steps``, and the mean per difficulty level (via prompts)."""
+    if not steps:
+        return None
+    budgets = pd.concat([t.table(s, Stage.BUDGET) for s in steps], ignore_index=True)
+    if "budget" not in budgets.columns or budgets.empty:
+        return None
+    col = budgets["budget"].astype(float)
+    stats: dict[str, Any] = {
+        "steps": len(steps),
+        "rows": len(budgets),
+        "min": col.min(),
+        "mean": col.mean(),
+        "max": col.max(),
+        "mean_by_difficulty": None,
+    }
+    prompts = t.prompts()
+    if prompts is not None and "prompt_id" in budgets.columns and {"prompt_id", "difficulty"} <= set(prompts.columns):
+        left = budgets[["prompt_id", "budget"]].assign(prompt_id=lambda d: d["prompt_id"].astype(str))
+        right = prompts[["prompt_id", "difficulty"]].assign(prompt_id=lambda d: d["prompt_id"].astype(str))
+        merged = left.merge(right.drop_duplicates("prompt_id"), on="prompt_id", how="inner")
+        if not merged.empty:
+            stats["mean_by_difficulty"] = _group_means(merged, "difficulty", "budget")
+    return stats
+
+
+def run_summary_json(res: RunResources, wall: float) -> dict[str, Any]:
+    """summary.json of a finished run: ``run_summary``'s figures flattened under the names of the
+    before/after comparison, plus the timings the flow measured in this process (stage seconds, step
+    seconds, Prefect's share)."""
+    s = run_summary(res.store.root)
+    before, after = s["heldout_before"] or {}, s["heldout_after"] or {}
+    first, latest = s["capability"]["first"] or {}, s["capability"]["latest"] or {}
+
+    def nan(x: Any) -> float:
+        return float("nan") if x is None else float(x)
+
+    walls = res.step_walls
+    return {
+        "steps": res.cfg.run.steps,
+        "strategy": res.cfg.allocation.strategy,
+        **{f"heldout_{k}_before": nan(before.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
+        **{f"heldout_{k}_after": nan(after.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
+        "heldout_accuracy_by_difficulty_before": before.get("by_difficulty", {}),
+        "heldout_accuracy_by_difficulty_after": after.get("by_difficulty", {}),
+        "mean_budget_by_difficulty": (s["budget"] or {}).get("mean_by_difficulty") or {},
+        "alpha_beta_start": [nan(first.get("alpha_used")), nan(first.get("beta_used"))],
+        "alpha_beta_end": [nan(latest.get("alpha")), nan(latest.get("beta"))],
+        "total_rollouts": s["total_rollouts"],
+        "verdicts": s["verdicts"],
+        "logprob_gap_mean": nan(s["logprob_gap"]["mean"]),  # over steps: |sampler - trainer| log p of completion tokens
+        "logprob_gap_max": nan(s["logprob_gap"]["max"]),  # the largest token gap of any step
+        "wall_seconds": wall,
+        "stage_seconds": res.stage_seconds,
+        "step_seconds_mean": _mean_of([w for w, _ in walls]),
+        "prefect_overhead_seconds_per_step": _mean_of([o for _, o in walls]),
+        "run_dir": s["run_dir"],
+        "config": {"lr": res.cfg.optim.lr, "group_size": res.cfg.allocation.group_size},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _mean_of(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def _mean(df: pd.DataFrame, col: str) -> float | None:
+    if col not in df.columns or df.empty:
+        return None
+    return float(df[col].astype(float).mean())
+
+
+def _first(df: pd.DataFrame, col: str) -> Any:
+    return plain(df[col].iloc[0]) if len(df) else None
+
+
+def _group_means(df: pd.DataFrame, by: str, col: str) -> dict[str, float]:
+    means = df.groupby(by, sort=True)[col].mean()
+    return {str(plain(k)): float(v) for k, v in means.items()}
+
+
+def plain(value: Any) -> Any:
+    """``value`` as plain JSON-able Python: numpy/pandas scalars and arrays unwrapped, NaN -> None.
+
+    >>> plain({"a": np.float64("nan"), "b": np.array([1, 2]), 3: np.int64(4)})
+    {'a': None, 'b': [1, 2], '3': 4}
+    """
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [plain(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or value is pd.NaT or value is pd.NA:
+        return None
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (pd.Timestamp, datetime, date)):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (bool, int, str)):
+        return value
+    try:
+        if pd.isna(value):
+            return None
+    except (TypeError, ValueError):
+        pass
+    return str(value)

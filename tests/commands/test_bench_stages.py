@@ -1,0 +1,154 @@
+"""``coba bench stages`` on the tiny config: the figures' structure and internal consistency (no timings)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from coba_tasks.commands.bench_stages import GOALS, STAGE_NAMES, STEP_TABLES, add_bench_stages_parser, format_stages
+
+
+def _numbers(obj, path=""):
+    """Every int or float in a nested result, with its path (bools left out)."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return
+    if isinstance(obj, int | float):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _numbers(v, f"{path}[{i}]")
+
+
+@pytest.mark.slow
+def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_checkpoints):
+    from coba_tasks.commands.bench_stages import bench_stages
+    from coba_tasks.pipeline.store import RunStore
+
+    model, _ = random_checkpoints
+    messages = []
+    result = bench_stages(
+        "configs/tiny-test.yaml",
+        [f"model.path={model}", "data.train_prompts=8"],
+        steps=2,
+        progress=messages.append,
+        repeats=2,
+        work_dir=tmp_path,
+    )
+    assert messages and result == json.loads(json.dumps(result))  # JSON-serialisable as is
+
+    # shape: what the step produced
+    m, g = 4, 4  # configs/tiny-test.yaml
+    sh, ro, st, pq, ve, up = (result[k] for k in ("shape", "rollout", "step", "parquet", "verify", "update"))
+    assert result["steps"] == 2 and result["measured_step"] == 1
+    assert sh["prompts_per_step"] == m and sh["group_size"] == g and sh["rollouts"] == m * g
+    plain = RunStore.open(tmp_path / "plain")
+    rollouts = plain.read_table(1, "rollouts")
+    assert sh["completion_tokens"] == int(rollouts["n_tokens"].sum())
+    assert ro["prompts"] == m and ro["completions"] == m * g and ro["tokens"] > 0
+    assert ve["items"] == m * g and ve["same_verdicts"]
+    assert up["sequences"] == m * g and up["tokens"] == sh["completion_tokens"]
+    assert set(pq["tables"]) == set(STEP_TABLES)
+    assert pq["tables"]["rollouts"]["rows"] == m * g and pq["tables"]["rewards"]["rows"] == m * g
+    assert pq["tables"]["budget"]["rows"] == m and pq["tables"]["capability"]["rows"] == 1
+    assert pq["tables"]["update"]["rows"] == 1
+    for name, t in pq["tables"].items():
+        assert t["bytes"] == plain.manifest(2 if name == "budget" else 1)[name]["bytes"]
+        assert t["round_trip_equal"]
+    assert pq["bytes"] == sum(t["bytes"] for t in pq["tables"].values())
+    assert math.isclose(pq["write_s"], sum(t["write_s"] for t in pq["tables"].values()))
+    assert math.isclose(pq["read_s"], sum(t["read_s"] for t in pq["tables"].values()))
+    # the plain run did the flow's work: the same tables, byte for byte
+    assert st["same_tables"] and st["tables_differ"] == []
+    assert set(st["flow"]["stage_s"]) == set(st["plain"]["stage_s"]) == set(STAGE_NAMES)
+    # the two runs were interleaved, the order alternating; the means are the pairs' means
+    pairs = st["pairs"]
+    assert [p["step"] for p in pairs] == [0, 1] and [p["first"] for p in pairs] == ["flow", "plain"]
+    for side in ("flow", "plain"):
+        assert math.isclose(st[side]["step_s"], sum(p[side]["wall_s"] for p in pairs) / 2)
+        outside = sum(p[side]["wall_s"] - p[side]["inside_s"] for p in pairs) / 2
+        assert math.isclose(st[side]["outside_stages_s"], outside)
+        for p in pairs:
+            assert p[side]["inside_s"] <= p[side]["wall_s"]
+            timing = json.loads((tmp_path / side / "steps" / f"{p['step']:06d}" / "timing.json").read_text())
+            assert p[side]["stage_s"] == {k: timing[k] for k in STAGE_NAMES}
+    each = [p["flow"]["wall_s"] / p["plain"]["wall_s"] for p in pairs]
+    pr = result["ratios"]["flow_over_plain_pairs"]
+    assert pr["each"] == each and pr["min"] == min(each) and pr["max"] == max(each)
+    assert pr["min"] <= pr["median"] <= pr["max"]
+    assert ro["write_s"] == pq["tables"]["rollouts"]["write_s"]
+
+    # every figure is finite; every time, count and rate positive (the difference flow - plain may be either)
+    for path, value in _numbers(result):
+        assert math.isfinite(value), path
+        either = (".step.orchestration_s", ".ratios.orchestration_share", ".goals.orchestration_share.value")
+        if path not in either and not path.startswith(".machine.load_average") and not path.endswith("].step"):
+            assert value > 0, path
+    assert result["machine"]["cpus"] >= 1 and result["machine"]["torch_threads"] >= 1
+
+    # ratios are the quotients of the figures they come from
+    ra = result["ratios"]
+    assert ra["rollout_stage_over_bare"] == ro["stage_s"] / ro["bare_s"]
+    assert ra["rollout_stage_and_write_over_bare"] == (ro["stage_s"] + ro["write_s"]) / ro["bare_s"]
+    assert ra["flow_over_plain_step"] == st["flow"]["step_s"] / st["plain"]["step_s"]
+    assert st["orchestration_s"] == st["flow"]["step_s"] - st["plain"]["step_s"]
+    assert ra["orchestration_share"] == st["orchestration_s"] / st["flow"]["step_s"]
+    assert ra["prefect_overhead_share_in_flow"] == st["flow"]["outside_stages_s"] / st["flow"]["step_s"]
+    assert ro["bare_tokens_per_s"] == ro["tokens"] / ro["bare_s"]
+    assert ve["items_per_s"] == ve["items"] / ve["seconds"]
+    assert up["tokens_per_s"] == up["tokens"] / up["seconds"]
+    for name, limit in GOALS.items():
+        goal = result["goals"][name]
+        assert goal["goal"] == limit and goal["value"] == ra[name] and goal["met"] == (ra[name] <= limit)
+
+    # the report shows every ratio, every goal and whether it is met
+    text = format_stages(result)
+    for snippet in (
+        f"{ra['rollout_stage_over_bare']:.3f}x",
+        f"{ra['rollout_stage_and_write_over_bare']:.3f}x",
+        f"{ra['flow_over_plain_step']:.3f}x",
+        f"median {ra['flow_over_plain_pairs']['median']:.3f}x",
+        f"{ra['orchestration_share']:.1%}",
+        f"{ra['prefect_overhead_share_in_flow']:.1%}",
+        "goal <= 1.10",
+        "goal <= 10%",
+        f"{ve['items_per_s']:,.0f} items/s",
+        f"{up['tokens_per_s']:,.0f} tokens/s",
+    ):
+        assert snippet in text, snippet
+    assert text.count("NOT met") == sum(not g["met"] for g in result["goals"].values()) * 2
+    for name in (*STAGE_NAMES, *STEP_TABLES):
+        assert name in text
+
+
+def test_bench_stages_parser():
+    parser = argparse.ArgumentParser(prog="coba")
+    sub = parser.add_subparsers(dest="command")
+    bench = sub.add_parser("bench")
+    p = add_bench_stages_parser(bench.add_subparsers(dest="bench"))
+    args = parser.parse_args(["bench", "stages"])
+    assert (args.config, args.set, args.steps, args.json) == ("configs/demo.yaml", [], 3, False)
+    args = parser.parse_args(["bench", "stages", "--steps", "2", "--set", "a.b=1", "--set", "c.d=2", "--json"])
+    assert (args.steps, args.set, args.json) == (2, ["a.b=1", "c.d=2"], True)
+    assert args.func.__name__ == "cmd_bench_stages"
+    assert "examples:" in p.format_help() and "coba bench stages" in p.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "stages", "--steps", "0"])
+
+
+def test_bench_stages_refuses_bad_input():
+    from coba_tasks.commands.bench_stages import bench_stages
+
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        bench_stages("configs/tiny-test.yaml", steps=0, progress=lambda s: None)
+    with pytest.raises(ValueError, match=r"needs rollout\.backend=vllm"):
+        bench_stages("configs/tiny-test.yaml", ["rollout.backend=transformers"], steps=1, progress=lambda s: None)
+    with pytest.raises(ValueError, match=r"needs optim\.fsdp_processes=1, got 2"):
+        bench_stages("configs/tiny-test.yaml", ["optim.fsdp_processes=2"], steps=1, progress=lambda s: None)
+    with pytest.raises(ValueError, match="does not exist"):
+        bench_stages("configs/no-such.yaml", steps=1, progress=lambda s: None)

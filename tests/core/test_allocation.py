@@ -1,0 +1,263 @@
+"""Allocators and solvers: budgets, pass rates, the solvers and the baselines (docs/method.md)."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from coba_tasks.core.allocation import (
+    VERY_EASY_ABOVE,
+    VERY_HARD_BELOW,
+    allocate,
+    coba_objective,
+    distribute_proportional,
+    plan_allocation,
+    released_heap_share,
+    solve_mckp_dp,
+    strategies,
+)
+from coba_tasks.core.values import adaptive_tau, knapsack_value
+
+ALL = [("uniform", "paper"), ("knapsack", "paper"), ("coba", "paper"), ("coba", "released")]
+
+
+@st.composite
+def problems(draw, max_m=40, max_up=40, nan=True):
+    m = draw(st.integers(1, max_m))
+    low = draw(st.integers(2, 6))
+    up = draw(st.integers(low, max_up))
+    total = draw(st.integers(m * low, m * up))
+    elem = st.floats(0.0, 1.0) | st.sampled_from([0.0, 1.0, 0.5, 0.02, 0.995])
+    if nan:
+        elem = elem | st.just(float("nan"))
+    p = draw(st.lists(elem, min_size=m, max_size=m))
+    alpha = draw(st.floats(1.0, 10.0))
+    return np.array(p), total, low, up, alpha, 11.0 - alpha
+
+
+# --- hand-computed cases -----------------------------------------------------------------------
+
+
+def test_uniform_spreads_the_remainder_in_prompt_order():
+    assert allocate([0.1, 0.2, 0.3], 10, strategy="uniform").tolist() == [4, 3, 3]
+    assert allocate([0.1, 0.2, 0.3, 0.4], 11, strategy="uniform").tolist() == [3, 3, 3, 2]
+
+
+def test_first_epoch_is_uniform_for_every_strategy():
+    p = [float("nan")] * 5
+    for strategy, mode in ALL:
+        plan = plan_allocation(p, 17, strategy=strategy, mode=mode)
+        assert plan.budgets.tolist() == [4, 4, 3, 3, 3]
+        assert "unseen" in plan.fallback
+
+
+def test_some_unseen_prompts_count_as_one_half():
+    a = allocate([0.2, float("nan"), 0.9], 30, alpha=5.0, beta=6.0)
+    b = allocate([0.2, 0.5, 0.9], 30, alpha=5.0, beta=6.0)
+    assert a.tolist() == b.tolist()
+
+
+def test_coba_exploit_early_explore_late():
+    p = np.array([0.1, 0.3, 0.5, 0.7, 0.9])
+    early = allocate(p, 60, alpha=9.0, beta=2.0)  # high failure rate: density peaks at easy prompts
+    late = allocate(p, 60, alpha=1.5, beta=9.5)  # low failure rate: peaks at hard prompts
+    assert np.argmax(early) == 4 and np.argmax(late) == 0
+    assert early[4] > early[0] and late[0] > late[4]
+
+
+def test_coba_small_case_by_hand():
+    # Greedy by hand: alpha = 9, beta = 2, tau = adaptive(var([0.2, 0.5, 0.8]) = 0.06) = 6.24.
+    p = np.array([0.2, 0.5, 0.8])
+    assert adaptive_tau(p) == pytest.approx(3 + 9 * 0.06 * 6)
+    budgets = allocate(p, 12, alpha=9.0, beta=2.0)
+    assert budgets.tolist() == [2, 2, 8]
+    for solver in ("threshold", "dp"):
+        assert allocate(p, 12, alpha=9.0, beta=2.0, solver=solver).tolist() == [2, 2, 8]
+
+
+def test_ties_go_by_prompt_order():
+    # identical prompts: the spare rollouts go to the earlier ones first
+    assert allocate([0.5] * 4, 10, alpha=5.0, beta=6.0).tolist() == [3, 3, 2, 2]
+    assert allocate([0.5] * 4, 10, alpha=5.0, beta=6.0, solver="threshold").tolist() == [3, 3, 2, 2]
+
+
+def test_deterministic():
+    rng = np.random.default_rng(7)
+    p = rng.uniform(size=300)
+    for strategy, mode in ALL:
+        a = allocate(p, 300 * 16, strategy=strategy, mode=mode, alpha=4.0, beta=7.0)
+        b = allocate(p.copy(), 300 * 16, strategy=strategy, mode=mode, alpha=4.0, beta=7.0)
+        assert np.array_equal(a, b)
+
+
+def test_fixed_tau():
+    plan = plan_allocation([0.2, 0.5, 0.8], 30, tau=5.0, alpha=5.0, beta=6.0)
+    assert plan.tau == 5.0
+
+
+def test_knapsack_known_case():
+    # p = 0 and p = 1 prompts stay at 2; the others share the rest; left over goes to p = 0 prompts
+    p = np.array([0.0, 1.0, 0.5, 0.25])
+    b = allocate(p, 16, strategy="knapsack")
+    assert b[1] == 2 and b[0] == 2 and b[2] + b[3] == 12
+    assert b[3] > b[2]  # the (1 - p)^2 factor favours harder prompts
+    full = allocate(p, 12 + 12 + 2 + 2 + 6, strategy="knapsack", max_budget=12)
+    assert full.tolist() == [8, 2, 12, 12]  # mixed prompts capped, the rest to the p = 0 prompt
+
+
+def test_released_mode_groups():
+    p = np.array([0.0, 0.02, 0.3, 0.6, 0.995, 1.0])
+    plan = plan_allocation(p, 6 * 16, mode="released", alpha=5.0, beta=6.0)
+    assert plan.groups.tolist() == ["very_hard", "very_hard", "explore", "explore", "very_easy", "very_easy"]
+    assert plan.extras["heap_share"] == pytest.approx(0.6 + 0.2 * (2 * 2 / 6))
+    # the heap's share goes to exploration prompts; the rest to very hard prompts first
+    assert plan.budgets[2:4].sum() - 4 >= plan.extras["heap_budget"]
+    assert plan.budgets[4:].tolist() == [2, 2]
+    assert plan.budgets[:2].sum() - 4 == 6 * 14 - plan.extras["heap_budget"]
+
+
+def test_released_share():
+    assert released_heap_share(0, 10) == 0.6
+    assert released_heap_share(6, 10) == 0.8
+    assert released_heap_share(5, 10) == pytest.approx(0.8)
+    assert released_heap_share(2, 10) == pytest.approx(0.68)
+
+
+def test_distribute_proportional_caps_and_rounds():
+    budgets = np.array([2, 2, 2, 2], dtype=np.int64)
+    # ideal 1.67 / 3.33 / 5 -> 2 / 3 / 5 (largest remainder); prompt 2 is capped at 6 and its
+    # excess is re-spread over the others in proportion (1 : 2) -> prompt 1
+    left = distribute_proportional(budgets, np.array([0, 1, 2]), 10, np.array([1.0, 2.0, 3.0]), max_budget=6)
+    assert left == 0 and budgets.tolist() == [4, 6, 6, 2]
+    left = distribute_proportional(budgets, np.array([0, 1]), 5, np.array([1.0, 1.0]), max_budget=6)
+    assert left == 3 and budgets.tolist() == [6, 6, 6, 2]
+
+
+def test_dp_by_hand():
+    values = np.array([[0.0, 5.0, 6.0], [0.0, 3.0, 5.5], [0.0, 0.5, 2.0]])
+    assert solve_mckp_dp(values, 2).tolist() == [1, 1, 0]  # 5 + 3 = 8 beats 6, 5.5
+    assert solve_mckp_dp(values, 4).tolist() == [2, 2, 0]  # 6 + 5.5 = 11.5
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        (([0.2, 1.2], 8), {}, r"\[0, 1\].*position 1: 1.2"),
+        (([0.2, -0.1], 8), {}, "position 1"),
+        (([0.2, 0.5], 3), {}, r"infeasible: below M \* min_budget = 2 \* 2 = 4"),
+        (([0.2, 0.5], 300), {}, r"infeasible: above M \* max_budget = 2 \* 128 = 256"),
+        (([0.2, 0.5], 8), {"min_budget": 1}, "min_budget must be >= 2.*got 1"),
+        (([0.2, 0.5], 8), {"strategy": "greedy"}, "unknown allocation strategy 'greedy'.*coba, knapsack, uniform"),
+        (([0.2, 0.5], 8), {"solver": "lp"}, "unknown solver 'lp'.*dp, heap, threshold"),
+        (([0.2, 0.5], 8), {"mode": "x"}, "unknown coba mode"),
+        (([0.2, 0.5], 8), {"tau": -1.0}, "tau"),
+        (([0.2, 0.5], 8), {"tau": "auto"}, "tau"),
+        (([0.2, 0.5], 8.5), {}, "total_budget must be an integer"),
+        (([], 8), {}, "non-empty"),
+        (([0.2, 0.5], 8), {"alpha": 0.0}, "alpha and beta"),
+    ],
+)
+def test_bad_input(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        allocate(*args, **kwargs)
+
+
+def test_strategies_listed():
+    assert strategies() == ["coba", "knapsack", "uniform"]
+
+
+# --- properties --------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_budgets_sum_to_total_and_respect_bounds(problem):
+    p, total, low, up, alpha, beta = problem
+    for strategy, mode in ALL:
+        for solver in ("heap", "threshold"):
+            b = allocate(
+                p,
+                total,
+                strategy=strategy,
+                mode=mode,
+                solver=solver,
+                min_budget=low,
+                max_budget=up,
+                alpha=alpha,
+                beta=beta,
+            )
+            assert b.dtype == np.int64 and b.shape == p.shape
+            assert int(b.sum()) == total
+            assert b.min() >= low and b.max() <= up
+
+
+@settings(max_examples=120, deadline=None)
+@given(problems(max_m=12, max_up=20, nan=False), st.integers(2, 80))
+def test_heap_and_dp_reach_the_same_objective(problem, total):
+    p, _, low, up, alpha, beta = problem
+    assume(len(p) * low <= total <= len(p) * up)
+    heap = plan_allocation(p, total, min_budget=low, max_budget=up, alpha=alpha, beta=beta, solver="heap")
+    dp = plan_allocation(p, total, min_budget=low, max_budget=up, alpha=alpha, beta=beta, solver="dp")
+    obj_heap = coba_objective(heap.budgets, p, alpha, beta, heap.tau)
+    obj_dp = coba_objective(dp.budgets, p, alpha, beta, dp.tau)
+    assert obj_heap == pytest.approx(obj_dp, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(max_m=12, max_up=20, nan=False), st.integers(2, 80))
+def test_knapsack_greedy_equals_dp_objective(problem, total):
+    p, _, low, up, _, _ = problem
+    assume(len(p) * low <= total <= len(p) * up)
+    g = allocate(p, total, strategy="knapsack", min_budget=low, max_budget=up)
+    d = allocate(p, total, strategy="knapsack", min_budget=low, max_budget=up, solver="dp")
+    assert knapsack_value(g, p).sum() == pytest.approx(knapsack_value(d, p).sum(), rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 2000),
+    st.integers(0, 2**32 - 1),
+    st.floats(1.0, 10.0),
+    st.integers(2, 4),
+    st.sampled_from([8, 16, 64, 128]),
+    st.floats(0.0, 1.0),
+    st.booleans(),
+)
+def test_threshold_equals_heap_up_to_large_m(m, seed, alpha, low, up, fill, discrete):
+    rng = np.random.default_rng(seed)
+    # discrete pass rates (k / 16, as real batches have) create many exact ties
+    p = rng.integers(0, 17, size=m) / 16 if discrete else rng.uniform(0, 1, size=m)
+    total = int(m * low + fill * m * (up - low))
+    heap = plan_allocation(p, total, min_budget=low, max_budget=up, alpha=alpha, beta=11 - alpha, solver="heap")
+    thr = plan_allocation(p, total, min_budget=low, max_budget=up, alpha=alpha, beta=11 - alpha, solver="threshold")
+    assert coba_objective(thr.budgets, p, alpha, 11 - alpha, thr.tau) == pytest.approx(
+        coba_objective(heap.budgets, p, alpha, 11 - alpha, heap.tau), rel=1e-12
+    )
+    # same allocation up to ties: both break ties by prompt order, so here they are identical
+    assert np.array_equal(thr.budgets, heap.budgets)
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems(max_m=30, max_up=30, nan=False))
+def test_released_mode_fallback_order(problem):
+    p, total, low, up, alpha, beta = problem
+    plan = plan_allocation(p, total, mode="released", min_budget=low, max_budget=up, alpha=alpha, beta=beta)
+    b = plan.budgets
+    hard, easy = p < VERY_HARD_BELOW, p > VERY_EASY_ABOVE
+    explore = ~hard & ~easy
+    assert plan.groups[hard].tolist() == ["very_hard"] * int(hard.sum())
+    assert plan.groups[easy].tolist() == ["very_easy"] * int(easy.sum())
+    spare = total - len(p) * low
+    # the heap's share goes to exploration prompts only
+    assert b[explore].sum() - low * explore.sum() >= plan.extras["heap_budget"]
+    # a very easy prompt gets more than the floor only when every other prompt is full
+    if (b[easy] > low).any():
+        assert (b[~easy] == up).all()
+    # exploration prompts get fallback rollouts only once the very hard ones are full
+    fallback_explore = b[explore].sum() - low * explore.sum() - plan.extras["heap_budget"]
+    if fallback_explore > 0:
+        assert (b[hard] == up).all()
+    assert int(b.sum() - low * len(p)) == spare

@@ -1,0 +1,362 @@
+"""GRPO math: ragged-group advantages, clip-higher token-mean loss, KL."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coba_tasks.core.grpo import (
+    entropy_from_logits,
+    group_advantages,
+    group_advantages_loop,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    token_logprobs,
+    zero_variance_share,
+)
+
+torch.set_num_threads(1)
+
+
+def ragged_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random groups of sizes 2..12 with shuffled, non-contiguous ids; some all-equal groups."""
+    g = torch.Generator().manual_seed(seed)
+    n_groups = int(torch.randint(1, 12, (1,), generator=g))
+    ids = torch.randperm(1000, generator=g)[:n_groups] * 7 - 300  # negative and large ids too
+    rewards, group_ids = [], []
+    for gid in ids.tolist():
+        size = int(torch.randint(2, 13, (1,), generator=g))
+        kind = int(torch.randint(0, 3, (1,), generator=g))
+        if kind == 0:  # binary verifier rewards, possibly all equal
+            r = torch.randint(0, 2, (size,), generator=g).double()
+        elif kind == 1:  # continuous
+            r = torch.randn(size, generator=g, dtype=torch.float64) * 3 + 1
+        else:  # all equal, a value that is not exact in binary
+            r = torch.full((size,), 0.1, dtype=torch.float64)
+        rewards.append(r)
+        group_ids.append(torch.full((size,), gid, dtype=torch.int64))
+    perm = torch.randperm(sum(len(r) for r in rewards), generator=g)
+    return torch.cat(rewards)[perm], torch.cat(group_ids)[perm]
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------
+
+
+def test_advantages_by_hand():
+    # group 7: [1, 0, 1]: mean 2/3, sample std sqrt(1/3); group 3: [0, 1]: mean 1/2, std sqrt(1/2)
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    g = torch.tensor([7, 7, 3, 7, 3])
+    s7, s3 = math.sqrt(1 / 3) + 1e-6, math.sqrt(1 / 2) + 1e-6
+    expected = [(1 / 3) / s7, (-2 / 3) / s7, -0.5 / s3, (1 / 3) / s7, 0.5 / s3]
+    torch.testing.assert_close(group_advantages(r, g), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_advantages_use_sample_std():
+    # {0, 1}: sample std 0.7071 -> +/- 0.7071 (population std 0.5 would give +/- 1)
+    adv = group_advantages(torch.tensor([0.0, 1.0], dtype=torch.float64), torch.tensor([0, 0]))
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0], dtype=torch.float64) * 0.5 / (math.sqrt(0.5) + 1e-6))
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_vectorised_matches_loop(seed):
+    r, g = ragged_batch(seed)
+    torch.testing.assert_close(group_advantages(r, g), group_advantages_loop(r, g), rtol=1e-12, atol=1e-12)
+
+
+@given(
+    sizes=st.lists(st.integers(2, 9), min_size=1, max_size=8),
+    data=st.data(),
+)
+@settings(max_examples=60, deadline=None)
+def test_advantages_normalised_per_group(sizes, data):
+    """Each non-constant group has advantage mean 0 and sample std ~1 (std_i >> eps here)."""
+    rewards = [data.draw(st.lists(st.sampled_from([0.0, 0.25, 1.0, 3.0]), min_size=n, max_size=n)) for n in sizes]
+    r = torch.tensor([x for grp in rewards for x in grp], dtype=torch.float64)
+    g = torch.tensor([i * 11 for i, n in enumerate(sizes) for _ in range(n)])
+    adv = group_advantages(r, g)
+    torch.testing.assert_close(adv, group_advantages_loop(r, g), rtol=1e-12, atol=1e-12)
+    for i, grp in enumerate(rewards):
+        a = adv[g == i * 11]
+        if len(set(grp)) == 1:
+            assert torch.equal(a, torch.zeros_like(a))
+        else:
+            assert abs(float(a.mean())) < 1e-9
+            assert float(a.std()) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_advantages_invariant_to_order_and_id_labels():
+    r, g = ragged_batch(42)
+    adv = group_advantages(r, g)
+    perm = torch.randperm(r.numel(), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(group_advantages(r[perm], g[perm]), adv[perm])
+    relabelled = g * -3 + 10_000_000  # a different injective labelling of the same groups
+    torch.testing.assert_close(group_advantages(r, relabelled), adv)
+
+
+def test_all_equal_group_is_exactly_zero():
+    # 0.1 * 3 / 3 != 0.1 in floating point: the zero must not depend on rounding
+    r = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.7, 0.7], dtype=torch.float32)
+    g = torch.tensor([4, 4, 4, 9, 9, 2, 2])
+    adv = group_advantages(r, g)
+    assert adv.dtype == torch.float32
+    assert torch.equal(adv[[0, 1, 2, 5, 6]], torch.zeros(5))
+    assert torch.all(adv[3:5] != 0)
+
+
+def test_size_one_group_raises_naming_the_id():
+    r = torch.tensor([1.0, 0.0, 1.0])
+    g = torch.tensor([5, 5, 123])
+    with pytest.raises(ValueError, match=r"\[123\]"):
+        group_advantages(r, g)
+    with pytest.raises(ValueError, match=r"\[123\]"):
+        group_advantages_loop(r, g)
+
+
+def test_advantages_input_checks():
+    with pytest.raises(ValueError, match="integer"):
+        group_advantages(torch.zeros(4), torch.zeros(4))
+    with pytest.raises(ValueError, match="same length"):
+        group_advantages(torch.zeros(4), torch.zeros(3, dtype=torch.int64))
+    assert group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.int64)).shape == (0,)
+
+
+def test_integer_rewards_give_float_advantages():
+    adv = group_advantages(torch.tensor([1, 0, 0, 0]), torch.tensor([1, 1, 1, 1]))
+    assert adv.dtype == torch.get_default_dtype()
+    assert float(adv[0]) == pytest.approx(0.75 / (0.5 + 1e-6), rel=1e-6)  # mean 1/4, sample std 1/2
+
+
+def test_zero_variance_share():
+    r = torch.tensor([1, 1, 0, 1, 0, 0, 2, 2, 2])
+    g = torch.tensor([5, 5, 2, 2, 8, 8, 0, 0, 0])
+    assert zero_variance_share(r, g) == pytest.approx(3 / 4)  # groups 5, 8, 0 constant; 2 mixed
+    assert zero_variance_share(torch.zeros(0), torch.zeros(0, dtype=torch.int64)) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy loss
+# ---------------------------------------------------------------------------------------------
+
+
+def _logps_from_ratios(ratios: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp_old fixed, logp_new = logp_old + log(ratio) (float64)."""
+    logp_old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.7, -2.2]], dtype=torch.float64)
+    logp_new = (logp_old + torch.tensor(ratios, dtype=torch.float64).log()).requires_grad_()
+    return logp_new, logp_old
+
+
+def test_loss_by_hand():
+    # 2 sequences x 3 tokens; the last token of sequence 0 is padding (ratio 10 there must not count).
+    ratios = [[1.5, 0.9, 10.0], [0.5, 1.1, 1.0]]
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    logp_new, logp_old = _logps_from_ratios(ratios)
+    # per token: max(-A * rho, -A * clip(rho, 0.8, 1.28))
+    # seq 0, A = +1: rho 1.5 -> max(-1.5, -1.28) = -1.28 (clipped); rho 0.9 -> -0.9
+    # seq 1, A = -2: rho 0.5 -> max(1.0, 1.6) = 1.6 (clipped); rho 1.1 -> 2.2; rho 1.0 -> 2.0
+    tokens = [-1.28, -0.9, 1.6, 2.2, 2.0]
+    expected = sum(tokens) / 5  # = 0.724
+    loss, stats = policy_loss(logp_new, logp_old, adv, mask)
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    assert expected == pytest.approx(0.724)
+    assert stats["clip_frac"] == pytest.approx(2 / 5)
+    assert stats["n_tokens"] == 5
+    assert stats["ratio_mean"] == pytest.approx((1.5 + 0.9 + 0.5 + 1.1 + 1.0) / 5)
+    assert stats["ratio_max"] == pytest.approx(1.5)  # the masked 10.0 is ignored
+    k3 = sum(r - 1 - math.log(r) for r in [1.5, 0.9, 0.5, 1.1, 1.0]) / 5
+    k1 = sum(-math.log(r) for r in [1.5, 0.9, 0.5, 1.1, 1.0]) / 5
+    assert stats["approx_kl"] == pytest.approx(k3)
+    assert stats["approx_kl_k1"] == pytest.approx(k1)
+
+    # gradient: d/d logp of -A * rho is -A * rho / n on unclipped tokens, 0 on clipped and masked ones
+    loss.backward()
+    expected_grad = [[0.0, -1.0 * 0.9 / 5, 0.0], [0.0, 2.0 * 1.1 / 5, 2.0 * 1.0 / 5]]
+    torch.testing.assert_close(logp_new.grad, torch.tensor(expected_grad, dtype=torch.float64))
+
+
+def test_ratio_one_gives_minus_mean_token_advantage():
+    g = torch.Generator().manual_seed(0)
+    logp_old = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 3
+    lengths = [6, 2, 4, 1]
+    mask = torch.tensor([[1.0] * n + [0.0] * (6 - n) for n in lengths])
+    adv = torch.tensor([0.5, -1.0, 2.0, -0.25], dtype=torch.float64)
+    loss, stats = policy_loss(logp_old.clone(), logp_old, adv, mask)
+    expected = -sum(a * n for a, n in zip(adv.tolist(), lengths, strict=True)) / sum(lengths)
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    assert stats["clip_frac"] == 0.0
+    assert stats["approx_kl"] == 0.0
+    assert stats["ratio_mean"] == 1.0 and stats["ratio_max"] == 1.0
+
+
+def test_clip_higher_is_asymmetric():
+    # one token per sequence; each row: (ratio, advantage, expected per-token loss, clipped?)
+    cases = [
+        (1.5, 1.0, -1.28, True),  # A > 0: capped at 1 + 0.28
+        (1.25, 1.0, -1.25, False),  # beyond 1.2, inside 1.28: symmetric PPO would clip, clip-higher does not
+        (0.5, -1.0, 0.8, True),  # A < 0: floored at 1 - 0.2
+        (0.85, -1.0, 0.85, False),
+        (1.5, -1.0, 1.5, False),  # A < 0 and rho high: the unclipped branch is the pessimistic one
+        (0.5, 1.0, -0.5, False),  # A > 0 and rho low: likewise
+    ]
+    for ratio, a, expected, clipped in cases:
+        logp_old = torch.tensor([[-1.2]], dtype=torch.float64)
+        logp_new = (logp_old + math.log(ratio)).requires_grad_()
+        loss, stats = policy_loss(logp_new, logp_old, torch.tensor([a], dtype=torch.float64), torch.ones(1, 1))
+        assert loss.item() == pytest.approx(expected), (ratio, a)
+        assert stats["clip_frac"] == (1.0 if clipped else 0.0), (ratio, a)
+        loss.backward()
+        grad = float(logp_new.grad)
+        assert grad == (0.0 if clipped else pytest.approx(-a * ratio)), (ratio, a)
+
+
+def test_custom_clip_range():
+    logp_old = torch.zeros(1, 1, dtype=torch.float64)
+    loss, _ = policy_loss(
+        logp_old + math.log(1.5), logp_old, torch.ones(1, dtype=torch.float64), torch.ones(1, 1), 0.2, 0.2
+    )
+    assert loss.item() == pytest.approx(-1.2)
+
+
+def _random_problem(seed: int, b: int = 6, t: int = 7, v: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, t, v, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    lengths = torch.tensor([7, 1, 4, 6, 2, 5])[:b]
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
+    logp_old = token_logprobs(logits, tokens) + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    return logits, tokens, mask, logp_old, adv
+
+
+def test_micro_batches_sum_to_full_batch_loss_and_gradient():
+    logits, tokens, mask, logp_old, adv = _random_problem(0)
+
+    full_logits = logits.clone().requires_grad_()
+    full, full_stats = policy_loss(token_logprobs(full_logits, tokens), logp_old, adv, mask)
+    full.backward()
+    assert 0 < full_stats["clip_frac"] < 1  # the example exercises both branches
+
+    micro_logits = logits.clone().requires_grad_()
+    n_tokens = mask.sum()
+    total = 0.0
+    for idx in (slice(0, 2), slice(2, 5), slice(5, 6)):  # uneven micro-batches, uneven token counts
+        part, _ = policy_loss(
+            token_logprobs(micro_logits[idx], tokens[idx]), logp_old[idx], adv[idx], mask[idx], token_count=n_tokens
+        )
+        part.backward()  # gradients accumulate into micro_logits.grad
+        total += part.item()
+    assert total == pytest.approx(full.item(), abs=1e-12)
+    torch.testing.assert_close(micro_logits.grad, full_logits.grad, rtol=1e-10, atol=1e-12)
+
+    # without the whole-batch count, each micro-batch is normalised by its own tokens: not equal
+    naive = sum(
+        float(policy_loss(token_logprobs(logits[i], tokens[i]), logp_old[i], adv[i], mask[i])[0]) / 3
+        for i in (slice(0, 2), slice(2, 5), slice(5, 6))
+    )
+    assert naive != pytest.approx(full.item(), abs=1e-6)
+
+
+def test_gradient_flows_only_through_logp_new():
+    logits, tokens, mask, logp_old, adv = _random_problem(1)
+    logp_new = token_logprobs(logits, tokens).requires_grad_()
+    logp_old = logp_old.clone().requires_grad_()
+    adv = adv.clone().requires_grad_()
+    loss, _ = policy_loss(logp_new, logp_old, adv, mask)
+    loss.backward()
+    assert logp_old.grad is None
+    assert adv.grad is None
+    assert logp_new.grad is not None and logp_new.grad.abs().sum() > 0
+    assert torch.all(logp_new.grad[mask == 0] == 0)  # padding gets no gradient
+
+
+def test_masked_padding_values_do_not_leak():
+    # -inf log-probs on padding (a common fill value) must not turn the loss into NaN
+    logp_old = torch.tensor([[-1.0, float("-inf")]], dtype=torch.float64)
+    logp_new = torch.tensor([[-1.0, float("-inf")]], dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(logp_new, logp_old, torch.tensor([2.0], dtype=torch.float64), torch.tensor([[1, 0]]))
+    assert loss.item() == pytest.approx(-2.0)
+    loss.backward()
+    assert torch.isfinite(logp_new.grad).all()
+
+
+def test_empty_mask_and_bad_inputs():
+    z = torch.zeros(2, 3)
+    loss, stats = policy_loss(z.clone().requires_grad_(), z, torch.ones(2), torch.zeros(2, 3))
+    assert loss.item() == 0.0 and stats["n_tokens"] == 0 and math.isnan(stats["clip_frac"])
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        policy_loss(z, z, torch.ones(3), torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"must all be \(B, T\)"):
+        policy_loss(z, torch.zeros(2, 4), torch.ones(2), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="clip_low"):
+        policy_loss(z, z, torch.ones(2), torch.ones(2, 3), clip_low=1.0)
+    with pytest.raises(ValueError, match="count"):
+        policy_loss(z, z, torch.ones(2), torch.ones(2, 3), token_count=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-level helpers and KL
+# ---------------------------------------------------------------------------------------------
+
+
+def test_masked_mean():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    assert float(masked_mean(x, mask)) == pytest.approx((1 + 2 + 5 + 6) / 4)
+    assert float(masked_mean(x, mask, count=10)) == pytest.approx(14 / 10)
+    assert float(masked_mean(x, torch.zeros(2, 3))) == 0.0
+
+
+def test_token_logprobs_matches_manual():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 5, (2, 3), generator=g)
+    out = token_logprobs(logits, tokens)
+    for b in range(2):
+        for t in range(3):
+            row = logits[b, t].tolist()
+            expected = row[int(tokens[b, t])] - math.log(sum(math.exp(x) for x in row))
+            assert float(out[b, t]) == pytest.approx(expected, abs=1e-12)
+    half = token_logprobs(logits.to(torch.bfloat16), tokens)
+    assert half.dtype == torch.float32  # low-precision logits are upcast
+
+
+def test_entropy():
+    v = 17
+    uniform = entropy_from_logits(torch.full((2, 3, v), 0.7))
+    torch.testing.assert_close(uniform, torch.full((2, 3), math.log(v)))
+    peaked = torch.full((1, 1, v), -1e4)
+    peaked[0, 0, 3] = 0.0
+    assert float(entropy_from_logits(peaked)) == pytest.approx(0.0, abs=1e-6)
+    logits = torch.randn(1, 1, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    p = torch.softmax(logits[0, 0], -1).tolist()
+    assert float(entropy_from_logits(logits)) == pytest.approx(-sum(q * math.log(q) for q in p), abs=1e-12)
+
+
+def test_kl_estimators():
+    g = torch.Generator().manual_seed(5)
+    logp = -torch.rand(3, 4, generator=g, dtype=torch.float64) * 2
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    for kind in ("k1", "k2", "k3"):
+        assert torch.equal(kl_penalty(logp, logp.clone(), mask, kind), torch.zeros(3, 4, dtype=torch.float64))
+
+    ref = logp + 0.5 * torch.randn(3, 4, generator=g, dtype=torch.float64)
+    d = (ref - logp)[0, 0].item()  # log(ref / pi)
+    assert float(kl_penalty(logp, ref, mask, "k1")[0, 0]) == pytest.approx(-d)
+    assert float(kl_penalty(logp, ref, mask, "k2")[0, 0]) == pytest.approx(0.5 * d * d)
+    k3 = kl_penalty(logp, ref, mask, "k3")
+    assert float(k3[0, 0]) == pytest.approx(math.exp(d) - 1 - d)
+    assert torch.all(k3 >= 0) and torch.all(k3[mask == 0] == 0)
+
+    # gradient through logp only
+    lp = logp.clone().requires_grad_()
+    rf = ref.clone().requires_grad_()
+    masked_mean(kl_penalty(lp, rf, mask, "k3"), mask).backward()
+    assert rf.grad is None and lp.grad.abs().sum() > 0
+
+    with pytest.raises(ValueError, match=r"k1.*k2.*k3"):
+        kl_penalty(logp, ref, mask, "k9")

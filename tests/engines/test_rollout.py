@@ -1,0 +1,183 @@
+"""Rollout backends: vLLM on CPU against transformers, reloads, per-prompt n, seeds."""
+
+from __future__ import annotations
+
+import pytest
+from char_prompts import char_ids
+
+from coba_tasks.engines.rollout import (
+    RolloutRequest,
+    SamplingConfig,
+    backends,
+    make_backend,
+    rollout_seed,
+)
+
+PROMPTS = ["37+58=", "1+2=", "99*9=", "(4-7)*3=", "12+"]
+GREEDY = SamplingConfig(temperature=0.0, max_tokens=8)
+SAMPLE = SamplingConfig(temperature=1.0, max_tokens=8)
+
+
+def requests(n: int | list[int], seed_step: int = 0) -> list[RolloutRequest]:
+    sizes = n if isinstance(n, list) else [n] * len(PROMPTS)
+    return [
+        RolloutRequest(f"p{i}", char_ids(p), n=k, seed=rollout_seed(7, seed_step, f"p{i}"), prompt=p)
+        for i, (p, k) in enumerate(zip(PROMPTS, sizes, strict=True))
+    ]
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(random_checkpoints):
+    a, _ = random_checkpoints
+    engine = make_backend("vllm", a, dtype="float32", max_model_len=64, seed=0)
+    yield engine
+    engine.close()
+
+
+def test_registry_and_bad_input(tmp_path):
+    assert backends() == ["transformers", "vllm", "vllm-ray"]
+    with pytest.raises(ValueError, match=r"unknown rollout backend 'sglang'.*transformers, vllm"):
+        make_backend("sglang", tmp_path)
+    with pytest.raises(ValueError, match="not a Hugging Face model directory"):
+        make_backend("transformers", tmp_path)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(temperature=-1.0)
+
+
+def test_rollout_seed_is_stable_and_distinct():
+    assert rollout_seed(1, 2, "a") == rollout_seed(1, 2, "a")
+    seeds = {rollout_seed(1, s, p) for s in range(20) for p in ("a", "b", "c")}
+    assert len(seeds) == 60
+    assert all(0 <= s < 2**31 for s in seeds)
+
+
+@pytest.mark.slow
+def test_vllm_greedy_equals_transformers_then_follows_reloaded_weights(vllm_engine, random_checkpoints):
+    a, b = random_checkpoints
+    hf = make_backend("transformers", a)
+    v_rows = vllm_engine.generate(requests(1), GREEDY)
+    h_rows = hf.generate(requests(1), GREEDY)
+    assert [r.token_ids for r in v_rows] == [r.token_ids for r in h_rows]
+    assert [r.completion for r in v_rows] == [r.completion for r in h_rows]
+    assert {r.weight_version for r in v_rows} == {0}
+
+    vllm_engine.load_weights(b, version=3)
+    hf_b = make_backend("transformers", b)
+    v_rows_b = vllm_engine.generate(requests(1), GREEDY)
+    h_rows_b = hf_b.generate(requests(1), GREEDY)
+    assert [r.token_ids for r in v_rows_b] == [r.token_ids for r in h_rows_b]
+    assert [r.token_ids for r in v_rows_b] != [r.token_ids for r in v_rows]  # the weights did change
+    assert {r.weight_version for r in v_rows_b} == {3}
+    vllm_engine.load_weights(a, version=0)
+    assert [r.token_ids for r in vllm_engine.generate(requests(1), GREEDY)] == [r.token_ids for r in v_rows]
+
+
+@pytest.mark.slow
+def test_vllm_per_prompt_group_sizes_and_seeds(vllm_engine):
+    sizes = [2, 7, 3, 16, 5]
+    rows = vllm_engine.generate(requests(sizes), SAMPLE)
+    by_prompt = {}
+    for r in rows:
+        by_prompt.setdefault(r.prompt_id, []).append(r.sample_idx)
+    assert [len(by_prompt[f"p{i}"]) for i in range(5)] == sizes
+    assert all(v == list(range(len(v))) for v in by_prompt.values())
+    assert all(r.n_tokens == len(r.token_ids) and r.finish_reason in ("stop", "length") for r in rows)
+    again = vllm_engine.generate(requests(sizes), SAMPLE)
+    assert [r.token_ids for r in again] == [r.token_ids for r in rows]  # same seeds, same completions
+    # a prompt's group does not depend on the other prompts in the batch
+    alone = vllm_engine.generate(requests(sizes)[3:4], SAMPLE)
+    assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == "p3"]
+    other_step = vllm_engine.generate(requests(sizes, seed_step=1), SAMPLE)
+    assert [r.token_ids for r in other_step] != [r.token_ids for r in rows]
+    assert len({r.token_ids for r in rows if r.prompt_id == "p3"}) > 1  # samples within a group differ
+
+
+def test_transformers_backend_group_sizes_and_seeds(random_checkpoints):
+    a, _ = random_checkpoints
+    hf = make_backend("transformers", a)
+    sizes = [2, 3, 1, 4, 2]
+    rows = hf.generate(requests(sizes), SAMPLE)
+    assert [sum(r.prompt_id == f"p{i}" for r in rows) for i in range(5)] == sizes
+    assert [r.token_ids for r in hf.generate(requests(sizes), SAMPLE)] == [r.token_ids for r in rows]
+    alone = hf.generate(requests(sizes)[3:4], SAMPLE)
+    assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == "p3"]
+
+
+@pytest.mark.slow
+def test_vllm_reload_drops_the_prefix_cache(random_checkpoints):
+    """A prompt that fills a KV block leaves it in vLLM's prefix cache; those blocks were computed with
+    the old weights, so after a reload they must not be reused (32-token blocks: the CPU's smallest)."""
+    a, b = random_checkpoints
+    long_prompt = [RolloutRequest("long", char_ids("12+34+56+78+90+12+34+56+78+90+11+22+33+44="), 1, 0)]  # 42 tokens
+    engine = make_backend("vllm", a, dtype="float32", max_model_len=64, seed=0, extra={"block_size": 32})
+    try:
+        engine.generate(long_prompt, GREEDY)
+        engine.load_weights(b, version=1)
+        after = engine.generate(long_prompt, GREEDY)
+    finally:
+        engine.close()
+    expected = make_backend("transformers", b).generate(long_prompt, GREEDY)
+    assert after[0].token_ids == expected[0].token_ids
+
+
+def _teacher_forced(model_dir, prompt_ids, completion_ids) -> list[float]:
+    """transformers' log p of each completion token given the prompt (float32), as the trainer computes it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+    with torch.no_grad():
+        logp = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)  # (T-1, V)
+    rows = torch.arange(len(prompt_ids) - 1, ids.shape[1] - 1)
+    return logp[rows, ids[0, len(prompt_ids) :]].tolist()
+
+
+@pytest.mark.slow
+def test_sampler_logprobs_equal_the_models_log_p_of_the_sampled_tokens(vllm_engine, random_checkpoints):
+    a, _ = random_checkpoints
+    for backend in (vllm_engine, make_backend("transformers", a)):
+        rows = backend.generate(requests([3, 2, 1, 2, 2]), SAMPLE)
+        by_id = {r.prompt_id: r for r in requests(1)}
+        for r in rows:
+            assert len(r.logprobs) == r.n_tokens > 0
+            expected = _teacher_forced(a, by_id[r.prompt_id].prompt_token_ids, r.token_ids)
+            assert r.logprobs == pytest.approx(expected, abs=1e-4), (backend.name, r.prompt_id, r.sample_idx)
+
+
+@pytest.mark.slow
+def test_vllm_reload_of_a_model_with_tied_embeddings_follows_the_new_weights(tied_checkpoints):
+    """Tied input/output embeddings: the output projection has no tensor of its own in the checkpoint;
+    after an in-place reload vLLM must still multiply by the new embedding (greedy equals transformers')."""
+    a, b = tied_checkpoints
+    engine = make_backend("vllm", a, dtype="float32", max_model_len=64, seed=0)
+    try:
+        before = engine.generate(requests(1), GREEDY)
+        engine.load_weights(b, version=1)
+        after = engine.generate(requests(1), GREEDY)
+    finally:
+        engine.close()
+    expected = make_backend("transformers", b).generate(requests(1), GREEDY)
+    # a random model with tied embeddings mostly repeats its input, so greedy tokens alone say little:
+    # the log-probabilities of those tokens tell the old output projection from the new one
+    assert [r.token_ids for r in after] == [r.token_ids for r in expected]
+    for got, want, old in zip(after, expected, before, strict=True):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        assert old.logprobs != pytest.approx(want.logprobs, abs=1e-2)  # the weights did change
+
+
+@pytest.mark.slow
+def test_vllm_groups_stay_a_function_of_their_seed_when_prompts_exceed_a_prefill_chunk(vllm_engine):
+    """Hundreds of sampled sequences of 40-token prompts: more prompt tokens than one engine step takes.
+    vLLM on CPU split such prefills into chunks, and a seeded request with a chunked prefill crashed the
+    engine ("CPU Generator does not use offset"); a group must also not depend on the rest of the batch."""
+    prompts = ["+".join(str(10 + k + 7 * i) for i in range(12)) + "=" for k in range(120)]
+    assert min(len(p) for p in prompts) >= 32  # 120 prompts x 4 samples x >= 32 tokens: > 15,000 prompt tokens
+    reqs = [
+        RolloutRequest(f"q{k}", char_ids(p), 4, rollout_seed(3, 0, f"q{k}"), prompt=p) for k, p in enumerate(prompts)
+    ]
+    rows = vllm_engine.generate(reqs, SAMPLE)
+    assert len(rows) == 480
+    for k in (0, 77, 119):
+        alone = vllm_engine.generate(reqs[k : k + 1], SAMPLE)
+        assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == f"q{k}"]

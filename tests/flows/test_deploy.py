@@ -1,0 +1,281 @@
+"""End to end on a real Prefect server: prefect.yaml's deployments, a process worker, a training run.
+
+The commands of docs/workers.md, run as subprocesses: ``prefect server start`` (temporary
+PREFECT_HOME, a free port), ``prefect work-pool create coba-process --type process``, ``prefect
+deploy --all`` from the project directory, ``prefect worker start --pool coba-process`` (started in
+another directory: the deployments' pull step moves each flow run to the project), then
+``prefect deployment run`` of coba-train on a tiny config and coba-eval on the run's last
+checkpoint. Everything the runs write lands in tmp_path. The server's, the worker's and every
+command's output go to files in tmp_path; their tails are printed when something fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage
+
+PROJECT = Path(__file__).resolve().parents[2]
+PREFECT = [sys.executable, "-m", "prefect"]
+FLOW_RUN_TIMEOUT_S = 300
+DEPLOYMENTS = ("coba-train/coba-train", "coba-bootstrap/coba-bootstrap", "coba-eval/coba-eval")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    if not path.exists():
+        return f"--- {path.name}: (no file)"
+    text = path.read_text(errors="replace").splitlines()[-lines:]
+    return f"--- last {len(text)} lines of {path.name}:\n" + "\n".join(text)
+
+
+class Processes:
+    """The subprocesses of one test, each in its own process group, with its output in a log file."""
+
+    def __init__(self, logs: Path, env: dict[str, str]) -> None:
+        self.logs, self.env = logs, env
+        self.started: list[tuple[str, subprocess.Popen]] = []
+        self.log_files: list[Path] = []
+
+    def log(self, name: str) -> Path:
+        path = self.logs / f"{name}.log"
+        self.log_files.append(path)
+        return path
+
+    def start(self, name: str, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        with open(self.log(name), "wb") as out:
+            proc = subprocess.Popen(
+                args, cwd=cwd, env=env or self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.started.append((name, proc))
+        return proc
+
+    def run(self, name: str, args: list[str], cwd: Path, timeout: float = 180) -> str:
+        """Run a command to completion; its output (also in <name>.log) if it succeeds, else fail."""
+        path = self.log(name)
+        with open(path, "wb") as out:
+            rc = subprocess.run(
+                args, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
+        text = path.read_text(errors="replace")
+        assert rc == 0, f"{' '.join(args[2:])} exited {rc}:\n{tail(path)}"
+        return text
+
+    def stop_all(self) -> None:
+        """SIGINT, then SIGTERM, then SIGKILL to each process group, latest first (the worker before the server).
+
+        The server stops on SIGINT in seconds; the worker (Prefect 3.7.7) often waits after the first
+        signal and kills itself on the second.
+        """
+        for _, proc in reversed(self.started):
+            for sig, wait_s in ((signal.SIGINT, 5), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            # children of the group (flow runs, vLLM, verifier workers) outliving their parent
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def tails(self) -> str:
+        return "\n".join(tail(p) for p in self.log_files)
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"prefect server exited with {server.returncode}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"prefect server did not answer {url}/health within {timeout_s} s")
+
+
+def flow_run_id(output: str) -> uuid.UUID:
+    found = re.search(r"UUID: ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})", output)
+    assert found, f"no flow run id in the output of prefect deployment run:\n{output}"
+    return uuid.UUID(found.group(1))
+
+
+def wait_final(client, run_id: uuid.UUID, worker: subprocess.Popen, timeout_s: float = FLOW_RUN_TIMEOUT_S):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = client.read_flow_run(run_id)
+        if run.state is not None and run.state.is_final():
+            return run
+        assert worker.poll() is None, f"the worker exited with {worker.returncode} during flow run {run_id}"
+        time.sleep(2)
+    raise AssertionError(f"flow run {run_id} not finished within {timeout_s} s (state {run.state_name})")
+
+
+def artifact_keys(client, run_id: uuid.UUID) -> set[str]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    return {a.key for a in artifacts if a.key}
+
+
+def write_tiny_config(tmp_path: Path, model: Path) -> Path:
+    """configs/tiny-test.yaml with the random model, 6 training prompts, 2 steps, absolute data paths."""
+    cfg = yaml.safe_load((PROJECT / "configs" / "tiny-test.yaml").read_text())
+    cfg.setdefault("model", {})["path"] = str(model)
+    cfg.setdefault("run", {})["steps"] = 2
+    cfg.setdefault("data", {}).update(
+        train=str(PROJECT / "data" / "arith_train.parquet"),
+        test=str(PROJECT / "data" / "arith_test.parquet"),
+        train_prompts=6,
+    )
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    t_start = time.monotonic()
+    model, _ = random_checkpoints  # made by conftest.make_random_checkpoint (seed 0)
+    config_path = write_tiny_config(tmp_path, model)
+    run_dir, eval_out = tmp_path / "run", tmp_path / "eval.parquet"
+    worker_dir = tmp_path / "worker-cwd"
+    worker_dir.mkdir()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env = {
+        **base,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": url,
+        "PREFECT_CLI_PROMPT": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",  # poll the pool every 2 s (default 10)
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "coba_tasks",
+        "PWD": str(PROJECT),  # what `{{ $PWD }}` in prefect.yaml's pull step reads at `prefect deploy`
+        "PREFECT_CLI_COLORS": "false",
+        "COLUMNS": "200",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
+    server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    procs = Processes(tmp_path, env)
+    try:
+        server = procs.start(
+            "server",
+            [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
+            cwd=tmp_path,
+            env=server_env,
+        )
+        wait_healthy(url, server)
+        t_server = time.monotonic()
+        procs.run("work-pool-create", [*PREFECT, "work-pool", "create", "coba-process", "--type", "process"], PROJECT)
+        procs.run("deploy", [*PREFECT, "deploy", "--all", "--no-prompt"], PROJECT)
+        t_deploy = time.monotonic()
+        worker = procs.start("worker", [*PREFECT, "worker", "start", "--pool", "coba-process"], cwd=worker_dir)
+
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                for name in DEPLOYMENTS:
+                    d = client.read_deployment_by_name(name)
+                    assert d.work_pool_name == "coba-process" and not d.schedules, name
+                    assert d.pull_steps == [
+                        {"prefect.deployments.steps.set_working_directory": {"directory": str(PROJECT)}}
+                    ], (name, d.pull_steps)
+
+                out = procs.run(
+                    "run-train",
+                    [
+                        *PREFECT,
+                        *("deployment", "run", "coba-train/coba-train"),
+                        *("--param", f"config_path={config_path}"),
+                        *("--param", "run_name=deploy-test"),
+                        *("--param", f"run_dir={run_dir}"),
+                    ],
+                    PROJECT,
+                )
+                train_id = flow_run_id(out)
+                run = wait_final(client, train_id, worker)
+                assert run.state.is_completed(), f"coba-train ended {run.state_name}: {run.state.message}"
+                t_train = time.monotonic()
+
+                store = RunStore.open(run_dir)
+                cfg = store.read_config()
+                assert cfg["run"]["name"] == "deploy-test"
+                m, g = cfg["data"]["prompts_per_step"], cfg["allocation"]["group_size"]
+                for step in range(2):
+                    manifest = store.manifest(step)
+                    for name in (*STEP_STAGES, Stage.HISTORY):
+                        assert name in manifest, (step, name)
+                        assert (run_dir / "steps" / f"{step:06d}" / f"{name}.parquet").is_file()
+                        assert manifest[name]["rows"] == len(store.read_table(step, name))
+                    budget = store.read_table(step, Stage.BUDGET)
+                    assert len(budget) == m and int(budget["budget"].sum()) == m * g
+                    assert len(store.read_table(step, Stage.ROLLOUTS)) == m * g
+                assert store.is_done(0, Stage.EVAL) and store.is_done(2, Stage.EVAL)  # held-out, before and after
+                assert (run_dir / "summary.json").is_file()
+                assert (store.checkpoint_dir(2) / "config.json").is_file()
+                assert not (PROJECT / "runs" / "deploy-test").exists()
+
+                keys = artifact_keys(client, train_id)
+                assert {"step-000000", "step-000001", "budget-step-000001"} <= keys, keys
+
+                out = procs.run(
+                    "run-eval",
+                    [
+                        *PREFECT,
+                        *("deployment", "run", "coba-eval/coba-eval"),
+                        *("--param", f"model_path={store.checkpoint_dir(2)}"),
+                        *("--param", "eval_prompts=10"),
+                        *("--param", "backend=transformers"),
+                        *("--param", f"out_path={eval_out}"),
+                    ],
+                    PROJECT,
+                )
+                eval_id = flow_run_id(out)
+                run = wait_final(client, eval_id, worker)
+                assert run.state.is_completed(), f"coba-eval ended {run.state_name}: {run.state.message}"
+                table = pd.read_parquet(eval_out)
+                assert len(table) == 10 and (table["weight_version"] == 2).all()
+                assert table["accuracy"].between(0, 1).all()
+                assert artifact_keys(client, eval_id) == {"eval-run-step-000002"}
+        t_end = time.monotonic()
+        print(
+            f"server up {t_server - t_start:.0f} s, pool + deploy {t_deploy - t_server:.0f} s, "
+            f"coba-train run {t_train - t_deploy:.0f} s, coba-eval run {t_end - t_train:.0f} s"
+        )
+    except BaseException:
+        print(procs.tails())
+        raise
+    finally:
+        t_stop = time.monotonic()
+        procs.stop_all()
+        print(f"worker and server stopped in {time.monotonic() - t_stop:.0f} s")

@@ -1,0 +1,331 @@
+"""Resume and rerun: a run killed inside each stage in turn, resumed, equals an uninterrupted run.
+
+The killed runs are separate processes (``coba run`` / ``coba resume``) that SIGKILL themselves
+inside a named stage (``COBA_KILL_AT=<step>:<stage>``, after the stage's work is done and before
+its table is recorded); they talk to the session's Prefect test server.
+
+The runs train the random tiny model on prompts scored by a reward it earns (tests/helpers_reward.py):
+every update moves the weights (checked), so a resume that lost the optimizer state or loaded the wrong
+checkpoint ends with other weights than the uninterrupted run. Subprocesses run through
+``python_with_first_char`` so that they score those prompts too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from helpers_reward import assert_updates_moved, data_overrides, python_with_first_char
+from safetensors.torch import load_file
+
+from coba_tasks.commands.cli import main as cli_main
+from coba_tasks.pipeline.config import config_to_dict, load_config
+from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
+from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+TABLES = (*STEP_STAGES, Stage.HISTORY, Stage.EVAL)
+
+
+def _overrides(model: Path, data: tuple[Path, Path]) -> list[str]:
+    """``data``: the ``first_char_data`` fixture's (train, test) files."""
+    base = [f"model.path={model}", "data.train_prompts=6", f"run.steps={STEPS}", "run.eval_every=1"]
+    return [*base, *data_overrides(data)]
+
+
+def _all_tables(store: RunStore) -> dict[tuple[int, str], pd.DataFrame]:
+    out = {}
+    for step in store.steps():
+        for name in store.manifest(step):
+            out[(step, name)] = store.read_table(step, name)
+    for name in ("prompts", "history"):
+        out[(-1, name)] = store.read_run_table(name)
+    return out
+
+
+def _assert_same_run(a: RunStore, b: RunStore, base_model: Path) -> None:
+    ta, tb = _all_tables(a), _all_tables(b)
+    assert sorted(ta) == sorted(tb)
+    for key in ta:
+        pd.testing.assert_frame_equal(ta[key], tb[key], check_exact=True, obj=str(key))
+    for step in range(1, STEPS + 1):  # the weights after every update, bit for bit
+        wa = load_file(str(a.checkpoint_dir(step) / "model.safetensors"))
+        wb = load_file(str(b.checkpoint_dir(step) / "model.safetensors"))
+        assert wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa), step
+    _assert_same_trainer_state(a, b)
+    for store in (a, b):  # and they are trained weights, not copies of the base model
+        assert_updates_moved(store, base_model, STEPS)
+
+
+def _assert_same_trainer_state(a: RunStore, b: RunStore, steps: int = STEPS) -> None:
+    """Every checkpoint's AdamW moments and step counts and trainer state, bit for bit.
+
+    Not the saved torch RNG state (``rng.torch``): the in-process engine's sampled rollouts advance the
+    global torch generator, so it depends on which stages this process ran (a resumed run skips the ones
+    done); nothing in the update draws from it (its shuffle has a generator of its own)."""
+    for step in range(1, steps + 1):
+        da, db = a.checkpoint_dir(step), b.checkpoint_dir(step)
+        oa, ob = (load_file(str(d / "trainer/optimizer.safetensors")) for d in (da, db))
+        assert oa.keys() == ob.keys(), step
+        assert all(torch.equal(oa[k], ob[k]) for k in oa if k != "rng.torch"), step
+        sa, sb = (json.loads((d / "trainer/trainer_state.json").read_text()) for d in (da, db))
+        assert sa == sb and sa["updates"] == step, step
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, prefect_harness, random_checkpoints, first_char_data) -> RunStore:
+    """An uninterrupted 3-step run (in this process)."""
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    cfg = load_config(ROOT / "configs/tiny-test.yaml", _overrides(model, first_char_data))
+    run_dir = tmp_path_factory.mktemp("baseline") / "run"
+    train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    return RunStore.open(run_dir)
+
+
+def _coba(args: list[str], kill_at: str | None, log: Path) -> int:
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()), PYTHONPATH=str(ROOT))
+    env.pop("COBA_KILL_AT", None)
+    if kill_at:
+        env["COBA_KILL_AT"] = kill_at
+    with open(log, "ab") as out:
+        proc = subprocess.run(
+            python_with_first_char("coba_tasks.commands.cli", *args),
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=out,
+            timeout=600,
+        )
+    return proc.returncode
+
+
+@pytest.mark.slow
+def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
+    tmp_path, baseline, random_checkpoints, first_char_data
+):
+    model, _ = random_checkpoints
+    run_dir = tmp_path / "run"
+    log = tmp_path / "coba.log"
+    start = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(run_dir)]
+    start += [a for o in _overrides(model, first_char_data) for a in ("--set", o)]
+    resume = ["resume", "--run-dir", str(run_dir)]
+    kills = [f"1:{s}" for s in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.BUDGET, Stage.UPDATE)]
+    store = RunStore(run_dir)
+    for i, kill in enumerate(kills):
+        rc = _coba(start if i == 0 else resume, kill, log)
+        assert rc == -signal.SIGKILL, (kill, rc, log.read_text()[-3000:])
+        step, stage = kill.split(":")
+        table_step = int(step) + 1 if stage == Stage.BUDGET else int(step)
+        assert not store.is_done(table_step, stage), kill  # killed before its table was recorded
+    assert not (run_dir / "summary.json").exists()
+    rc = _coba(resume, None, log)
+    assert rc == 0, log.read_text()[-3000:]
+    _assert_same_run(baseline, RunStore.open(run_dir), model)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    # a finished run: resume says so and changes nothing
+    rc = _coba(resume, None, log)
+    assert rc == 0 and "nothing to resume" in log.read_text()
+
+
+@pytest.mark.slow
+def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, random_checkpoints, capsys):
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    run_dir = tmp_path / "run"
+    shutil.copytree(baseline.root, run_dir)
+    store = RunStore.open(run_dir)
+    before = _all_tables(store)
+
+    assert cli_main(["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "rewards"]) == 0
+    out = capsys.readouterr().out
+    assert "steps/000001/rewards.parquet" in out and "steps/000002/update.parquet" in out
+    assert "steps/000001/rollouts.parquet" not in out and "nothing removed" in out
+    assert _all_tables(store).keys() == before.keys()  # without --yes nothing is touched
+
+    args = ["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "rewards"]
+    assert cli_main([*args, "--yes", "--no-resume"]) == 0
+    assert store.is_done(1, Stage.ROLLOUTS) and store.is_done(1, Stage.BUDGET) and store.is_done(1, Stage.EVAL)
+    assert not store.is_done(1, Stage.REWARDS) and not store.is_done(2, Stage.BUDGET)
+    assert not store.checkpoint_dir(2).exists() and store.checkpoint_dir(1).exists()
+    assert not store.is_done(2, Stage.EVAL)
+    assert not (run_dir / "summary.json").exists()
+
+    train_flow(run_dir=str(run_dir), resume=True)
+    after = _all_tables(store)
+    assert after.keys() == before.keys()
+    for key in before:
+        pd.testing.assert_frame_equal(before[key], after[key], check_exact=True, obj=str(key))
+    _assert_same_run(baseline, store, model)  # checkpoints 2 and 3 recomputed from checkpoint 1: the same
+
+    # a truncated table found on resume: --repair recomputes from it and the run is whole again
+    from coba_tasks.pipeline.rerun import damaged_tables, plan_repair
+
+    path = store.table_path(1, Stage.REWARDS)
+    path.write_bytes(path.read_bytes()[:100])
+    assert [(s, n) for s, n, _ in damaged_tables(store)] == [(1, "rewards")]
+    apply_rerun(store, plan_repair(store))  # what `coba resume --repair` does before resuming
+    train_flow(run_dir=str(run_dir), resume=True)
+    assert damaged_tables(store) == []
+    repaired = _all_tables(store)
+    for key in before:
+        pd.testing.assert_frame_equal(before[key], repaired[key], check_exact=True, obj=str(key))
+    _assert_same_run(baseline, store, model)
+
+
+def _fake_run(root: Path, steps: int = 3) -> RunStore:
+    """A run directory with every table of ``steps`` steps (tiny frames) and checkpoint dirs."""
+    store = RunStore(root)
+    store.create({"run": {"steps": steps}}, "h", {})
+    df = pd.DataFrame({"x": [1]})
+    store.write_table(0, Stage.BUDGET, df)
+    store.write_table(0, Stage.EVAL, df)
+    for t in range(steps):
+        for name in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.HISTORY, Stage.UPDATE):
+            store.write_table(t, name, df)
+        store.write_table(t + 1, Stage.BUDGET, df)
+        store.checkpoint_dir(t + 1).mkdir(parents=True)
+    store.write_table(steps, Stage.EVAL, df)
+    store.write_json("summary.json", {"steps": steps})
+    return store
+
+
+def test_plan_rerun_orders_outputs_as_computed(tmp_path):
+    store = _fake_run(tmp_path / "r")
+    plan = plan_rerun(store, 1, Stage.CAPABILITY)
+    assert plan.tables == [
+        (1, "capability"),
+        (1, "history"),
+        (2, "budget"),
+        (1, "update"),
+        (2, "rollouts"),
+        (2, "rewards"),
+        (2, "capability"),
+        (2, "history"),
+        (3, "budget"),
+        (2, "update"),
+        (3, "eval"),
+    ]
+    assert [p.name for p in plan.checkpoints] == ["000002", "000003"]
+    assert [p.name for p in plan.files] == ["summary.json"]
+    # the budget in steps/2 was allocated during step 1: it invalidates step 1's update onwards, not capability(1)
+    plan = plan_rerun(store, 2, Stage.BUDGET)
+    assert plan.tables[:2] == [(2, "budget"), (1, "update")] and (1, "capability") not in plan.tables
+    # budget(0) invalidates every step but not the evaluation of the starting model
+    plan = plan_rerun(store, 0, Stage.BUDGET)
+    assert (0, "eval") not in plan.tables and (0, "rollouts") in plan.tables and len(plan.checkpoints) == 3
+    # a held-out evaluation is read by nothing
+    assert plan_rerun(store, 3, Stage.EVAL).tables == [(3, "eval")]
+
+
+def test_apply_rerun_removes_exactly_the_plan(tmp_path):
+    store = _fake_run(tmp_path / "r")
+    plan = plan_rerun(store, 2, Stage.UPDATE)
+    apply_rerun(store, plan)
+    assert not store.is_done(2, Stage.UPDATE) and not store.is_done(3, Stage.EVAL)
+    assert store.is_done(2, Stage.CAPABILITY) and store.is_done(3, Stage.BUDGET)  # budget(3) precedes update(2)
+    assert not store.checkpoint_dir(3).exists() and store.checkpoint_dir(2).exists()
+    assert not (store.root / "summary.json").exists()
+    assert not (store.step_dir(2) / "update.parquet").exists()
+
+
+def test_plan_rerun_errors(tmp_path):
+    store = _fake_run(tmp_path / "r", steps=1)
+    with pytest.raises(ValueError, match="not done at step 4"):
+        plan_rerun(store, 4, Stage.REWARDS)
+    with pytest.raises(ValueError, match="unknown stage 'loss'"):
+        plan_rerun(store, 0, "loss")
+
+
+def test_resume_refuses_other_schema_version(tmp_path, capsys):
+    store = _fake_run(tmp_path / "r", steps=1)
+    info = json.loads((store.root / "run.json").read_text())
+    info["schema_version"] = 0
+    (store.root / "run.json").write_text(json.dumps(info))
+    assert cli_main(["resume", "--run-dir", str(store.root)]) == 2
+    err = capsys.readouterr().err
+    assert "schema version 0" in err and "this build reads version" in err and "Traceback" not in err
+    assert cli_main(["rerun", "--run-dir", str(tmp_path / "missing"), "--step", "0", "--stage", "rewards"]) == 2
+    assert "no run here" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(
+    tmp_path, baseline, random_checkpoints, first_char_data
+):
+    """A stage fails (after its task retry); `prefect flow-run retry` finishes the run without redoing done stages."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    from coba_tasks.pipeline.run import FAIL_FILE_ENV
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    cfg = load_config(ROOT / "configs/tiny-test.yaml", _overrides(model, first_char_data))
+    run_dir = tmp_path / "run"
+    fail = tmp_path / "fail-at"
+    fail.write_text("1:rewards")
+    os.environ[FAIL_FILE_ENV] = str(fail)
+    try:
+        state = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg), return_state=True)
+    finally:
+        del os.environ[FAIL_FILE_ENV]
+    assert state.is_failed()
+    store = RunStore.open(run_dir)
+    assert store.is_done(1, Stage.ROLLOUTS) and not store.is_done(1, Stage.REWARDS)
+    written = {(s, n): e["written_at"] for s in store.steps() for n, e in store.manifest(s).items()}
+
+    fail.unlink()  # the failure goes away; retry the same flow run
+    flow_run_id = state.state_details.flow_run_id
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()), PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        python_with_first_char(
+            "prefect", "flow-run", "retry", str(flow_run_id), "--entrypoint", "flows/train.py:train_flow"
+        ),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).state.is_completed()
+    for key, when in written.items():  # what was done before the failure was not recomputed
+        assert store.manifest(key[0])[key[1]]["written_at"] == when, key
+    _assert_same_run(baseline, store, model)
+
+
+def test_damaged_tables_are_found_and_repair_plans_from_the_first(tmp_path, capsys):
+    from coba_tasks.pipeline.rerun import damaged_tables, plan_repair
+
+    store = _fake_run(tmp_path / "r")
+    assert damaged_tables(store) == [] and plan_repair(store) is None
+    path = store.table_path(2, Stage.REWARDS)
+    path.write_bytes(path.read_bytes()[:-7])  # truncated
+    altered = store.table_path(1, Stage.HISTORY)
+    data = bytearray(altered.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped, same size
+    altered.write_bytes(bytes(data))
+    found = damaged_tables(store)
+    assert [(s, n) for s, n, _ in found] == [(1, "history"), (2, "rewards")]
+    assert "does not match the manifest" in found[0][2] and "truncated" in found[1][2]
+    plan = plan_repair(store)  # a damaged history is recomputed by its step's capability stage
+    assert plan.tables[0] == (1, "capability") and (2, "rewards") in plan.tables and (1, "rewards") not in plan.tables
+
+    assert cli_main(["resume", "--run-dir", str(store.root)]) == 2
+    err = capsys.readouterr().err
+    assert "2 damaged table(s), the first at step 1 (history)" in err and "coba resume --repair" in err

@@ -1,0 +1,587 @@
+"""Run config: loading, overrides, type coercion, range and cross-field checks, saving, hashing."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coba_tasks.core.allocation import coba_solvers, strategies
+from coba_tasks.engines.rollout import backends
+from coba_tasks.pipeline.config import (
+    DEFAULT_CONFIG_PATH,
+    HASH_NEUTRAL_DEFAULTS,
+    PROJECT_ROOT,
+    SECTIONS,
+    AllocationConfig,
+    Config,
+    ConfigError,
+    OptimConfig,
+    RunConfig,
+    apply_overrides,
+    check_paths,
+    config_from_dict,
+    config_hash,
+    config_to_dict,
+    dump_config,
+    load_config,
+)
+
+CONFIGS = PROJECT_ROOT / "configs"
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def all_keys() -> list[str]:
+    return [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading the shipped configs and the defaults
+
+
+def test_defaults_are_the_documented_values():
+    cfg = Config()
+    assert (cfg.run.name, cfg.run.seed, cfg.run.steps, cfg.run.eval_every) == ("demo", 0, 20, 5)
+    assert (cfg.run.eval_samples, cfg.run.eval_temperature) == (1, 0.0)
+    assert (cfg.data.prompts_per_step, cfg.data.eval_prompts, cfg.data.shuffle) == (32, 0, True)
+    assert (cfg.model.path, cfg.model.dtype) == ("models/arith-tiny", "float32")
+    assert (cfg.rollout.backend, cfg.rollout.max_tokens, cfg.rollout.in_process) == ("vllm", 12, None)
+    a = cfg.allocation
+    assert (a.strategy, a.mode, a.solver, a.group_size, a.min_budget, a.max_budget) == (
+        "coba",
+        "paper",
+        "heap",
+        16,
+        2,
+        128,
+    )
+    assert (a.tau, a.kappa, a.gamma, a.capability_window, a.pass_rate_window) == ("adaptive", 11.0, 10.0, 1, 1)
+    o = cfg.optim
+    assert (o.lr, o.betas, o.clip_low, o.clip_high, o.kl_coef, o.micro_batch_size) == (
+        1e-4,
+        (0.9, 0.999),
+        0.2,
+        0.28,
+        0.0,
+        64,
+    )
+    assert (cfg.verify.workers, cfg.verify.timeout_s) == (2, 5.0)
+    assert cfg.data.on_bad_rows == "error"
+    assert cfg.budget_per_step() == 32 * 16
+
+
+def test_empty_file_gives_the_defaults(tmp_path):
+    assert load_config(write(tmp_path, "# nothing\n")) == Config()
+    assert load_config(write(tmp_path, "optim:\n", "empty-section.yaml")) == Config()
+
+
+def test_demo_yaml_is_the_default_and_spells_out_every_key():
+    cfg = load_config()
+    assert cfg == load_config(DEFAULT_CONFIG_PATH) == load_config(CONFIGS / "demo.yaml")
+    assert (cfg.run.steps, cfg.run.eval_every, cfg.data.prompts_per_step, cfg.allocation.group_size) == (24, 6, 128, 16)
+    assert cfg.budget_per_step() == 2048
+    assert cfg.allocation.strategy == "coba" and cfg.optim.lr == 1e-4
+    r = cfg.run
+    assert (r.eval_samples, r.eval_temperature, r.eval_top_p, r.eval_greedy) == (16, 1.0, 0.9, True)  # avg@16
+    raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+    assert list(raw) == list(SECTIONS)
+    assert sorted(f"{s}.{k}" for s, body in raw.items() for k in body) == sorted(all_keys())
+
+
+def test_tiny_test_yaml_is_small():
+    cfg = load_config(CONFIGS / "tiny-test.yaml")
+    assert cfg.run.name != Config().run.name  # its own run directory
+    assert (cfg.run.steps, cfg.run.eval_every) == (2, 0)
+    assert (cfg.data.prompts_per_step, cfg.data.eval_prompts) == (4, 10)
+    assert (cfg.allocation.group_size, cfg.allocation.max_budget) == (4, 8)
+    assert (cfg.optim.micro_batch_size, cfg.rollout.max_tokens) == (8, 8)
+    assert cfg.budget_per_step() == 16
+
+
+def test_shipped_configs_point_at_shipped_files():
+    for name in ("demo.yaml", "tiny-test.yaml"):
+        cfg = load_config(CONFIGS / name)
+        assert (PROJECT_ROOT / cfg.data.train).is_file() and (PROJECT_ROOT / cfg.data.test).is_file()
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optim.lr = 1.0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.run = RunConfig()  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides and type coercion
+
+
+def test_overrides_with_dotted_keys_and_types():
+    cfg = load_config(
+        None,
+        [
+            "optim.lr=3e-5",  # PyYAML reads this as a string; a float field takes it
+            "optim.clip_high=1",  # int -> float
+            "optim.betas=[0.8, 0.99]",
+            "data.prompts_per_step=4",
+            "data.shuffle=false",
+            "allocation.tau=4",
+            "allocation.strategy=uniform",
+            "rollout.in_process=true",
+            "run.name=2024",  # plain string fields take the text verbatim
+            " run.seed = 7 ",
+        ],
+    )
+    assert cfg.optim.lr == 3e-5 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.clip_high == 1.0 and isinstance(cfg.optim.clip_high, float)
+    assert cfg.optim.betas == (0.8, 0.99)
+    assert cfg.data.prompts_per_step == 4 and cfg.data.shuffle is False
+    assert cfg.allocation.tau == 4.0 and isinstance(cfg.allocation.tau, float)
+    assert cfg.allocation.strategy == "uniform"
+    assert cfg.rollout.in_process is True
+    assert cfg.run.name == "2024" and cfg.run.seed == 7
+    assert cfg.budget_per_step() == 4 * 16
+    # untouched keys keep the file's values
+    assert cfg.run.steps == 24 and cfg.optim.kl_coef == 0.0
+
+
+def test_later_override_wins_and_null_resets_optional():
+    cfg = load_config(None, ["optim.lr=1e-3", "optim.lr=2e-3", "rollout.in_process=true", "rollout.in_process=null"])
+    assert cfg.optim.lr == 2e-3 and cfg.rollout.in_process is None
+
+
+def test_float_strings_in_files_are_numbers(tmp_path):
+    cfg = load_config(write(tmp_path, "optim:\n  lr: 1e-5\n  eps: '1e-6'\nallocation:\n  tau: '2.5'\n"))
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.allocation.tau) == (1e-5, 1e-6, 2.5)
+
+
+def test_apply_overrides_gives_a_new_validated_config():
+    base = load_config()
+    other = apply_overrides(base, ["allocation.strategy=knapsack"])
+    assert other.allocation.strategy == "knapsack" and base.allocation.strategy == "coba"
+    assert dataclasses.replace(other, allocation=base.allocation) == base
+    with pytest.raises(ConfigError, match=r"allocation\.strategy"):
+        apply_overrides(base, ["allocation.strategy=best"])
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("optim.lrr=1", r"unknown config key 'optim\.lrr'.*did you mean 'lr'.*valid keys of optim: lr, weight_decay"),
+        ("optimiser.lr=1", r"unknown config section 'optimiser'.*valid sections: run, data, model"),
+        ("lr=1", r"unknown config section 'lr'"),
+        ("optim.lr", r"must look like section\.key=value"),
+    ],
+)
+def test_unknown_override_keys_name_the_dotted_key(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, [override])
+
+
+def test_unknown_keys_in_a_file_name_the_file_and_key(tmp_path):
+    path = write(tmp_path, "optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'optim\.learning_rate' in .*c\.yaml.*valid keys of optim"
+    ):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"unknown config section 'trainer' in .*c\.yaml"):
+        load_config(write(tmp_path, "trainer:\n  lr: 0.1\n"))
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("optim.lr=fast", r"optim\.lr: expected a number, got 'fast' \(str\)"),
+        ("optim.lr=true", r"optim\.lr: expected a number, got True \(bool\)"),
+        ("optim.lr=.nan", r"optim\.lr: expected a finite number"),
+        ("optim.lr=1e999", r"optim\.lr: expected a finite number"),
+        ("run.steps=2.5", r"run\.steps: expected an integer, got 2\.5 \(float\)"),
+        ("run.steps=true", r"run\.steps: expected an integer, got True \(bool\)"),
+        ("data.shuffle=1", r"data\.shuffle: expected true or false, got 1 \(int\)"),
+        ("optim.betas=0.9", r"optim\.betas: expected a list of 2 numbers, got 0\.9 \(float\)"),
+        ("optim.betas=[0.9, x]", r"optim\.betas\[1\]: expected a number, got 'x'"),
+        ("rollout.in_process=maybe", r"rollout\.in_process: expected true or false or null, got 'maybe'"),
+        ("allocation.tau=[1]", r"allocation\.tau: expected a string or a number, got \[1\]"),
+        ("allocation.tau=fast", r"allocation\.tau = 'fast': must be 'adaptive' or a positive number"),
+        ("optim.lr=[1, 2", r"--set optim\.lr:1:\d+: invalid YAML"),
+    ],
+)
+def test_wrong_types_name_key_expected_type_and_value(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, [override])
+
+
+def test_wrong_type_in_a_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"run\.name: expected a string, got 2024 \(int\)"):
+        load_config(write(tmp_path, "run:\n  name: 2024\n"))
+    with pytest.raises(ConfigError, match=r"config section 'optim' in .* must be a mapping"):
+        load_config(write(tmp_path, "optim: [1, 2]\n"))
+    with pytest.raises(ConfigError, match=r"expected a mapping of sections"):
+        load_config(write(tmp_path, "- run\n- data\n"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Range checks and cross-field checks
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("run.name=../evil", r"run\.name = '\.\./evil': must be one path component"),
+        ("run.name=.hidden", r"run\.name .*not starting with '\.'"),
+        ("run.name=a b", r"run\.name"),
+        ("run.seed=-1", r"run\.seed = -1: must be in \[0, "),
+        ("run.steps=0", r"run\.steps = 0: must be >= 1"),
+        ("run.eval_every=-1", r"run\.eval_every = -1: must be >= 0"),
+        ("run.eval_samples=0", r"run\.eval_samples = 0: must be >= 1"),
+        ("run.eval_temperature=0", r"run\.eval_samples = 16: .*needs run\.eval_temperature > 0"),
+        ("run.eval_temperature=-0.5", r"run\.eval_temperature = -0\.5: must be >= 0"),
+        ("data.prompts_per_step=0", r"data\.prompts_per_step = 0: must be >= 1"),
+        ("data.eval_prompts=-3", r"data\.eval_prompts = -3: must be >= 0"),
+        ("data.train=", r"data\.train = '': must name a Parquet file"),
+        ("data.on_bad_rows=ignore", r"data\.on_bad_rows = 'ignore': must be error .* or skip .*bad_rows\.parquet"),
+        ("model.dtype=fp8", r"model\.dtype = 'fp8': must be one of float32, bfloat16, float16, auto"),
+        ("rollout.backend=sglang", r"rollout\.backend = 'sglang': must be one of transformers, vllm"),
+        ("rollout.temperature=-1", r"rollout\.temperature = -1\.0: must be >= 0"),
+        ("rollout.top_p=0", r"rollout\.top_p = 0\.0: must be in \(0, 1\]"),
+        ("rollout.top_p=1.5", r"rollout\.top_p = 1\.5: must be in \(0, 1\]"),
+        ("rollout.max_tokens=0", r"rollout\.max_tokens = 0: must be >= 1"),
+        ("rollout.max_model_len=12", r"rollout\.max_model_len = 12: must exceed rollout\.max_tokens \(12\)"),
+        ("rollout.gpu_memory_utilization=1.2", r"rollout\.gpu_memory_utilization = 1\.2: must be in \(0, 1\]"),
+        ("allocation.strategy=best", r"allocation\.strategy = 'best': must be one of coba, knapsack, uniform"),
+        ("allocation.mode=fancy", r"allocation\.mode = 'fancy': must be one of paper, released"),
+        ("allocation.solver=lp", r"allocation\.solver = 'lp': must be one of dp, heap, threshold"),
+        ("allocation.min_budget=1", r"allocation\.min_budget = 1: .*a GRPO group of one rollout has no advantage"),
+        ("allocation.max_budget=1", r"allocation\.max_budget = 1: must be >= allocation\.min_budget \(2\)"),
+        ("allocation.tau=0", r"allocation\.tau = 0\.0: must be 'adaptive' or a positive number"),
+        ("allocation.kappa=2", r"allocation\.kappa = 2\.0: must be > 2"),
+        ("allocation.gamma=0", r"allocation\.gamma = 0\.0: must be > 0"),
+        ("allocation.capability_window=0", r"allocation\.capability_window = 0: must be >= 1"),
+        ("allocation.pass_rate_window=0", r"allocation\.pass_rate_window = 0: must be >= 1"),
+        ("optim.lr=0", r"optim\.lr = 0\.0: must be > 0"),
+        ("optim.weight_decay=-1e-2", r"optim\.weight_decay = -0\.01: must be >= 0"),
+        ("optim.betas=[0.9, 1.0]", r"optim\.betas = \[0\.9, 1\.0\]: must be two numbers in \[0, 1\)"),
+        ("optim.eps=0", r"optim\.eps = 0\.0: must be > 0"),
+        ("optim.max_grad_norm=0", r"optim\.max_grad_norm = 0\.0: must be > 0"),
+        ("optim.micro_batch_size=0", r"optim\.micro_batch_size = 0: must be >= 1"),
+        ("optim.clip_low=0", r"optim\.clip_low = 0\.0: must be in \(0, 1\)"),
+        ("optim.clip_low=1", r"optim\.clip_low = 1\.0: must be in \(0, 1\)"),
+        ("optim.clip_high=0", r"optim\.clip_high = 0\.0: must be > 0"),
+        ("optim.kl_coef=-0.1", r"optim\.kl_coef = -0\.1: must be >= 0"),
+        ("optim.update_epochs=0", r"optim\.update_epochs = 0: must be >= 1"),
+        ("optim.lr_warmup_steps=-1", r"optim\.lr_warmup_steps = -1: must be >= 0"),
+        ("verify.workers=0", r"verify\.workers = 0: must be >= 1"),
+        ("verify.timeout_s=0", r"verify\.timeout_s = 0\.0: must be > 0"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_fix(override, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        load_config(None, [override])
+    assert "\n" not in str(info.value)
+
+
+def test_values_at_the_edges_are_accepted():
+    cfg = load_config(
+        None,
+        [
+            "run.eval_every=0",
+            "run.eval_samples=4",
+            "run.eval_temperature=1.0",
+            "rollout.temperature=0",
+            "rollout.top_p=1",
+            "rollout.max_model_len=0",
+            "optim.kl_coef=0",
+            "optim.clip_high=1.5",
+            "allocation.tau=0.5",
+            "allocation.kappa=2.5",
+            "allocation.min_budget=16",
+            "allocation.max_budget=16",
+            "run.eval_every=100",  # larger than run.steps: allowed (evaluates only before and after)
+        ],
+    )
+    assert cfg.allocation.min_budget == cfg.allocation.group_size == cfg.allocation.max_budget == 16
+    assert cfg.run.eval_every > cfg.run.steps and cfg.rollout.max_model_len == 0
+
+
+def test_group_size_outside_the_bounds_is_infeasible_with_numbers():
+    with pytest.raises(ConfigError, match=r"group_size = 200 .*\[2, 128\].*B_total = M \* G = 128 \* 200 = 25600"):
+        load_config(None, ["allocation.group_size=200"])
+    with pytest.raises(ConfigError, match=r"group_size = 1 .*needs 256 <= B_total <= 16384"):
+        load_config(None, ["allocation.group_size=1"])
+    with pytest.raises(ConfigError, match=r"group_size = 16 .*\[20, 32\]"):
+        load_config(None, ["allocation.min_budget=20", "allocation.max_budget=32"])
+
+
+@pytest.mark.parametrize(
+    "name", ["..", ".", "../runs/x", "a/b", "/tmp/evil", "a\\b", "~", "x" * 201, "", " ", "run\nname", "a:b"]
+)
+def test_run_name_cannot_leave_the_runs_directory(tmp_path, name):
+    for make in (
+        lambda: load_config(None, [f"run.name={name}"]),
+        lambda: load_config(write(tmp_path, yaml.safe_dump({"run": {"name": name}}))),
+        lambda: RunConfig(name=name),
+    ):
+        with pytest.raises(ConfigError, match=r"^run\.name = .*must be one path component") as info:
+            make()
+        assert "\n" not in str(info.value)
+
+
+def test_budget_bounds_name_the_key_and_the_feasible_range():
+    cases = [
+        (["allocation.min_budget=1"], r"^allocation\.min_budget = 1: must be >= 2"),
+        (["allocation.min_budget=0", "allocation.group_size=4"], r"^allocation\.min_budget = 0: must be >= 2"),
+        (["allocation.min_budget=8", "allocation.max_budget=4"], r"^allocation\.max_budget = 4: must be >= .*\(8\)"),
+        (["allocation.group_size=1"], r"^allocation\.group_size = 1 is outside .*= \[2, 128\]"),
+        (["allocation.group_size=129"], r"^allocation\.group_size = 129 is outside .*between 2 and 128"),
+    ]
+    for overrides, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern):
+            load_config(None, overrides)
+    # B_total = M * G within [M * min_budget, M * max_budget]: the edges are feasible
+    for g in (2, 128):
+        assert load_config(None, [f"allocation.group_size={g}"]).budget_per_step() == 128 * g
+
+
+def test_on_bad_rows_is_error_or_skip_and_only_skip_changes_the_hash():
+    cfg = load_config()
+    assert cfg.data.on_bad_rows == "error"
+    skip = apply_overrides(cfg, ["data.on_bad_rows=skip"])
+    assert skip.data.on_bad_rows == "skip" and config_hash(skip) != config_hash(cfg)
+    # the key came after runs existed: at its default it is left out of the hash, so older runs keep theirs
+    # (so are the other keys added later: run.eval_top_p, rollout.sleep_during_update)
+    without = config_to_dict(cfg)
+    assert ("data", "on_bad_rows") in HASH_NEUTRAL_DEFAULTS
+    at_default = [(s, k) for (s, k), v in HASH_NEUTRAL_DEFAULTS.items() if without[s][k] == v]
+    assert ("data", "on_bad_rows") in at_default and ("run", "eval_top_p") not in at_default  # demo: top-p 0.9
+    for section, key in at_default:
+        del without[section][key]
+    text = json.dumps(without, sort_keys=True, separators=(",", ":"))
+    assert config_hash(cfg) == hashlib.sha256(text.encode()).hexdigest()[:16]
+    assert config_from_dict(without) == cfg  # an older run's config.yaml (no such key) loads with the default
+
+
+def test_sections_validate_when_built_directly():
+    with pytest.raises(ConfigError, match=r"optim\.lr = -1\.0"):
+        OptimConfig(lr=-1)
+    with pytest.raises(ConfigError, match=r"allocation\.group_size = 1"):
+        Config(allocation=AllocationConfig(group_size=1))
+    with pytest.raises(ConfigError, match=r"config section 'optim' must be of type OptimConfig"):
+        Config(optim={"lr": 1.0})  # type: ignore[arg-type]
+    assert OptimConfig(betas=[0.5, 0.6]).betas == (0.5, 0.6)  # type: ignore[arg-type]
+
+
+def test_choices_follow_the_registries():
+    for strategy in strategies():
+        assert load_config(None, [f"allocation.strategy={strategy}"]).allocation.strategy == strategy
+    for solver in coba_solvers():
+        assert load_config(None, [f"allocation.solver={solver}"]).allocation.solver == solver
+    for backend in backends():
+        assert load_config(None, [f"rollout.backend={backend}"]).rollout.backend == backend
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: missing, invalid YAML
+
+
+def test_missing_file_is_named(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=r"config file .*nope\.yaml does not exist"):
+        load_config(missing)
+    with pytest.raises(ConfigError, match=r"is a directory"):
+        load_config(tmp_path)
+
+
+def test_invalid_yaml_gives_file_and_line(tmp_path):
+    path = write(tmp_path, "run:\n  steps: 3\noptim:\n  betas: [0.9, 0.99\n  lr: 1\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:\d+:\d+: invalid YAML") as info:
+        load_config(path)
+    assert "\n" not in str(info.value)
+    line = int(str(info.value).split("c.yaml:")[1].split(":")[0])
+    assert 4 <= line <= 6  # at or just after the unclosed list
+
+
+def test_duplicate_keys_are_refused_with_the_line(tmp_path):
+    path = write(tmp_path, "optim:\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:3:3: invalid YAML: key 'lr' appears twice \(first on line 2\)"):
+        load_config(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips, saving, hashing
+
+
+def test_dict_round_trip_is_plain_and_exact():
+    cfg = load_config(None, ["allocation.tau=3.5", "optim.lr=3e-5", "rollout.in_process=false"])
+    d = config_to_dict(cfg)
+    assert list(d) == list(SECTIONS)
+    assert json.loads(json.dumps(d)) == d  # JSON-safe: no tuples, Paths or enums
+    assert d["optim"]["betas"] == [0.9, 0.999]
+    assert config_from_dict(d) == cfg
+    assert config_to_dict(config_from_dict(d)) == d
+
+
+def test_config_from_dict_validates_like_load():
+    assert config_from_dict({}) == Config()
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.lrr'"):
+        config_from_dict({"optim": {"lrr": 1}})
+    with pytest.raises(ConfigError, match=r"optim\.lr: expected a number"):
+        config_from_dict({"optim": {"lr": "x"}})
+    with pytest.raises(ConfigError, match=r"a config is a mapping of sections"):
+        config_from_dict([1, 2])  # type: ignore[arg-type]
+
+
+def test_dump_then_load_gives_the_same_config(tmp_path):
+    cfg = load_config(CONFIGS / "tiny-test.yaml", ["allocation.tau=2.5", "optim.eps=1e-7"])
+    out = dump_config(cfg, tmp_path / "run" / "config.yaml")
+    assert out == tmp_path / "run" / "config.yaml"
+    assert load_config(out) == cfg
+    assert sorted(p.name for p in out.parent.iterdir()) == ["config.yaml"]  # no temporary left behind
+    dump_config(load_config(), out)  # overwrite in place
+    assert load_config(out) == load_config()
+
+
+@pytest.mark.parametrize("name", ["2024", "null", "yes", "1e5", "0x1F", "1.0", "a.b-c_d"])
+def test_dump_keeps_names_that_look_like_other_yaml_types(tmp_path, name):
+    cfg = load_config(None, [f"run.name={name}"])
+    assert cfg.run.name == name
+    assert load_config(dump_config(cfg, tmp_path / "config.yaml")).run.name == name
+
+
+def test_hash_is_stable_and_changes_with_any_value():
+    cfg = load_config()
+    h = config_hash(cfg)
+    assert len(h) == 16 and int(h, 16) >= 0
+    assert config_hash(load_config()) == h == config_hash(config_from_dict(config_to_dict(cfg)))
+    assert config_hash(apply_overrides(cfg, ["optim.lr=1e-4"])) == h  # same value, same hash
+    assert config_hash(apply_overrides(cfg, ["optim.lr=2e-4"])) != h
+    assert config_hash(apply_overrides(cfg, ["run.seed=1"])) != h
+    assert config_hash(load_config(CONFIGS / "tiny-test.yaml")) != h
+
+
+# ---------------------------------------------------------------------------------------------
+# check_paths
+
+
+def make_project(root: Path) -> None:
+    (root / "data").mkdir()
+    (root / "data" / "arith_train.parquet").write_bytes(b"x")
+    (root / "data" / "arith_test.parquet").write_bytes(b"x")
+    (root / "models" / "arith-tiny").mkdir(parents=True)
+    (root / "models" / "arith-tiny" / "config.json").write_text("{}")
+
+
+def test_check_paths_passes_on_a_complete_tree(tmp_path, monkeypatch):
+    make_project(tmp_path)
+    check_paths(Config(), root=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    check_paths(Config())  # relative to the working directory by default
+
+
+def test_check_paths_names_the_missing_dataset(tmp_path):
+    make_project(tmp_path)
+    cfg = apply_overrides(Config(), ["data.test=data/other.parquet"])
+    with pytest.raises(ConfigError, match=r"data\.test: data/other\.parquet does not exist"):
+        check_paths(cfg, root=tmp_path)
+    (tmp_path / "data" / "arith_train.parquet").unlink()
+    with pytest.raises(ConfigError, match=r"data\.train: data/arith_train\.parquet does not exist"):
+        check_paths(Config(), root=tmp_path)
+
+
+def test_check_paths_suggests_bootstrap_for_the_model(tmp_path):
+    make_project(tmp_path)
+    (tmp_path / "models" / "arith-tiny" / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"model\.path: models/arith-tiny has no config\.json.*coba bootstrap"):
+        check_paths(Config(), root=tmp_path)
+    cfg = apply_overrides(Config(), ["model.path=models/absent"])
+    with pytest.raises(ConfigError, match=r"model\.path: models/absent does not exist.*coba bootstrap"):
+        check_paths(cfg, root=tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Property: no override text crashes with anything but ConfigError
+
+yaml_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**400), max_value=10**400)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.sampled_from(all_keys()), value=yaml_values)
+def test_random_override_values_only_raise_config_error(key, value):
+    text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    try:
+        cfg = load_config(None, [f"{key}={text}"])
+    except ConfigError as e:
+        assert str(e) and "\n" not in str(e)
+    else:  # what was accepted is valid and survives a round trip
+        assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.sampled_from([*all_keys(), "optim", "x.y", ".", ""]), text=st.text(max_size=20))
+def test_random_override_text_only_raises_config_error(key, text):
+    try:
+        cfg = load_config(None, [f"{key}={text}"])
+    except ConfigError as e:
+        assert str(e) and "\n" not in str(e)
+    else:
+        assert isinstance(cfg, Config) and config_hash(cfg) == config_hash(config_from_dict(config_to_dict(cfg)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys of the one-GPU path, and the real-model configs
+
+
+def test_eval_top_p_and_sleep_during_update_validate():
+    cfg = Config()
+    assert cfg.run.eval_top_p == 1.0 and cfg.rollout.sleep_during_update is False
+    assert load_config(overrides=["run.eval_top_p=0.9"]).run.eval_top_p == 0.9
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ConfigError, match=r"^run\.eval_top_p = .*: must be in \(0, 1\]"):
+            load_config(overrides=[f"run.eval_top_p={bad}"])
+    assert load_config(overrides=["rollout.sleep_during_update=true"]).rollout.sleep_during_update is True
+    with pytest.raises(ConfigError, match=r"^rollout\.sleep_during_update: expected true or false, got 'sometimes'"):
+        load_config(overrides=["rollout.sleep_during_update=sometimes"])
+    # both keys came after runs existed: left out of the hash at their defaults, hashed at any other value
+    assert config_hash(apply_overrides(cfg, ["run.eval_top_p=0.9"])) != config_hash(cfg)
+    assert config_hash(apply_overrides(cfg, ["rollout.sleep_during_update=true"])) != config_hash(cfg)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-math.yaml", "qwen2.5-7b-math.yaml"])
+def test_real_model_configs_load_validate_and_spell_out_every_key(name):
+    cfg = load_config(CONFIGS / name)  # no model or data needed to load and validate
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    assert sorted(f"{s}.{k}" for s, body in raw.items() for k in body) == sorted(all_keys())
+    assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing
+    assert cfg.rollout.backend == "vllm" and cfg.rollout.sleep_during_update and cfg.rollout.temperature == 1.0
+    assert cfg.rollout.max_model_len > cfg.rollout.max_tokens and 0 < cfg.rollout.gpu_memory_utilization < 1
+    assert (cfg.optim.lr, cfg.optim.clip_low, cfg.optim.clip_high, cfg.optim.kl_coef) == (1e-6, 0.2, 0.28, 0.0)
+    assert (cfg.run.eval_samples, cfg.run.eval_temperature, cfg.run.eval_top_p) == (16, 1.0, 0.9)
+    assert (cfg.data.train, cfg.data.test) == ("data/math/dapo_math_17k.parquet", "data/math/math500.parquet")
+    assert cfg.allocation.strategy == "coba"
+    if "7b" in name:  # the paper's setup
+        assert cfg.model.path == "models/Qwen2.5-7B"
+        assert (cfg.data.prompts_per_step, cfg.allocation.group_size, cfg.rollout.max_tokens) == (256, 16, 4096)
+        assert cfg.budget_per_step() == 4096
+    else:  # scaled down for one GPU, with comments saying so
+        assert cfg.model.path == "models/Qwen2.5-0.5B"
+        assert cfg.rollout.max_tokens < 4096 and cfg.budget_per_step() < 4096
+    with pytest.raises(ConfigError, match=r"^data\.train: data/math/dapo_math_17k\.parquet does not exist"):
+        check_paths(cfg, root=PROJECT_ROOT / "tests")  # the recipe's files are made by the user

@@ -1,0 +1,83 @@
+"""Tests for data/make_arith_chat.py and the shipped data/arith_chat_*.parquet."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pyarrow.parquet as pq
+import pytest
+
+from coba_tasks.engines.verify import score, verifier_for
+from coba_tasks.pipeline.data import load_dataset, write_verl_parquet
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+
+
+def _load_script() -> ModuleType:
+    """data/ is not a package: import the script from its path."""
+    spec = importlib.util.spec_from_file_location("make_arith_chat", DATA_DIR / "make_arith_chat.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_arith_chat = _load_script()
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_shipped_files_equal_a_fresh_run(tmp_path: Path, split: str) -> None:
+    make_arith_chat.main(["--out-dir", str(tmp_path)])
+    fresh = (tmp_path / f"arith_chat_{split}.parquet").read_bytes()
+    assert fresh == (DATA_DIR / f"arith_chat_{split}.parquet").read_bytes()
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_same_problems_ids_levels_and_answers(split: str) -> None:
+    plain = pq.read_table(DATA_DIR / f"arith_{split}.parquet").to_pylist()
+    chat = pq.read_table(DATA_DIR / f"arith_chat_{split}.parquet").to_pylist()
+    assert len(chat) == len(plain) > 0
+    for old, new in zip(plain, chat, strict=True):
+        expression = old["prompt"][0]["content"].removesuffix("=")
+        assert new["prompt"] == [
+            {"role": "user", "content": f"Compute {expression}. Put your final answer within \\boxed{{}}."}
+        ]
+        assert new["data_source"] == "math"
+        assert (new["ability"], new["reward_model"], new["extra_info"]) == (
+            old["ability"],
+            old["reward_model"],
+            old["extra_info"],
+        )
+
+
+def test_the_loader_reads_the_chat_files() -> None:
+    df = load_dataset(DATA_DIR / "arith_chat_test.parquet")
+    assert len(df) == 500
+    assert sorted(df["difficulty"].value_counts().items()) == [(level, 100) for level in range(5)]
+    row = df.iloc[0]
+    assert (row["prompt_id"], row["data_source"], row["ground_truth"]) == ("0", "math", "2")
+    assert row["prompt_text"] == "Compute 8-6. Put your final answer within \\boxed{}."
+
+
+def test_math_verify_scores_a_boxed_answer() -> None:
+    assert verifier_for("math").name == "math"
+    rows = pq.read_table(DATA_DIR / "arith_chat_test.parquet").to_pylist()
+    for row in (rows[0], rows[-1], *[r for r in rows if r["reward_model"]["ground_truth"].startswith("-")][:2]):
+        truth = row["reward_model"]["ground_truth"]
+        assert score(f"Step by step ... so the answer is \\boxed{{{truth}}}.", truth, "math").reward == 1.0
+        assert score(f"The answer is \\boxed{{{int(truth) + 1}}}.", truth, "math").reward == 0.0
+
+
+def test_a_prompt_without_the_equals_sign_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="followed by '='"):
+        make_arith_chat.chat_message("36-48+54")
+    rows = pq.read_table(DATA_DIR / "arith_test.parquet").slice(0, 3).to_pandas()
+    rows["prompt"] = [[{"role": "user", "content": "1+1="}], [{"role": "user", "content": "2+2"}], rows["prompt"][2]]
+    write_verl_parquet(rows, tmp_path / "arith_test.parquet")
+    with pytest.raises(ValueError, match=r"followed by '=', got '2\+2'"):
+        make_arith_chat.to_chat(tmp_path / "arith_test.parquet")
+    two_turns = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    with pytest.raises(ValueError, match="one user message"):
+        make_arith_chat.chat_row({"prompt": two_turns, "extra_info": {"index": 7}})
