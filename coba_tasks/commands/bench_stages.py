@@ -49,7 +49,9 @@ from coba_tasks.pipeline.store import STAGES, Stage
 
 GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
 EVAL_PROMPTS = 16  # held-out prompts per evaluation in the benchmark's runs (unless --set data.eval_prompts=...)
-STEP_TABLES = ("budget", "rollouts", "rewards", "capability", "history", "update")
+STEP_TABLES = tuple(
+    str(s) for s in (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.HISTORY, Stage.UPDATE)
+)
 STAGE_NAMES = STAGES  # the five stages of a step, in pipeline order
 
 

@@ -125,31 +125,34 @@ def _class_of(rate: float) -> str:
 def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
     """The comparison's tables (see the module docstring) from finished or partial runs."""
     from coba_tasks.pipeline import stages
-    from coba_tasks.pipeline.config import config_from_dict
-    from coba_tasks.pipeline.store import RunStore
+    from coba_tasks.pipeline.store import Stage
+    from coba_tasks.pipeline.summary import eval_figures, load_run
 
     results, steps_rows, budget_rows, transitions = [], [], [], []
     for run_dir in run_dirs:
         if not (run_dir / "run.json").is_file():
             continue
-        store = RunStore.open(run_dir)
-        cfg = config_from_dict(store.read_config())
+        t = load_run(run_dir)
+        planned = t.config_value("run", "steps")
         strategy, seed = run_dir.name.rsplit("-seed", 1)
         key = {"strategy": strategy, "seed": int(seed)}
-        prompts = store.read_run_table("prompts")
-        level = prompts.set_index("prompt_id")["difficulty"] if "difficulty" in prompts else None
+        prompts = t.prompts()
+        level = (
+            prompts.set_index("prompt_id")["difficulty"] if prompts is not None and "difficulty" in prompts else None
+        )
         visits: dict[str, list[tuple[int, float]]] = {}
-        for step in store.steps():
-            if store.is_done(step, "eval"):
-                ev = store.read_table(step, "eval")
-                row = {**key, "step": step, "accuracy": float(ev["accuracy"].mean())}
-                row["accuracy_greedy"] = float(ev["accuracy_greedy"].mean()) if "accuracy_greedy" in ev else math.nan
-                for lv, acc in ev.groupby("difficulty")["accuracy"].mean().items():
-                    row[f"accuracy_level{lv}"] = float(acc)
+        for step in t.steps:
+            done = t.done[step]
+            if Stage.EVAL in done:
+                ev = eval_figures(t.table(step, Stage.EVAL))
+                row = {**key, "step": step, "accuracy": ev["accuracy"], "accuracy_greedy": ev["greedy"]}
+                row |= {"answered": ev["answered"], "boxed": ev["boxed"]}
+                for lv, acc in ev["by_difficulty"].items():
+                    row[f"accuracy_level{lv}"] = acc
                 results.append(row)
-            if store.is_done(step, "capability") and store.is_done(step, "rewards"):
-                cap = store.read_table(step, "capability").iloc[0]
-                rewards = store.read_table(step, "rewards")
+            if Stage.CAPABILITY in done and Stage.REWARDS in done:
+                cap = t.table(step, Stage.CAPABILITY).iloc[0]
+                rewards = t.table(step, Stage.REWARDS)
                 rates = stages.pass_rates(rewards)
                 sizes = rewards.groupby("prompt_id").size()
                 mixed = ((rates > 0) & (rates < 1)).reindex(sizes.index)
@@ -165,8 +168,8 @@ def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
                 )
                 for pid, rate in rates.items():
                     visits.setdefault(pid, []).append((step, float(rate)))
-            if step < cfg.run.steps and store.is_done(step, "budget") and level is not None:
-                b = store.read_table(step, "budget")
+            if step < planned and Stage.BUDGET in done and level is not None:
+                b = t.table(step, Stage.BUDGET)
                 b = b.assign(difficulty=level.reindex(b["prompt_id"]).to_numpy())
                 for lv, grp in b.groupby("difficulty"):
                     budget_rows.append(

@@ -8,7 +8,7 @@ the mechanism of the paper: while the failure rate is high, the Beta density pea
 and they get the rollouts (exploit); as the policy improves the peak moves to hard prompts
 (explore). Knapsack-RL and uniform budgets on the same pass rates are shown beside it.
 
-Run it with ``coba demo`` (or ``make demo``); ``--steps``, ``--prompts``, ``--group-size``.
+Run it with ``coba demo`` (or ``make demo-allocation``); ``--steps``, ``--prompts``, ``--group-size``.
 """
 
 from __future__ import annotations

@@ -111,21 +111,6 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
     return adv.to(out_dtype)
 
 
-def group_advantages_loop(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = ADV_EPS) -> torch.Tensor:
-    """Reference for ``group_advantages``: a plain Python loop over groups (tests only, slow)."""
-    _check_groups(rewards, group_ids)
-    out = torch.zeros(rewards.shape, dtype=torch.float64, device=rewards.device)
-    for gid in group_ids.unique().tolist():
-        idx = (group_ids == gid).nonzero(as_tuple=True)[0]
-        r = rewards[idx].to(torch.float64)
-        if r.numel() < 2:
-            raise ValueError(f"group id(s) [{gid}] have a single rollout; GRPO needs at least 2 per group")
-        if bool((r == r[0]).all()):
-            continue  # all equal: advantage 0
-        out[idx] = (r - r.mean()) / (r.std() + eps)
-    return out.to(_out_dtype(rewards))
-
-
 def zero_variance_share(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
     """Share of groups whose rewards are all equal (they carry no GRPO gradient); 0.0 for no groups.
 

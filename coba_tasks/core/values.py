@@ -87,12 +87,6 @@ def coba_gain_params(p: np.ndarray, alpha: float, beta: float, tau: float) -> tu
     return a, k
 
 
-def coba_marginal_gain(budget: np.ndarray, p: np.ndarray, alpha: float, beta: float, tau: float) -> np.ndarray:
-    """dV(B) = V(B + 1) - V(B) = C exp(-k B) (1 - exp(-k)) in closed form; broadcasts."""
-    a, k = coba_gain_params(p, alpha, beta, tau)
-    return np.exp(a - k * np.asarray(budget, dtype=np.float64))
-
-
 def knapsack_value(n: np.ndarray, p: np.ndarray) -> np.ndarray:
     """Knapsack-RL value(N, p) = (1 - p^N - (1 - p)^N) * p * (1 - p)^2; broadcasts.
 

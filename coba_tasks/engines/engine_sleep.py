@@ -94,11 +94,3 @@ def engine_asleep(
         engine.wake_up()
         record["wake_s"] = time.perf_counter() - t0
         record["awake"] = memory()
-
-
-def memory_freed(record: dict[str, Any]) -> float | None:
-    """MiB of device memory the engine gave back by sleeping (used before sleep minus used asleep)."""
-    before, asleep = record.get("before_sleep"), record.get("asleep")
-    if not before or not asleep:
-        return None
-    return before["used"] - asleep["used"]

@@ -11,7 +11,7 @@ a policy with room to improve, and a spread of pass rates for the allocator to w
 The default teacher leaves a quarter of the problems unanswered (``give_up``): the warmed-up model
 then gives up ("?") on about a quarter of its samples, whatever the problem, much as a base model
 often ignores the answer format a verifier wants. Unlearning that habit is what RL from the
-verifier's reward does well on this tiny model; its arithmetic moves much less (README).
+verifier's reward does well on this tiny model; its arithmetic moves much less (docs/experiments.md).
 
 Reproducible: the seed fixes the initial weights and the order of the training examples; the
 number of steps (not a time budget) ends training. Stage functions here are plain; the Prefect
@@ -62,7 +62,7 @@ class BootstrapConfig:
     # A teacher that sometimes gives up: each time an example is drawn, with this probability its
     # target is GIVE_UP ("?", no answer: reward 0) instead of the answer. 0 = it always answers. The
     # default model is warmed up with 0.25: giving up is a habit shared by every prompt, which RL from
-    # the verifier's reward can unlearn in a few steps (README, "Does RL improve held-out accuracy").
+    # the verifier's reward can unlearn in a few steps (docs/experiments.md, "Does RL improve held-out accuracy here?").
     give_up: float = 0.25
 
     def __post_init__(self) -> None:

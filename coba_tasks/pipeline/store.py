@@ -238,7 +238,7 @@ class RunStore:
         return self.root / STEPS_DIR / _step_name(step)
 
     def checkpoint_dir(self, step: int) -> Path:
-        """``checkpoints/000007`` for the policy after step 7's update (not created here)."""
+        """``checkpoints/000007``: the policy after 7 updates, written by the update of step 6 (not created here)."""
         return self.root / CHECKPOINTS_DIR / _step_name(step)
 
     def report_dir(self) -> Path:

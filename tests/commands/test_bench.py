@@ -1,5 +1,7 @@
 """The allocation benchmark: its reference heap is Algorithm 1, and the report has every figure."""
 
+import math
+
 import numpy as np
 
 from coba_tasks.commands.bench import bench_allocate, format_allocate, plain_python_heap
@@ -19,7 +21,7 @@ def test_bench_reports_every_figure():
     result = bench_allocate(quick=True, sizes=(512, 1024))
     ps = result["paper_setting"]
     assert set(ps["seconds"]) == {"heap", "threshold", "dp", "plain_heap"}
-    assert all(v > 0 for v in ps["seconds"].values())
+    assert all(math.isfinite(v) and v >= 0 for v in ps["seconds"].values())  # reported, not judged
     objectives = list(ps["objective"].values())
     assert max(objectives) - min(objectives) < 1e-9 * max(objectives)  # every solver reaches the optimum
     assert ps["same_allocation"] == {"threshold_vs_heap": True, "plain_heap_vs_heap": True}
@@ -46,5 +48,8 @@ def test_bench_rollout_on_the_transformers_backend(random_checkpoints):
     a, _ = random_checkpoints
     result = bench_rollout(str(a), prompts=3, group_size=2, max_tokens=4, backends=("transformers",))
     r = result["backends"]["transformers"]
-    assert r["completions"] == 6 and r["tokens"] > 0 and r["tokens_per_s"] > 0
+    assert r["completions"] == 6 and r["tokens"] > 0
+    # times are reported, not judged: finite and non-negative, and the rate is their quotient
+    assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("start_s", "generate_s", "tokens_per_s"))
+    assert r["tokens_per_s"] == r["tokens"] / r["generate_s"]
     assert "transformers" in format_rollout(result)

@@ -8,6 +8,7 @@ import io
 import json
 from pathlib import Path
 
+import duckdb
 import pandas as pd
 import pytest
 
@@ -22,8 +23,6 @@ from coba_tasks.commands.inspection import (
     show_table,
 )
 from coba_tasks.pipeline.store import RunStore
-
-duckdb = pytest.importorskip("duckdb")
 
 CONFIG = {
     "run": {"name": "t", "seed": 0, "steps": 2, "eval_every": 2},
@@ -512,7 +511,7 @@ def test_sql_select_cannot_read_other_files(run: Path, live: Path, tmp_path: Pat
 
 def test_sql_connection_is_locked_down_even_without_the_statement_check(run: Path, tmp_path: Path, monkeypatch):
     """The second line of defence alone: DuckDB itself refuses writes, file access and config changes."""
-    monkeypatch.setattr(inspection, "_check_select", lambda query, duckdb: duckdb.extract_statements(query)[0])
+    monkeypatch.setattr(inspection, "_check_select", lambda query, _duckdb: duckdb.extract_statements(query)[0])
     out = tmp_path / "outside"
     out.mkdir()
     for query in [

@@ -1,5 +1,7 @@
 """Allocators and solvers: budgets, pass rates, the solvers and the baselines (docs/method.md)."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -16,7 +18,7 @@ from coba_tasks.core.allocation import (
     solve_mckp_dp,
     strategies,
 )
-from coba_tasks.core.values import adaptive_tau, knapsack_value
+from coba_tasks.core.values import adaptive_tau, coba_value, knapsack_value
 
 ALL = [("uniform", "paper"), ("knapsack", "paper"), ("coba", "paper"), ("coba", "released")]
 
@@ -137,6 +139,67 @@ def test_dp_by_hand():
     values = np.array([[0.0, 5.0, 6.0], [0.0, 3.0, 5.5], [0.0, 0.5, 2.0]])
     assert solve_mckp_dp(values, 2).tolist() == [1, 1, 0]  # 5 + 3 = 8 beats 6, 5.5
     assert solve_mckp_dp(values, 4).tolist() == [2, 2, 0]  # 6 + 5.5 = 11.5
+
+
+# --- the exact DP against brute-force enumeration ----------------------------------------------
+
+
+def _feasible_allocations(m: int, total: int, low: int, up: int) -> np.ndarray:
+    """Every integer allocation with low <= B_i <= up and sum B_i = total; shape (K, m)."""
+    grid = np.array(list(itertools.product(range(low, up + 1), repeat=m)), dtype=np.int64)
+    return grid[grid.sum(axis=1) == total]
+
+
+def _small_problem(seed: int) -> tuple[np.ndarray, int, int, int, float, float, str | float]:
+    """M in 2..4, B_low = 2, B_up in 3..6, M * B_low < B_total < M * B_up with B_total <= 12 (so
+    there is a choice to make); pass rates continuous or k / 8 (0 and 1 included)."""
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(2, 5))
+    low, up = 2, int(rng.integers(3, 7))
+    total = int(rng.integers(m * low + 1, min(m * up - 1, 12) + 1))
+    p = np.where(rng.random(m) < 0.4, rng.integers(0, 9, size=m) / 8, rng.uniform(size=m))
+    alpha, beta = float(rng.uniform(1.0, 10.0)), float(rng.uniform(1.0, 10.0))
+    tau = "adaptive" if seed % 2 == 0 else float(rng.uniform(3.0, 12.0))
+    return p, total, low, up, alpha, beta, tau
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_reaches_the_brute_force_optimum(seed):
+    p, total, low, up, alpha, beta, tau = _small_problem(seed)
+    candidates = _feasible_allocations(p.size, total, low, up)
+    assert len(candidates) >= 2
+    kw = {"min_budget": low, "max_budget": up, "alpha": alpha, "beta": beta, "tau": tau}
+
+    # CoBA, paper mode: V(B, p) from values.py with the problem's alpha, beta and tau
+    tau_used = adaptive_tau(p) if tau == "adaptive" else tau
+    best = coba_value(candidates, p[None, :], alpha, beta, tau_used).sum(axis=1).max()
+    for solver in ("dp", "heap", "threshold"):
+        plan = plan_allocation(p, total, strategy="coba", mode="paper", solver=solver, **kw)
+        assert plan.tau == tau_used
+        assert plan.budgets.tolist() in candidates.tolist()  # feasible
+        objective = coba_value(plan.budgets, p, alpha, beta, tau_used).sum()
+        assert objective == pytest.approx(best, rel=1e-12, abs=0.0), (solver, plan.budgets)
+
+    # Knapsack-RL: value (1 - p^N - (1 - p)^N) p (1 - p)^2
+    best = knapsack_value(candidates, p[None, :]).sum(axis=1).max()
+    for solver in ("dp", "heap"):
+        budgets = allocate(p, total, strategy="knapsack", solver=solver, **kw)
+        assert budgets.tolist() in candidates.tolist()
+        assert knapsack_value(budgets, p).sum() == pytest.approx(best, rel=1e-12, abs=1e-15), (solver, budgets)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_mckp_dp_is_exact_on_tables_that_are_not_concave(seed):
+    # where a greedy may fail, the DP still finds the best choice per item
+    rng = np.random.default_rng(1000 + seed)
+    n, cap = int(rng.integers(2, 5)), int(rng.integers(1, 5))
+    values = rng.normal(size=(n, cap + 1))
+    for total in range(n * cap + 1):
+        choices = _feasible_allocations(n, total, 0, cap)
+        best = values[np.arange(n), choices].sum(axis=1).max()
+        x = solve_mckp_dp(values, total)
+        assert int(x.sum()) == total and x.min() >= 0 and x.max() <= cap
+        assert values[np.arange(n), x].sum() == pytest.approx(best, rel=1e-12, abs=1e-12), (total, x)
 
 
 # --- errors ------------------------------------------------------------------------------------

@@ -12,11 +12,16 @@ from coba_tasks.core.values import (
     adaptive_tau,
     beta_density,
     coba_gain_params,
-    coba_marginal_gain,
     coba_value,
     knapsack_value,
     saturation,
 )
+
+
+def coba_marginal_gain(budget: np.ndarray, p: np.ndarray, alpha: float, beta: float, tau: float) -> np.ndarray:
+    """dV(B) = V(B + 1) - V(B) = C exp(-k B) (1 - exp(-k)): the closed form the solvers use, from coba_gain_params."""
+    a, k = coba_gain_params(p, alpha, beta, tau)
+    return np.exp(a - k * np.asarray(budget, dtype=np.float64))
 
 
 def test_beta_density_matches_scipy():

@@ -8,14 +8,14 @@ import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pandas as pd
 import pytest
 from char_prompts import char_ids, with_char_ids
 
 from coba_tasks.engines import rollout
-from coba_tasks.engines.engine_sleep import engine_asleep, memory_freed
+from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.rollout import Rollout, SamplingConfig, make_backend
 from coba_tasks.engines.rollout.base import _BACKENDS
 from coba_tasks.engines.rollout.hf_backend import TransformersBackend
@@ -27,6 +27,14 @@ from coba_tasks.pipeline.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
+
+
+def memory_freed(record: dict[str, Any]) -> float | None:
+    """MiB of device memory the engine gave back by sleeping (used before sleep minus used asleep)."""
+    before, asleep = record.get("before_sleep"), record.get("asleep")
+    if not before or not asleep:
+        return None
+    return before["used"] - asleep["used"]
 
 
 def _gpu_check():

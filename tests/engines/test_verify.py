@@ -294,15 +294,17 @@ def test_pool_timeout_kills_the_item_and_the_batch_goes_on(pool: VerifierPool) -
     ]
     pool.start()
     restarts = pool.restarts
-    start = time.monotonic()
+    before = set(pool.worker_pids)
     verdicts = pool.score(items)
-    elapsed = time.monotonic() - start
     assert _kinds(verdicts) == [TIMEOUT] + [CORRECT] * 9
-    assert "no verdict within 1.5 s" in verdicts[0].detail
+    # the verdict records the pool's hard limit, and that the stuck worker was killed for it
+    assert verdicts[0].detail == "test_hang: no verdict within 1.5 s; worker killed"
+    assert verdicts[0].reward == 0.0
     assert pool.restarts == restarts + 1
-    # The other worker scored everything else meanwhile; the batch ends when the stuck item is
-    # cut at 1.5 s, without waiting for the replacement worker to start.
-    assert 1.5 <= elapsed < 4.5
+    # Exactly one worker was replaced: the stuck one. The other lived through the batch and
+    # scored everything else meanwhile.
+    after = set(pool.worker_pids)
+    assert len(after) == 2 and len(before & after) == 1 and len(after - before) == 1
 
 
 def test_pool_timeout_on_a_real_math_input(pool: VerifierPool) -> None:
@@ -378,9 +380,7 @@ def test_pool_cuts_off_deep_latex_and_a_megabyte_answer_and_scores_the_rest(pool
         ("7", "7", "arith"),
     ]
     restarts = pool.restarts
-    start = time.monotonic()
     verdicts = pool.score(items)
-    elapsed = time.monotonic() - start
     kinds = _kinds(verdicts)
     assert kinds[0] in (TIMEOUT, ERROR), verdicts[0]  # cut at 1.5 s, or a crash (C stack) if it explodes
     assert kinds[1:4] == [CORRECT] * 3
@@ -389,8 +389,9 @@ def test_pool_cuts_off_deep_latex_and_a_megabyte_answer_and_scores_the_rest(pool
     assert kinds[6:] == [WRONG] * 3 + [CORRECT]
     assert [verdicts[i].reward for i in (0, 4, 5)] == [0.0, 0.0, 0.0]
     assert count_verdicts(verdicts)["timeout"] >= 1
-    assert pool.restarts == restarts + 2  # the two stuck workers were replaced, the refused item cost none
-    assert elapsed < 60  # nothing ran to its end (each alone runs for minutes or ~15 s)
+    # nothing ran to its end (each alone runs for minutes or ~15 s): both stuck workers were cut
+    # off by the pool and replaced, and the refused item cost none
+    assert pool.restarts == restarts + 2
     assert _kinds(pool.score(_boxed_integers(4, offset=0))) == [CORRECT] * 4  # the pool still works
 
 
