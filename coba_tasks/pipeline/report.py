@@ -517,7 +517,8 @@ def _plot_update(data: _RunData, path: Path) -> Path:
     plt = _pyplot()
     fig, (gap_ax, norm_ax) = plt.subplots(1, 2, figsize=(11.0, 4.2), layout="constrained")
     u = data.updates
-    gap = u[["step", "logprob_diff_mean", "logprob_diff_max"]].dropna() if "logprob_diff_mean" in u else u
+    # runs made before the sampler's log-probabilities were recorded have no gap columns
+    gap = u[["step", "logprob_diff_mean", "logprob_diff_max"]].dropna() if "logprob_diff_mean" in u else u.iloc[:0]
     if len(gap):
         for col, style in (("logprob_diff_mean", "o-"), ("logprob_diff_max", "s--")):
             ys = gap[col].to_numpy(dtype=float).clip(min=1e-12)  # log axis: an exact 0 drawn at 1e-12

@@ -203,7 +203,7 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
             capability[key] = {"step": s} | {f: _first(row, f) for f in CAPABILITY_FIELDS if f in row.columns}
 
     verdict_frame, _ = t.verdicts_by_step()
-    verdicts = {k: int(v) for k, v in verdict_frame.sum().items()}
+    verdicts = {k: int(v) for k, v in verdict_frame.sum().items()} if len(verdict_frame) else {}
 
     last_update = None
     if steps_done:

@@ -585,7 +585,10 @@ def test_cli_errors(run: Path):
     for argv, message in [
         (["--step", "0"], "--step and --stage go together: --stage is missing"),
         (["--stage", "rewards"], "--step and --stage go together: --step is missing"),
-        (["--step", "0", "--stage", "rewards", "--sql", "select 1"], "either --step/--stage or --sql"),
+        (
+            ["--step", "0", "--stage", "rewards", "--sql", "select 1"],
+            "choose one of --step/--stage, --sql and --prompts",
+        ),
         (["--json", "--format", "csv"], "contradict"),
         (["--limit", "3"], "apply to --step/--stage or --sql"),
         (["--sql", "drop view budget"], "read-only: only SELECT"),

@@ -1,4 +1,8 @@
-"""Rollout backends: vLLM on CPU against transformers, reloads, per-prompt n, seeds."""
+"""Rollout backends: vLLM on CPU against transformers, reloads, per-prompt n, seeds.
+
+The tests on the module's shared engine come first: vLLM's in-process engines share the process's
+parallel-state globals, and closing a second engine (the tests that start their own) tears them down.
+"""
 
 from __future__ import annotations
 
@@ -108,23 +112,6 @@ def test_transformers_backend_group_sizes_and_seeds(random_checkpoints):
     assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == "p3"]
 
 
-@pytest.mark.slow
-def test_vllm_reload_drops_the_prefix_cache(random_checkpoints):
-    """A prompt that fills a KV block leaves it in vLLM's prefix cache; those blocks were computed with
-    the old weights, so after a reload they must not be reused (32-token blocks: the CPU's smallest)."""
-    a, b = random_checkpoints
-    long_prompt = [RolloutRequest("long", char_ids("12+34+56+78+90+12+34+56+78+90+11+22+33+44="), 1, 0)]  # 42 tokens
-    engine = make_backend("vllm", a, dtype="float32", max_model_len=64, seed=0, extra={"block_size": 32})
-    try:
-        engine.generate(long_prompt, GREEDY)
-        engine.load_weights(b, version=1)
-        after = engine.generate(long_prompt, GREEDY)
-    finally:
-        engine.close()
-    expected = make_backend("transformers", b).generate(long_prompt, GREEDY)
-    assert after[0].token_ids == expected[0].token_ids
-
-
 def _teacher_forced(model_dir, prompt_ids, completion_ids) -> list[float]:
     """transformers' log p of each completion token given the prompt (float32), as the trainer computes it."""
     import torch
@@ -151,6 +138,40 @@ def test_sampler_logprobs_equal_the_models_log_p_of_the_sampled_tokens(vllm_engi
 
 
 @pytest.mark.slow
+def test_vllm_groups_stay_a_function_of_their_seed_when_prompts_exceed_a_prefill_chunk(vllm_engine):
+    """Hundreds of sampled sequences of 40-token prompts: more prompt tokens than one engine step takes.
+    vLLM on CPU split such prefills into chunks, and a seeded request with a chunked prefill crashed the
+    engine ("CPU Generator does not use offset"); a group must also not depend on the rest of the batch."""
+    prompts = ["+".join(str(10 + k + 7 * i) for i in range(12)) + "=" for k in range(120)]
+    assert min(len(p) for p in prompts) >= 32  # 120 prompts x 4 samples x >= 32 tokens: > 15,000 prompt tokens
+    reqs = [
+        RolloutRequest(f"q{k}", char_ids(p), 4, rollout_seed(3, 0, f"q{k}"), prompt=p) for k, p in enumerate(prompts)
+    ]
+    rows = vllm_engine.generate(reqs, SAMPLE)
+    assert len(rows) == 480
+    for k in (0, 77, 119):
+        alone = vllm_engine.generate(reqs[k : k + 1], SAMPLE)
+        assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == f"q{k}"]
+
+
+@pytest.mark.slow
+def test_vllm_reload_drops_the_prefix_cache(random_checkpoints):
+    """A prompt that fills a KV block leaves it in vLLM's prefix cache; those blocks were computed with
+    the old weights, so after a reload they must not be reused (32-token blocks: the CPU's smallest)."""
+    a, b = random_checkpoints
+    long_prompt = [RolloutRequest("long", char_ids("12+34+56+78+90+12+34+56+78+90+11+22+33+44="), 1, 0)]  # 42 tokens
+    engine = make_backend("vllm", a, dtype="float32", max_model_len=64, seed=0, extra={"block_size": 32})
+    try:
+        engine.generate(long_prompt, GREEDY)
+        engine.load_weights(b, version=1)
+        after = engine.generate(long_prompt, GREEDY)
+    finally:
+        engine.close()
+    expected = make_backend("transformers", b).generate(long_prompt, GREEDY)
+    assert after[0].token_ids == expected[0].token_ids
+
+
+@pytest.mark.slow
 def test_vllm_reload_of_a_model_with_tied_embeddings_follows_the_new_weights(tied_checkpoints):
     """Tied input/output embeddings: the output projection has no tensor of its own in the checkpoint;
     after an in-place reload vLLM must still multiply by the new embedding (greedy equals transformers')."""
@@ -169,20 +190,3 @@ def test_vllm_reload_of_a_model_with_tied_embeddings_follows_the_new_weights(tie
     for got, want, old in zip(after, expected, before, strict=True):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
         assert old.logprobs != pytest.approx(want.logprobs, abs=1e-2)  # the weights did change
-
-
-@pytest.mark.slow
-def test_vllm_groups_stay_a_function_of_their_seed_when_prompts_exceed_a_prefill_chunk(vllm_engine):
-    """Hundreds of sampled sequences of 40-token prompts: more prompt tokens than one engine step takes.
-    vLLM on CPU split such prefills into chunks, and a seeded request with a chunked prefill crashed the
-    engine ("CPU Generator does not use offset"); a group must also not depend on the rest of the batch."""
-    prompts = ["+".join(str(10 + k + 7 * i) for i in range(12)) + "=" for k in range(120)]
-    assert min(len(p) for p in prompts) >= 32  # 120 prompts x 4 samples x >= 32 tokens: > 15,000 prompt tokens
-    reqs = [
-        RolloutRequest(f"q{k}", char_ids(p), 4, rollout_seed(3, 0, f"q{k}"), prompt=p) for k, p in enumerate(prompts)
-    ]
-    rows = vllm_engine.generate(reqs, SAMPLE)
-    assert len(rows) == 480
-    for k in (0, 77, 119):
-        alone = vllm_engine.generate(reqs[k : k + 1], SAMPLE)
-        assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == f"q{k}"]

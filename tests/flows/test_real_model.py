@@ -180,8 +180,10 @@ def test_smollm2_run_with_chat_template_resume_rerun_inspect_report_and_eval(
 
     # inspect and report
     assert run_summary(run_dir)["steps_done"] == 2
-    assert cli_main(["inspect", "--run-dir", str(run_dir), "--prompts", "--limit", "1"]) == 0
-    assert "<|im_start|>assistant" in capsys.readouterr().out
+    assert cli_main(["inspect", "--run-dir", str(run_dir), "--prompts", "--limit", "1", "--format", "json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert len(shown) == 1 and shown[0]["prompt_rendered"] == prompts["prompt_rendered"].iloc[0]
+    assert shown[0]["prompt_tokens"] == len(prompts["prompt_token_ids"].iloc[0])
     assert (run_dir / "report" / "update.png").is_file() and (run_dir / "report" / "index.html").is_file()
     assert "train/rollout log-prob gap" in (run_dir / "report" / "index.html").read_text()
 
