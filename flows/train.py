@@ -25,7 +25,6 @@ from prefect.cache_policies import NO_CACHE
 from coba_tasks.pipeline import run
 from coba_tasks.pipeline.run import Stage
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.summary import run_summary_json
 
 _TASK = {"cache_policy": NO_CACHE, "retries": 1, "retry_delay_seconds": 2}
 
@@ -165,7 +164,7 @@ def train_flow(
                 log.info(f"held-out accuracy after step {step + 1}: {ev['accuracy']:.3f}")
         after = eval_task(directory, cfg.run.steps)
         log.info(f"held-out accuracy after training: {after['accuracy']:.3f} {after['by_difficulty']}")
-        summary = run_summary_json(res, time.perf_counter() - t_start)
+        summary = run.run_summary_json(res, time.perf_counter() - t_start)
         res.store.write_json("summary.json", summary)
         _post_report(res.store.root)
         return summary

@@ -13,6 +13,7 @@
     coba bench rollout  [--json]   tokens per second of the rollout backends
     coba bench verify   [--json]   verifier items per second
     coba bench stages   [--json]   a training step's stages: against bare vLLM and plain function calls
+    coba bench update   [--json]   the GRPO update against a plain transformers loop (speed, agreement)
 
 Each subcommand has ``--help`` with examples.
 """
@@ -489,7 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver.set_defaults(func=_cmd_bench_verify)
 
     from coba_tasks.commands.bench_stages import add_bench_stages_parser
+    from coba_tasks.commands.bench_update import add_bench_update_parser
 
+    add_bench_update_parser(bench_sub)
     add_bench_stages_parser(bench_sub)
     return parser
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ import torch
 from safetensors.torch import load_file, save_file, save_model
 
 from coba_tasks.core.grpo import entropy_from_logits, kl_penalty, masked_mean, policy_loss, token_logprobs
+from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass, supports_shared_prefix
 
 # Kept in a subdirectory: vLLM's reload reads every *.safetensors file beside the model.
 OPTIMIZER_FILE = "trainer/optimizer.safetensors"
@@ -74,6 +76,7 @@ class UpdateSettings:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     threads: int = 1
+    shared_prefix: bool = True  # encode each group's prompt once (coba_tasks.engines.shared_prefix)
 
 
 def warmup_lr(lr: float, warmup_steps: int, update: int) -> float:
@@ -133,18 +136,42 @@ def sampler_gap(
 ) -> tuple[float, float]:
     """(mean, max) of |sampler log p - trainer log p| over the completion tokens; NaNs without sampler figures.
 
-    ``logp`` (B, T-1) and ``mask`` (B, T-1) as in ``update``: the completion tokens of row b are the
-    positions where ``mask[b]`` is 1, in order, one per entry of ``sampler_logprobs[b]``.
+    ``logp`` (B, T-1) and ``mask`` (B, T-1) as in the full-sequence update: the completion tokens of row
+    b are the positions where ``mask[b]`` is 1, in order, one per entry of ``sampler_logprobs[b]``.
     """
+    return _gap(logp[mask.bool()], sampler_logprobs, completion_ids)  # row-major: row 0's tokens, then row 1's
+
+
+def sampler_gap_rows(
+    trainer_rows: Sequence[torch.Tensor | None],
+    sampler_logprobs: Sequence[Sequence[float]] | None,
+    completion_ids: Sequence[Sequence[int]],
+) -> tuple[float, float]:
+    """``sampler_gap`` from one 1-D tensor per row of the trainer's completion-token log-probabilities."""
+    ours = [t.double().cpu() if t is not None else torch.zeros(0, dtype=torch.float64) for t in trainer_rows]
+    return _gap(torch.cat(ours) if ours else torch.zeros(0), sampler_logprobs, completion_ids)
+
+
+def _gap(
+    ours: torch.Tensor, sampler_logprobs: Sequence[Sequence[float]] | None, completion_ids: Sequence[Sequence[int]]
+) -> tuple[float, float]:
     if sampler_logprobs is None:
         return float("nan"), float("nan")
     for b, (lp, c) in enumerate(zip(sampler_logprobs, completion_ids, strict=True)):
         if len(lp) != len(c):
             raise ValueError(f"rollout {b}: {len(lp)} sampler logprobs for {len(c)} completion tokens")
-    ours = logp[mask.bool()].double()  # row-major: row 0's completion tokens, then row 1's, ...
     theirs = torch.tensor([x for lp in sampler_logprobs for x in lp], dtype=torch.float64, device=ours.device)
-    diff = (theirs - ours).abs()
+    diff = (theirs - ours.double()).abs()
     return float(diff.mean()), float(diff.max())
+
+
+def _padded(rows: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+    """Per-row 1-D tensors placed left-aligned in a zero tensor shaped like ``like`` (n, C)."""
+    out = torch.zeros_like(like)
+    for i, t in enumerate(rows):
+        if t is not None:
+            out[i, : len(t)] = t.to(out.dtype)
+    return out.detach()
 
 
 def make_optimizer(model: torch.nn.Module, settings: UpdateSettings) -> torch.optim.AdamW:
@@ -207,6 +234,7 @@ class PolicyTrainer:
         self.shard = DataShard()  # the whole batch here; coba_tasks.engines.fsdp_update sets one rank's share
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.updates = 0
+        self.timings: dict[str, float] = {}  # seconds of the last update: forward, backward, optimizer
 
     # -- log-probabilities ----------------------------------------------------------------------
     def _logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor, with_entropy: bool = False):
@@ -254,62 +282,28 @@ class PolicyTrainer:
         largest |sampler - trainer| over the completion tokens (NaN when not given). They measure the
         train/rollout mismatch: a stale weight reload, another tokenization or a dtype difference.
         """
-        s = self.settings
         if len(prompt_ids) == 0:
             raise ValueError("GRPO update on an empty batch")
-        ids, attn, comp = pad_sequences(prompt_ids, completion_ids, self.pad_id)
-        ids, attn, comp = ids.to(self.device), attn.to(self.device), comp.to(self.device)
-        mask = comp[:, 1:]  # (B, T-1): position t predicts token t+1
-        adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32), device=self.device)
-        token_count = float(mask.sum())
-        if token_count == 0:
-            raise ValueError("GRPO update: no completion tokens in the batch")
-        n = ids.shape[0]
-        parts = max(1, min(s.mini_batches, n))
-        with torch.no_grad():
-            self.model.eval()  # dropout off; logp_old from the model before the update
-            logp_old = self._all_logprobs(self.model, ids, attn)
-            ref_logp = self._all_logprobs(self.ref_model, ids, attn) if self.ref_model is not None else None
-        gap = sampler_gap(logp_old, mask, sampler_logprobs, completion_ids)
+        if self.shared_prefix_unavailable() is None:
+            return self._update_shared_prefix(prompt_ids, completion_ids, advantages, sampler_logprobs)
+        return self._update_full_sequences(prompt_ids, completion_ids, advantages, sampler_logprobs)
 
+    def shared_prefix_unavailable(self) -> str | None:
+        """Why this trainer updates on full sequences; None when it encodes each group's prompt once."""
+        if not self.settings.shared_prefix:
+            return "optim.shared_prefix is false"
+        if self.shard.world > 1:
+            return "data-parallel (FSDP) processes run the full-sequence update in step with each other"
+        return supports_shared_prefix(self.model)
+
+    def _begin_update(self) -> None:
         for group in self.optimizer.param_groups:  # the warm-up follows the update count, so a resume agrees
-            group["lr"] = warmup_lr(s.lr, s.lr_warmup_steps, self.updates)
-        self.model.train()
-        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
-        gen = torch.Generator().manual_seed(self.updates)
-        opt_steps = 0
-        for _ in range(s.update_epochs):
-            order = torch.randperm(n, generator=gen) if parts > 1 else torch.arange(n)
-            for rows in torch.tensor_split(order, parts):
-                rows = rows.to(self.device)
-                mb_tokens = float(mask[rows].sum())
-                if mb_tokens == 0:
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
-                mine = self.shard.mine(rows)  # mb_tokens above counts every process's rows: token-mean
-                for b in self.shard.micro_batches(rows.numel(), s.micro_batch_size):
-                    idx = mine[b]
-                    if idx.numel() == 0:
-                        self._idle_pass(ids, attn)
-                        continue
-                    logp, ent = self._logprobs(self.model, ids[idx], attn[idx], with_entropy=True)
-                    loss, stats = policy_loss(
-                        logp, logp_old[idx], adv[idx], mask[idx], s.clip_low, s.clip_high, token_count=mb_tokens
-                    )
-                    if ref_logp is not None:
-                        kl = masked_mean(kl_penalty(logp, ref_logp[idx], mask[idx]), mask[idx], mb_tokens)
-                        loss = loss + s.kl_coef * kl
-                        totals["kl"] += float(kl.detach()) * mb_tokens
-                    loss.backward()
-                    totals["loss"] += float(loss.detach()) * mb_tokens
-                    n_tok = float(mask[idx].sum())
-                    if n_tok > 0:
-                        totals["clip_tokens"] += stats["clip_frac"] * n_tok
-                    totals["entropy"] += float(masked_mean(ent.detach(), mask[idx], token_count)) * token_count
-                grad_norm = self.shard.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
-                totals["grad_norm"] += float(grad_norm)
-                self.optimizer.step()
-                opt_steps += 1
+            group["lr"] = warmup_lr(self.settings.lr, self.settings.lr_warmup_steps, self.updates)
+
+    def _finish_update(
+        self, totals: dict[str, float], token_count: float, n: int, opt_steps: int, gap: tuple[float, float]
+    ) -> dict[str, float]:
+        s = self.settings
         self.optimizer.zero_grad(set_to_none=True)  # free the gradients' memory until the next update
         self.model.eval()
         self.updates += 1
@@ -329,6 +323,187 @@ class PolicyTrainer:
             "logprob_diff_mean": gap[0],
             "logprob_diff_max": gap[1],
         }
+
+    def _time(self, what: str, since: float) -> None:
+        self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - since
+
+    def _optimizer_step(self, totals: dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        grad_norm = self.shard.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+        totals["grad_norm"] += float(grad_norm)
+        self.optimizer.step()
+        self._time("optimizer", t0)
+
+    def _update_shared_prefix(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        advantages: np.ndarray | torch.Tensor,
+        sampler_logprobs: Sequence[Sequence[float]] | None,
+    ) -> dict[str, float]:
+        """``update`` with each group's prompt encoded once and the output projection only at completion
+        tokens (``coba_tasks.engines.shared_prefix``). The same loss and gradients as the full-sequence
+        update, within float rounding. With one optimizer step (``mini_batches`` 1, ``update_epochs`` 1)
+        logp_old is the same forward's log-probabilities, detached: the weights have not moved yet, so a
+        separate pass would compute the same numbers again."""
+        s = self.settings
+        n = len(prompt_ids)
+        adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32), device=self.device)
+        lengths = [len(c) for c in completion_ids]
+        token_count = float(sum(lengths))
+        if token_count == 0:
+            raise ValueError("GRPO update: no completion tokens in the batch")
+        parts = max(1, min(s.mini_batches, n))
+        one_step = parts == 1 and s.update_epochs == 1
+        self.timings = {}
+        old_rows: list[torch.Tensor | None] = [None] * n  # the trainer's log p before the update, per row
+        ref_rows: list[torch.Tensor | None] = [None] * n
+        if not one_step:
+            self.model.eval()  # dropout off; logp_old from the model before the update
+            self._grouped_logprobs(self.model, prompt_ids, completion_ids, old_rows)
+        if self.ref_model is not None:
+            self._grouped_logprobs(self.ref_model, prompt_ids, completion_ids, ref_rows)
+
+        self._begin_update()
+        self.model.train()
+        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
+        gen = torch.Generator().manual_seed(self.updates)
+        opt_steps = 0
+        for _ in range(s.update_epochs):
+            order = torch.randperm(n, generator=gen) if parts > 1 else torch.arange(n)
+            for rows in torch.tensor_split(order, parts):
+                mb_tokens = float(sum(lengths[int(r)] for r in rows))
+                if mb_tokens == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+
+                def on_chunk(idx, logp, mask, logits, mb_tokens=mb_tokens):
+                    if one_step:
+                        for i, r in enumerate(idx.tolist()):
+                            old_rows[r] = logp[i][mask[i]].detach()
+                        old = logp.detach()
+                    else:
+                        old = _padded([old_rows[r] for r in idx.tolist()], logp)
+                    weights = mask.to(logp.dtype)
+                    loss, stats = policy_loss(
+                        logp, old, adv[idx], weights, s.clip_low, s.clip_high, token_count=mb_tokens
+                    )
+                    if self.ref_model is not None:
+                        ref = _padded([ref_rows[r] for r in idx.tolist()], logp)
+                        kl = masked_mean(kl_penalty(logp, ref, weights), weights, mb_tokens)
+                        loss = loss + s.kl_coef * kl
+                        totals["kl"] += float(kl.detach()) * mb_tokens
+                    totals["loss"] += float(loss.detach()) * mb_tokens
+                    n_tok = float(weights.sum())
+                    if n_tok > 0:
+                        totals["clip_tokens"] += stats["clip_frac"] * n_tok
+                    with torch.no_grad():
+                        totals["entropy"] += float(entropy_from_logits(logits.detach()[None]).sum())
+                    return loss
+
+                shared_prefix_pass(
+                    self.model,
+                    group_by_prompt(prompt_ids, rows.tolist()),
+                    completion_ids,
+                    on_chunk,
+                    chunk=s.micro_batch_size,
+                    grad=True,
+                    autocast_dtype=self.compute_dtype,
+                    timings=self.timings,
+                )
+                self._optimizer_step(totals)
+                opt_steps += 1
+        gap = sampler_gap_rows(old_rows, sampler_logprobs, completion_ids)
+        return self._finish_update(totals, token_count, n, opt_steps, gap)
+
+    def _grouped_logprobs(
+        self, model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], out: list
+    ) -> None:
+        """Each row's completion-token log-probabilities under ``model``, without gradients, into ``out``."""
+
+        def keep(idx, logp, mask, logits):
+            for i, r in enumerate(idx.tolist()):
+                out[r] = logp[i][mask[i]].detach()
+
+        with torch.no_grad():
+            shared_prefix_pass(
+                model,
+                group_by_prompt(prompt_ids),
+                completion_ids,
+                keep,
+                chunk=self.settings.micro_batch_size,
+                grad=False,
+                autocast_dtype=self.compute_dtype,
+                timings=self.timings,
+            )
+
+    def _update_full_sequences(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        advantages: np.ndarray | torch.Tensor,
+        sampler_logprobs: Sequence[Sequence[float]] | None,
+    ) -> dict[str, float]:
+        """``update`` on padded ``prompt + completion`` sequences: the reference, and what FSDP ranks run."""
+        s = self.settings
+        self.timings = {}
+        ids, attn, comp = pad_sequences(prompt_ids, completion_ids, self.pad_id)
+        ids, attn, comp = ids.to(self.device), attn.to(self.device), comp.to(self.device)
+        mask = comp[:, 1:]  # (B, T-1): position t predicts token t+1
+        adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32), device=self.device)
+        token_count = float(mask.sum())
+        if token_count == 0:
+            raise ValueError("GRPO update: no completion tokens in the batch")
+        n = ids.shape[0]
+        parts = max(1, min(s.mini_batches, n))
+        with torch.no_grad():
+            self.model.eval()  # dropout off; logp_old from the model before the update
+            t0 = time.perf_counter()
+            logp_old = self._all_logprobs(self.model, ids, attn)
+            self._time("forward", t0)
+            ref_logp = self._all_logprobs(self.ref_model, ids, attn) if self.ref_model is not None else None
+        gap = sampler_gap(logp_old, mask, sampler_logprobs, completion_ids)
+
+        self._begin_update()
+        self.model.train()
+        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
+        gen = torch.Generator().manual_seed(self.updates)
+        opt_steps = 0
+        for _ in range(s.update_epochs):
+            order = torch.randperm(n, generator=gen) if parts > 1 else torch.arange(n)
+            for rows in torch.tensor_split(order, parts):
+                rows = rows.to(self.device)
+                mb_tokens = float(mask[rows].sum())
+                if mb_tokens == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                mine = self.shard.mine(rows)  # mb_tokens above counts every process's rows: token-mean
+                for b in self.shard.micro_batches(rows.numel(), s.micro_batch_size):
+                    idx = mine[b]
+                    if idx.numel() == 0:
+                        self._idle_pass(ids, attn)
+                        continue
+                    t0 = time.perf_counter()
+                    logp, ent = self._logprobs(self.model, ids[idx], attn[idx], with_entropy=True)
+                    self._time("forward", t0)
+                    loss, stats = policy_loss(
+                        logp, logp_old[idx], adv[idx], mask[idx], s.clip_low, s.clip_high, token_count=mb_tokens
+                    )
+                    if ref_logp is not None:
+                        kl = masked_mean(kl_penalty(logp, ref_logp[idx], mask[idx]), mask[idx], mb_tokens)
+                        loss = loss + s.kl_coef * kl
+                        totals["kl"] += float(kl.detach()) * mb_tokens
+                    t0 = time.perf_counter()
+                    loss.backward()
+                    self._time("backward", t0)
+                    totals["loss"] += float(loss.detach()) * mb_tokens
+                    n_tok = float(mask[idx].sum())
+                    if n_tok > 0:
+                        totals["clip_tokens"] += stats["clip_frac"] * n_tok
+                    totals["entropy"] += float(masked_mean(ent.detach(), mask[idx], token_count)) * token_count
+                self._optimizer_step(totals)
+                opt_steps += 1
+        return self._finish_update(totals, token_count, n, opt_steps, gap)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str | Path, extra_state: dict[str, Any] | None = None) -> Path:

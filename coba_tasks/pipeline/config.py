@@ -60,6 +60,8 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("optim", "fsdp_processes"): 1,
     ("rollout", "tensor_parallel_size"): 1,
     ("optim", "lr_warmup_steps"): 0,
+    ("optim", "shared_prefix"): True,
+    ("run", "keep_checkpoints"): 0,
 }
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -90,6 +92,7 @@ class RunConfig:
     eval_temperature: float = 0.0  # sampling temperature of evaluation; 0 = greedy
     eval_top_p: float = 1.0  # nucleus sampling mass of a sampled evaluation, in (0, 1] (paper: 0.9 at temperature 1.0)
     eval_greedy: bool = True  # with a sampled evaluation, also measure greedy accuracy (eval accuracy_greedy)
+    keep_checkpoints: int = 0  # checkpoints kept on disk, the newest; 0 = all (a rerun of update t needs checkpoint t)
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -102,6 +105,12 @@ class RunConfig:
         )
         _check(self, "seed", 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]")
         _check(self, "steps", self.steps >= 1, "must be >= 1 (the number of training steps)")
+        _check(
+            self,
+            "keep_checkpoints",
+            self.keep_checkpoints >= 0,
+            "must be >= 0 (0 keeps every checkpoint; N keeps the newest N, the one a resume needs among them)",
+        )
         _check(self, "eval_every", self.eval_every >= 0, "must be >= 0 (0 evaluates only before and after training)")
         _check(self, "eval_samples", self.eval_samples >= 1, "must be >= 1 (samples per held-out prompt)")
         _check(self, "eval_temperature", self.eval_temperature >= 0, "must be >= 0 (0 = greedy)")
@@ -314,6 +323,7 @@ class OptimConfig:
     update_epochs: int = 1  # optimiser passes over each step's rollouts
     lr_warmup_steps: int = 0  # linear warm-up: training step k (from 0) updates at lr * min(1, (k + 1) / N); 0 = none
     fsdp_processes: int = 1  # 1 = the update in the flow process; N > 1 = each update a torchrun job of N FSDP ranks
+    shared_prefix: bool = True  # encode each group's prompt once in the update (same loss and gradients, faster)
 
     def __post_init__(self) -> None:
         _coerce_fields(self)

@@ -45,7 +45,7 @@ from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import Config, check_platform, config_from_dict
 from coba_tasks.pipeline.runlock import LOCK_FILE
 from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage, StoreError
-from coba_tasks.pipeline.summary import eval_figures
+from coba_tasks.pipeline.summary import eval_figures, run_summary
 
 __all__ = ["STEP_STAGES", "Stage"]  # re-exported for the flows: the stage order lives in the store
 
@@ -198,8 +198,10 @@ def _update(res: RunResources, step: int) -> pd.DataFrame:
 
 
 def _reload_policy(res: RunResources, step: int) -> None:
-    """The rollout engine takes the weights the update of ``step`` wrote (also when it was done before)."""
+    """The rollout engine takes the weights the update of ``step`` wrote (also when it was done before);
+    then checkpoints beyond the newest ``run.keep_checkpoints`` are deleted."""
     res.engine.load_weights(res.store.checkpoint_dir(step + 1), version=step + 1)
+    res.store.prune_checkpoints(res.cfg.run.keep_checkpoints)
 
 
 def _evaluate(res: RunResources, step: int) -> pd.DataFrame:
@@ -434,6 +436,7 @@ def update_settings(cfg: Config) -> UpdateSettings:
         dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        shared_prefix=o.shared_prefix,
     )
 
 
@@ -491,6 +494,12 @@ def resume_point(res: RunResources) -> int:
     step to run: a continuing run starts from the checkpoint of its first step not done."""
     write_first_budget(res)
     first = first_step_not_done(res.store, res.cfg.run.steps)
+    if first > 0 and not res.store.checkpoint_dir(first).is_dir():
+        raise StoreError(
+            f"{res.store.checkpoint_dir(first)} is missing: step {first} continues from it (run.keep_checkpoints "
+            f"= {res.cfg.run.keep_checkpoints} may have deleted it); recompute it with "
+            f"`coba rerun --run-dir {res.store.root} --step {first - 1} --stage update --yes`"
+        )
     weights = str(res.store.checkpoint_dir(first)) if first > 0 else res.cfg.model.path
     start_resources(res, weights, version=first)
     if first > 0 and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
@@ -512,3 +521,42 @@ def remove_empty_run_dir(root: Path) -> None:
     if root.is_dir() and {p.name for p in root.iterdir()} <= {LOCK_FILE}:
         (root / LOCK_FILE).unlink(missing_ok=True)
         root.rmdir()
+
+
+def run_summary_json(res: RunResources, wall: float) -> dict[str, Any]:
+    """summary.json of a finished run: ``run_summary``'s figures flattened under the names of the
+    before/after comparison, plus the timings the flow measured in this process (stage seconds, step
+    seconds, Prefect's share)."""
+    s = run_summary(res.store.root)
+    before, after = s["heldout_before"] or {}, s["heldout_after"] or {}
+    first, latest = s["capability"]["first"] or {}, s["capability"]["latest"] or {}
+
+    def nan(x: Any) -> float:
+        return float("nan") if x is None else float(x)
+
+    walls = res.step_walls
+    return {
+        "steps": res.cfg.run.steps,
+        "strategy": res.cfg.allocation.strategy,
+        **{f"heldout_{k}_before": nan(before.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
+        **{f"heldout_{k}_after": nan(after.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
+        "heldout_accuracy_by_difficulty_before": before.get("by_difficulty", {}),
+        "heldout_accuracy_by_difficulty_after": after.get("by_difficulty", {}),
+        "mean_budget_by_difficulty": (s["budget"] or {}).get("mean_by_difficulty") or {},
+        "alpha_beta_start": [nan(first.get("alpha_used")), nan(first.get("beta_used"))],
+        "alpha_beta_end": [nan(latest.get("alpha")), nan(latest.get("beta"))],
+        "total_rollouts": s["total_rollouts"],
+        "verdicts": s["verdicts"],
+        "logprob_gap_mean": nan(s["logprob_gap"]["mean"]),  # over steps: |sampler - trainer| log p of completion tokens
+        "logprob_gap_max": nan(s["logprob_gap"]["max"]),  # the largest token gap of any step
+        "wall_seconds": wall,
+        "stage_seconds": res.stage_seconds,
+        "step_seconds_mean": _mean_of([w for w, _ in walls]),
+        "prefect_overhead_seconds_per_step": _mean_of([o for _, o in walls]),
+        "run_dir": s["run_dir"],
+        "config": {"lr": res.cfg.optim.lr, "group_size": res.cfg.allocation.group_size},
+    }
+
+
+def _mean_of(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")

@@ -59,6 +59,7 @@ import json
 import operator
 import os
 import re
+import shutil
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -236,6 +237,17 @@ class RunStore:
     def step_dir(self, step: int) -> Path:
         """``steps/000007`` for step 7 (not created here)."""
         return self.root / STEPS_DIR / _step_name(step)
+
+    def prune_checkpoints(self, keep: int) -> list[Path]:
+        """Delete all but the newest ``keep`` checkpoints (``keep`` 0 deletes nothing); the paths deleted."""
+        if keep <= 0:
+            return []
+        root = self.root / CHECKPOINTS_DIR
+        steps = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
+        gone = [self.checkpoint_dir(s) for s in steps[: max(0, len(steps) - keep)]]
+        for path in gone:
+            shutil.rmtree(path)
+        return gone
 
     def checkpoint_dir(self, step: int) -> Path:
         """``checkpoints/000007``: the policy after 7 updates, written by the update of step 6 (not created here)."""

@@ -159,3 +159,25 @@ def test_refused_dataset_leaves_no_run_directory(tmp_path, prefect_harness, rand
     with pytest.raises(DatasetError, match=r"row 1, column prompt: prompt is 900 tokens"):
         train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_keep_checkpoints_prunes_old_ones_and_a_resume_that_needs_one_says_so(
+    tmp_path, prefect_harness, random_checkpoints, first_char_data
+):
+    from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
+    from coba_tasks.pipeline.store import StoreError
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=3", "run.keep_checkpoints=1"]
+    cfg = load_config("configs/tiny-test.yaml", [*overrides, *data_overrides(first_char_data)])
+    run_dir = tmp_path / "run"
+    train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["000003"]
+    store = RunStore.open(run_dir)
+    apply_rerun(store, plan_rerun(store, 1, Stage.UPDATE))  # its update continues from checkpoints/000001
+    state = train_flow(run_dir=str(run_dir), resume=True, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(StoreError, match=r"checkpoints/000001 is missing: step 1 continues from it"):
+        state.result()

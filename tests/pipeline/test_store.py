@@ -463,3 +463,14 @@ def test_json_needs_a_json_suffix_and_missing_files_raise(run: RunStore) -> None
         run.write_json("summary.txt", {})
     with pytest.raises(FileNotFoundError):
         run.read_json("summary.json")
+
+
+def test_prune_checkpoints_keeps_the_newest(run: RunStore) -> None:
+    for step in (1, 2, 3, 10):
+        run.checkpoint_dir(step).mkdir(parents=True)
+        (run.checkpoint_dir(step) / "model.safetensors").write_bytes(b"x")
+    assert run.prune_checkpoints(0) == []  # 0 keeps every checkpoint
+    gone = run.prune_checkpoints(2)
+    assert gone == [run.checkpoint_dir(1), run.checkpoint_dir(2)]
+    assert sorted(p.name for p in (run.root / "checkpoints").iterdir()) == ["000003", "000010"]
+    assert run.prune_checkpoints(5) == []

@@ -1,0 +1,350 @@
+"""``coba bench update``: the GRPO update against a plain transformers loop, on the same rollouts.
+
+What it measures, in one run (the machine's load changes between runs, so only the ratios of one
+run are comparable):
+
+- the machine's float32 matrix-multiply rate (``torch.mm`` of 2048 x 2048), the ceiling;
+- a plain update as one would write it with transformers: every ``prompt + completion`` as a full
+  sequence, micro-batches of ``--micro-batch`` sequences, logits over the whole sequence, the same
+  clipped token-mean GRPO loss on the completion tokens, one AdamW step;
+- the project's update (``PolicyTrainer.update``): each group's prompt encoded once, the output
+  projection only at completion tokens, logp_old from the same forward when there is one optimizer
+  step (``coba_tasks.engines.shared_prefix``);
+- their agreement: the loss and every gradient of both, from the same weights, before any step;
+- the project's update broken down: forward, backward, optimizer, checkpoint save, and (with
+  ``--reload``) the rollout engine's weight reload from that checkpoint.
+
+The rollouts are a run's step (``--run-dir``, ``--step``: its rollouts, rewards and prompts) or, by
+default, synthetic groups shaped like a CoBA step: ``--groups`` group sizes, prompts of
+``--prompt-tokens`` and completions of ``--completion-tokens`` random tokens (the speed of a
+forward and backward does not depend on which tokens they are).
+
+    coba bench update                                     # SmolLM2, 64 completions in 7 groups of 2-20
+    coba bench update --model models/arith-tiny --json
+    coba bench update --run-dir runs/smollm2-arith --step 3 --reload
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL = "models/smollm2-135m-instruct"
+DEFAULT_GROUPS = (2, 4, 6, 8, 10, 14, 20)  # 64 completions: CoBA's budgets are uneven
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 10) -> float:
+    """float32 GFLOP/s of ``torch.mm`` on ``size`` x ``size`` matrices (best of three timings)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 * repeats / best / 1e9
+
+
+def synthetic_batch(
+    groups: Sequence[int], prompt_tokens: int, completion_tokens: int, vocab: int, seed: int = 0
+) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
+    """(prompt ids, completion ids, advantages) of ``groups`` GRPO groups of random tokens; one prompt per
+    group, completions of ``completion_tokens`` tokens, advantages of mixed sign."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for size in groups:
+        prompt = torch.randint(5, vocab, (prompt_tokens,), generator=g).tolist()
+        for _ in range(size):
+            prompts.append(prompt)
+            completions.append(torch.randint(5, vocab, (completion_tokens,), generator=g).tolist())
+    advantages = np.random.default_rng(seed).standard_normal(len(prompts))
+    return prompts, completions, advantages
+
+
+def run_batch(run_dir: str, step: int) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
+    """What the update of ``step`` of the run in ``run_dir`` trains on (its rollouts, rewards, prompts)."""
+    from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline.store import RunStore, Stage
+
+    store = RunStore.open(run_dir)
+    rollouts, rewards = store.read_table(step, Stage.ROLLOUTS), store.read_table(step, Stage.REWARDS)
+    prompt_ids, completion_ids, _ = stages.update_batch(rollouts, store.read_run_table("prompts"))
+    return prompt_ids, completion_ids, stages.advantages_for(rollouts, rewards)
+
+
+class PlainUpdate:
+    """The plain loop: full sequences, logits everywhere, the GRPO loss on completion tokens, AdamW."""
+
+    def __init__(self, model: torch.nn.Module, micro_batch: int, lr: float, pad_id: int) -> None:
+        self.model, self.micro_batch, self.pad_id = model, micro_batch, pad_id
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def loss_backward(self, prompts: list[list[int]], completions: list[list[int]], adv: np.ndarray) -> float:
+        """Forward and backward over every micro-batch (gradients accumulate); the batch's loss."""
+        from coba_tasks.core.grpo import policy_loss
+        from coba_tasks.engines.trainer import pad_sequences
+
+        token_count = float(sum(len(c) for c in completions))
+        advantages = torch.as_tensor(adv, dtype=torch.float32)
+        total = 0.0
+        for start in range(0, len(prompts), self.micro_batch):
+            rows = slice(start, start + self.micro_batch)
+            ids, attn, comp = pad_sequences(prompts[rows], completions[rows], self.pad_id)
+            logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T-1, V)
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+            loss, _ = policy_loss(logp, logp.detach(), advantages[rows], comp[:, 1:], token_count=token_count)
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    def step(self, prompts: list[list[int]], completions: list[list[int]], adv: np.ndarray) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_backward(prompts, completions, adv)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return loss
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _agreement(model_path: str, prompts, completions, adv, settings: Any) -> dict[str, float]:
+    """Loss and gradients of the plain loop and of the project's update from the same weights."""
+    from coba_tasks.engines.trainer import PolicyTrainer
+
+    unclipped = dataclasses.replace(settings, max_grad_norm=math.inf)  # the gradients as computed, not clipped
+    trainer = PolicyTrainer(model_path, unclipped, seed=0)
+    plain = PlainUpdate(trainer.model, settings.micro_batch_size, 0.0, trainer.pad_id)
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    plain_loss = plain.loss_backward(prompts, completions, adv)
+    reference = _grads(trainer.model)
+    trainer.model.zero_grad(set_to_none=True)
+    captured: dict[str, Any] = {}
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda *a, **k: captured.update(grads=_grads(trainer.model))  # no step: compare only
+    try:
+        ours = trainer.update(prompts, completions, adv)
+    finally:
+        trainer.optimizer.step = step
+    grads = captured["grads"]
+    scale = max(float(g.abs().max()) for g in reference.values())
+    diff = max(float((grads[k] - reference[k]).abs().max()) for k in reference)
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in reference.values()))
+    return {
+        "loss_plain": plain_loss,
+        "loss_project": ours["loss"],
+        "loss_abs_diff": abs(plain_loss - ours["loss"]),
+        "grad_max_abs_diff": diff,
+        "grad_max_abs": scale,
+        "grad_max_rel_diff": diff / scale if scale > 0 else 0.0,
+        "grad_norm_plain": norm,
+        "grad_norm_project": float(ours["grad_norm"]),
+    }
+
+
+def bench_update(
+    model_path: str = DEFAULT_MODEL,
+    run_dir: str | None = None,
+    step: int = 0,
+    groups: Sequence[int] = DEFAULT_GROUPS,
+    prompt_tokens: int = 46,
+    completion_tokens: int = 32,
+    micro_batch: int = 16,
+    repeats: int = 2,
+    reload: bool = False,
+    threads: int = 0,
+    progress: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
+    """The figures (see the module docstring), as a dict."""
+    from transformers import AutoConfig
+
+    from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise ValueError(f"{model_path} is not a Hugging Face model directory (make smollm2 builds the default one)")
+    config = AutoConfig.from_pretrained(model_path)
+    if run_dir:
+        prompts, completions, adv = run_batch(run_dir, step)
+    else:
+        prompts, completions, adv = synthetic_batch(groups, prompt_tokens, completion_tokens, config.vocab_size)
+    completion_count = sum(len(c) for c in completions)
+    all_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    settings = UpdateSettings(lr=1e-6, micro_batch_size=micro_batch, threads=threads or _cpus())
+    progress("agreement: loss and gradients of both updates from the same weights")
+    agreement = _agreement(model_path, prompts, completions, adv, settings)
+
+    trainer = PolicyTrainer(model_path, settings, seed=0)  # sets the thread count the rest runs with
+    progress(f"float32 matrix-multiply rate on {torch.get_num_threads()} threads")
+    gflops = matmul_gflops()
+    progress(f"timing: plain loop and the project's update, alternated, {repeats} each")
+    plain = PlainUpdate(trainer.model, micro_batch, 1e-6, trainer.pad_id)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    plain_s, ours_s, breakdowns = [], [], []
+    for _ in range(repeats):
+        trainer.model.train()
+        t0 = time.perf_counter()
+        plain.step(prompts, completions, adv)
+        plain_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        trainer.update(prompts, completions, adv)
+        ours_s.append(time.perf_counter() - t0)
+        breakdowns.append(dict(trainer.timings))
+    with tempfile.TemporaryDirectory(prefix="coba-bench-update-") as tmp:
+        progress("checkpoint save")
+        t0 = time.perf_counter()
+        trainer.save_checkpoint(Path(tmp) / "ckpt")
+        save_s = time.perf_counter() - t0
+        reload_s = None
+        if reload:
+            progress("weight reload into a vLLM engine")
+            reload_s = _reload_seconds(model_path, Path(tmp) / "ckpt")
+    plain_med, ours_med = statistics.median(plain_s), statistics.median(ours_s)
+    breakdown = {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in ("forward", "backward", "optimizer")}
+    flops_plain = 6 * params * all_tokens  # forward + backward of every token of every full sequence
+    return {
+        "benchmark": "update",
+        "model": model_path,
+        "parameters": params,
+        "rollouts": {
+            "source": f"{run_dir} step {step}" if run_dir else "synthetic",
+            "completions": len(completions),
+            "groups": len({tuple(p) for p in prompts}),
+            "completion_tokens": completion_count,
+            "prompt_tokens_per_completion": all_tokens / len(completions) - completion_count / len(completions),
+        },
+        "threads": torch.get_num_threads(),
+        "matmul_gflops": gflops,
+        "plain": {
+            "seconds": plain_med,
+            "completion_tokens_per_s": completion_count / plain_med,
+            "share_of_matmul_rate": flops_plain / plain_med / 1e9 / gflops,
+            "runs_s": plain_s,
+        },
+        "project": {
+            "seconds": ours_med,
+            "completion_tokens_per_s": completion_count / ours_med,
+            "runs_s": ours_s,
+            "breakdown_s": {**breakdown, "checkpoint_save": save_s, "weight_reload": reload_s},
+        },
+        "speedup": plain_med / ours_med,
+        "agreement": agreement,
+    }
+
+
+def _reload_seconds(model_path: str, checkpoint: Path) -> float:
+    from coba_tasks.engines.rollout import make_backend
+
+    engine = make_backend("vllm", model_path, dtype="float32", max_model_len=256, seed=0)
+    try:
+        t0 = time.perf_counter()
+        engine.load_weights(checkpoint, version=1)
+        return time.perf_counter() - t0
+    finally:
+        engine.close()
+
+
+def format_update(r: dict[str, Any]) -> str:
+    """The figures as text."""
+    ro, pl, pr, ag = r["rollouts"], r["plain"], r["project"], r["agreement"]
+    b = pr["breakdown_s"]
+    reload = f"{b['weight_reload']:.2f} s" if b["weight_reload"] is not None else "not measured (--reload)"
+    return "\n".join(
+        [
+            f"GRPO update benchmark: {r['model']} ({r['parameters'] / 1e6:.1f} M parameters), {r['threads']} threads",
+            f"rollouts: {ro['source']}: {ro['completions']} completions in {ro['groups']} groups, "
+            f"{ro['completion_tokens']} completion tokens, {ro['prompt_tokens_per_completion']:.0f} prompt tokens each",
+            f"float32 matmul: {r['matmul_gflops']:.0f} GFLOP/s",
+            f"  plain loop (full sequences)   {pl['seconds']:7.2f} s  {pl['completion_tokens_per_s']:7.1f} completion "
+            f"tokens/s  ({pl['share_of_matmul_rate']:.0%} of the matmul rate)",
+            f"  project update                {pr['seconds']:7.2f} s  {pr['completion_tokens_per_s']:7.1f} completion "
+            f"tokens/s",
+            f"  speedup: {r['speedup']:.2f}x (goal >= 1.5x)",
+            f"  breakdown: forward {b['forward']:.2f} s, backward {b['backward']:.2f} s, optimizer "
+            f"{b['optimizer']:.2f} s, checkpoint save {b['checkpoint_save']:.2f} s, weight reload {reload}",
+            f"agreement (same weights, before a step): loss {ag['loss_plain']:.6g} vs {ag['loss_project']:.6g}, "
+            f"gradients max |diff| {ag['grad_max_abs_diff']:.2e} ({ag['grad_max_rel_diff']:.1e} of the largest), "
+            f"norm {ag['grad_norm_plain']:.6g} vs {ag['grad_norm_project']:.6g}",
+        ]
+    )
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return n
+
+
+def _sizes(value: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated group sizes, e.g. 2,4,8; got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"group sizes must be >= 1, got {value!r}")
+    return sizes
+
+
+def add_bench_update_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``update`` under the ``bench`` subcommand group; returns its parser."""
+    p = bench_subparsers.add_parser(
+        "update",
+        help="the GRPO update against a plain transformers loop on the same rollouts (speed and agreement)",
+        description=__doc__.split("\n\n")[1],
+        epilog="examples:\n  coba bench update\n  coba bench update --model models/arith-tiny --json\n"
+        "  coba bench update --run-dir runs/smollm2-arith --step 3 --reload",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})")
+    p.add_argument("--run-dir", default=None, help="take the rollouts of a run's step instead of synthetic ones")
+    p.add_argument("--step", type=int, default=0, help="the run's step (with --run-dir; default 0)")
+    p.add_argument("--groups", type=_sizes, default=list(DEFAULT_GROUPS), help="synthetic group sizes (2,4,...)")
+    p.add_argument("--prompt-tokens", type=_positive, default=46, help="synthetic prompt length (default 46)")
+    p.add_argument("--completion-tokens", type=_positive, default=32, help="synthetic completion length (default 32)")
+    p.add_argument("--micro-batch", type=_positive, default=16, help="sequences per forward/backward (default 16)")
+    p.add_argument("--repeats", type=_positive, default=2, help="timed updates of each kind (default 2)")
+    p.add_argument("--reload", action="store_true", help="also time the weight reload into a vLLM engine")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core, as a run has)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=cmd_bench_update)
+    return p
+
+
+def cmd_bench_update(args: argparse.Namespace) -> int:
+    """``coba bench update``: run the benchmark, print the figures (or JSON); 0."""
+    result = bench_update(
+        args.model,
+        run_dir=args.run_dir,
+        step=args.step,
+        groups=args.groups,
+        prompt_tokens=args.prompt_tokens,
+        completion_tokens=args.completion_tokens,
+        micro_batch=args.micro_batch,
+        repeats=args.repeats,
+        reload=args.reload,
+        threads=args.threads,
+        progress=lambda msg: print(f"[bench] {msg} ...", file=sys.stderr, flush=True),
+    )
+    print(json.dumps(result, indent=2) if args.json else format_update(result))
+    return 0
