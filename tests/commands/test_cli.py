@@ -144,3 +144,12 @@ def test_run_with_skip_still_refuses_a_dataset_with_no_good_row(tmp_path, capsys
     err = capsys.readouterr().err
     assert "every one of the 2 rows is bad" in err and f"{train}: row 1, column prompt: prompt is empty" in err
     assert not run_dir.exists()
+
+
+def test_setup_server_needs_a_server_and_a_sane_crash_after(capsys, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert main(["setup-server"]) == 2
+    assert "no Prefect server: pass --api-url" in capsys.readouterr().err
+    # checked before any connection is made (nothing listens on this port)
+    assert main(["setup-server", "--api-url", "http://127.0.0.1:9/api", "--crash-after", "30"]) == 2
+    assert "--crash-after must be longer than a heartbeat interval (at least 30 s), got 30" in capsys.readouterr().err

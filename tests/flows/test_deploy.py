@@ -11,129 +11,28 @@ command's output go to files in tmp_path; their tails are printed when something
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
+from prefect_procs import (
+    PREFECT,
+    PROJECT,
+    Processes,
+    flow_run_id,
+    free_port,
+    prefect_env,
+    start_server,
+    wait_final,
+    wait_healthy,
+)
 
 from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage
 
-PROJECT = Path(__file__).resolve().parents[2]
-PREFECT = [sys.executable, "-m", "prefect"]
-FLOW_RUN_TIMEOUT_S = 300
 DEPLOYMENTS = ("coba-train/coba-train", "coba-bootstrap/coba-bootstrap", "coba-eval/coba-eval")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tail(path: Path, lines: int = 60) -> str:
-    if not path.exists():
-        return f"--- {path.name}: (no file)"
-    text = path.read_text(errors="replace").splitlines()[-lines:]
-    return f"--- last {len(text)} lines of {path.name}:\n" + "\n".join(text)
-
-
-class Processes:
-    """The subprocesses of one test, each in its own process group, with its output in a log file."""
-
-    def __init__(self, logs: Path, env: dict[str, str]) -> None:
-        self.logs, self.env = logs, env
-        self.started: list[tuple[str, subprocess.Popen]] = []
-        self.log_files: list[Path] = []
-
-    def log(self, name: str) -> Path:
-        path = self.logs / f"{name}.log"
-        self.log_files.append(path)
-        return path
-
-    def start(self, name: str, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-        with open(self.log(name), "wb") as out:
-            proc = subprocess.Popen(
-                args, cwd=cwd, env=env or self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.started.append((name, proc))
-        return proc
-
-    def run(self, name: str, args: list[str], cwd: Path, timeout: float = 180) -> str:
-        """Run a command to completion; its output (also in <name>.log) if it succeeds, else fail."""
-        path = self.log(name)
-        with open(path, "wb") as out:
-            rc = subprocess.run(
-                args, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
-            ).returncode
-        text = path.read_text(errors="replace")
-        assert rc == 0, f"{' '.join(args[2:])} exited {rc}:\n{tail(path)}"
-        return text
-
-    def stop_all(self) -> None:
-        """SIGINT, then SIGTERM, then SIGKILL to each process group, latest first (the worker before the server).
-
-        The server stops on SIGINT in seconds; the worker (Prefect 3.7.7) often waits after the first
-        signal and kills itself on the second.
-        """
-        for _, proc in reversed(self.started):
-            for sig, wait_s in ((signal.SIGINT, 5), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            # children of the group (flow runs, vLLM, verifier workers) outliving their parent
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-    def tails(self) -> str:
-        return "\n".join(tail(p) for p in self.log_files)
-
-
-def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"prefect server exited with {server.returncode}"
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"prefect server did not answer {url}/health within {timeout_s} s")
-
-
-def flow_run_id(output: str) -> uuid.UUID:
-    found = re.search(r"UUID: ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})", output)
-    assert found, f"no flow run id in the output of prefect deployment run:\n{output}"
-    return uuid.UUID(found.group(1))
-
-
-def wait_final(client, run_id: uuid.UUID, worker: subprocess.Popen, timeout_s: float = FLOW_RUN_TIMEOUT_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        run = client.read_flow_run(run_id)
-        if run.state is not None and run.state.is_final():
-            return run
-        assert worker.poll() is None, f"the worker exited with {worker.returncode} during flow run {run_id}"
-        time.sleep(2)
-    raise AssertionError(f"flow run {run_id} not finished within {timeout_s} s (state {run.state_name})")
 
 
 def artifact_keys(client, run_id: uuid.UUID) -> set[str]:
@@ -170,29 +69,10 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
     worker_dir.mkdir()
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env = {
-        **base,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": url,
-        "PREFECT_CLI_PROMPT": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "2",  # poll the pool every 2 s (default 10)
-        "PREFECT_LOGGING_EXTRA_LOGGERS": "coba_tasks",
-        "PWD": str(PROJECT),  # what `{{ $PWD }}` in prefect.yaml's pull step reads at `prefect deploy`
-        "PREFECT_CLI_COLORS": "false",
-        "COLUMNS": "200",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    }
-    server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    env = prefect_env(tmp_path / "prefect-home", url)
     procs = Processes(tmp_path, env)
     try:
-        server = procs.start(
-            "server",
-            [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
-            cwd=tmp_path,
-            env=server_env,
-        )
+        server = start_server(procs, "server", port, env, cwd=tmp_path)
         wait_healthy(url, server)
         t_server = time.monotonic()
         procs.run("work-pool-create", [*PREFECT, "work-pool", "create", "coba-process", "--type", "process"], PROJECT)

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,3 +72,36 @@ def test_resume_and_rerun_refuse_a_run_in_use(tmp_path, other_process, capsys):
     assert f"in use by process {other_process}" in capsys.readouterr().err
     assert cli_main(["rerun", "--run-dir", str(store.root), "--step", "0", "--stage", "rewards", "--yes"]) == 2
     assert "in use by process" in capsys.readouterr().err
+
+
+RACER = """
+import sys, time
+from coba_tasks.pipeline.runlock import RunLock, RunLockedError
+run_dir, start = sys.argv[1], float(sys.argv[2])
+while time.time() < start:
+    pass
+try:
+    RunLock(run_dir).acquire()
+except RunLockedError:
+    print("refused", flush=True)
+    sys.exit(0)
+print("took", flush=True)
+time.sleep(3)  # hold it (the lock is dropped when the process ends: its pid is gone)
+"""
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["free", "stale-lock"])
+def test_racing_processes_one_takes_the_lock(tmp_path, stale):
+    """Processes starting on one run directory in the same instant (two workers given one run name): exactly
+    one takes the lock, also when they all find a dead holder's lock to take over."""
+    if stale:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        _write_lock(tmp_path, int(dead.stdout))
+    start = time.time() + 2.0
+    racers = [
+        subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(start)], stdout=subprocess.PIPE, text=True)
+        for _ in range(6)
+    ]
+    answers = sorted(p.communicate(timeout=60)[0].strip() for p in racers)
+    assert answers == ["refused"] * 5 + ["took"], answers
+    assert not list(tmp_path.glob("*.tmp"))
