@@ -229,14 +229,15 @@ def write_tables(out: Path, tables: dict[str, pd.DataFrame]) -> None:
 
 
 def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
-    """compare.png: avg@k and greedy accuracy per step, effective gradient ratio, budget by level."""
+    """compare.png: avg@k and greedy accuracy per step, the share of rollouts with reward variance, budget by
+    level, the capability schedule (alpha, beta) and the answer-format rates per step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     results, steps, budget = tables["results"], tables["steps"], tables["budget_by_level"]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = plt.subplots(3, 2, figsize=(13, 13.5))
     strategies = list(dict.fromkeys(results["strategy"])) if not results.empty else []
     colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(strategies)}
     for ax, col, title in (
@@ -278,6 +279,23 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
             left += share[lv].to_numpy()
         ax.set(title="share of rollouts by difficulty level (all steps)", xlim=(0, 1))
         ax.legend(fontsize=8, ncols=len(share.columns), loc="lower center", bbox_to_anchor=(0.5, -0.25))
+    ax = axes[2, 0]
+    for s in strategies:
+        g = steps[steps["strategy"] == s].groupby("step")[["alpha_used", "beta_used"]].mean()
+        ax.plot(g.index, g["alpha_used"].to_numpy(), color=colors[s], label=f"{s}: alpha")
+        ax.plot(g.index, g["beta_used"].to_numpy(), color=colors[s], ls="--", label=f"{s}: beta")
+    ax.set(title="capability schedule used at each step: alpha (solid), beta (dashed)", xlabel="step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncols=2)
+    ax = axes[2, 1]
+    for s in strategies:
+        g = results[results["strategy"] == s].groupby("step")
+        for col, ls, what in (("boxed", "-", "\\boxed{} answers"), ("answered", ":", "an answer at all")):
+            if col in results and results[col].notna().any():
+                ax.plot(g[col].mean().index, g[col].mean().to_numpy(), color=colors[s], ls=ls, label=f"{s}: {what}")
+    ax.set(title="held-out completions with \\boxed{} (solid), with any answer (dotted)", xlabel="step", ylim=(0, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
