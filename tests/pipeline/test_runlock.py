@@ -75,9 +75,9 @@ def test_resume_and_rerun_refuse_a_run_in_use(tmp_path, other_process, capsys):
 
 
 RACER = """
-import sys, time
+import os, sys, time
 from coba_tasks.pipeline.runlock import RunLock, RunLockedError
-run_dir, start = sys.argv[1], float(sys.argv[2])
+run_dir, start, hold = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 while time.time() < start:
     pass
 try:
@@ -86,7 +86,9 @@ except RunLockedError:
     print("refused", flush=True)
     sys.exit(0)
 print("took", flush=True)
-time.sleep(3)  # hold it (the lock is dropped when the process ends: its pid is gone)
+deadline = time.time() + 120
+while os.path.exists(hold) and time.time() < deadline:  # hold the lock until every racer has answered
+    time.sleep(0.05)
 """
 
 
@@ -97,11 +99,20 @@ def test_racing_processes_one_takes_the_lock(tmp_path, stale):
     if stale:
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         _write_lock(tmp_path, int(dead.stdout))
+    hold = tmp_path.parent / f"{tmp_path.name}-hold"
+    hold.touch()
     start = time.time() + 2.0
     racers = [
-        subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(start)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(tmp_path), str(start), str(hold)], stdout=subprocess.PIPE, text=True
+        )
         for _ in range(6)
     ]
-    answers = sorted(p.communicate(timeout=60)[0].strip() for p in racers)
+    try:
+        answers = sorted(p.stdout.readline().strip() for p in racers)  # the holder is still holding
+    finally:
+        hold.unlink()
+        for p in racers:
+            p.wait(timeout=60)
     assert answers == ["refused"] * 5 + ["took"], answers
     assert not list(tmp_path.glob("*.tmp"))
