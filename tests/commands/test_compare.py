@@ -48,8 +48,16 @@ def test_final_table_means_and_spread():
 
 
 @pytest.mark.slow
-def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_checkpoints, capsys):
+def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_checkpoints, capsys, monkeypatch):
     model, _ = random_checkpoints
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("a comparison run trained in the comparing process")
+
+    # every run trains in a process of its own (its memory goes back to the system when it ends)
+    import flows.train
+
+    monkeypatch.setattr(flows.train, "train_flow", not_here)
     out = tmp_path / "cmp"
     args = argparse.Namespace(
         config="configs/tiny-test.yaml",
@@ -92,3 +100,21 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     assert (out / "coba-seed0" / "summary.json").is_file()
     again = pd.read_parquet(out / "results.parquet")
     pd.testing.assert_frame_equal(results, again)
+
+
+def test_a_run_that_dies_stops_the_comparison_with_its_name(tmp_path, capsys):
+    """A run whose process fails (here: a model path that does not exist) is named, with how to go on."""
+    args = argparse.Namespace(
+        config="configs/tiny-test.yaml",
+        strategies="uniform",
+        seeds=1,
+        steps=1,
+        eval_samples=1,
+        eval_every=0,
+        out=str(tmp_path / "cmp"),
+        set=[f"model.path={tmp_path / 'no-model'}", "data.train_prompts=6"],
+        collect_only=False,
+    )
+    assert compare.cmd_compare(args) == 1
+    err = capsys.readouterr().err
+    assert f"run {tmp_path / 'cmp' / 'uniform-seed0'} did not finish" in err and "again to resume" in err
