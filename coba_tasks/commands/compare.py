@@ -159,6 +159,17 @@ def _train_in_own_process(config_path: str | None, overrides: list[str], run_dir
 # ---------------------------------------------------------------------------------------------
 
 
+def _allocation_beta(t: Any, step: int) -> dict[str, float]:
+    """``alloc_alpha``, ``alloc_beta``: the Beta parameters in the step's budget table, NaN when absent."""
+    from coba_tasks.pipeline.store import Stage
+
+    if Stage.BUDGET in t.done[step]:
+        b = t.table(step, Stage.BUDGET)
+        if {"alpha", "beta"} <= set(b.columns) and len(b):
+            return {"alloc_alpha": float(b["alpha"].iloc[0]), "alloc_beta": float(b["beta"].iloc[0])}
+    return {"alloc_alpha": math.nan, "alloc_beta": math.nan}
+
+
 def _class_of(rate: float) -> str:
     return "all_wrong" if rate == 0.0 else ("all_right" if rate == 1.0 else "mixed")
 
@@ -202,6 +213,9 @@ def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
                         **key,
                         "step": step,
                         **{k: float(cap[k]) for k in ("S", "F", "alpha_used", "beta_used", "alpha", "beta")},
+                        # the Beta parameters the step's budgets were allocated with (fixed and reversed
+                        # schedules differ from the tracker's alpha, beta); NaN for strategies without them
+                        **_allocation_beta(t, step),
                         "effective_gradient_ratio": 1.0 - float(cap["zero_variance_groups"]),
                         # share of the step's rollouts in groups with non-zero reward variance (non-zero advantage)
                         "effective_rollout_ratio": float(sizes[mixed].sum() / sizes.sum()),
@@ -322,10 +336,10 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
         ax.legend(fontsize=8, ncols=len(share.columns), loc="lower center", bbox_to_anchor=(0.5, -0.25))
     ax = axes[2, 0]
     for s in strategies:
-        g = steps[steps["strategy"] == s].groupby("step")[["alpha_used", "beta_used"]].mean()
-        ax.plot(g.index, g["alpha_used"].to_numpy(), color=colors[s], label=f"{s}: alpha")
-        ax.plot(g.index, g["beta_used"].to_numpy(), color=colors[s], ls="--", label=f"{s}: beta")
-    ax.set(title="capability schedule used at each step: alpha (solid), beta (dashed)", xlabel="step")
+        g = steps[steps["strategy"] == s].groupby("step")[["alloc_alpha", "alloc_beta"]].mean()
+        ax.plot(g.index, g["alloc_alpha"].to_numpy(), color=colors[s], label=f"{s}: alpha")
+        ax.plot(g.index, g["alloc_beta"].to_numpy(), color=colors[s], ls="--", label=f"{s}: beta")
+    ax.set(title="Beta(alpha, beta) the budgets were allocated with: alpha (solid), beta (dashed)", xlabel="step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncols=2)
     ax = axes[2, 1]

@@ -79,6 +79,12 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     steps = pd.read_parquet(out / "steps.parquet")
     ratios = steps[["effective_gradient_ratio", "effective_rollout_ratio"]].stack()
     assert len(steps) == 4 and ratios.between(0, 1).all()
+    # the Beta parameters of each step's allocation, as its budget table records them
+    coba_steps = steps[steps["strategy"] == "coba"].set_index("step")
+    for step in (0, 1):
+        budget_table = RunStore.open(out / "coba-seed0").read_table(step, "budget")
+        assert coba_steps.loc[step, "alloc_alpha"] == budget_table["alpha"].iloc[0]
+        assert coba_steps.loc[step, "alloc_beta"] == budget_table["beta"].iloc[0]
     budget = pd.read_parquet(out / "budget_by_level.parquet")
     per_step = budget.groupby(["strategy", "step"])["total_budget"].sum()
     assert (per_step == 4 * 4).all()  # M * G of configs/tiny-test.yaml on every step, whatever the strategy
