@@ -13,6 +13,18 @@ from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
 from coba_tasks.pipeline.store import RunStore
 
 
+def tiny_compare_args(out, model, **options) -> argparse.Namespace:
+    """The arguments of `coba compare` on configs/tiny-test.yaml with ``model``, one seed, into ``out``."""
+    return argparse.Namespace(
+        config="configs/tiny-test.yaml",
+        seeds=1,
+        out=str(out),
+        set=[f"model.path={model}", "data.train_prompts=6"],
+        collect_only=False,
+        **options,
+    )
+
+
 def test_parse_strategies():
     assert compare.parse_strategies("uniform, coba,coba-reversed") == ["uniform", "coba", "coba-reversed"]
     with pytest.raises(ValueError, match="unknown strategy grpo; choose from uniform, knapsack"):
@@ -59,17 +71,7 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
 
     monkeypatch.setattr(flows.train, "train_flow", not_here)
     out = tmp_path / "cmp"
-    args = argparse.Namespace(
-        config="configs/tiny-test.yaml",
-        strategies="uniform,coba",
-        seeds=1,
-        steps=2,
-        eval_samples=2,
-        eval_every=1,
-        out=str(out),
-        set=[f"model.path={model}", "data.train_prompts=6"],
-        collect_only=False,
-    )
+    args = tiny_compare_args(out, model, strategies="uniform,coba", steps=2, eval_samples=2, eval_every=1)
     assert compare.cmd_compare(args) == 0
     printed = capsys.readouterr().out
     assert "uniform" in printed and "share of rollouts / groups with non-zero reward variance" in printed
@@ -110,16 +112,8 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
 
 def test_a_run_that_dies_stops_the_comparison_with_its_name(tmp_path, capsys):
     """A run whose process fails (here: a model path that does not exist) is named, with how to go on."""
-    args = argparse.Namespace(
-        config="configs/tiny-test.yaml",
-        strategies="uniform",
-        seeds=1,
-        steps=1,
-        eval_samples=1,
-        eval_every=0,
-        out=str(tmp_path / "cmp"),
-        set=[f"model.path={tmp_path / 'no-model'}", "data.train_prompts=6"],
-        collect_only=False,
+    args = tiny_compare_args(
+        tmp_path / "cmp", tmp_path / "no-model", strategies="uniform", steps=1, eval_samples=1, eval_every=0
     )
     assert compare.cmd_compare(args) == 1
     err = capsys.readouterr().err
