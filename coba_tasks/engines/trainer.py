@@ -296,9 +296,38 @@ class PolicyTrainer:
             return "data-parallel (FSDP) processes run the full-sequence update in step with each other"
         return supports_shared_prefix(self.model)
 
-    def _begin_update(self) -> None:
+    def _begin_update(self) -> dict[str, float]:
+        """Sets this update's learning rate and train mode; returns the metric sums to fill."""
         for group in self.optimizer.param_groups:  # the warm-up follows the update count, so a resume agrees
             group["lr"] = warmup_lr(self.settings.lr, self.settings.lr_warmup_steps, self.updates)
+        self.model.train()
+        return {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
+
+    def _mini_batch_steps(
+        self,
+        n: int,
+        parts: int,
+        tokens_of: Callable[[torch.Tensor], float],
+        mini_batch: Callable[[torch.Tensor, float], None],
+        totals: dict[str, float],
+    ) -> int:
+        """``update_epochs`` epochs over the ``n`` rows in ``parts`` mini-batches (shuffled when more than
+        one; the order is seeded by the update count, so a resume agrees), one optimizer step each:
+        ``mini_batch(rows, tokens)`` accumulates the gradients of the rows, whose completion tokens number
+        ``tokens_of(rows)`` (a mini-batch without any is skipped). Returns the optimizer steps made."""
+        gen = torch.Generator().manual_seed(self.updates)
+        opt_steps = 0
+        for _ in range(self.settings.update_epochs):
+            order = torch.randperm(n, generator=gen) if parts > 1 else torch.arange(n)
+            for rows in torch.tensor_split(order, parts):
+                mb_tokens = tokens_of(rows)
+                if mb_tokens == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                mini_batch(rows, mb_tokens)
+                self._optimizer_step(totals)
+                opt_steps += 1
+        return opt_steps
 
     def _finish_update(
         self, totals: dict[str, float], token_count: float, n: int, opt_steps: int, gap: tuple[float, float]
@@ -364,55 +393,45 @@ class PolicyTrainer:
         if self.ref_model is not None:
             self._grouped_logprobs(self.ref_model, prompt_ids, completion_ids, ref_rows)
 
-        self._begin_update()
-        self.model.train()
-        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
-        gen = torch.Generator().manual_seed(self.updates)
-        opt_steps = 0
-        for _ in range(s.update_epochs):
-            order = torch.randperm(n, generator=gen) if parts > 1 else torch.arange(n)
-            for rows in torch.tensor_split(order, parts):
-                mb_tokens = float(sum(lengths[int(r)] for r in rows))
-                if mb_tokens == 0:
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
+        totals = self._begin_update()
 
-                def on_chunk(idx, logp, mask, logits, mb_tokens=mb_tokens):
-                    if one_step:
-                        for i, r in enumerate(idx.tolist()):
-                            old_rows[r] = logp[i][mask[i]].detach()
-                        old = logp.detach()
-                    else:
-                        old = _padded([old_rows[r] for r in idx.tolist()], logp)
-                    weights = mask.to(logp.dtype)
-                    loss, stats = policy_loss(
-                        logp, old, adv[idx], weights, s.clip_low, s.clip_high, token_count=mb_tokens
-                    )
-                    if self.ref_model is not None:
-                        ref = _padded([ref_rows[r] for r in idx.tolist()], logp)
-                        kl = masked_mean(kl_penalty(logp, ref, weights), weights, mb_tokens)
-                        loss = loss + s.kl_coef * kl
-                        totals["kl"] += float(kl.detach()) * mb_tokens
-                    totals["loss"] += float(loss.detach()) * mb_tokens
-                    n_tok = float(weights.sum())
-                    if n_tok > 0:
-                        totals["clip_tokens"] += stats["clip_frac"] * n_tok
-                    with torch.no_grad():
-                        totals["entropy"] += float(entropy_from_logits(logits.detach()[None]).sum())
-                    return loss
+        def mini_batch(rows: torch.Tensor, mb_tokens: float) -> None:
+            def on_chunk(idx, logp, mask, logits):
+                if one_step:
+                    for i, r in enumerate(idx.tolist()):
+                        old_rows[r] = logp[i][mask[i]].detach()
+                    old = logp.detach()
+                else:
+                    old = _padded([old_rows[r] for r in idx.tolist()], logp)
+                weights = mask.to(logp.dtype)
+                loss, stats = policy_loss(logp, old, adv[idx], weights, s.clip_low, s.clip_high, token_count=mb_tokens)
+                if self.ref_model is not None:
+                    ref = _padded([ref_rows[r] for r in idx.tolist()], logp)
+                    kl = masked_mean(kl_penalty(logp, ref, weights), weights, mb_tokens)
+                    loss = loss + s.kl_coef * kl
+                    totals["kl"] += float(kl.detach()) * mb_tokens
+                totals["loss"] += float(loss.detach()) * mb_tokens
+                n_tok = float(weights.sum())
+                if n_tok > 0:
+                    totals["clip_tokens"] += stats["clip_frac"] * n_tok
+                with torch.no_grad():
+                    totals["entropy"] += float(entropy_from_logits(logits.detach()[None]).sum())
+                return loss
 
-                shared_prefix_pass(
-                    self.model,
-                    group_by_prompt(prompt_ids, rows.tolist()),
-                    completion_ids,
-                    on_chunk,
-                    chunk=s.micro_batch_size,
-                    grad=True,
-                    autocast_dtype=self.compute_dtype,
-                    timings=self.timings,
-                )
-                self._optimizer_step(totals)
-                opt_steps += 1
+            shared_prefix_pass(
+                self.model,
+                group_by_prompt(prompt_ids, rows.tolist()),
+                completion_ids,
+                on_chunk,
+                chunk=s.micro_batch_size,
+                grad=True,
+                autocast_dtype=self.compute_dtype,
+                timings=self.timings,
+            )
+
+        opt_steps = self._mini_batch_steps(
+            n, parts, lambda rows: float(sum(lengths[int(r)] for r in rows)), mini_batch, totals
+        )
         gap = sampler_gap_rows(old_rows, sampler_logprobs, completion_ids)
         return self._finish_update(totals, token_count, n, opt_steps, gap)
 
@@ -464,45 +483,37 @@ class PolicyTrainer:
             ref_logp = self._all_logprobs(self.ref_model, ids, attn) if self.ref_model is not None else None
         gap = sampler_gap(logp_old, mask, sampler_logprobs, completion_ids)
 
-        self._begin_update()
-        self.model.train()
-        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
-        gen = torch.Generator().manual_seed(self.updates)
-        opt_steps = 0
-        for _ in range(s.update_epochs):
-            order = torch.randperm(n, generator=gen) if parts > 1 else torch.arange(n)
-            for rows in torch.tensor_split(order, parts):
-                rows = rows.to(self.device)
-                mb_tokens = float(mask[rows].sum())
-                if mb_tokens == 0:
+        totals = self._begin_update()
+
+        def mini_batch(rows: torch.Tensor, mb_tokens: float) -> None:
+            mine = self.shard.mine(rows.to(self.device))  # mb_tokens above counts every process's rows: token-mean
+            for b in self.shard.micro_batches(rows.numel(), s.micro_batch_size):
+                idx = mine[b]
+                if idx.numel() == 0:
+                    self._idle_pass(ids, attn)
                     continue
-                self.optimizer.zero_grad(set_to_none=True)
-                mine = self.shard.mine(rows)  # mb_tokens above counts every process's rows: token-mean
-                for b in self.shard.micro_batches(rows.numel(), s.micro_batch_size):
-                    idx = mine[b]
-                    if idx.numel() == 0:
-                        self._idle_pass(ids, attn)
-                        continue
-                    t0 = time.perf_counter()
-                    logp, ent = self._logprobs(self.model, ids[idx], attn[idx], with_entropy=True)
-                    self._time("forward", t0)
-                    loss, stats = policy_loss(
-                        logp, logp_old[idx], adv[idx], mask[idx], s.clip_low, s.clip_high, token_count=mb_tokens
-                    )
-                    if ref_logp is not None:
-                        kl = masked_mean(kl_penalty(logp, ref_logp[idx], mask[idx]), mask[idx], mb_tokens)
-                        loss = loss + s.kl_coef * kl
-                        totals["kl"] += float(kl.detach()) * mb_tokens
-                    t0 = time.perf_counter()
-                    loss.backward()
-                    self._time("backward", t0)
-                    totals["loss"] += float(loss.detach()) * mb_tokens
-                    n_tok = float(mask[idx].sum())
-                    if n_tok > 0:
-                        totals["clip_tokens"] += stats["clip_frac"] * n_tok
-                    totals["entropy"] += float(masked_mean(ent.detach(), mask[idx], token_count)) * token_count
-                self._optimizer_step(totals)
-                opt_steps += 1
+                t0 = time.perf_counter()
+                logp, ent = self._logprobs(self.model, ids[idx], attn[idx], with_entropy=True)
+                self._time("forward", t0)
+                loss, stats = policy_loss(
+                    logp, logp_old[idx], adv[idx], mask[idx], s.clip_low, s.clip_high, token_count=mb_tokens
+                )
+                if ref_logp is not None:
+                    kl = masked_mean(kl_penalty(logp, ref_logp[idx], mask[idx]), mask[idx], mb_tokens)
+                    loss = loss + s.kl_coef * kl
+                    totals["kl"] += float(kl.detach()) * mb_tokens
+                t0 = time.perf_counter()
+                loss.backward()
+                self._time("backward", t0)
+                totals["loss"] += float(loss.detach()) * mb_tokens
+                n_tok = float(mask[idx].sum())
+                if n_tok > 0:
+                    totals["clip_tokens"] += stats["clip_frac"] * n_tok
+                totals["entropy"] += float(masked_mean(ent.detach(), mask[idx], token_count)) * token_count
+
+        opt_steps = self._mini_batch_steps(
+            n, parts, lambda rows: float(mask[rows.to(self.device)].sum()), mini_batch, totals
+        )
         return self._finish_update(totals, token_count, n, opt_steps, gap)
 
     # -- checkpoints ----------------------------------------------------------------------------
