@@ -1,4 +1,4 @@
-r"""The arithmetic task worded for a chat model: same problems, answers in ``\boxed{}``, scored by math-verify.
+r"""The arithmetic task worded for a chat model: same problems, answers in ``\boxed{}``, integer answers.
 
 Reads ``arith_train.parquet`` and ``arith_test.parquet`` (made by ``make_arith.py``) and writes
 ``arith_chat_train.parquet`` and ``arith_chat_test.parquet``. Every row keeps its problem, its
@@ -7,20 +7,29 @@ Reads ``arith_train.parquet`` and ``arith_test.parquet`` (made by ``make_arith.p
 - the user message ``36-48+54=`` becomes
   ``Compute 36-48+54. Put your final answer within \boxed{}.``, an instruction an instruct model
   (SmolLM2-135M-Instruct, ``make smollm2``) follows through its chat template;
-- ``data_source`` becomes ``"math"``, so ``coba_tasks.engines.verify`` scores the completion with
-  math-verify (the last ``\boxed{}``) instead of the ``arith`` verifier (the integer at the start).
+- ``data_source`` becomes ``"arith_chat"``, so ``coba_tasks.engines.verify`` scores the integer in the
+  last ``\boxed{}`` (or, without a box, the last integer of the text) instead of the ``arith``
+  verifier's integer at the start. Not math-verify: it evaluates expressions, so the question written
+  back ("9-7") scored as the answer 2, and a model trained on it learned to echo the question.
+
+It also writes ``arith_chat_test_reworded.parquet``: the held-out problems again, in the same order,
+with the same ids and answers, each worded by one of four other instructions (``REWORDINGS``, chosen
+by the problem's index), some with spaces around the operators. A run evaluates it beside
+``arith_chat_test.parquet`` (``data.extra_tests``): a gain that shows there too is not a gain on one
+wording only.
 
 The files are written with ``coba_tasks.pipeline.data.write_verl_parquet``: a rerun gives identical bytes.
 
 Run (from the repository root):
 
-    python data/make_arith_chat.py                  # data/arith_chat_train.parquet, data/arith_chat_test.parquet
+    python data/make_arith_chat.py                  # data/arith_chat_*.parquet
     python data/make_arith_chat.py --out-dir /tmp/chat
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,9 +45,23 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`: import fro
     from coba_tasks.pipeline.data import write_verl_parquet
 
 DATA_DIR = Path(__file__).resolve().parent
-DATA_SOURCE = "math"  # scored by math-verify (coba_tasks.engines.verify)
+DATA_SOURCE = "arith_chat"  # the integer answer (coba_tasks.engines.verify.arith_chat_verifier)
 INSTRUCTION = "Compute {expression}. Put your final answer within \\boxed{{}}."
 SPLITS = ("train", "test")
+# other wordings of the same instruction, for a held-out set the training prompts never used
+REWORDINGS = (
+    "What is {expression}? Give your final answer in \\boxed{{}}.",
+    "Calculate {spaced} and write the result as \\boxed{{answer}}.",
+    "Evaluate the expression {spaced}. End your reply with the number in \\boxed{{}}.",
+    "Find the value of {expression}, and put it inside \\boxed{{}}.",
+)
+
+
+def expression_of(content: str) -> str:
+    """The expression of an arithmetic user message (``36-48+54=`` -> ``36-48+54``); ValueError otherwise."""
+    if not content.endswith("=") or len(content) < 2:
+        raise ValueError(f"an arithmetic prompt is an expression followed by '=', got {content!r}")
+    return content[:-1]
 
 
 def chat_message(content: str) -> str:
@@ -47,27 +70,36 @@ def chat_message(content: str) -> str:
     >>> chat_message("36-48+54=")
     'Compute 36-48+54. Put your final answer within \\boxed{}.'
     """
-    if not content.endswith("=") or len(content) < 2:
-        raise ValueError(f"an arithmetic prompt is an expression followed by '=', got {content!r}")
-    return INSTRUCTION.format(expression=content[:-1])
+    return INSTRUCTION.format(expression=expression_of(content))
 
 
-def chat_row(row: dict[str, Any]) -> dict[str, Any]:
+def reworded_message(content: str, index: int) -> str:
+    r"""Another wording of one arithmetic user message: ``REWORDINGS[index % 4]``.
+
+    >>> reworded_message("36-48+54=", 0)
+    'What is 36-48+54? Give your final answer in \\boxed{}.'
+    >>> reworded_message("36-48+54=", 1)
+    'Calculate 36 - 48 + 54 and write the result as \\boxed{answer}.'
+    """
+    expression = expression_of(content)
+    spaced = re.sub(r"(?<=\d)([+*-])", r" \1 ", expression)
+    return REWORDINGS[index % len(REWORDINGS)].format(expression=expression, spaced=spaced)
+
+
+def chat_row(row: dict[str, Any], reworded: bool = False) -> dict[str, Any]:
     """One veRL row of the arithmetic task, reworded; everything but the prompt and data_source is kept."""
     messages = row["prompt"]
     if len(messages) != 1 or messages[0]["role"] != "user":
         raise ValueError(f"row {row['extra_info']}: expected one user message, got {messages}")
-    return {
-        **row,
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": chat_message(messages[0]["content"])}],
-    }
+    content = messages[0]["content"]
+    text = reworded_message(content, int(row["extra_info"]["index"])) if reworded else chat_message(content)
+    return {**row, "data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": text}]}
 
 
-def to_chat(path: str | Path) -> pd.DataFrame:
-    """Read an arithmetic veRL file and return its rows in chat wording, in file order."""
+def to_chat(path: str | Path, reworded: bool = False) -> pd.DataFrame:
+    """Read an arithmetic veRL file and return its rows in chat wording (or reworded), in file order."""
     rows = pq.read_table(path).to_pylist()
-    return pd.DataFrame([chat_row(row) for row in rows])
+    return pd.DataFrame([chat_row(row, reworded) for row in rows])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -76,9 +108,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--in-dir", type=Path, default=DATA_DIR, help="folder of arith_*.parquet (default: data/)")
     parser.add_argument("--out-dir", type=Path, default=DATA_DIR, help="output folder (default: data/)")
     args = parser.parse_args(argv)
-    for split in SPLITS:
-        frame = to_chat(args.in_dir / f"arith_{split}.parquet")
-        path = write_verl_parquet(frame, args.out_dir / f"arith_chat_{split}.parquet")
+    train, test = (args.in_dir / f"arith_{split}.parquet" for split in SPLITS)
+    outputs = {
+        "arith_chat_train": to_chat(train),
+        "arith_chat_test": to_chat(test),
+        "arith_chat_test_reworded": to_chat(test, reworded=True),
+    }
+    for name, frame in outputs.items():
+        path = write_verl_parquet(frame, args.out_dir / f"{name}.parquet")
         print(f"wrote {path} ({len(frame)} rows, {path.stat().st_size:,} bytes)")
 
 

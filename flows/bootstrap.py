@@ -1,7 +1,7 @@
 """The bootstrap flow: build the default tiny model and warm it up on the arithmetic task.
 
     coba bootstrap                         # -> models/arith-tiny (skipped if it exists)
-    coba bootstrap --out models/x --seed 1 --force
+    coba bootstrap --out models/x --seed 1 --force   # replaces an earlier bootstrap there, nothing else
 
 Three tasks in stage order, passing paths: build the random model, supervised warm-up, held-out
 greedy evaluation. The figures land in ``<out>/bootstrap.json`` and in a Prefect artifact.
@@ -9,13 +9,20 @@ greedy evaluation. The figures land in ``<out>/bootstrap.json`` and in a Prefect
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from coba_tasks.pipeline.bootstrap import BootstrapConfig, evaluate_greedy, init_model, train_sft, write_metrics
+from coba_tasks.pipeline.bootstrap import (
+    BootstrapConfig,
+    build_area,
+    evaluate_greedy,
+    init_model,
+    publish,
+    train_sft,
+    write_metrics,
+)
 from coba_tasks.pipeline.data import load_dataset
 
 
@@ -46,22 +53,25 @@ def bootstrap_flow(
     train_path: str = "data/arith_train.parquet",
     test_path: str = "data/arith_test.parquet",
     cfg: BootstrapConfig | None = None,
+    force: bool = False,
 ) -> dict:
-    """Build and warm up the default model at ``out_dir``; returns its figures."""
+    """Build and warm up the default model at ``out_dir``; returns its figures.
+
+    ``out_dir`` must be missing or empty, or hold an earlier bootstrap (replaced only with ``force``);
+    a directory holding anything else is refused before any work, ``force`` included.
+    """
     cfg = cfg or BootstrapConfig()
     log = get_run_logger()
     out = Path(out_dir)
-    work = out.with_name(out.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    init_dir = build_model(str(work), cfg)
-    model_dir, train_figures = warm_up(init_dir, train_path, str(work), cfg)
-    eval_figures = evaluate(model_dir, test_path, cfg)
-    figures = {**train_figures, **eval_figures}
-    write_metrics(model_dir, cfg, figures)
-    shutil.rmtree(out, ignore_errors=True)
-    Path(model_dir).rename(out)  # the model appears only when complete
-    shutil.rmtree(work, ignore_errors=True)
+    with build_area(out, force) as work:  # checks out_dir first; the temporary goes away whatever happens
+        init_dir = build_model(str(work), cfg)
+        model_dir, train_figures = warm_up(init_dir, train_path, str(work), cfg)
+        eval_figures = evaluate(model_dir, test_path, cfg)
+        figures = {**train_figures, **eval_figures}
+        write_metrics(model_dir, cfg, figures)
+        kept = publish(model_dir, out)  # the model appears only when complete
+    for path in kept:
+        log.warning(f"kept {path}: written beside the earlier bootstrap while this one ran, not removed")
     by_level = " | ".join(f"{k}: {v:.2f}" for k, v in figures["accuracy_by_difficulty"].items())
     log.info(f"bootstrap done: held-out greedy accuracy {figures['accuracy']:.3f} ({by_level}) -> {out}")
     create_markdown_artifact(

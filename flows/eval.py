@@ -14,19 +14,33 @@ nothing; relative paths are from the working directory (the project, in a deploy
 
 from __future__ import annotations
 
+import contextlib
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import torch
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from coba_tasks.engines.lora import is_adapter_checkpoint, merge_adapter_checkpoint
 from coba_tasks.engines.rollout import backends, make_backend
+from coba_tasks.engines.trainer import CHECKPOINT_MANIFEST, verify_checkpoint
 from coba_tasks.engines.verify import VerifierPool
 from coba_tasks.pipeline import stages
-from coba_tasks.pipeline.data import PROMPT_FORMATS, DatasetError, load_dataset, render_prompts
+from coba_tasks.pipeline.data import (
+    PROMPT_FORMATS,
+    UNKNOWN_SOURCES,
+    DatasetError,
+    check_ground_truths,
+    check_prompt_lengths,
+    load_dataset,
+    model_context,
+    render_prompts,
+)
 from coba_tasks.pipeline.fileio import atomic_write
 
 VERIFY_WORKERS, VERIFY_TIMEOUT_S = 2, 5.0  # the defaults of the run config's verify section
@@ -71,10 +85,17 @@ def _check_parameters(
     eval_prompts: int,
     top_p: float = 1.0,
     prompt_format: str = "auto",
+    unknown_sources: str = "error",
+    max_model_len: int = 0,
 ) -> None:
     """Refuse bad parameters before an engine starts; the messages say what to pass instead."""
-    if not (Path(model_path) / "config.json").is_file():
-        raise ValueError(f"model_path {model_path!r} is not a Hugging Face model directory (no config.json)")
+    if not (Path(model_path) / "config.json").is_file() and not is_adapter_checkpoint(model_path):
+        raise ValueError(
+            f"model_path {model_path!r} is not a Hugging Face model directory (no config.json) nor a LoRA "
+            "checkpoint (no adapter_config.json)"
+        )
+    if (Path(model_path) / CHECKPOINT_MANIFEST).is_file():  # a run's checkpoint: every file as it was written
+        verify_checkpoint(model_path)
     if not Path(test_path).is_file():
         raise ValueError(f"test_path {test_path!r} does not exist (a Parquet file of held-out prompts)")
     if backend not in backends():
@@ -93,6 +114,13 @@ def _check_parameters(
         raise ValueError(f"eval_prompts must be >= 0 (0 = every prompt of the test set), got {eval_prompts}")
     if prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
+    if unknown_sources not in UNKNOWN_SOURCES:
+        raise ValueError(f"unknown_sources must be one of {', '.join(UNKNOWN_SOURCES)}, got {unknown_sources!r}")
+    if max_model_len < 0 or (max_model_len and max_model_len <= max_tokens):
+        raise ValueError(
+            f"max_model_len must exceed max_tokens ({max_tokens}) to leave room for the prompt, or be 0 for the "
+            f"model's own context length; got {max_model_len}"
+        )
 
 
 @task(name="heldout-eval", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -109,25 +137,44 @@ def evaluate_model(
     max_model_len: int,
     top_p: float = 1.0,
     prompt_format: str = "auto",
+    unknown_sources: str = "error",
 ) -> pd.DataFrame:
-    """Per-prompt held-out accuracy of the model; the engine and the verifier pool live only in this task."""
-    from transformers import AutoTokenizer
+    """Per-prompt held-out accuracy of the model; the engine and the verifier pool live only in this task.
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    selected = select_prompts(load_dataset(test_path), eval_prompts, seed)
-    test, unrendered = render_prompts(selected, tokenizer, prompt_format)
-    if unrendered:
-        raise DatasetError(test_path, unrendered)
-    engine = make_backend(backend, model_path, dtype=dtype, max_model_len=max_model_len or None, seed=seed)
-    pool = None
-    try:
-        engine.weight_version = checkpoint_version(model_path)
-        pool = VerifierPool(workers=VERIFY_WORKERS, timeout_s=VERIFY_TIMEOUT_S)
-        return stages.evaluate(test, engine, pool, samples, temperature, max_tokens, seed, top_p=top_p)
-    finally:
-        if pool is not None:
-            pool.close()
-        engine.close()
+    The prompts pass the checks a training run makes before anything starts: every ground truth read by
+    its verifier (an unknown data_source refused, unless ``unknown_sources`` is ``math``), and every
+    prompt with room for ``max_tokens`` in the context (``max_model_len``, or the model's own when 0)."""
+    loaded = load_dataset(test_path)
+    checked, _ = check_ground_truths(loaded, test_path, "error", unknown_sources, VERIFY_WORKERS, VERIFY_TIMEOUT_S)
+    with contextlib.ExitStack() as stack:
+        engine_path = model_path
+        if is_adapter_checkpoint(model_path):  # a LoRA checkpoint: the engine samples from the merged weights
+            merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coba-eval-"))) / "merged"
+            engine_path = str(merge_adapter_checkpoint(model_path, merged, getattr(torch, dtype, torch.float32)))
+        tokenizer, context, context_from = model_context(engine_path, False, max_model_len)
+        selected = select_prompts(checked, eval_prompts, seed)
+        test, unrendered = render_prompts(selected, tokenizer, prompt_format)
+        if unrendered:
+            raise DatasetError(test_path, unrendered)
+        if context is not None:  # the same check and message as a run's (coba_tasks.pipeline.data)
+            check_prompt_lengths(
+                test,
+                context,
+                max_tokens,
+                test_path,
+                "error",
+                context_from.replace("rollout.max_model_len", "max_model_len"),
+            )
+        engine = make_backend(backend, engine_path, dtype=dtype, max_model_len=max_model_len or None, seed=seed)
+        pool = None
+        try:
+            engine.weight_version = checkpoint_version(model_path)
+            pool = VerifierPool(workers=VERIFY_WORKERS, timeout_s=VERIFY_TIMEOUT_S)
+            return stages.evaluate(test, engine, pool, samples, temperature, max_tokens, seed, top_p=top_p)
+        finally:
+            if pool is not None:
+                pool.close()
+            engine.close()
 
 
 @task(name="write-eval-table", retries=1, cache_policy=NO_CACHE)
@@ -154,6 +201,7 @@ def eval_flow(
     max_model_len: int = 64,
     top_p: float = 1.0,
     prompt_format: str = "auto",
+    unknown_sources: str = "error",
 ) -> dict[str, Any]:
     """Held-out accuracy of ``model_path`` on ``test_path``: {"accuracy", "by_difficulty", "prompts"}.
 
@@ -162,11 +210,24 @@ def eval_flow(
     the test set (0 = all); ``out_path`` where to write the per-prompt table (Parquet), if anywhere.
     ``dtype`` and ``max_model_len`` (0 = the model's own) as in the run config's model and rollout sections;
     ``top_p`` the nucleus of a sampled evaluation (the run config's run.eval_top_p; the paper: 0.9);
-    ``prompt_format`` how prompts are rendered (the run config's data.prompt_format: auto, chat or raw).
+    ``prompt_format`` how prompts are rendered (the run config's data.prompt_format: auto, chat or raw);
+    ``unknown_sources`` what a data_source without a verifier does (the run config's verify.unknown_sources:
+    error refuses the file, math scores it with math-verify). Ground truths and prompt lengths are checked
+    as a training run checks them, before the engine starts.
     """
     log = get_run_logger()
     _check_parameters(
-        model_path, test_path, samples, temperature, max_tokens, backend, eval_prompts, top_p, prompt_format
+        model_path,
+        test_path,
+        samples,
+        temperature,
+        max_tokens,
+        backend,
+        eval_prompts,
+        top_p,
+        prompt_format,
+        unknown_sources,
+        max_model_len,
     )
     table = evaluate_model(
         model_path,
@@ -181,6 +242,7 @@ def eval_flow(
         max_model_len,
         top_p,
         prompt_format,
+        unknown_sources,
     )
     written = write_table(table, out_path) if out_path else None
     by_level = table.groupby("difficulty")["accuracy"].mean()

@@ -78,16 +78,49 @@ def run_step(run_dir: str, step: int) -> dict[str, Any]:
     cap = capability_task(run_dir, step)
     budget = allocation_task(run_dir, step)
     upd = update_task(run_dir, step)
-    run.write_step_timing(res, step, seconds_before)
-    get_run_logger().info(
-        f"step {step + 1}/{res.cfg.run.steps}: {rollouts['rollouts']} rollouts, "
-        + " / ".join(f"{k} {v}" for k, v in verdicts.items())
-        + f"; S {cap['S']:.3f} F {cap['F']:.3f} -> alpha {cap['alpha']:.2f} beta {cap['beta']:.2f}; "
-        f"next budgets {budget['min']}-{budget['max']} (mean {budget['mean']:.1f}); loss {upd['loss']:+.4f} "
-        f"grad_norm {upd['grad_norm']:.3f}; {time.perf_counter() - t0:.1f} s"
-    )
+    seconds = run.write_step_timing(res, step, seconds_before)
+    figures = {"rollouts": rollouts, "rewards": verdicts, "capability": cap, "budget": budget, "update": upd}
+    get_run_logger().info(step_line(step, res.cfg.run.steps, figures, seconds, time.perf_counter() - t0))
     _post_step_artifacts(res, step, rollouts["rollouts"], verdicts, {**cap, **upd})
     return {"verdicts": verdicts, **cap, **upd}
+
+
+def step_line(
+    step: int,
+    steps: int,
+    figures: dict[str, dict],
+    seconds: dict[str, float],
+    elapsed: float,
+) -> str:
+    """The step's progress line: pass rate, failure rate and Beta shape, the next budgets, the update, time.
+
+    ``figures``: the stage figures of the step (``rollouts``, ``rewards``, ``capability``, ``budget``,
+    ``update``); ``seconds``: the step's seconds per stage; ``elapsed``: the step's wall seconds.
+
+    >>> print(step_line(2, 10, {
+    ...     "rollouts": {"rollouts": 128},
+    ...     "rewards": {"correct": 40, "wrong": 80, "no_answer": 8, "timeout": 0, "error": 0},
+    ...     "capability": {"S": 0.31, "F": 0.69, "alpha": 8.2, "beta": 2.8},
+    ...     "budget": {"min": 2, "max": 24, "mean": 8.0},
+    ...     "update": {"loss": -0.0123, "grad_norm": 0.52},
+    ... }, {"rollouts": 21.7, "rewards": 0.4, "update": 25.1}, 49.6))
+    step 3/10: pass rate 0.31 (mean over prompts; 40/128 rollouts correct, 8 unanswered); F 0.69 -> alpha 8.20 \
+beta 2.80; next budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52; 50 s (rollouts 22 s, update 25 s)
+    """
+    verdicts, cap, budget, upd = figures["rewards"], figures["capability"], figures["budget"], figures["update"]
+    other = {k: v for k, v in verdicts.items() if k not in ("correct", "wrong") and v}
+    notes = ([f"{other.pop('no_answer')} unanswered"] if "no_answer" in other else []) + [
+        f"{v} {k}" for k, v in other.items()
+    ]
+    parts = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items() if k in ("rollouts", "update"))
+    return (
+        f"step {step + 1}/{steps}: pass rate {cap['S']:.2f} (mean over prompts; {verdicts['correct']}/"
+        f"{figures['rollouts']['rollouts']} rollouts correct"
+        + "".join(f", {x}" for x in notes)
+        + f"); F {cap['F']:.2f} -> alpha {cap['alpha']:.2f} beta "
+        f"{cap['beta']:.2f}; next budgets {budget['min']}-{budget['max']} (mean {budget['mean']:.1f}); loss "
+        f"{upd['loss']:+.4f}, grad norm {upd['grad_norm']:.2f}; {elapsed:.0f} s ({parts})"
+    )
 
 
 def _post_step_artifacts(res: run.RunResources, step: int, n_rollouts: int, verdicts: dict, figures: dict) -> None:
@@ -122,26 +155,30 @@ def train_flow(
     overrides: list[str] | None = None,
     config: dict | None = None,
     resume: bool = False,
+    allow_changed_inputs: bool = False,
 ) -> dict[str, Any]:
     """A whole training run: held-out eval before, ``run.steps`` training steps, eval every ``eval_every``, eval after.
 
     Parameters (a deployment passes the first two): ``config_path`` the YAML config (default
     configs/demo.yaml), ``run_name`` sets run.name (the run directory is runs/<run_name> unless
     ``run_dir`` is given), ``overrides`` are ``section.key=value`` strings, ``config`` a config
-    dict instead of a file, ``resume`` continues the run in ``run_dir`` with its own config.
+    dict instead of a file, ``resume`` continues the run in ``run_dir`` with its own config;
+    ``allow_changed_inputs`` lets a continuing run go on when data.test or model.path changed since
+    it started (their sha256 is in run.json; refused otherwise).
     Stages already done (in their step's manifest) are not recomputed, so the flow run can be
     retried or resumed after a crash and ends with the same tables as an uninterrupted run.
     """
     log = get_run_logger()
     cfg, root, continuing = run.resolve_run(config_path, run_name, run_dir, overrides, config, resume)
     t_start = time.perf_counter()
+    existed = root.exists()  # a new run's directory is missing or empty here (resolve_run checked)
     lock = RunLock(root)
     lock.acquire()  # one writer per run directory (a dead holder's lock is taken over)
     try:
-        res = run.open_run(root, cfg, continuing, warn=log.warning)
+        res = run.open_run(root, cfg, continuing, warn=log.warning, allow_changed_inputs=allow_changed_inputs)
     except BaseException:
         lock.release()
-        if not continuing:  # a failed start leaves nothing behind
+        if not continuing and not existed:  # a failed start leaves nothing behind
             run.remove_empty_run_dir(root)
         raise
     directory = str(res.store.root)
@@ -149,8 +186,9 @@ def train_flow(
         first = run.resume_point(res)
         if first > 0:
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
+        log.info(f"held-out evaluation before training: {run.eval_plan(res)}")
         before = eval_task(directory, 0)
-        log.info(f"held-out accuracy before training: {before['accuracy']:.3f} {before['by_difficulty']}")
+        log.info(f"held-out accuracy before training: {_eval_text(before)}")
         for step in range(first, cfg.run.steps):
             # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
             # bodies (the same code a plain function call would run), measured in this run
@@ -161,9 +199,10 @@ def train_flow(
             every = cfg.run.eval_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
                 ev = eval_task(directory, step + 1)
-                log.info(f"held-out accuracy after step {step + 1}: {ev['accuracy']:.3f}")
+                log.info(f"held-out accuracy after step {step + 1}: {_eval_text(ev)}")
+        log.info(f"held-out evaluation after training: {run.eval_plan(res)}")
         after = eval_task(directory, cfg.run.steps)
-        log.info(f"held-out accuracy after training: {after['accuracy']:.3f} {after['by_difficulty']}")
+        log.info(f"held-out accuracy after training: {_eval_text(after)}")
         summary = run.run_summary_json(res, time.perf_counter() - t_start)
         res.store.write_json("summary.json", summary)
         _post_report(res.store.root)
@@ -171,6 +210,18 @@ def train_flow(
     finally:
         run.close_run(res)
         lock.release()
+
+
+def _eval_text(figures: dict[str, Any]) -> str:
+    """avg@k (greedy) by level, and each extra held-out set's avg@k, in one line."""
+    levels = " ".join(f"L{k} {v:.2f}" for k, v in figures["by_difficulty"].items())
+    text = f"{figures['accuracy']:.3f}" + (
+        f" (greedy {figures['greedy']:.3f})" if figures["greedy"] == figures["greedy"] else ""
+    )
+    text += f"; by level {levels}" if levels else ""
+    for name, f in (figures.get("test_sets") or {}).items():
+        text += f"; {name} {f['accuracy']:.3f}"
+    return text
 
 
 def _post_report(root: Path) -> None:

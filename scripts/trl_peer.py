@@ -1,10 +1,12 @@
-"""A peer run: TRL's GRPOTrainer (fixed group size) on coba-rl's tiny model and arithmetic task.
+"""A peer run: TRL's GRPOTrainer (fixed group size) on coba-rl's tiny model and arithmetic task, or (``--chat``)
+on SmolLM2-135M-Instruct with chat prompts and the math-verify reward (scripts/peer_smollm2.py runs that one
+beside coba-rl).
 
 Runs in its own virtualenv (TRL is not a coba-rl dependency), see docs/trl_peer.md:
 
     /tmp/venv-trl/bin/python scripts/trl_peer.py --steps 24
 
-Same setting as configs/demo.yaml with uniform budgets: a training pool of 1024 prompts sampled
+Same setting as configs/demo-tiny.yaml with uniform budgets: a training pool of 1024 prompts sampled
 from data/arith_train.parquet with the run seed (as flows/train.py does), 128 prompts x G=16 =
 2048 completions per optimizer step, temperature 1.0, 12 new tokens, AdamW lr 1e-4 (constant),
 grad-norm clip 1.0, no KL, token-mean ("dapo") loss, ratio clipped to [1 - 0.2, 1 + 0.28], one
@@ -45,24 +47,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: as coba-rl's trainer)")
     p.add_argument("--eval-batch", type=int, default=250)
     p.add_argument("--skip-eval-before", action="store_true")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="conversational prompts (the veRL messages; TRL applies the chat template, as coba-rl does) and the "
+        "math-verify reward of coba-rl's verifier pool (\\boxed{} answers): the SmolLM2 setting",
+    )
+    p.add_argument("--vllm", action="store_true", help="TRL's vLLM generation (colocate mode) instead of transformers")
     a = p.parse_args(argv)
     if a.micro_batch <= 0 or (a.prompts_per_step * a.group_size) % a.micro_batch:
         p.error(f"--micro-batch must divide prompts_per_step * group_size = {a.prompts_per_step * a.group_size}")
     return a
 
 
-def load_split(path: str):
-    """veRL Parquet -> DataFrame with prompt (plain text), ground_truth (str), difficulty (int)."""
+def load_split(path: str, chat: bool = False):
+    """veRL Parquet -> DataFrame with prompt (the user message as plain text, or with ``chat`` the whole
+    message list), ground_truth (str), difficulty (int)."""
     import pandas as pd
 
     raw = pd.read_parquet(path)
+    prompts = (
+        [[{"role": m["role"], "content": m["content"]} for m in list(msgs)] for msgs in raw["prompt"]]
+        if chat
+        else [list(m)[-1]["content"] for m in raw["prompt"]]  # the user message, no chat template
+    )
     return pd.DataFrame(
         {
-            "prompt": [list(m)[-1]["content"] for m in raw["prompt"]],  # the user message, no chat template
+            "prompt": prompts,
             "ground_truth": [str(r["ground_truth"]) for r in raw["reward_model"]],
             "difficulty": [int(e["difficulty"]) for e in raw["extra_info"]],
         }
     )
+
+
+_POOL = None
+
+
+def math_reward(completions: list, ground_truth: list[str], **_) -> list[float]:
+    """coba-rl's math verifier (math-verify, in its worker processes with the same 5-s limit): 1.0 when the
+    completion's answer equals the ground truth."""
+    global _POOL
+    if _POOL is None:
+        sys.path.insert(0, str(ROOT))
+        from coba_tasks.engines.verify import VerifierPool
+
+        _POOL = VerifierPool(workers=2, timeout_s=5.0)
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: a message
+    verdicts = _POOL.score([(t, g, "math") for t, g in zip(texts, ground_truth, strict=True)])
+    return [v.reward for v in verdicts]
 
 
 def exact_reward(completions: list[str], ground_truth: list[str], **_) -> list[float]:
@@ -117,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    train = load_split(args.train)
+    train = load_split(args.train, args.chat)
     if args.train_prompts and args.train_prompts < len(train):
         # the same pool as coba-rl's data.train_prompts: DataFrame.sample(n, random_state=run.seed)
         train = train.sample(args.train_prompts, random_state=args.seed).reset_index(drop=True)
@@ -127,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
 
     before = None
-    if not args.skip_eval_before:
+    if not args.skip_eval_before and not args.chat:  # --chat: coba-rl's own evaluation scores the saved model
         t0 = time.perf_counter()
         before = greedy_accuracy(model, tokenizer, test, args.max_new_tokens, args.eval_batch)
         print(
@@ -168,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         epsilon=0.2,
         epsilon_high=0.28,
         scale_rewards="group",
-        use_vllm=False,
+        use_vllm=args.vllm,
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if args.vllm else {}),
         bf16=False,
         fp16=False,
         use_cpu=True,
@@ -214,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = StepTimer()
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=exact_reward,
+        reward_funcs=math_reward if args.chat else exact_reward,
         args=config,
         train_dataset=Dataset.from_pandas(train[["prompt", "ground_truth"]], preserve_index=False),
         processing_class=tokenizer,
@@ -243,10 +276,16 @@ def main(argv: list[str] | None = None) -> int:
         return round(sum(xs) / len(xs), 3)
 
     rewards = [round(h["reward"], 4) for h in trainer.state.log_history if "reward" in h]
+    # the share of groups whose rewards are all equal, per step (TRL trains on their rows too)
+    zero_std = [round(h["frac_reward_zero_std"], 4) for h in trainer.state.log_history if "frac_reward_zero_std" in h]
 
-    t0 = time.perf_counter()
-    after = greedy_accuracy(trainer.model, tokenizer, test, args.max_new_tokens, args.eval_batch)
-    print(f"[trl-peer] held-out greedy after: {after} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    after = {"accuracy": None, "by_difficulty": None}
+    if not args.chat:
+        t0 = time.perf_counter()
+        after = greedy_accuracy(trainer.model, tokenizer, test, args.max_new_tokens, args.eval_batch)
+        print(
+            f"[trl-peer] held-out greedy after: {after} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True
+        )
 
     result = {
         "trl_version": trl.__version__,
@@ -265,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_per_step_all": [round(d, 2) for d in durations],
         "cpu_seconds_per_step_all": [round(d, 2) for d in cpu],
         "train_reward_per_step": rewards,
+        "zero_std_group_share_per_step": zero_std,
+        "generation": "vllm (colocate)" if args.vllm else "transformers generate",
         "accuracy_before": before["accuracy"] if before else None,
         "accuracy_by_difficulty_before": before["by_difficulty"] if before else None,
         "accuracy_after": after["accuracy"],

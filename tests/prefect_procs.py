@@ -178,15 +178,23 @@ def wait_final(client, run_id: uuid.UUID, workers, timeout_s: float = 300):
     raise AssertionError(f"flow run {run_id} not finished within {timeout_s} s (state {run.state_name})")
 
 
-def flow_run_logs(client, run_id: uuid.UUID) -> str:
-    """The flow run's log messages, oldest first, one per line."""
+def flow_run_logs(client, run_id: uuid.UUID, expect: str | None = None, timeout_s: float = 60) -> str:
+    """The flow run's log messages, oldest first, one per line.
+
+    With ``expect``, wait (up to ``timeout_s``) until a message holds it: the flow run's process ships its
+    logs in batches, and those of a run that failed at once reach the server after its Failed state."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
 
-    logs = client.read_logs(
-        log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), sort=LogSort.TIMESTAMP_ASC, limit=200
-    )
-    return "\n".join(log.message for log in logs)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        logs = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), sort=LogSort.TIMESTAMP_ASC, limit=200
+        )
+        text = "\n".join(log.message for log in logs)
+        if expect is None or expect in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------------------------------------

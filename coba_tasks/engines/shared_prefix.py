@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 # What a chunk hands its caller: the rows (indices into the caller's batch), their completion tokens'
-# log-probabilities (n, C) and mask (n, C), and the logits at those tokens (T, V), T = mask.sum().
+# log-probabilities (n, C) and mask (n, C), and the whole log-softmax at those tokens (T, V), T = mask.sum().
 ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
@@ -84,6 +84,7 @@ def shared_prefix_pass(
     grad: bool,
     autocast_dtype: torch.dtype = torch.float32,
     timings: dict[str, float] | None = None,
+    temperature: float = 1.0,
 ) -> None:
     """Run the groups' completions on their prompts, each prompt encoded once; ``on_chunk`` per chunk.
 
@@ -94,16 +95,28 @@ def shared_prefix_pass(
 
     ``on_chunk(rows, logp, mask, logits)`` gets (n,) row indices, (n, C) log-probabilities of the
     completion tokens (zeros at padding), the (n, C) mask of real tokens and the (T, V) float32
-    logits at the real tokens (for the entropy). With ``grad`` it returns the chunk's loss (a scalar
-    tensor, or None for no loss), which is backpropagated into the weights (``.grad`` accumulates);
-    without ``grad`` nothing is backpropagated and the return value is ignored. ``timings`` (when
-    given) accumulates the seconds spent in ``forward`` and ``backward``.
+    log-probabilities of the whole vocabulary at the real tokens (for the entropy), all of the sampling
+    distribution: the logits divided by ``temperature`` (the rollouts' sampling temperature) before the
+    log-softmax. With ``grad`` it returns
+    the chunk's loss (a scalar tensor, or None for no loss), which is backpropagated into the weights
+    (``.grad`` accumulates); without ``grad`` nothing is backpropagated and the return value is ignored.
+    ``timings`` (when given) accumulates the seconds spent in ``forward`` and ``backward``.
     """
     for start in range(0, len(groups), chunk):
-        _block(model, groups[start : start + chunk], completions, on_chunk, chunk, grad, autocast_dtype, timings)
+        _block(
+            model,
+            groups[start : start + chunk],
+            completions,
+            on_chunk,
+            chunk,
+            grad,
+            autocast_dtype,
+            timings,
+            temperature,
+        )
 
 
-def _block(model, groups, completions, on_chunk, chunk, grad, autocast_dtype, timings) -> None:
+def _block(model, groups, completions, on_chunk, chunk, grad, autocast_dtype, timings, temperature) -> None:
     clock = timings if timings is not None else {}
 
     def timed(what: str, since: float) -> None:
@@ -154,17 +167,21 @@ def _block(model, groups, completions, on_chunk, chunk, grad, autocast_dtype, ti
         positions = p_len[g_idx, None] + torch.arange(width, device=device)  # (n, C): after the real prompt
         past = type(cache)()
         for layer in range(n_layers):
-            past.update(leaves[2 * layer][g_idx], leaves[2 * layer + 1][g_idx], layer)
+            past.update(leaves[2 * layer].index_select(0, g_idx), leaves[2 * layer + 1].index_select(0, g_idx), layer)
         with torch.set_grad_enabled(grad), autocast():
             hidden = body(
                 input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=past, use_cache=True
             ).last_hidden_state  # (n, C, H)
             # token k of a completion is predicted by its prompt's last position (k = 0) or by token k - 1
-            before = torch.cat([leaves[-1][g_idx], hidden[:, :-1]], dim=1)  # (n, C, H)
-            logits = head(before[mask]).float()  # (T, V): the output projection at real tokens only
-        token_logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[mask].unsqueeze(-1)).squeeze(-1)  # (T,)
+            before = torch.cat([leaves[-1].index_select(0, g_idx), hidden[:, :-1]], dim=1)  # (n, C, H)
+            logits = head(before[mask])  # (T, V): the output projection at real tokens only
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (float64 stays)
+            if temperature != 1.0:  # the distribution the rollouts were sampled from
+                logits = logits / temperature
+        all_logp = torch.log_softmax(logits, dim=-1)  # (T, V)
+        token_logp = all_logp.gather(-1, ids[mask].unsqueeze(-1)).squeeze(-1)  # (T,)
         logp = torch.zeros((n, width), dtype=token_logp.dtype, device=device).masked_scatter(mask, token_logp)
-        loss = on_chunk(torch.tensor(rows, device=device), logp, mask, logits)
+        loss = on_chunk(torch.tensor(rows, device=device), logp, mask, all_logp)
         timed("forward", t0)
         if grad and loss is not None:
             t0 = time.perf_counter()

@@ -25,7 +25,10 @@ bfloat16 ulp of nearly every weight (measured: 98.5% of weights N(0, 0.02) never
 Checkpoints are Hugging Face layout with safetensors (the rollout engine reloads them in place)
 plus ``trainer/optimizer.safetensors`` (AdamW moments and steps as tensors, the torch RNG state) and
 ``trainer/trainer_state.json`` (param groups, update count, the caller's extra state), so a resumed
-run continues exactly. No pickle anywhere.
+run continues exactly. No pickle anywhere. A checkpoint is written into a temporary sibling and
+renamed into place when whole, with ``checkpoint.json`` (every file's size and sha256) written last:
+``verify_checkpoint`` checks a checkpoint against it before a run resumes from it, and
+``load_checkpoint`` loads all or nothing (every parameter and its AdamW state, or ``CheckpointError``).
 
 Data parallelism: ``update`` reads which rows it computes, and how its sums meet other processes',
 from ``self.shard`` (a ``DataShard``: the whole batch in one process). ``coba_tasks.engines.fsdp_update``
@@ -35,8 +38,11 @@ that holds one rank's share of each mini-batch; nothing else changes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import secrets
+import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -45,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file, save_model
 
 from coba_tasks.core.grpo import entropy_from_logits, kl_penalty, masked_mean, policy_loss, token_logprobs
@@ -54,6 +61,7 @@ from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass
 OPTIMIZER_FILE = "trainer/optimizer.safetensors"
 MASTER_FILE = "trainer/master.safetensors"  # float32 weights, when model.safetensors is in a lower precision
 TRAINER_STATE_FILE = "trainer/trainer_state.json"
+CHECKPOINT_MANIFEST = "checkpoint.json"  # every file's size and sha256, written last (verify_checkpoint)
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,22 @@ class UpdateSettings:
     gradient_checkpointing: bool = False
     threads: int = 1
     shared_prefix: bool = True  # encode each group's prompt once (coba_tasks.engines.shared_prefix)
+    # the rollouts' sampling temperature: every log-probability (logp, logp_old, the reference's, the entropy)
+    # is of log_softmax(logits / temperature), the distribution the tokens were sampled from
+    temperature: float = 1.0
+    # leave rows whose advantage is exactly 0 out of the forward and backward passes when nothing else needs
+    # their gradient (no KL term): their loss and gradient are exactly 0; their tokens stay in the token mean
+    skip_zero_advantage: bool = True
+    # LoRA (coba_tasks.engines.lora): rank 0 = full fine-tuning; else adapters of this rank on the target modules
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(
+                f"the update's temperature must be > 0 (the rollouts' sampling temperature), got {self.temperature}"
+            )
 
 
 def warmup_lr(lr: float, warmup_steps: int, update: int) -> float:
@@ -161,6 +185,8 @@ def _gap(
         if len(lp) != len(c):
             raise ValueError(f"rollout {b}: {len(lp)} sampler logprobs for {len(c)} completion tokens")
     theirs = torch.tensor([x for lp in sampler_logprobs for x in lp], dtype=torch.float64, device=ours.device)
+    if theirs.numel() == 0:  # no token to compare: every row was left out (advantage 0) or had no tokens
+        return float("nan"), float("nan")
     diff = (theirs - ours.double()).abs()
     return float(diff.mean()), float(diff.max())
 
@@ -176,8 +202,9 @@ def _padded(rows: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Te
 
 def make_optimizer(model: torch.nn.Module, settings: UpdateSettings) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (two groups: ndim >= 2 decayed, the rest not)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    decay = [p for p in trained if p.ndim >= 2]
+    rest = [p for p in trained if p.ndim < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
         lr=settings.lr,
@@ -222,8 +249,19 @@ class PolicyTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.float32, trust_remote_code=settings.trust_remote_code
         ).to(self.device)
+        self.model_path = str(model_path)
+        self.peft_model = None  # with LoRA: the PeftModel; self.model is its base model, adapters in place
+        if settings.lora_rank > 0:
+            from coba_tasks.engines.lora import add_lora
+
+            self.peft_model = add_lora(
+                self.model, settings.lora_rank, settings.lora_alpha, settings.lora_target_modules
+            )
+            self.model = self.peft_model.get_base_model()
         if settings.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+            if self.peft_model is not None:  # frozen embeddings: checkpointed blocks need an input that wants grad
+                self.model.enable_input_require_grads()
         self.ref_model = None
         if settings.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(
@@ -241,18 +279,25 @@ class PolicyTrainer:
         """Per-token log p of ids[:, 1:] given the prefix: (B, T-1); and entropy (B, T-1) if asked."""
         mixed = self.compute_dtype != torch.float32
         with torch.autocast(device_type=self.device, dtype=self.compute_dtype, enabled=mixed):
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T-1, V)
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (B, T-1, V)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (float64 stays float64)
+        if self.settings.temperature != 1.0:  # the sampling distribution: log_softmax(z / T)
+            logits = logits / self.settings.temperature
         logp = token_logprobs(logits, ids[:, 1:])
         ent = entropy_from_logits(logits) if with_entropy else None
         return logp, ent
 
-    def _all_logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Per-token log p of every row, (B, T-1), without gradients, in micro-batches; each process
-        computes its share of the rows and the shares are summed (the other rows are zeros)."""
+    def _all_logprobs(
+        self, model, ids: torch.Tensor, attn: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Per-token log p of every row (or of ``rows`` only; the others stay zeros), (B, T-1), without
+        gradients, in micro-batches; each process computes its share of the rows and the shares are summed."""
         n = ids.shape[0]
-        mine = self.shard.mine(torch.arange(n, device=ids.device))
-        out = torch.zeros((n, ids.shape[1] - 1), dtype=torch.float32, device=ids.device)
-        for b in self.shard.micro_batches(n, self.settings.micro_batch_size):
+        rows = torch.arange(n, device=ids.device) if rows is None else rows.to(ids.device)
+        mine = self.shard.mine(rows)
+        dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+        out = torch.zeros((n, ids.shape[1] - 1), dtype=dtype, device=ids.device)
+        for b in self.shard.micro_batches(rows.numel(), self.settings.micro_batch_size):
             idx = mine[b]
             if idx.numel() == 0:  # an idle pass keeps FSDP's collectives in step across processes
                 self._logprobs(model, ids[:1], attn[:1])
@@ -301,7 +346,17 @@ class PolicyTrainer:
         for group in self.optimizer.param_groups:  # the warm-up follows the update count, so a resume agrees
             group["lr"] = warmup_lr(self.settings.lr, self.settings.lr_warmup_steps, self.updates)
         self.model.train()
-        return {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
+        return {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "entropy_tokens": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
+
+    def _trained_rows(self, adv: torch.Tensor) -> torch.Tensor:
+        """(n,) bool, the rows that go through the forward and backward passes: all of them, except rows
+        whose advantage is exactly 0 when nothing else needs their gradient (``skip_zero_advantage`` and
+        no KL term; the loss has no entropy term). A skipped row's clipped surrogate is 0 * ratio: its
+        loss and its gradient are exactly 0, so leaving it out changes neither; its tokens still count
+        in the token-mean normaliser (``tokens_of`` of ``_mini_batch_steps``)."""
+        if not self.settings.skip_zero_advantage or self.ref_model is not None:
+            return torch.ones(adv.shape, dtype=torch.bool, device=adv.device)
+        return adv != 0
 
     def _mini_batch_steps(
         self,
@@ -310,12 +365,17 @@ class PolicyTrainer:
         tokens_of: Callable[[torch.Tensor], float],
         mini_batch: Callable[[torch.Tensor, float], None],
         totals: dict[str, float],
+        trained: torch.Tensor,
     ) -> int:
         """``update_epochs`` epochs over the ``n`` rows in ``parts`` mini-batches (shuffled when more than
         one; the order is seeded by the update count, so a resume agrees), one optimizer step each:
-        ``mini_batch(rows, tokens)`` accumulates the gradients of the rows, whose completion tokens number
-        ``tokens_of(rows)`` (a mini-batch without any is skipped). Returns the optimizer steps made."""
+        ``mini_batch(rows, tokens)`` accumulates the gradients of the mini-batch's ``trained`` rows; its
+        token-mean normaliser ``tokens`` counts the completion tokens of all its rows (``tokens_of``; a
+        mini-batch without any is skipped). A mini-batch whose rows are all skipped still makes its
+        optimizer step, with a zero gradient (AdamW's momentum and weight decay move the weights then too),
+        as the update without skipping would. Returns the optimizer steps made."""
         gen = torch.Generator().manual_seed(self.updates)
+        trained = trained.cpu()
         opt_steps = 0
         for _ in range(self.settings.update_epochs):
             order = torch.randperm(n, generator=gen) if parts > 1 else torch.arange(n)
@@ -324,13 +384,26 @@ class PolicyTrainer:
                 if mb_tokens == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                mini_batch(rows, mb_tokens)
+                kept = rows[trained[rows]]
+                if kept.numel():
+                    mini_batch(kept, mb_tokens)
+                else:
+                    for p in self.model.parameters():
+                        if p.requires_grad:
+                            p.grad = torch.zeros_like(p)
                 self._optimizer_step(totals)
                 opt_steps += 1
         return opt_steps
 
     def _finish_update(
-        self, totals: dict[str, float], token_count: float, n: int, opt_steps: int, gap: tuple[float, float]
+        self,
+        totals: dict[str, float],
+        token_count: float,
+        n: int,
+        opt_steps: int,
+        gap: tuple[float, float],
+        trained: torch.Tensor,
+        lengths: Sequence[int],
     ) -> dict[str, float]:
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)  # free the gradients' memory until the next update
@@ -339,11 +412,13 @@ class PolicyTrainer:
         totals.update(self.shard.sum_floats({k: v for k, v in totals.items() if k != "grad_norm"}))
         seen = token_count * s.update_epochs  # every token is seen once per epoch
         grad_norm = totals["grad_norm"] / max(opt_steps, 1)
+        kept = trained.cpu().tolist()
         return {
-            "loss": totals["loss"] / seen,
-            "clip_frac": totals["clip_tokens"] / seen,
+            "loss": totals["loss"] / seen,  # skipped rows add exactly 0 to the loss: over every token
+            "clip_frac": totals["clip_tokens"] / seen,  # a skipped row clips nothing (0 * ratio): every token
             "grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
-            "entropy": totals["entropy"] / seen,
+            # entropy and the sampler/trainer gap are of the rows that went through the passes
+            "entropy": totals["entropy"] / totals["entropy_tokens"] if totals["entropy_tokens"] else float("nan"),
             "kl": totals["kl"] / seen,
             "tokens": int(token_count),
             "sequences": int(n),
@@ -351,6 +426,9 @@ class PolicyTrainer:
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "logprob_diff_mean": gap[0],
             "logprob_diff_max": gap[1],
+            "skipped_rows": int(n - sum(kept)),  # advantage 0, left out of the forward and backward passes
+            "skipped_tokens": int(sum(length for length, k in zip(lengths, kept, strict=True) if not k)),
+            "diagnostic_rows": int(sum(kept)),  # the rows entropy and logprob_diff_* cover
         }
 
     def _time(self, what: str, since: float) -> None:
@@ -385,18 +463,20 @@ class PolicyTrainer:
         parts = max(1, min(s.mini_batches, n))
         one_step = parts == 1 and s.update_epochs == 1
         self.timings = {}
+        trained = self._trained_rows(adv)
+        kept_rows = torch.nonzero(trained).flatten().tolist()
         old_rows: list[torch.Tensor | None] = [None] * n  # the trainer's log p before the update, per row
         ref_rows: list[torch.Tensor | None] = [None] * n
         if not one_step:
-            self.model.eval()  # dropout off; logp_old from the model before the update
-            self._grouped_logprobs(self.model, prompt_ids, completion_ids, old_rows)
+            self.model.eval()  # dropout off; logp_old from the model before the update (of trained rows)
+            self._grouped_logprobs(self.model, prompt_ids, completion_ids, old_rows, kept_rows)
         if self.ref_model is not None:
-            self._grouped_logprobs(self.ref_model, prompt_ids, completion_ids, ref_rows)
+            self._grouped_logprobs(self.ref_model, prompt_ids, completion_ids, ref_rows, kept_rows)
 
         totals = self._begin_update()
 
         def mini_batch(rows: torch.Tensor, mb_tokens: float) -> None:
-            def on_chunk(idx, logp, mask, logits):
+            def on_chunk(idx, logp, mask, all_logp):
                 if one_step:
                     for i, r in enumerate(idx.tolist()):
                         old_rows[r] = logp[i][mask[i]].detach()
@@ -414,8 +494,10 @@ class PolicyTrainer:
                 n_tok = float(weights.sum())
                 if n_tok > 0:
                     totals["clip_tokens"] += stats["clip_frac"] * n_tok
-                with torch.no_grad():
-                    totals["entropy"] += float(entropy_from_logits(logits.detach()[None]).sum())
+                with torch.no_grad():  # H = -sum p log p, from the log-softmax this chunk computed anyway
+                    lp = all_logp.detach()
+                    totals["entropy"] += float(-(lp.exp() * lp).sum())
+                    totals["entropy_tokens"] += float(lp.shape[0])
                 return loss
 
             shared_prefix_pass(
@@ -427,33 +509,45 @@ class PolicyTrainer:
                 grad=True,
                 autocast_dtype=self.compute_dtype,
                 timings=self.timings,
+                temperature=self.settings.temperature,
             )
 
         opt_steps = self._mini_batch_steps(
-            n, parts, lambda rows: float(sum(lengths[int(r)] for r in rows)), mini_batch, totals
+            n, parts, lambda rows: float(sum(lengths[int(r)] for r in rows)), mini_batch, totals, trained
         )
-        gap = sampler_gap_rows(old_rows, sampler_logprobs, completion_ids)
-        return self._finish_update(totals, token_count, n, opt_steps, gap)
+        gap = sampler_gap_rows(
+            [old_rows[r] for r in kept_rows],
+            None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_rows],
+            [completion_ids[r] for r in kept_rows],
+        )
+        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths)
 
     def _grouped_logprobs(
-        self, model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], out: list
+        self,
+        model,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        out: list,
+        rows: Sequence[int] | None = None,
     ) -> None:
-        """Each row's completion-token log-probabilities under ``model``, without gradients, into ``out``."""
+        """Each row's (or each of ``rows``') completion-token log-probabilities under ``model``, without
+        gradients, into ``out``."""
 
-        def keep(idx, logp, mask, logits):
+        def keep(idx, logp, mask, _all_logp):
             for i, r in enumerate(idx.tolist()):
                 out[r] = logp[i][mask[i]].detach()
 
         with torch.no_grad():
             shared_prefix_pass(
                 model,
-                group_by_prompt(prompt_ids),
+                group_by_prompt(prompt_ids, rows),
                 completion_ids,
                 keep,
                 chunk=self.settings.micro_batch_size,
                 grad=False,
                 autocast_dtype=self.compute_dtype,
                 timings=self.timings,
+                temperature=self.settings.temperature,
             )
 
     def _update_full_sequences(
@@ -475,13 +569,21 @@ class PolicyTrainer:
             raise ValueError("GRPO update: no completion tokens in the batch")
         n = ids.shape[0]
         parts = max(1, min(s.mini_batches, n))
+        trained = self._trained_rows(adv)
+        kept = torch.nonzero(trained).flatten()
         with torch.no_grad():
-            self.model.eval()  # dropout off; logp_old from the model before the update
+            self.model.eval()  # dropout off; logp_old from the model before the update (of trained rows)
             t0 = time.perf_counter()
-            logp_old = self._all_logprobs(self.model, ids, attn)
+            logp_old = self._all_logprobs(self.model, ids, attn, kept)
             self._time("forward", t0)
-            ref_logp = self._all_logprobs(self.ref_model, ids, attn) if self.ref_model is not None else None
-        gap = sampler_gap(logp_old, mask, sampler_logprobs, completion_ids)
+            ref_logp = self._all_logprobs(self.ref_model, ids, attn, kept) if self.ref_model is not None else None
+        kept_list = kept.tolist()
+        gap = sampler_gap(
+            logp_old[kept],
+            mask[kept],
+            None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_list],
+            [completion_ids[r] for r in kept_list],
+        )
 
         totals = self._begin_update()
 
@@ -509,34 +611,100 @@ class PolicyTrainer:
                 n_tok = float(mask[idx].sum())
                 if n_tok > 0:
                     totals["clip_tokens"] += stats["clip_frac"] * n_tok
-                totals["entropy"] += float(masked_mean(ent.detach(), mask[idx], token_count)) * token_count
+                totals["entropy"] += float((ent.detach() * mask[idx]).sum())
+                totals["entropy_tokens"] += n_tok
 
         opt_steps = self._mini_batch_steps(
-            n, parts, lambda rows: float(mask[rows.to(self.device)].sum()), mini_batch, totals
+            n, parts, lambda rows: float(mask[rows.to(self.device)].sum()), mini_batch, totals, trained
         )
-        return self._finish_update(totals, token_count, n, opt_steps, gap)
+        lengths = [len(c) for c in completion_ids]
+        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str | Path, extra_state: dict[str, Any] | None = None) -> Path:
-        """Model + tokenizer (HF layout, safetensors), optimizer state (safetensors) and trainer state (JSON)."""
+        """Model + tokenizer (HF layout, safetensors), optimizer state (safetensors) and trainer state (JSON).
+        With LoRA the adapter (peft's layout) instead of the model: the base is ``model.path``."""
         tensors, groups = optimizer_to_tensors(self.optimizer)
+        adapter = (self.peft_model, self.model_path) if self.peft_model is not None else None
         return write_checkpoint(
-            out_dir, self.model, self.tokenizer, self.compute_dtype, tensors, groups, self.updates, extra_state
+            out_dir,
+            self.model,
+            self.tokenizer,
+            self.compute_dtype,
+            tensors,
+            groups,
+            self.updates,
+            extra_state,
+            adapter=adapter,
         )
 
-    def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any]:
-        """Restore weights, optimizer state and RNG from ``save_checkpoint`` output; returns the extra state."""
-        from safetensors.torch import load_model
+    def write_rollout_weights(self, out_dir: str | Path) -> Path:
+        """The policy as whole weights for the rollout engine (LoRA: the adapters merged into the base, in
+        the compute dtype), a Hugging Face model directory at ``out_dir``, written whole or not at all."""
+        from coba_tasks.engines.lora import save_merged
 
+        if self.peft_model is None:
+            raise RuntimeError("write_rollout_weights is for LoRA: a full fine-tuning checkpoint holds the weights")
+        return save_merged(self.model, out_dir, self.compute_dtype)
+
+    def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer state and RNG from ``save_checkpoint`` output; returns the extra state.
+
+        All or nothing: every parameter of the model must be in the checkpoint and nothing else
+        (tied embeddings, stored once, count as both), and every parameter must have its AdamW state;
+        otherwise ``CheckpointError`` names the file and the tensors. (``verify_checkpoint`` checks the
+        files against the checkpoint's manifest; the run does that before it loads one.)"""
         ckpt = Path(ckpt_dir)
-        master = ckpt / MASTER_FILE
-        load_model(self.model, str(master if master.is_file() else ckpt / "model.safetensors"), strict=False)
+        if self.peft_model is not None:
+            self._load_adapter(ckpt)
+        else:
+            self._load_weights(ckpt)
         state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
         tensors = load_file(str(ckpt / OPTIMIZER_FILE))
-        torch.set_rng_state(tensors.pop("rng.torch"))
-        optimizer_from_tensors(self.optimizer, tensors, state["param_groups"])
+        rng = tensors.pop("rng.torch", None)
+        if rng is None:
+            raise CheckpointError(f"{ckpt / OPTIMIZER_FILE}: has no rng.torch (the torch RNG state)")
+        try:
+            optimizer_from_tensors(self.optimizer, tensors, state["param_groups"])
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{ckpt / OPTIMIZER_FILE}: not this policy's AdamW state ({exc})") from exc
+        torch.set_rng_state(rng)
         self.updates = int(state["updates"])
         return state
+
+    def _load_adapter(self, ckpt: Path) -> None:
+        from coba_tasks.engines.lora import ADAPTER_FILE, is_adapter_checkpoint, load_adapter
+
+        if not is_adapter_checkpoint(ckpt):
+            raise CheckpointError(f"{ckpt}: holds no LoRA adapter (model.lora_rank > 0 needs one; a full checkpoint?)")
+        try:
+            load_adapter(self.peft_model, ckpt)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{ckpt / ADAPTER_FILE}: {exc}") from exc
+
+    def _load_weights(self, ckpt: Path) -> None:
+        from safetensors.torch import load_model
+
+        master = ckpt / MASTER_FILE
+        weights = master if master.is_file() else ckpt / "model.safetensors"
+        try:
+            stored = set(safe_open_keys(weights))
+        except (OSError, RuntimeError, ValueError) as exc:  # missing, or not a safetensors file
+            raise CheckpointError(f"{weights}: cannot read the policy weights ({exc})") from exc
+        names_by_storage: dict[int, list[str]] = {}  # tied weights share one storage and are stored once
+        for name, tensor in self.model.state_dict().items():
+            names_by_storage.setdefault(tensor.data_ptr(), []).append(name)
+        missing = [names[0] for names in names_by_storage.values() if not stored.intersection(names)]
+        unexpected = sorted(stored - {n for names in names_by_storage.values() for n in names})
+        if missing or unexpected:  # checked before anything is loaded: nothing of a partial checkpoint is used
+            raise CheckpointError(
+                f"{weights}: does not hold the policy's weights: {_some(missing)} missing, {_some(unexpected)} "
+                "unexpected"
+            )
+        try:
+            load_model(self.model, str(weights), strict=True)
+        except (OSError, RuntimeError, ValueError) as exc:  # e.g. a tensor of another shape
+            raise CheckpointError(f"{weights}: cannot load the policy weights ({exc})") from exc
 
 
 def write_checkpoint(
@@ -549,13 +717,54 @@ def write_checkpoint(
     updates: int,
     extra_state: dict[str, Any] | None = None,
     rng_state: torch.Tensor | None = None,
+    adapter: tuple[Any, str] | None = None,
 ) -> Path:
     """Write a checkpoint: ``model`` (a plain, unsharded HF model holding the float32 weights) and
     ``tokenizer`` in HF layout, the optimizer tensors (``optimizer_to_tensors``) plus the torch RNG
-    state (this process's unless ``rng_state``), and the trainer state JSON."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if compute_dtype == torch.float32:
+    state (this process's unless ``rng_state``), and the trainer state JSON. With ``adapter``
+    (``(peft_model, base_model_path)``: LoRA) the adapter is written instead of the model's weights."""
+    final = Path(out_dir)
+    out = _fresh_temporary(final)  # built beside its place, renamed when whole: never half a checkpoint there
+    try:
+        _write_checkpoint_files(
+            out,
+            model,
+            tokenizer,
+            compute_dtype,
+            optimizer_tensors,
+            param_groups,
+            updates,
+            extra_state,
+            rng_state,
+            adapter,
+        )
+        write_checkpoint_manifest(out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if final.exists():  # a checkpoint of an update that did not finish (its stage is recomputed): replaced
+        shutil.rmtree(final)
+    out.rename(final)
+    return final
+
+
+def _write_checkpoint_files(
+    out: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    compute_dtype: torch.dtype,
+    optimizer_tensors: dict[str, torch.Tensor],
+    param_groups: list[dict],
+    updates: int,
+    extra_state: dict[str, Any] | None,
+    rng_state: torch.Tensor | None,
+    adapter: tuple[Any, str] | None = None,
+) -> None:
+    if adapter is not None:  # LoRA: the adapter (float32) and its base model's path, not the whole model
+        from coba_tasks.engines.lora import save_adapter
+
+        save_adapter(adapter[0], out, adapter[1])
+    elif compute_dtype == torch.float32:
         model.save_pretrained(out, safe_serialization=True)
     else:  # the engine's weights in the compute dtype; the float32 master weights for a resume
         cast: dict[int, torch.Tensor] = {}  # one copy per storage: tied weights stay tied (written once)
@@ -570,7 +779,87 @@ def write_checkpoint(
     save_file(tensors, str(out / OPTIMIZER_FILE))
     state = {"updates": updates, "param_groups": param_groups, **(extra_state or {})}
     (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
-    return out
+
+
+def _fresh_temporary(final: Path) -> Path:
+    """A new empty ``.<name>.<hex>.tmp`` beside ``final``; temporaries of killed writers of it go first
+    (one writer per run directory: the run lock)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
+    tmp.mkdir()
+    return tmp
+
+
+# -- the checkpoint manifest ------------------------------------------------------------------------
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, partial or damaged; the message names the file."""
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checkpoint_manifest(ckpt: Path) -> Path:
+    """``checkpoint.json``: every file of the checkpoint (relative path -> bytes and sha256), written last."""
+    files = {
+        p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "sha256": _file_sha256(p)}
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and p.name != CHECKPOINT_MANIFEST
+    }
+    path = ckpt / CHECKPOINT_MANIFEST
+    path.write_text(json.dumps({"format": 1, "files": files}, indent=2) + "\n")
+    return path
+
+
+def verify_checkpoint(ckpt_dir: str | Path) -> None:
+    """Check every file of a checkpoint against its ``checkpoint.json`` (present, size, sha256);
+    ``CheckpointError`` names the first file that is not as written."""
+    ckpt = Path(ckpt_dir)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint {ckpt} is missing")
+    manifest = ckpt / CHECKPOINT_MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        if not isinstance(files, dict) or not files:
+            raise ValueError("no files listed")
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{manifest} is missing: the checkpoint was not written whole (or by a coba-rl without checkpoint "
+            "manifests), so it cannot be trusted"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest}: unreadable ({exc})") from exc
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts:  # a manifest never points outside
+            raise CheckpointError(f"{manifest}: lists {name!r}, not a path inside the checkpoint")
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in {CHECKPOINT_MANIFEST} but missing")
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{path}: {size} bytes, {CHECKPOINT_MANIFEST} says {entry.get('bytes')} (truncated?)")
+        if _file_sha256(path) != entry.get("sha256"):
+            raise CheckpointError(f"{path}: sha256 differs from {CHECKPOINT_MANIFEST}'s (the file was altered)")
+
+
+def safe_open_keys(path: Path) -> list[str]:
+    """The tensor names of a safetensors file, read from its header."""
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
+def _some(names: Sequence[str], shown: int = 3) -> str:
+    names = sorted(names)
+    if not names:
+        return "none"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} ({', '.join(names[:shown])}{more})"
 
 
 def optimizer_to_tensors(
@@ -596,10 +885,24 @@ def optimizer_to_tensors(
 def optimizer_from_tensors(
     optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]
 ) -> None:
-    """Inverse of ``optimizer_to_tensors``."""
+    """Inverse of ``optimizer_to_tensors``. All or nothing: once the optimizer has stepped, every
+    parameter must have the same state tensors (AdamW: step, exp_avg, exp_avg_sq); ValueError otherwise."""
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         _, idx, key = name.split(".", 2)
         state.setdefault(int(idx), {})[key] = t
+    params = sorted(i for g in groups for i in g["params"])
+    if state:
+        keys = set().union(*(set(v) for v in state.values()))
+        partial = [i for i in params if set(state.get(i, {})) != keys]
+        if partial or set(state) - set(params):
+            raise ValueError(
+                f"{len(partial)} of {len(params)} parameters lack some of their state ({', '.join(sorted(keys))})"
+                + (
+                    f"; state for unknown parameters {sorted(set(state) - set(params))[:3]}"
+                    if set(state) - set(params)
+                    else ""
+                )
+            )
     restored = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
     optimizer.load_state_dict({"state": state, "param_groups": restored})

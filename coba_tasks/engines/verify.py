@@ -79,7 +79,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
-from functools import lru_cache
+from functools import lru_cache, partial
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
@@ -154,16 +154,22 @@ def count_verdicts(verdicts: Iterable[Verdict]) -> dict[str, int]:
 VerifierFn = Callable[[str, str], Verdict]
 
 
+TruthCheck = Callable[[str], None]
+
+
 @dataclass(frozen=True)
 class Verifier:
     """A registered verifier: ``fn(completion, ground_truth) -> Verdict`` under a canonical name.
 
     ``in_process``: cheap and cannot hang, so batches score it in the calling process.
+    ``check``: ``check(ground_truth)`` raises ``ValueError`` (saying why) for a ground truth this
+    verifier cannot compare against; datasets are checked with it when they load.
     """
 
     name: str
     fn: VerifierFn
     in_process: bool = False
+    check: TruthCheck | None = None
 
     def __call__(self, completion: str, ground_truth: str) -> Verdict:
         return self.fn(completion, ground_truth)
@@ -173,15 +179,20 @@ _REGISTRY: dict[str, Verifier] = {}
 FALLBACK_SOURCE = "math"
 
 
-def register_verifier(name: str, *aliases: str, in_process: bool = False) -> Callable[[VerifierFn], VerifierFn]:
+def register_verifier(
+    name: str, *aliases: str, in_process: bool = False, check: TruthCheck | None = None
+) -> Callable[[VerifierFn], VerifierFn]:
     """Decorator: register ``fn`` as the verifier for ``name`` and each alias (data_source values).
 
+    ``check`` (optional, a module-level function) is called on every ground truth of a dataset when it
+    loads and raises ``ValueError`` for one ``fn`` cannot score against: such a row is a bad row
+    (``data.on_bad_rows``), not a prompt whose every rollout scores ``error``.
     The function is returned unchanged, so it stays importable by reference from worker processes.
     Registering the same function again (a module imported twice) is a no-op.
     """
 
     def decorator(fn: VerifierFn) -> VerifierFn:
-        entry = Verifier(name=name, fn=fn, in_process=in_process)
+        entry = Verifier(name=name, fn=fn, in_process=in_process, check=check)
         for key in (name, *aliases):
             old = _REGISTRY.get(key)
             if old is not None and _qualified_name(old.fn) != _qualified_name(fn):
@@ -211,6 +222,17 @@ def verifier_for(data_source: str, *, fallback: bool = True) -> Verifier:
         f"no verifier for data_source {data_source!r}; registered: {', '.join(registered_verifiers())}. "
         "Register one with @register_verifier(name)"
     )
+
+
+def unknown_sources(sources: Iterable[str]) -> list[str]:
+    """The data_source values among ``sources`` that no verifier is registered for, sorted."""
+    return sorted({str(x) for x in sources} - set(_REGISTRY))
+
+
+UNKNOWN_SOURCE_HINT = (
+    "register a verifier for it with @register_verifier(name) in a module the run imports "
+    "(coba_tasks/engines/verify.py says how), or set verify.unknown_sources=math to score such rows with math-verify"
+)
 
 
 def _qualified_name(fn: Callable[..., Any]) -> str:
@@ -253,7 +275,13 @@ def _run_verifier(verifier: Verifier, completion: str, ground_truth: Any) -> Ver
 _ARITH_ANSWER = re.compile(r"\s*(-?\d+)(\.\d+)?")
 
 
-@register_verifier("arith", in_process=True)
+def arith_truth(ground_truth: str) -> None:
+    """An arith ground truth is an integer (optional ``-``)."""
+    if not re.fullmatch(r"-?\d+", ground_truth.strip()):
+        raise ValueError(f"arith: ground truth {ground_truth!r} is not an integer")
+
+
+@register_verifier("arith", in_process=True, check=arith_truth)
 def arith_verifier(completion: str, ground_truth: str) -> Verdict:
     """The integer at the start of the completion (after whitespace) against the integer ground truth."""
     gold = int(ground_truth.strip())  # a non-integer ground truth raises: an `error`, a data problem
@@ -264,6 +292,40 @@ def arith_verifier(completion: str, ground_truth: str) -> Verdict:
         return Verdict.of(VerdictKind.WRONG, m.group(0).strip(), detail="not an integer")
     answer = int(m.group(1))
     return Verdict.of(VerdictKind.CORRECT if answer == gold else VerdictKind.WRONG, m.group(1))
+
+
+_BOXED_CONTENT = re.compile(r"\\boxed\{([^{}]*)\}")
+# an integer written alone (not part of a decimal), thousands separated by commas or not
+_INTEGER_IN_TEXT = re.compile(r"(?<![\d.,])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?!\d|[.,]\d)")
+_INTEGER_ALONE = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)")
+
+
+_OPERAND_BEFORE = re.compile(r"\d\s*[-+*/×x]\s*$")  # "9-" or "9 - ": the integer after it is an operand
+
+
+@register_verifier("arith_chat", in_process=True, check=arith_truth)
+def arith_chat_verifier(completion: str, ground_truth: str) -> Verdict:
+    """The arithmetic task asked of a chat model ("Compute 9-7. Put your final answer within \\boxed{}."):
+    the integer in the last ``\\boxed{}`` of the completion, or, without a box, the last integer of the
+    text that is not the right operand of an operator (in "9-7" or "9 - 7" the 7 is an operand, in
+    "9 - 7 = 2" the 2 is not). The answer to "Compute 9-7" is a number: a box holding an expression
+    (``\\boxed{9-7}``) is ``wrong``, and so is the question written back. math-verify, which evaluates
+    expressions, scored both as correct, and a model trained on it learned to echo the question."""
+    gold = int(ground_truth.strip())  # a non-integer ground truth raises: an `error`, a data problem
+    boxes = _BOXED_CONTENT.findall(completion)
+    if boxes:
+        text = boxes[-1].strip().replace(" ", "")
+        if not _INTEGER_ALONE.fullmatch(text):
+            return Verdict.of(VerdictKind.WRONG, boxes[-1].strip(), detail="the box holds no integer")
+        answer = int(text.replace(",", ""))
+        return Verdict.of(VerdictKind.CORRECT if answer == gold else VerdictKind.WRONG, text)
+    numbers = [
+        m.group(0) for m in _INTEGER_IN_TEXT.finditer(completion) if not _OPERAND_BEFORE.search(completion[: m.start()])
+    ]
+    if not numbers:
+        return Verdict.of(VerdictKind.NO_ANSWER, detail="no \\boxed{} and no integer result in the completion")
+    answer = int(numbers[-1].replace(",", ""))
+    return Verdict.of(VerdictKind.CORRECT if answer == gold else VerdictKind.WRONG, numbers[-1])
 
 
 # The DAPO prompt asks for a last line "Answer: $Answer"; optional markdown bold around "Answer:".
@@ -313,6 +375,16 @@ def _is_math(x: Any) -> bool:
     return isinstance(x, Basic | MatrixBase)
 
 
+def math_truth(ground_truth: str) -> None:
+    """A math ground truth is one math-verify parses into a value that is a number (not NaN nor complex
+    infinity, e.g. ``1/0``)."""
+    from sympy import S, zoo
+
+    for g in _parse_gold(ground_truth):  # raises ValueError when nothing parses
+        if _is_math(g) and hasattr(g, "has") and g.has(S.NaN, zoo):
+            raise ValueError(f"math: ground truth {ground_truth!r} is not a number ({g})")
+
+
 @register_verifier(
     "math",
     "math_dapo",
@@ -326,6 +398,7 @@ def _is_math(x: Any) -> bool:
     "aime24",
     "aime25",
     "AIME",
+    check=math_truth,
 )
 def math_verifier(completion: str, ground_truth: str) -> Verdict:
     """math-verify: the DAPO ``Answer:`` line if any, else math-verify's extraction of the whole text."""
@@ -347,6 +420,15 @@ def math_verifier(completion: str, ground_truth: str) -> Verdict:
     if not any(_is_math(a) for a in answer):
         return Verdict.of(VerdictKind.NO_ANSWER, extracted, detail="answer text found but not parsed")
     return Verdict.of(VerdictKind.WRONG, extracted)
+
+
+def _truth_verdict(check: TruthCheck, completion: str, ground_truth: str) -> Verdict:
+    """A ground-truth check as a verdict (so the pool runs it like a verifier): correct when usable."""
+    try:
+        check(ground_truth)
+    except ValueError as exc:
+        return Verdict.of(VerdictKind.ERROR, detail=str(exc))
+    return Verdict.of(VerdictKind.CORRECT)
 
 
 # --------------------------------------------------------------------------- worker processes
@@ -487,13 +569,48 @@ class VerifierPool:
 
     def score(self, items: Sequence[tuple[str, str, str]]) -> list[Verdict]:
         """Score ``(completion, ground_truth, data_source)`` items; verdicts in the order of ``items``."""
-        results: list[Verdict | None] = [None] * len(items)
-        pending: deque[tuple[int, bytes, str]] = deque()
+        entries = []
         for i, item in enumerate(items):
             if len(item) != 3:
                 raise ValueError(f"item {i} has {len(item)} fields; expected (completion, ground_truth, data_source)")
             completion, ground_truth, source = item
-            verifier = verifier_for(source)
+            entries.append((verifier_for(source), completion, ground_truth))
+        return self._score_entries(entries)
+
+    def check_truths(self, items: Sequence[tuple[str, str]]) -> list[str | None]:
+        """Check ``(ground_truth, data_source)`` items with their verifiers' ``check``, under the same
+        wall-clock limit as scoring: None for a usable ground truth, else why not (one line). Sources
+        without a verifier are checked by the fallback's (math); verifiers without a check pass all."""
+        unique = list(dict.fromkeys((str(gt), str(src)) for gt, src in items))
+        entries, index = [], {}
+        for gt, src in unique:
+            verifier = verifier_for(src)
+            if verifier.check is None:
+                continue
+            index[(gt, src)] = len(entries)
+            checker = Verifier(
+                f"{verifier.name} ground truth", partial(_truth_verdict, verifier.check), verifier.in_process
+            )
+            entries.append((checker, "", gt))
+        verdicts = self._score_entries(entries)
+        reasons: dict[tuple[str, str], str | None] = {}
+        for key, k in index.items():
+            v = verdicts[k]
+            if v.verdict is VerdictKind.CORRECT:
+                reasons[key] = None
+            elif v.verdict is VerdictKind.TIMEOUT:
+                reasons[key] = (
+                    f"the {key[1]} verifier could not read the ground truth {key[0]!r} within {self.timeout_s:g} s"
+                )
+            else:
+                reasons[key] = v.detail or f"the {key[1]} verifier cannot read the ground truth {key[0]!r}"
+        return [reasons.get((str(gt), str(src))) for gt, src in items]
+
+    def _score_entries(self, entries: Sequence[tuple[Verifier, str, str]]) -> list[Verdict]:
+        """Verdicts of ``(verifier, completion, ground_truth)`` entries, in order."""
+        results: list[Verdict | None] = [None] * len(entries)
+        pending: deque[tuple[int, bytes, str]] = deque()
+        for i, (verifier, completion, ground_truth) in enumerate(entries):
             if verifier.in_process:
                 results[i] = _run_verifier(verifier, completion, ground_truth)
                 continue
@@ -523,8 +640,8 @@ class VerifierPool:
                 self.close()
                 raise
         done = [r for r in results if r is not None]
-        if len(done) != len(items):  # cannot happen: every branch above sets a verdict
-            raise RuntimeError(f"internal error: {len(items) - len(done)} items left without a verdict")
+        if len(done) != len(entries):  # cannot happen: every branch above sets a verdict
+            raise RuntimeError(f"internal error: {len(entries) - len(done)} items left without a verdict")
         return done
 
     # -- the dispatch loop

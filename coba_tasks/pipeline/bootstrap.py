@@ -23,8 +23,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,9 +36,26 @@ import torch
 
 from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
 from coba_tasks.engines.trainer import pad_sequences
+from coba_tasks.pipeline.fileio import (
+    OutputDirError,
+    atomic_write,
+    check_output_dir,
+    files_of,
+    new_temporary_dir,
+    publish_dir,
+)
 
 Log = Callable[[str], None]
 METRICS_FILE = "bootstrap.json"
+# What a bootstrap wrote before bootstrap.json listed its files (a model made by an older version).
+WRITTEN_BEFORE_RECORD = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 @dataclass(frozen=True)
@@ -289,18 +308,47 @@ def evaluate_greedy(model_dir: str | Path, test: pd.DataFrame, cfg: BootstrapCon
 
 
 def write_metrics(model_dir: str | Path, cfg: BootstrapConfig, figures: dict) -> Path:
-    """``bootstrap.json`` beside the model: config, seed and the measured figures."""
+    """``bootstrap.json`` beside the model: config, seed, the measured figures and the files written
+    (relative path -> bytes: what a later ``--force`` may replace, and nothing else)."""
     path = Path(model_dir) / METRICS_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"config": asdict(cfg), **figures}, indent=2))
-    tmp.replace(path)
+    record = {"config": asdict(cfg), **figures, "files": files_of(model_dir)}
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode("utf-8")))
     return path
+
+
+def check_output(out: str | Path, force: bool) -> None:
+    """Refuse an output directory a bootstrap must not write: a file, a directory holding anything a
+    bootstrap did not write (``--force`` included), or a bootstrapped model without ``force``."""
+    if check_output_dir(out, METRICS_FILE, "coba bootstrap model", WRITTEN_BEFORE_RECORD) and not force:
+        raise OutputDirError(
+            f"{out} already holds a bootstrapped model ({METRICS_FILE}); pass --force (the flow's force=True) "
+            "to rebuild it"
+        )
+
+
+@contextmanager
+def build_area(out: str | Path, force: bool) -> Iterator[Path]:
+    """A new temporary directory beside ``out`` to build in, removed afterwards (whatever happens);
+    ``out`` is checked first (``check_output``), so a refused directory costs no training."""
+    check_output(out, force)
+    work = new_temporary_dir(out)
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def publish(model_dir: str | Path, out: str | Path) -> list[str]:
+    """Move the finished ``model_dir`` (with its ``bootstrap.json``) to ``out``: the model appears only
+    when complete; a previous bootstrap there loses only the files its record lists. Returns the paths
+    of anything else found there (kept aside), normally none."""
+    return publish_dir(Path(model_dir), Path(out), METRICS_FILE, WRITTEN_BEFORE_RECORD)
 
 
 def stale_bootstrap_note(model_dir: str | Path) -> str | None:
     """A note when ``model_dir`` was bootstrapped with another teacher than today's default, else None.
 
-    ``make demo`` keeps an existing model; one warmed up before the default teacher changed (it gave
+    ``make demo-tiny`` keeps an existing model; one warmed up before the default teacher changed (it gave
     up on no problem then) leaves RL almost nothing to learn, so say how to rebuild it.
     """
     path = Path(model_dir) / METRICS_FILE

@@ -49,6 +49,7 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit seed
 ON_BAD_ROWS = ("error", "skip")  # data.on_bad_rows (coba_tasks.pipeline.data reads the same two words)
 PROMPT_FORMATS = ("auto", "chat", "raw")  # data.prompt_format (coba_tasks.pipeline.data.render_prompts)
+UNKNOWN_SOURCES = ("error", "math")  # verify.unknown_sources (coba_tasks.pipeline.data.check_ground_truths)
 # Keys added after runs were made: left out of config_hash while at these defaults, so a run made
 # before the key existed keeps its hash (and can be resumed); any other value is hashed.
 HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
@@ -62,7 +63,26 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("optim", "lr_warmup_steps"): 0,
     ("optim", "shared_prefix"): True,
     ("run", "keep_checkpoints"): 0,
+    ("verify", "unknown_sources"): "error",
+    ("optim", "skip_zero_advantage"): True,
+    ("model", "lora_rank"): 0,
+    ("model", "lora_alpha"): 32.0,
+    ("model", "lora_target_modules"): "all-linear",
+    ("data", "extra_tests"): [],
+    ("data", "difficulties"): [],
 }
+MAIN_TEST_SET = "test"  # the eval table's test_set of data.test; an extra test's is its file name without .parquet
+
+
+def test_set_name(path: str) -> str:
+    """The name an extra held-out set is reported under: its file name without the suffix.
+
+    >>> test_set_name("data/arith_chat_test_reworded.parquet")
+    'arith_chat_test_reworded'
+    """
+    return Path(path).name.removesuffix(".parquet")
+
+
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
@@ -132,6 +152,12 @@ class DataConfig:
 
     train: str = "data/arith_train.parquet"  # training prompts (Parquet); relative paths are from the working dir
     test: str = "data/arith_test.parquet"  # held-out prompts for evaluation (Parquet)
+    # more held-out sets, each evaluated beside data.test and reported under its file name (e.g. the same
+    # problems worded differently); the same eval_prompts sample (positions) is taken of each
+    extra_tests: tuple[str, ...] = ()
+    # keep only the rows of these difficulty levels (extra_info.difficulty), in data.train, data.test and
+    # data.extra_tests; empty = every row
+    difficulties: tuple[int, ...] = ()
     prompts_per_step: int = 32  # M, prompts in each training step's batch
     eval_prompts: int = 0  # held-out prompts used per evaluation (a seeded sample); 0 = all of data.test
     train_prompts: int = 0  # training pool: a seeded sample of this many prompts of data.train; 0 = all
@@ -145,6 +171,14 @@ class DataConfig:
         _coerce_fields(self)
         _check(self, "train", bool(self.train.strip()), "must name a Parquet file")
         _check(self, "test", bool(self.test.strip()), "must name a Parquet file")
+        names = [test_set_name(p) for p in self.extra_tests]
+        _check(
+            self,
+            "extra_tests",
+            all(p.strip() for p in self.extra_tests) and len(set(names)) == len(names) and MAIN_TEST_SET not in names,
+            f"must be Parquet files with distinct file names other than {MAIN_TEST_SET}.parquet "
+            "(each set is reported under its file name), e.g. [data/arith_chat_test_reworded.parquet]",
+        )
         _check(
             self,
             "on_bad_rows",
@@ -174,11 +208,22 @@ class ModelConfig:
     dtype: str = "float32"  # weights dtype for training and rollouts: float32, bfloat16, float16 or auto
     trust_remote_code: bool = False  # allow the checkpoint's own modelling code (only for checkpoints you trust)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
+    lora_rank: int = 0  # 0 = full fine-tuning; r > 0 = train LoRA adapters of rank r (peft) on the target modules
+    lora_alpha: float = 32.0  # LoRA scale alpha: the update is (alpha / r) * B @ A
+    lora_target_modules: str = "all-linear"  # all-linear (every linear layer but the output) or names, comma-separated
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
         _check(self, "path", bool(self.path.strip()), "must name a model directory")
         _check(self, "dtype", self.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}")
+        _check(self, "lora_rank", self.lora_rank >= 0, "must be >= 0 (0 = full fine-tuning, e.g. 16 for LoRA)")
+        _check(self, "lora_alpha", self.lora_alpha > 0, "must be > 0 (the LoRA scale is lora_alpha / lora_rank)")
+        _check(
+            self,
+            "lora_target_modules",
+            bool(self.lora_target_modules.strip(", ")),
+            "must be all-linear or module names separated by commas (e.g. q_proj,v_proj)",
+        )
 
 
 @dataclass(frozen=True)
@@ -190,8 +235,8 @@ class RolloutConfig:
     backend: str = (
         "vllm"  # rollout engine (coba_tasks.engines.rollout.backends()): vllm, vllm-ray, or transformers (fallback)
     )
-    temperature: float = 1.0  # sampling temperature of training rollouts
-    top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
+    temperature: float = 1.0  # sampling temperature of training rollouts (> 0); the update trains on log_softmax(z / T)
+    top_p: float = 1.0  # nucleus sampling of training rollouts: 1.0 only (docs/method.md says why)
     max_tokens: int = 12  # most tokens generated per completion
     max_model_len: int = 64  # engine context length (prompt + completion); 0 = the model's own
     gpu_memory_utilization: float = 0.5  # share of GPU memory vLLM may take (ignored on CPU)
@@ -203,8 +248,20 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _coerce_fields(self)
         _check(self, "backend", self.backend in backends(), f"must be one of {', '.join(backends())}")
-        _check(self, "temperature", self.temperature >= 0, "must be >= 0 (0 = greedy; training usually samples at 1.0)")
-        _check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1] (1.0 = no nucleus truncation)")
+        _check(
+            self,
+            "temperature",
+            self.temperature > 0,
+            "must be > 0: training rollouts are sampled (greedy ones would make every group's rewards equal); "
+            "1.0 is the paper's",
+        )
+        _check(
+            self,
+            "top_p",
+            self.top_p == 1.0,
+            "must be 1.0: a nucleus-truncated sampler draws from a distribution the policy gradient does not see "
+            "(docs/method.md, 'Log-probabilities'); run.eval_top_p sets the evaluation's nucleus",
+        )
         _check(self, "max_tokens", self.max_tokens >= 1, "must be >= 1 (tokens per completion)")
         _check(self, "max_model_len", self.max_model_len >= 0, "must be >= 0 (0 = the model's own context length)")
         _check(
@@ -324,6 +381,7 @@ class OptimConfig:
     lr_warmup_steps: int = 0  # linear warm-up: training step k (from 0) updates at lr * min(1, (k + 1) / N); 0 = none
     fsdp_processes: int = 1  # 1 = the update in the flow process; N > 1 = each update a torchrun job of N FSDP ranks
     shared_prefix: bool = True  # encode each group's prompt once in the update (same loss and gradients, faster)
+    skip_zero_advantage: bool = True  # leave advantage-0 rows out of the passes when kl_coef is 0 (same gradients)
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -355,11 +413,19 @@ class VerifyConfig:
 
     workers: int = 2  # verifier processes
     timeout_s: float = 5.0  # hard wall-clock limit per completion, seconds; over it counts as a timeout
+    unknown_sources: str = "error"  # a data_source without a verifier: error = refuse the run; math = math-verify
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
         _check(self, "workers", self.workers >= 1, "must be >= 1 (verifier processes)")
         _check(self, "timeout_s", self.timeout_s > 0, "must be > 0 (seconds per completion)")
+        _check(
+            self,
+            "unknown_sources",
+            self.unknown_sources in UNKNOWN_SOURCES,
+            "must be error (a data_source without a registered verifier stops the run before it starts) or math "
+            "(math-verify scores such rows)",
+        )
 
 
 @dataclass(frozen=True)
@@ -381,6 +447,11 @@ class Config:
                 raise ConfigError(
                     f"config section {f.name!r} must be of type {cls.__name__}, got {_show(getattr(self, f.name))}"
                 )
+        if self.model.lora_rank > 0 and self.optim.fsdp_processes > 1:
+            raise ConfigError(
+                f"model.lora_rank = {self.model.lora_rank} with optim.fsdp_processes = {self.optim.fsdp_processes}: "
+                "LoRA with FSDP is not supported; set optim.fsdp_processes=1 or model.lora_rank=0"
+            )
         a, m = self.allocation, self.data.prompts_per_step
         if not a.min_budget <= a.group_size <= a.max_budget:
             total = m * a.group_size
@@ -520,7 +591,8 @@ def check_paths(cfg: Config, root: str | os.PathLike[str] | None = None) -> None
     def where(p: str) -> str:
         return "" if Path(p).expanduser().is_absolute() else f" (relative to {base})"
 
-    for key, value in (("data.train", cfg.data.train), ("data.test", cfg.data.test)):
+    extra = [(f"data.extra_tests[{i}]", p) for i, p in enumerate(cfg.data.extra_tests)]
+    for key, value in (("data.train", cfg.data.train), ("data.test", cfg.data.test), *extra):
         if not resolve(value).exists():
             raise ConfigError(
                 f"{key}: {value} does not exist{where(value)}; point {key} at a veRL or flat Parquet file,"
@@ -684,6 +756,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         kinds = [a for a in args if a is not type(None)]
         expected = " or ".join(_type_word(a) for a in kinds) + (" or null" if type(None) in args else "")
         raise ConfigError(f"{key}: expected {expected}, got {_show(value)}")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[str, ...]: a list of any length
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list of {_type_word(args[0]).split()[-1]}s, got {_show(value)}")
+        return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
     if origin is tuple:  # tuple[float, float]
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise ConfigError(

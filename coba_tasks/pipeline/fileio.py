@@ -11,10 +11,12 @@ process leaves a temporary (``.<name>.<hex>.tmp``) behind: readers never look at
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
@@ -84,3 +86,130 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output directories that a command builds (a bootstrapped or converted model): built in a temporary
+# sibling, renamed into place, and never replacing a directory that holds files the command did not write.
+
+
+class OutputDirError(ValueError):
+    """An output directory that cannot be used as it is; the message says what is there and what to do."""
+
+
+def files_of(folder: str | os.PathLike[str]) -> dict[str, int]:
+    """Every regular file under ``folder`` as its '/'-separated relative path -> size in bytes, sorted."""
+    root = Path(folder)
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def read_json_record(path: str | os.PathLike[str]) -> dict | None:
+    """The JSON object in ``path``, or None when it is missing, unreadable or not an object."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def written_files(out: Path, record_file: str, default_files: Iterable[str] = ()) -> set[str] | None:
+    """The files the builder wrote into ``out``, by its record ``out/record_file``: the record's ``files``
+    keys and the record itself; ``default_files`` for a record written before it listed its files. None
+    when there is no record (the directory is not the builder's)."""
+    record = read_json_record(out / record_file)
+    if record is None:
+        return None
+    listed = record.get("files")
+    names = set(listed) if isinstance(listed, dict) and listed else set(default_files)
+    return names | {record_file}
+
+
+def check_output_dir(
+    out: str | os.PathLike[str], record_file: str, what: str, default_files: Iterable[str] = ()
+) -> bool:
+    """Whether ``out`` holds a previous build (True) or nothing (False: missing or empty).
+
+    Raises ``OutputDirError`` when ``out`` is a file, or a directory holding anything its record does
+    not list (no record at all: it is someone else's directory). Such a directory is never replaced,
+    whatever ``--force`` says: the message names what is there and the way out.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"{out} exists and is not a directory; choose another output directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return False
+    ours = written_files(out, record_file, default_files)
+    if ours is None:
+        raise OutputDirError(
+            f"{out} is not empty and holds no {record_file} (it is not a {what}); nothing was removed: "
+            "choose another output directory, or empty this one yourself"
+        )
+    foreign = sorted(set(files_of(out)) - ours)
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputDirError(
+            f"{out} holds files that no {what} build wrote ({listed}); nothing was removed, --force included: "
+            "move them elsewhere or choose another output directory"
+        )
+    return True
+
+
+def new_temporary_dir(out: str | os.PathLike[str]) -> Path:
+    """A new empty directory ``.<name>.<hex>.tmp`` beside ``out`` (created here, so nobody else's)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_name(out)
+    tmp.mkdir()
+    return tmp
+
+
+def publish_dir(tmp: Path, out: Path, record_file: str, default_files: Iterable[str] = ()) -> list[str]:
+    """Rename the finished directory ``tmp`` to ``out``; a previous build at ``out`` is moved aside first,
+    then only the files its record lists are removed. Returns what was left of it (files written there
+    since the check): kept, in the ``.<name>.<hex>.old`` directory beside ``out``; [] normally."""
+    old = out.with_name(f".{out.name}.{secrets.token_hex(_TMP_HEX // 2)}.old")
+    previous = out.is_dir()
+    if previous:
+        ours = written_files(out, record_file, default_files) or set()
+        out.rename(old)
+    elif out.exists():
+        raise OutputDirError(f"{out} exists and is not a directory; choose another output directory")
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if previous:
+            old.rename(out)
+        raise
+    fsync_dir(out.parent)
+    if not previous:
+        return []
+    for name in ours:
+        with contextlib.suppress(OSError):
+            (old / name).unlink()
+    for folder in sorted((p for p in old.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only empty ones
+    left = sorted(files_of(old))
+    if not left:
+        old.rmdir()
+    return [f"{old}/{name}" for name in left]
+
+
+def content_sha256(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file's bytes; of a directory, the sha256 of one line ``path<TAB>bytes<TAB>sha256``
+    per file under it (sorted, hidden files and folders left out): what identifies a dataset or a model."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for name, size in files_of(path).items():
+        if any(part.startswith(".") for part in Path(name).parts):
+            continue
+        digest.update(f"{name}\t{size}\t{sha256_file(path / name)}\n".encode())
+    return digest.hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file's bytes, hex."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -14,8 +14,10 @@ dequantized weights are copied into a fresh model built from the same config and
 
 Safety: the directory is built in a temporary sibling (``.<name>.<hex>.tmp``) and renamed into
 place, so a failure leaves nothing half-written. A call whose ``out_dir`` already holds a complete
-conversion of the same file returns at once; any other non-empty ``out_dir`` is refused unless
-``force=True`` (``--force``), which replaces it.
+conversion of the same file returns at once; another conversion there is replaced only with
+``force=True`` (``--force``), which removes only the files its ``conversion.json`` lists. A non-empty
+``out_dir`` holding anything else (no ``conversion.json``, or files it does not list) is refused,
+``--force`` included: nothing of the user's is ever removed.
 
 Run (from the repository root; about 25-40 s on a CPU):
 
@@ -27,22 +29,27 @@ Run (from the repository root; about 25-40 s on a CPU):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import os
-import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.pipeline.fileio import fsync_dir
+from coba_tasks.pipeline.fileio import (
+    OutputDirError,
+    check_output_dir,
+    files_of,
+    fsync_dir,
+    new_temporary_dir,
+    publish_dir,
+    sha256_file,
+)
 
 GGUF_MAGIC = b"GGUF"
 RECORD = "conversion.json"
 REQUIRED_PACKAGES = ("gguf", "accelerate")  # transformers needs both to read a GGUF file
-HASH_CHUNK = 1 << 20
 FILE_MODE = 0o644  # a model directory is read by other users and processes
 
 Progress = Callable[[str], None]
@@ -75,7 +82,11 @@ def convert_gguf(
     if not force and conversion_matches(out, source):
         say(f"{out} already holds a conversion of {src.name}")
         return out
-    if not force and out.is_dir() and any(out.iterdir()):
+    try:  # a directory holding anything a conversion did not write is refused, --force or not
+        previous = check_output_dir(out, RECORD, "coba convert-gguf conversion")
+    except OutputDirError as exc:
+        raise GGUFError(str(exc)) from None
+    if previous and not force:
         raise GGUFError(f"{out} is not empty and holds {_describe(out, source)}; pass --force to replace it")
     _check_packages()
     say(f"converting {src.name} into {out} (dequantizing to float32)")
@@ -104,11 +115,7 @@ def packaged_gguf(module: str) -> Path:
 
 def source_record(path: Path) -> dict[str, Any]:
     """The name, size and sha256 of ``path``: what identifies the source of a conversion."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-    return {"name": path.name, "size": path.stat().st_size, "sha256": digest.hexdigest()}
+    return {"name": path.name, "size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def read_record(out_dir: Path) -> dict[str, Any] | None:
@@ -165,21 +172,17 @@ def _describe(out_dir: Path, source: dict[str, Any]) -> str:
 
 def _build_atomically(src: Path, out: Path, source: dict[str, Any]) -> None:
     """Build in a temporary sibling of ``out``, then swap it into place; on failure remove the temporary."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+    tmp = new_temporary_dir(out)
     try:
-        tmp.mkdir()
         _build(src, tmp)
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        record = {"source": source, "files": files}
+        record = {"source": source, "files": files_of(tmp)}
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         _fsync_files(tmp)
-        _swap_into_place(tmp, out)
-        fsync_dir(out.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
         raise
+    publish_dir(tmp, out, RECORD)
 
 
 def _fsync_files(folder: Path) -> None:
@@ -191,20 +194,6 @@ def _fsync_files(folder: Path) -> None:
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     fsync_dir(folder)
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed after."""
-    old = out.with_name(f".{out.name}.{secrets.token_hex(4)}.old")
-    if out.exists():
-        out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        if old.exists():
-            old.rename(out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _build(src: Path, dest: Path) -> None:

@@ -39,9 +39,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from coba_tasks.pipeline.config import MAIN_TEST_SET
 from coba_tasks.pipeline.fileio import atomic_write
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage
-from coba_tasks.pipeline.summary import VERDICTS, load_run, run_summary
+from coba_tasks.pipeline.summary import VERDICTS, load_run, run_summary, split_test_sets
 
 # Table names (the same strings as coba_tasks.pipeline.stages, which is not imported: it pulls in torch).
 BUDGET, CAPABILITY, REWARDS = Stage.BUDGET.value, Stage.CAPABILITY.value, Stage.REWARDS.value
@@ -267,10 +268,17 @@ def _plot_accuracy(data: _RunData, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
     eval_steps = sorted(data.evals)
     all_steps: list[int] = list(eval_steps)
+    by_set = {t: split_test_sets(data.evals[t]) for t in eval_steps}
+    main = {t: sets.pop(MAIN_TEST_SET) for t, sets in by_set.items()}
     if eval_steps:
-        overall = [float(data.evals[t]["accuracy"].mean()) for t in eval_steps]
+        overall = [float(main[t]["accuracy"].mean()) for t in eval_steps]
         ax.plot(eval_steps, overall, "o-", color="C0", lw=2.4, ms=6, label="held-out accuracy (all)", zorder=5)
-        frames = [data.evals[t].assign(_step=t) for t in eval_steps]
+        extra_names = list(dict.fromkeys(name for sets in by_set.values() for name in sets))
+        for i, name in enumerate(extra_names):  # data.extra_tests: one line per set
+            steps = [t for t in eval_steps if name in by_set[t]]
+            ys = [float(by_set[t][name]["accuracy"].mean()) for t in steps]
+            ax.plot(steps, ys, "s--", color=f"C{4 + i}", lw=2.0, ms=5, label=f"held-out, {name}", zorder=4)
+        frames = [main[t].assign(_step=t) for t in eval_steps]
         ev = pd.concat(frames, ignore_index=True)
         if "difficulty" in ev.columns:
             diff = pd.to_numeric(ev["difficulty"], errors="coerce")

@@ -28,7 +28,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,13 +39,15 @@ from coba_tasks.core.capability import CapabilityTracker
 from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import SamplingConfig, make_backend
-from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+from coba_tasks.engines.trainer import CheckpointError, PolicyTrainer, UpdateSettings, verify_checkpoint
 from coba_tasks.engines.verify import VerifierPool
 from coba_tasks.pipeline import stages
-from coba_tasks.pipeline.config import Config, check_platform, config_from_dict
+from coba_tasks.pipeline.config import MAIN_TEST_SET, Config, check_platform, config_from_dict
 from coba_tasks.pipeline.runlock import LOCK_FILE
-from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage, StoreError
+from coba_tasks.pipeline.store import RUN_FILE, STEP_STAGES, RunStore, Stage, StoreError
 from coba_tasks.pipeline.summary import eval_figures, run_summary
+
+ROLLOUT_WEIGHTS_DIR = "rollout_weights"  # LoRA: the merged policy the engine reads (one copy, rewritten)
 
 __all__ = ["STEP_STAGES", "Stage"]  # re-exported for the flows: the stage order lives in the store
 
@@ -200,8 +202,16 @@ def _update(res: RunResources, step: int) -> pd.DataFrame:
 def _reload_policy(res: RunResources, step: int) -> None:
     """The rollout engine takes the weights the update of ``step`` wrote (also when it was done before);
     then checkpoints beyond the newest ``run.keep_checkpoints`` are deleted."""
-    res.engine.load_weights(res.store.checkpoint_dir(step + 1), version=step + 1)
+    res.engine.load_weights(engine_weights(res, step + 1), version=step + 1)
     res.store.prune_checkpoints(res.cfg.run.keep_checkpoints)
+
+
+def engine_weights(res: RunResources, version: int) -> Path:
+    """Where the rollout engine reads the policy after ``version`` updates: the checkpoint itself, or with
+    LoRA (an adapter checkpoint) the merged weights the trainer holds, written to ``rollout_weights/``."""
+    if res.cfg.model.lora_rank == 0:
+        return res.store.checkpoint_dir(version)
+    return res.trainer.write_rollout_weights(res.store.root / ROLLOUT_WEIGHTS_DIR)
 
 
 def _evaluate(res: RunResources, step: int) -> pd.DataFrame:
@@ -216,7 +226,20 @@ def _evaluate(res: RunResources, step: int) -> pd.DataFrame:
         r.seed,
         greedy=r.eval_greedy,
         top_p=r.eval_top_p,
+        progress=sys.stderr.isatty(),  # the engine's progress bar, on a terminal
     )
+
+
+def eval_plan(res: RunResources) -> str:
+    """What an evaluation of the run computes, in words: ``90 + 90 held-out prompts x (4 samples + greedy)``."""
+    r = res.cfg.run
+    sizes = res.test["test_set"].value_counts(sort=False) if "test_set" in res.test else [len(res.test)]
+    kinds = f"{r.eval_samples} sample{'s' if r.eval_samples > 1 else ''} at T {r.eval_temperature:g}"
+    if r.eval_temperature == 0 and r.eval_samples == 1:
+        kinds = "greedy"
+    elif r.eval_greedy:
+        kinds += " + greedy"
+    return f"{' + '.join(str(int(n)) for n in sizes)} held-out prompts x ({kinds})"
 
 
 @dataclass(frozen=True)
@@ -278,12 +301,12 @@ def stage_figures(stage: Stage, table: pd.DataFrame) -> dict[str, Any]:
     raise ValueError(f"no figures for stage {stage!r}")
 
 
-def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, float]) -> None:
-    """steps/<step>/timing.json: wall seconds per stage of this step (not a stage output: not in the manifest)."""
-    res.store.write_json(
-        f"steps/{step:06d}/timing.json",
-        {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Stage.EVAL},
-    )
+def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, float]) -> dict[str, float]:
+    """steps/<step>/timing.json: wall seconds per stage of this step (not a stage output: not in the
+    manifest); returns them."""
+    seconds = {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Stage.EVAL}
+    res.store.write_json(f"steps/{step:06d}/timing.json", seconds)
+    return seconds
 
 
 def plain_step(run_dir: str | Path, step: int) -> None:
@@ -307,13 +330,23 @@ def previous_checkpoint(store: RunStore, step: int) -> Path | None:
     checkpoint is an error, never a silent restart from the base model."""
     if step == 0:
         return None
-    previous = store.checkpoint_dir(step)
-    if not previous.is_dir():
+    return checked_checkpoint(store, step)
+
+
+def checked_checkpoint(store: RunStore, step: int) -> Path:
+    """``checkpoints/<step>``, after checking every file against its manifest (``verify_checkpoint``):
+    a missing, partial or damaged checkpoint stops the run with the file named and the way out (rerun
+    the update that wrote it), never a silent start from other weights."""
+    ckpt = store.checkpoint_dir(step)
+    try:
+        verify_checkpoint(ckpt)
+    except CheckpointError as exc:
+        why = f"{ckpt} is missing" if not ckpt.is_dir() else str(exc)
         raise StoreError(
-            f"{previous} is missing: the update of step {step} continues from it; recompute it with "
+            f"{why}: step {step} continues from it (run.keep_checkpoints may delete old ones); recompute it with "
             f"`coba rerun --run-dir {store.root} --step {step - 1} --stage update --yes`"
-        )
-    return previous
+        ) from None
+    return ckpt
 
 
 def versions() -> dict[str, str]:
@@ -327,6 +360,32 @@ def versions() -> dict[str, str]:
         except PackageNotFoundError:
             continue
     return out
+
+
+REMOTE_CODE_ENV = "COBA_ALLOW_REMOTE_CODE"
+
+
+def check_remote_code(cfg: Config) -> None:
+    """Refuse ``model.trust_remote_code`` unless this process allows it (``COBA_ALLOW_REMOTE_CODE=1``).
+
+    A flow's parameters come from whoever reaches the Prefect API: a config that turns on a model's own
+    Python code must be allowed by the environment of the process that would run it (a worker's, set by
+    whoever starts the worker). ``coba run`` allows it for the config its user gives on the command line,
+    and ``coba resume`` with ``--trust-remote-code``."""
+    if cfg.model.trust_remote_code and os.environ.get(REMOTE_CODE_ENV) != "1":
+        from coba_tasks.pipeline.config import ConfigError
+
+        raise ConfigError(
+            "model.trust_remote_code = true: this process does not run a model's own code unless its environment "
+            f"allows it; set {REMOTE_CODE_ENV}=1 where the worker (or the command) starts, for models you trust"
+        )
+
+
+def allow_remote_code() -> None:
+    """Let this process (and the processes it starts) run a model's own code: the user asked for it on the
+    command line (``coba run`` with a config that sets model.trust_remote_code, ``coba resume
+    --trust-remote-code``)."""
+    os.environ[REMOTE_CODE_ENV] = "1"
 
 
 def resolve_run(
@@ -351,10 +410,11 @@ def resolve_run(
         if not run_dir:
             raise ValueError("resume needs the run directory")
         store = RunStore.open(run_dir)
-        cfg = config_from_dict(store.read_config())
+        cfg = read_run_config(store)
         if config_hash(cfg) != store.config_hash:
             raise StoreError(f"{run_dir}: config.yaml does not match the config hash in run.json (edited by hand?)")
         check_platform(cfg)
+        check_remote_code(cfg)
         return cfg, Path(run_dir).resolve(), True
     cfg = config_from_dict(config) if config is not None else load_config(config_path, overrides or [])
     if run_name:
@@ -362,6 +422,7 @@ def resolve_run(
     root = Path(run_dir) if run_dir else Path("runs") / cfg.run.name
     check_paths(cfg)
     check_platform(cfg)  # e.g. sleep mode asked for on a machine without CUDA: refused before anything is written
+    check_remote_code(cfg)  # a config from the flow's parameters does not turn on a model's own code by itself
     if (root / "run.json").exists():
         existing = RunStore.open(root).config_hash
         if existing != config_hash(cfg):
@@ -370,19 +431,107 @@ def resolve_run(
                 "continue it with `coba resume` or choose another run directory"
             )
         return cfg, root.resolve(), True
+    check_new_run_dir(root)
     return cfg, root.resolve(), False
 
 
-def open_run(root: Path, cfg: Config, continuing: bool, warn: Callable[[str], None] | None = None) -> RunResources:
+def check_new_run_dir(root: Path) -> None:
+    """Refuse a new run's directory unless it is missing or empty (the run lock's file aside): a run never
+    writes into a directory that holds anything else (a project, a home directory, ``/``).
+
+    Every way into a new run comes through here (``resolve_run`` before the lock is taken, ``open_run``
+    after): ``coba run``, the ``coba-train`` deployment's ``run_dir`` and the Python API."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise StoreError(f"run directory {root} exists and is not a directory; choose another run directory")
+    if not root.is_dir():
+        return
+    others = sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise StoreError(
+            f"run directory {root} is not empty ({shown}) and holds no run ({RUN_FILE} is missing); a new run "
+            "needs a missing or empty directory: choose another run directory"
+        )
+
+
+def read_run_config(store: RunStore) -> Config:
+    """The run's config from its config.yaml; a damaged or invalid one is one line naming the file."""
+    from coba_tasks.pipeline.config import ConfigError
+
+    try:
+        return config_from_dict(store.read_config())
+    except ConfigError as exc:
+        raise StoreError(f"{store.root / 'config.yaml'}: {exc}") from None
+
+
+# The inputs a run reads by path, recorded in run.json when it starts (``run_inputs``); a continuing run
+# reads these again (and data.extra_tests), so it refuses to go on when they changed (``check_inputs``).
+REREAD_INPUTS = ("data.test", "model.path")
+
+
+def run_inputs(cfg: Config) -> dict[str, dict[str, str]]:
+    """Config key -> {path, sha256} of the files a run reads by path (``content_sha256``: a model directory's
+    files too), recorded in run.json at the start."""
+    from coba_tasks.pipeline.fileio import content_sha256
+
+    return {key: {"path": path, "sha256": content_sha256(path)} for key, path in _input_paths(cfg).items()}
+
+
+def _input_paths(cfg: Config) -> dict[str, str]:
+    extra = {f"data.extra_tests[{i}]": p for i, p in enumerate(cfg.data.extra_tests)}
+    return {"data.train": cfg.data.train, "data.test": cfg.data.test, **extra, "model.path": cfg.model.path}
+
+
+def check_inputs(store: RunStore, cfg: Config, allow_changed: bool, warn: Callable[[str], None]) -> None:
+    """Refuse to continue a run whose ``data.test`` or ``model.path`` is not what it started with (a resume
+    would evaluate other prompts or train another model), unless ``allow_changed`` (then a warning)."""
+    from coba_tasks.pipeline.fileio import content_sha256
+
+    recorded = store.run_info.get("inputs")
+    if not isinstance(recorded, dict):
+        warn(f"{store.root / 'run.json'} records no input hashes (an older run): data.test and model.path go unchecked")
+        return
+    paths = _input_paths(cfg)
+    for key in (k for k in paths if k in REREAD_INPUTS or k.startswith("data.extra_tests")):
+        then = recorded.get(key) or {}
+        path = paths[key]
+        now = content_sha256(path) if Path(path).exists() else "missing"
+        if now == then.get("sha256"):
+            continue
+        what = (
+            f"{key} ({path}) is not what the run started with (sha256 {str(then.get('sha256'))[:12]}... in run.json, "
+            f"{now[:12]}{'...' if now != 'missing' else ''} now)"
+        )
+        if not allow_changed:
+            raise StoreError(
+                f"{what}: restore it, or continue on the changed input with `coba resume --allow-changed-inputs` "
+                "(the flow's allow_changed_inputs=True)"
+            )
+        warn(f"{what}; continuing as asked (allow_changed_inputs)")
+
+
+def open_run(
+    root: Path,
+    cfg: Config,
+    continuing: bool,
+    warn: Callable[[str], None] | None = None,
+    allow_changed_inputs: bool = False,
+) -> RunResources:
     """Check the datasets, create (or open) the run directory, and register the run's resources.
 
     Bad rows and prompts longer than the context fail here, before anything is written (or are
     skipped with data.on_bad_rows=skip and listed in bad_rows.parquet; ``warn`` gets one line per
-    file with skipped rows, stderr by default). Nothing is started: see ``start_resources``.
+    file with skipped rows, stderr by default). A new run records its inputs' sha256 in run.json; a
+    continuing one checks the inputs it reads again (``check_inputs``). Nothing is started: see
+    ``start_resources``.
     """
     from coba_tasks.pipeline.config import config_hash, config_to_dict
     from coba_tasks.pipeline.data import load_run_datasets, render_prompts
 
+    say = warn or (lambda s: print(s, file=sys.stderr))
+    if continuing:
+        check_inputs(RunStore.open(root), cfg, allow_changed_inputs, say)
     data = load_run_datasets(cfg, train=not continuing)
     test = data.test
     if continuing:
@@ -391,22 +540,37 @@ def open_run(root: Path, cfg: Config, continuing: bool, warn: Callable[[str], No
         if "prompt_token_ids" not in prompts:  # a run made before prompts were rendered and stored
             prompts, _ = render_prompts(prompts, data.tokenizer, cfg.data.prompt_format)
     else:
+        check_new_run_dir(root)
         prompts = data.train
         if cfg.data.train_prompts and cfg.data.train_prompts < len(prompts):
             prompts = prompts.sample(cfg.data.train_prompts, random_state=cfg.run.seed).reset_index(drop=True)
         store = RunStore(root)
-        store.create(config_to_dict(cfg), config_hash(cfg), versions())
+        store.create(config_to_dict(cfg), config_hash(cfg), versions(), inputs=run_inputs(cfg))
         store.write_run_table("prompts", prompts)
         store.write_run_table("history", stages.empty_history())
         if data.skipped:
             store.write_run_table("bad_rows", data.bad_rows())
     for line in data.skip_lines():
-        (warn or (lambda s: print(s, file=sys.stderr)))(line)
-    if cfg.data.eval_prompts and cfg.data.eval_prompts < len(test):
-        test = test.sample(cfg.data.eval_prompts, random_state=cfg.run.seed).reset_index(drop=True)
-    res = RunResources(cfg=cfg, store=store, prompts=prompts, test=test)
+        say(line)
+    res = RunResources(cfg=cfg, store=store, prompts=prompts, test=heldout_prompts(cfg, test, data.extra_tests))
     _RUNS[str(Path(root).resolve())] = res
     return res
+
+
+def heldout_prompts(cfg: Config, test: pd.DataFrame, extra: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
+    """The prompts every evaluation scores, with their ``test_set``: the ``data.eval_prompts`` sample
+    (seeded by ``run.seed``) of data.test (``MAIN_TEST_SET``), and the same positions of each extra set
+    (``data.extra_tests``: the same problems when the files list them in the same order), whose
+    prompt ids are prefixed with the set's name so that every row of an evaluation has its own id."""
+    n = cfg.data.eval_prompts
+
+    def sample(df: pd.DataFrame) -> pd.DataFrame:
+        return df.sample(n, random_state=cfg.run.seed).reset_index(drop=True) if n and n < len(df) else df
+
+    frames = [sample(test).assign(test_set=MAIN_TEST_SET)]
+    for name, df in (extra or {}).items():
+        frames.append(sample(df).assign(test_set=name, prompt_id=lambda d, name=name: name + "/" + d["prompt_id"]))
+    return pd.concat(frames, ignore_index=True)
 
 
 def first_step_not_done(store: RunStore, steps: int) -> int:
@@ -437,6 +601,11 @@ def update_settings(cfg: Config) -> UpdateSettings:
         trust_remote_code=cfg.model.trust_remote_code,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         shared_prefix=o.shared_prefix,
+        temperature=cfg.rollout.temperature,
+        skip_zero_advantage=o.skip_zero_advantage,
+        lora_rank=cfg.model.lora_rank,
+        lora_alpha=cfg.model.lora_alpha,
+        lora_target_modules=cfg.model.lora_target_modules,
     )
 
 
@@ -494,16 +663,15 @@ def resume_point(res: RunResources) -> int:
     step to run: a continuing run starts from the checkpoint of its first step not done."""
     write_first_budget(res)
     first = first_step_not_done(res.store, res.cfg.run.steps)
-    if first > 0 and not res.store.checkpoint_dir(first).is_dir():
-        raise StoreError(
-            f"{res.store.checkpoint_dir(first)} is missing: step {first} continues from it (run.keep_checkpoints "
-            f"= {res.cfg.run.keep_checkpoints} may have deleted it); recompute it with "
-            f"`coba rerun --run-dir {res.store.root} --step {first - 1} --stage update --yes`"
-        )
-    weights = str(res.store.checkpoint_dir(first)) if first > 0 else res.cfg.model.path
+    lora = res.cfg.model.lora_rank > 0
+    ckpt = checked_checkpoint(res.store, first) if first > 0 else None
+    # an adapter checkpoint is not a whole model: the engine starts on the base, then takes the merged weights
+    weights = str(ckpt) if ckpt is not None and not lora else res.cfg.model.path
     start_resources(res, weights, version=first)
-    if first > 0 and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
-        res.trainer.load_checkpoint(res.store.checkpoint_dir(first))
+    if ckpt is not None and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
+        res.trainer.load_checkpoint(ckpt)
+        if lora:
+            res.engine.load_weights(engine_weights(res, first), version=first)
     return first
 
 
@@ -542,6 +710,13 @@ def run_summary_json(res: RunResources, wall: float) -> dict[str, Any]:
         **{f"heldout_{k}_after": nan(after.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
         "heldout_accuracy_by_difficulty_before": before.get("by_difficulty", {}),
         "heldout_accuracy_by_difficulty_after": after.get("by_difficulty", {}),
+        # avg@k gain on each held-out set (data.test's is "test"), paired by prompt, with its standard error
+        "heldout_gain": s["heldout_gain"],
+        # data.extra_tests: each held-out set's figures before and after training
+        "heldout_test_sets": {
+            name: {"before": (before.get("test_sets") or {}).get(name), "after": figures}
+            for name, figures in (after.get("test_sets") or {}).items()
+        },
         "mean_budget_by_difficulty": (s["budget"] or {}).get("mean_by_difficulty") or {},
         "alpha_beta_start": [nan(first.get("alpha_used")), nan(first.get("beta_used"))],
         "alpha_beta_end": [nan(latest.get("alpha")), nan(latest.get("beta"))],

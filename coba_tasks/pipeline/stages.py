@@ -84,19 +84,40 @@ def rollout_table(
     engine receives those ids, the same the update trains on. Column ``logprobs`` is the sampler's
     log-probability of each completion token.
     """
+    return rollout_tables([(budget, sampling)], prompts, engine, run_seed, step)[0]
+
+
+def rollout_tables(
+    batches: list[tuple[pd.DataFrame, SamplingConfig]],
+    prompts: pd.DataFrame,
+    engine: RolloutBackend,
+    run_seed: int,
+    step: int,
+    progress: bool = False,
+) -> list[pd.DataFrame]:
+    """``rollout_table`` of each (budget, sampling) batch, generated in one engine call where the backend can
+    (``generate_many``, with its progress bar when ``progress``): a sampled and a greedy evaluation share
+    the engine's batches."""
     by_id = prompts.set_index("prompt_id")
     ids, text = by_id["prompt_token_ids"], by_id["prompt_rendered"]
-    requests = [
-        RolloutRequest(
-            prompt_id=pid,
-            prompt_token_ids=tuple(ids[pid]),
-            n=int(b),
-            seed=rollout_seed(run_seed, step, pid),
-            prompt=text[pid],
-        )
-        for pid, b in zip(budget["prompt_id"], budget["budget"], strict=True)
-    ]
-    rows = engine.generate(requests, sampling)
+
+    def requests(budget: pd.DataFrame) -> list[RolloutRequest]:
+        return [
+            RolloutRequest(
+                prompt_id=pid,
+                prompt_token_ids=tuple(ids[pid]),
+                n=int(b),
+                seed=rollout_seed(run_seed, step, pid),
+                prompt=text[pid],
+            )
+            for pid, b in zip(budget["prompt_id"], budget["budget"], strict=True)
+        ]
+
+    generated = engine.generate_many([(requests(budget), sampling) for budget, sampling in batches], progress)
+    return [_rows_table(rows) for rows in generated]
+
+
+def _rows_table(rows: list[Any]) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "prompt_id": [r.prompt_id for r in rows],
@@ -314,6 +335,7 @@ def evaluate(
     seed: int,
     greedy: bool = False,
     top_p: float = 1.0,
+    progress: bool = False,
 ) -> pd.DataFrame:
     """Mean reward over ``samples`` completions per held-out prompt (greedy when temperature is 0).
 
@@ -322,28 +344,43 @@ def evaluate(
     as ``accuracy`` when the evaluation is greedy already). ``answered`` is the share of a prompt's
     completions with an answer at all (any verdict but ``no_answer``), ``boxed`` the share that write
     a ``\\boxed{}`` answer (the format math prompts ask for; math-verify also finds unboxed answers).
+    A ``test_set`` column of ``test`` (which held-out set a prompt is of) is kept in the table.
+    ``progress`` shows the engine's progress bar while it generates.
     """
 
-    def accuracy(n: int, temp: float) -> pd.DataFrame:
-        """Per prompt (in test order): mean reward, share of completions with an answer, share with \\boxed{}."""
-        budget = pd.DataFrame({"prompt_id": test["prompt_id"], "budget": n})
-        sampling = SamplingConfig(temperature=temp, top_p=top_p if temp > 0 else 1.0, max_tokens=max_tokens)
-        rolls = rollout_table(budget, test, engine, sampling, run_seed=seed, step=-1)
-        rewards = reward_table(rolls, test, pool).assign(
-            answered=lambda r: r["verdict"] != str(VerdictKind.NO_ANSWER),
-            boxed=rolls["completion"].str.contains(BOXED, regex=False).to_numpy(),
+    columns = ["reward", "answered", "boxed"]
+    only_greedy = temperature == 0.0 and samples == 1
+    kinds = [(samples, temperature)] + ([(1, 0.0)] if greedy and not only_greedy else [])
+    batches = [
+        (
+            pd.DataFrame({"prompt_id": test["prompt_id"], "budget": n}),
+            SamplingConfig(temperature=temp, top_p=top_p if temp > 0 else 1.0, max_tokens=max_tokens),
         )
-        columns = ["reward", "answered", "boxed"]
-        return rewards.groupby("prompt_id", sort=False)[columns].mean().reindex(test["prompt_id"]).astype(np.float64)
+        for n, temp in kinds
+    ]
+    # one engine call and one verification pass for the sampled and the greedy completions together
+    tables = rollout_tables(batches, test, engine, run_seed=seed, step=-1, progress=progress)
+    rolls = pd.concat([t.assign(_kind=k) for k, t in enumerate(tables)], ignore_index=True)
+    rewards = reward_table(rolls, test, pool).assign(
+        answered=lambda r: r["verdict"] != str(VerdictKind.NO_ANSWER),
+        boxed=rolls["completion"].str.contains(BOXED, regex=False).to_numpy(),
+        _kind=rolls["_kind"].to_numpy(),
+    )
+
+    def per_prompt(kind: int) -> pd.DataFrame:
+        """Per prompt (in test order): mean reward, share of completions with an answer, share with \\boxed{}."""
+        of_kind = rewards[rewards["_kind"] == kind]
+        return of_kind.groupby("prompt_id", sort=False)[columns].mean().reindex(test["prompt_id"]).astype(np.float64)
 
     out = test[["prompt_id"]].copy()
+    if "test_set" in test:  # the held-out set of each prompt (a run's data.test and data.extra_tests)
+        out["test_set"] = test["test_set"].to_numpy()
     out["difficulty"] = test["difficulty"].to_numpy() if "difficulty" in test else -1
-    sampled = accuracy(samples, temperature)
+    sampled = per_prompt(0)
     out["accuracy"] = sampled["reward"].to_numpy()
     out["answered"] = sampled["answered"].to_numpy()
     out["boxed"] = sampled["boxed"].to_numpy()
     if greedy:
-        is_greedy = temperature == 0.0 and samples == 1
-        out["accuracy_greedy"] = out["accuracy"].to_numpy() if is_greedy else accuracy(1, 0.0)["reward"].to_numpy()
+        out["accuracy_greedy"] = out["accuracy"].to_numpy() if only_greedy else per_prompt(1)["reward"].to_numpy()
     out["weight_version"] = engine.weight_version
     return out.reset_index(drop=True)

@@ -4,7 +4,7 @@ Every stage of a training step reads the tables earlier stages wrote and writes 
 this module is the only code that knows where those files live and how they are written::
 
     runs/<name>/
-      run.json                  schema version, creation time, config hash, package versions
+      run.json                  schema version, creation time, config hash, package versions, inputs' sha256
       config.yaml               the resolved config (yaml.safe_dump)
       prompts.parquet           run-level tables, tracked in the root _manifest.json
       history.parquet
@@ -13,7 +13,8 @@ this module is the only code that knows where those files live and how they are 
         budget.parquet  rollouts.parquet  rewards.parquet  capability.parquet  update.parquet
         _manifest.json          one entry per table: file, rows, bytes, schema_version, sha256,
                                 config_hash, written_at
-      checkpoints/000007/       model weights, tokenizer, optimizer state (written by the trainer)
+      checkpoints/000007/       model weights (LoRA: the adapter), tokenizer, optimizer state, checkpoint.json
+                                (written by the trainer, coba_tasks/engines/trainer.py)
       summary.json
       report/
 
@@ -54,7 +55,6 @@ concurrency guarantee. This module is layer 2 (I/O, no Prefect).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
 import os
@@ -71,7 +71,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from coba_tasks.pipeline.fileio import atomic_write, remove_stale_temporaries
+from coba_tasks.pipeline.fileio import atomic_write, remove_stale_temporaries, sha256_file
 
 SCHEMA_VERSION = 1
 
@@ -91,7 +91,6 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")
 # A component of a relative path for write_json / read_json: the same, plus dots after the first char.
 _COMPONENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 _STEP_DIR_RE = re.compile(rf"\d{{{STEP_DIGITS},}}")
-_HASH_CHUNK = 1 << 20  # bytes read at a time when hashing a file
 _REPAIR_HINT = "run `coba resume --repair` to recompute it"
 
 
@@ -147,13 +146,20 @@ class RunStore:
     # -----------------------------------------------------------------------------------------
     # The run
 
-    def create(self, config_dict: Mapping[str, Any], config_hash: str, versions: Mapping[str, str]) -> None:
+    def create(
+        self,
+        config_dict: Mapping[str, Any],
+        config_hash: str,
+        versions: Mapping[str, str],
+        inputs: Mapping[str, Any] | None = None,
+    ) -> None:
         """Start a new run: write ``config.yaml``, then ``run.json`` (last, it marks the run as created).
 
         Args:
             config_dict: the resolved config, as plain YAML-safe values (dicts, lists, str, numbers).
             config_hash: a hash of the config; recorded in run.json and in every manifest entry.
             versions: package name -> version string, recorded in run.json.
+            inputs: what identifies the run's inputs (config key -> path and sha256), recorded in run.json.
 
         Raises:
             StoreError: a run already exists at ``root`` (resume it instead), the directory holds
@@ -164,7 +170,7 @@ class RunStore:
                 f"{self.root}: a run already exists here ({RUN_FILE} found); "
                 f"continue it with `coba resume {self.root}` or choose another run name"
             )
-        leftovers = [p for p in (STEPS_DIR, CHECKPOINTS_DIR, MANIFEST_FILE) if (self.root / p).exists()]
+        leftovers = [p for p in (CONFIG_FILE, STEPS_DIR, CHECKPOINTS_DIR, MANIFEST_FILE) if (self.root / p).exists()]
         if leftovers:
             raise StoreError(
                 f"{self.root}: holds run files ({', '.join(leftovers)}) but no {RUN_FILE}; "
@@ -181,6 +187,8 @@ class RunStore:
             "config_hash": config_hash,
             "versions": dict(versions),
         }
+        if inputs is not None:
+            info["inputs"] = dict(inputs)
         _write_json_file(self.root / RUN_FILE, info)
         self._run_info = info
 
@@ -206,9 +214,28 @@ class RunStore:
         return dict(self._load_run_info())
 
     def read_config(self) -> dict[str, Any]:
-        """The config as written to config.yaml by ``create``."""
-        with open(self.root / CONFIG_FILE, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+        """The config as written to config.yaml by ``create``.
+
+        Raises:
+            StoreError: config.yaml is missing, unreadable or not a YAML mapping (one line naming the file).
+        """
+        path = self.root / CONFIG_FILE
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise StoreError(f"{path} is missing: the run's config cannot be read") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise StoreError(f"{path}: unreadable ({e})") from e
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = getattr(e, "problem", None) or type(e).__name__
+            raise StoreError(
+                f"{path}: damaged, not valid YAML{where} ({what}); restore it (run.json keeps its config hash)"
+            ) from None
+        if not isinstance(data, dict):
+            raise StoreError(f"{path}: damaged, not a YAML mapping of config sections")
+        return data
 
     def _load_run_info(self) -> dict[str, Any]:
         if self._run_info is not None:
@@ -419,7 +446,7 @@ def _write_tracked(directory: Path, name: str, df: pd.DataFrame, config_hash: st
         "rows": table.num_rows,
         "bytes": path.stat().st_size,
         "schema_version": SCHEMA_VERSION,
-        "sha256": _sha256(path),
+        "sha256": sha256_file(path),
         "config_hash": config_hash,
         "written_at": _now(),
     }
@@ -444,7 +471,7 @@ def _read_tracked(directory: Path, name: str, verify: bool) -> pd.DataFrame:
         size = path.stat().st_size
         if size != entry.get("bytes", size):
             raise StoreError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated?); {_REPAIR_HINT}")
-        digest = _sha256(path)
+        digest = sha256_file(path)
         if digest != entry.get("sha256"):
             raise StoreError(
                 f"{path}: sha256 {digest[:12]}... does not match the manifest's {str(entry.get('sha256'))[:12]}... "
@@ -498,14 +525,6 @@ def _write_manifest(directory: Path, entries: Mapping[str, Any]) -> None:
 def _write_json_file(path: Path, obj: Any) -> None:
     text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from coba_tasks.pipeline.config import MAIN_TEST_SET
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, StoreError
 
 # The per-step tables in the order a step produces them (budget first: it is written into the step's
@@ -142,9 +143,49 @@ def ordered(names: set[str]) -> list[str]:
 # Figures
 
 
-def eval_figures(table: pd.DataFrame) -> dict[str, Any]:
-    """Held-out figures of an eval table: accuracy (avg@k), greedy, answered, boxed, accuracy by level."""
+def split_test_sets(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """An eval table's rows by held-out set (column ``test_set``), data.test's (``MAIN_TEST_SET``) first;
+    a table without the column (an older run, ``coba-eval``) is all data.test."""
+    if "test_set" not in table:
+        return {MAIN_TEST_SET: table}
+    out = {MAIN_TEST_SET: table[table["test_set"] == MAIN_TEST_SET]}
+    for name in dict.fromkeys(table["test_set"]):  # in table order
+        if name != MAIN_TEST_SET:
+            out[str(name)] = table[table["test_set"] == name]
+    return out
 
+
+def eval_figures(table: pd.DataFrame) -> dict[str, Any]:
+    """Held-out figures of an eval table: accuracy (avg@k), greedy, answered, boxed, accuracy by level, of
+    data.test's prompts; with extra held-out sets (``data.extra_tests``) the same figures of each under
+    ``test_sets`` (set name -> figures)."""
+    sets = split_test_sets(table)
+    out = _set_figures(sets.pop(MAIN_TEST_SET))
+    if sets:
+        out["test_sets"] = {name: _set_figures(rows) for name, rows in sets.items()}
+    return out
+
+
+def paired_gain(before: pd.DataFrame, after: pd.DataFrame, column: str = "accuracy") -> dict[str, float]:
+    """The held-out gain from ``before`` to ``after`` (two eval tables of one held-out set): the mean over
+    the prompts both scored of (after - before) ``column``, and its standard error (the standard deviation
+    of the per-prompt differences over the square root of their number; NaN with fewer than 2 prompts)."""
+    if column not in before or column not in after:
+        return {"gain": float("nan"), "se": float("nan"), "prompts": 0}
+    keyed = [t.drop_duplicates("prompt_id").set_index("prompt_id")[column].astype(float) for t in (before, after)]
+    diff = (keyed[1] - keyed[0]).dropna()
+    n = len(diff)
+    se = float(diff.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    return {"gain": float(diff.mean()) if n else float("nan"), "se": se, "prompts": n}
+
+
+def heldout_gains(before: pd.DataFrame, after: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """``paired_gain`` of the sampled accuracy for each held-out set (data.test's first) of two eval tables."""
+    b, a = split_test_sets(before), split_test_sets(after)
+    return {name: paired_gain(b[name], a[name]) for name in a if name in b}
+
+
+def _set_figures(table: pd.DataFrame) -> dict[str, Any]:
     def mean(col: str) -> float:  # runs made before a column existed lack it
         return float(table[col].astype(float).mean()) if col in table and len(table) else float("nan")
 
@@ -154,6 +195,7 @@ def eval_figures(table: pd.DataFrame) -> dict[str, Any]:
         "greedy": mean("accuracy_greedy"),
         "answered": mean("answered"),
         "boxed": mean("boxed"),
+        "prompts": len(table),
         "by_difficulty": {str(plain(k)): float(v) for k, v in by_level.items()},
     }
 
@@ -166,6 +208,7 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
     ``steps_done`` (steps whose update table is done), ``last_step_done``, ``latest_step``
     (``{"step", "tables"}``: the last step directory and the tables done there), ``heldout``
     (one ``{"step", "accuracy", "prompts", "by_difficulty"}`` per evaluated step, ascending),
+    ``heldout_gain`` (held-out set -> ``paired_gain`` of avg@k from step 0 to the latest evaluation),
     ``heldout_before`` / ``heldout_after`` (``eval_figures`` of the evaluation at step 0 and of the
     latest one after it), ``capability`` (``{"first", "latest"}``: the first and latest capability
     rows, each with step, F, S, alpha_used, beta_used, alpha, beta; alpha/beta are the values after
@@ -183,7 +226,7 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
 
     heldout = []
     for s in t.steps_with(Stage.EVAL):
-        ev = t.table(s, Stage.EVAL)
+        ev = split_test_sets(t.table(s, Stage.EVAL))[MAIN_TEST_SET]
         item: dict[str, Any] = {"step": s, "accuracy": _mean(ev, "accuracy"), "prompts": len(ev)}
         if "difficulty" in ev.columns and "accuracy" in ev.columns:
             item["by_difficulty"] = _group_means(ev, "difficulty", "accuracy")
@@ -191,6 +234,7 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
     evals = t.steps_with(Stage.EVAL)
     before = eval_figures(t.table(0, Stage.EVAL)) if 0 in evals else None
     after = eval_figures(t.table(evals[-1], Stage.EVAL)) | {"step": evals[-1]} if evals and evals[-1] > 0 else None
+    gains = heldout_gains(t.table(0, Stage.EVAL), t.table(evals[-1], Stage.EVAL)) if before and after else {}
 
     cap_steps = t.steps_with(Stage.CAPABILITY)
     capability: dict[str, Any] = {"first": None, "latest": None}
@@ -224,6 +268,7 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
         "heldout": heldout,
         "heldout_before": before,
         "heldout_after": after,
+        "heldout_gain": gains,
         "capability": capability,
         "budget": _budget_stats(t, [s for s in steps_done if Stage.BUDGET in t.done[s]]),
         "verdicts": verdicts,

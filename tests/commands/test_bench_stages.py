@@ -134,7 +134,7 @@ def test_bench_stages_parser():
     bench = sub.add_parser("bench")
     p = add_bench_stages_parser(bench.add_subparsers(dest="bench"))
     args = parser.parse_args(["bench", "stages"])
-    assert (args.config, args.set, args.steps, args.json) == ("configs/demo.yaml", [], 3, False)
+    assert (args.config, args.set, args.steps, args.json) == ("configs/demo-tiny.yaml", [], 3, False)
     args = parser.parse_args(["bench", "stages", "--steps", "2", "--set", "a.b=1", "--set", "c.d=2", "--json"])
     assert (args.steps, args.set, args.json) == (2, ["a.b=1", "c.d=2"], True)
     assert args.func.__name__ == "cmd_bench_stages"

@@ -26,7 +26,9 @@ def test_synthetic_batch_shapes_groups_like_a_coba_step():
 def test_bench_update_reports_agreement_and_every_figure(tied_checkpoints, capsys):
     from coba_tasks.commands.cli import main
 
-    result = bench_update(str(tied_checkpoints[0]), groups=[2, 3, 6], prompt_tokens=9, completion_tokens=5, repeats=1)
+    result = bench_update(
+        str(tied_checkpoints[0]), groups=[2, 3, 6], prompt_tokens=9, completion_tokens=5, repeats=1, lora_rank=4
+    )
     agree = result["agreement"]
     assert agree["loss_plain"] == pytest.approx(agree["loss_project"], rel=1e-5, abs=1e-7)
     assert agree["grad_max_rel_diff"] < 1e-5 and agree["grad_max_abs"] > 0
@@ -42,9 +44,18 @@ def test_bench_update_reports_agreement_and_every_figure(tied_checkpoints, capsy
     figures += [v for k, v in result["project"]["breakdown_s"].items() if k != "weight_reload"]
     assert all(isinstance(x, float) and math.isfinite(x) and x >= 0 for x in figures), result
     assert result["project"]["breakdown_s"]["weight_reload"] is None  # only with --reload
-    assert "speedup" in format_update(result) and "agreement" in format_update(result)
-    assert (
-        main(["bench", "update", "--model", str(tied_checkpoints[0]), "--groups", "2,2", "--repeats", "1", "--json"])
-        == 0
-    )
-    assert json.loads(capsys.readouterr().out)["rollouts"]["completions"] == 4
+    # groups drawn at pass rates 0, 0.5 and 1: the first and the last are all-equal, their 8 rows are left out
+    assert result["project"]["skipped_rows"] == 8 and result["skipped_row_share"] == pytest.approx(8 / 11)
+    assert result["max_rel_grad_diff"] == agree["grad_max_rel_diff"] and result["speedup_vs_plain"] > 0
+    lora = result["lora"]
+    assert lora["rank"] == 4 and 0 < lora["trainable_parameters"] < result["parameters"] / 10
+    assert lora["checkpoint_mb"] < result["project"]["checkpoint_mb"] / 2 and result["lora_speedup_vs_full"] > 0
+    text = format_update(result)
+    assert "speedup" in text and "agreement" in text and "LoRA rank 4" in text and "left out: 8 of 11" in text
+    args = ["bench", "update", "--model", str(tied_checkpoints[0]), "--groups", "2,2", "--repeats", "1", "--json"]
+    assert main([*args, "--lora-rank", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # one JSON line
+    line = json.loads(out)
+    assert line["rollouts"]["completions"] == 4 and line["lora"] is None and line["lora_speedup_vs_full"] is None
+    assert {"speedup_vs_plain", "max_rel_grad_diff", "lora_speedup_vs_full", "skipped_row_share"} <= set(line)

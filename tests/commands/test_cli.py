@@ -10,6 +10,7 @@ from coba_tasks.commands.demo import DemoConfig, simulate
 from coba_tasks.pipeline.config import PROJECT_ROOT
 
 DATA = PROJECT_ROOT / "data"
+TINY_DEMO = PROJECT_ROOT / "configs" / "demo-tiny.yaml"  # the tiny task: these tests use its data and sizes
 
 
 def test_help_has_examples(capsys):
@@ -81,6 +82,17 @@ def test_run_refuses_bad_input_before_writing(tmp_path, capsys, random_checkpoin
     assert "model.path: /nonexistent/model" in err and err.count("\n") == 1
 
 
+def test_run_refuses_a_run_dir_that_is_not_empty(tmp_path, capsys, random_checkpoints):
+    model, _ = random_checkpoints
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("mine\n")
+    rc = main(["run", "--run-dir", str(run_dir), "--set", f"model.path={model}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "already exists; pick another --run-dir" in err and err.count("\n") == 1
+    assert [p.name for p in run_dir.iterdir()] == ["config.yaml"] and (run_dir / "config.yaml").read_text() == "mine\n"
+
+
 @pytest.mark.parametrize(
     ("overrides", "key", "fragment"),
     [
@@ -108,7 +120,7 @@ def test_run_refuses_bad_input_before_writing(tmp_path, capsys, random_checkpoin
 )
 def test_run_with_a_bad_config_is_one_line_naming_the_key(tmp_path, monkeypatch, capsys, overrides, key, fragment):
     monkeypatch.chdir(tmp_path)  # runs/<name> would be created here
-    args = ["run"] + [a for o in overrides for a in ("--set", o)]
+    args = ["run", "--config", str(TINY_DEMO)] + [a for o in overrides for a in ("--set", o)]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
@@ -125,7 +137,8 @@ def test_run_refuses_a_prompt_longer_than_the_context(tmp_path, capsys, random_c
     model, _ = random_checkpoints  # max_position_embeddings 64, one token per character
     train = _flat(tmp_path / "long.parquet", ["1+1=", "9" * 900, "2+2="])
     run_dir = tmp_path / "run"
-    common = ["run", "--dataset", str(train), "--run-dir", str(run_dir), "--set", f"model.path={model}"]
+    common = ["run", "--config", str(TINY_DEMO), "--dataset", str(train), "--run-dir", str(run_dir)]
+    common += ["--set", f"model.path={model}"]
     assert main([*common, "--set", "rollout.max_model_len=0"]) == 2
     err = capsys.readouterr().err
     assert f"{train}: row 1, column prompt: prompt is 900 tokens; with rollout.max_tokens 12 it exceeds" in err
@@ -139,7 +152,8 @@ def test_run_with_skip_still_refuses_a_dataset_with_no_good_row(tmp_path, capsys
     model, _ = random_checkpoints
     train = _flat(tmp_path / "bad.parquet", ["9" * 900, " "])
     run_dir = tmp_path / "run"
-    args = ["run", "--dataset", str(train), "--run-dir", str(run_dir), "--set", f"model.path={model}"]
+    args = ["run", "--config", str(TINY_DEMO), "--dataset", str(train), "--run-dir", str(run_dir)]
+    args += ["--set", f"model.path={model}"]
     assert main([*args, "--set", "data.on_bad_rows=skip"]) == 2
     err = capsys.readouterr().err
     assert "every one of the 2 rows is bad" in err and f"{train}: row 1, column prompt: prompt is empty" in err

@@ -16,7 +16,7 @@ from char_prompts import char_ids, with_char_ids
 
 from coba_tasks.engines import rollout
 from coba_tasks.engines.engine_sleep import engine_asleep
-from coba_tasks.engines.rollout import Rollout, SamplingConfig, make_backend
+from coba_tasks.engines.rollout import Rollout, RolloutBackend, SamplingConfig, make_backend
 from coba_tasks.engines.rollout.base import _BACKENDS
 from coba_tasks.engines.rollout.hf_backend import TransformersBackend
 from coba_tasks.engines.rollout.vllm_backend import VLLMBackend
@@ -212,11 +212,17 @@ def test_check_platform_refuses_sleep_without_cuda_in_one_line(monkeypatch):
 # Held-out evaluation: top-p of the sampled evaluation
 
 
-class _RecordingEngine:
-    weight_version = 4
-
+class _RecordingEngine(RolloutBackend):
     def __init__(self) -> None:
+        super().__init__()
+        self.weight_version = 4
         self.samplings: list[SamplingConfig] = []
+
+    def load_weights(self, path, version) -> None:
+        self.weight_version = version
+
+    def close(self) -> None:
+        return None
 
     def generate(self, requests, sampling):
         self.samplings.append(sampling)

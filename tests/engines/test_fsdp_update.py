@@ -83,7 +83,7 @@ def test_batch_file_round_trips(tmp_path):
 
 
 def test_fsdp_processes_is_checked_and_hash_neutral_at_its_default():
-    cfg = load_config()
+    cfg = load_config("configs/demo-tiny.yaml")  # full fine-tuning (the demo's LoRA refuses FSDP)
     assert cfg.optim.fsdp_processes == 1 and ("optim", "fsdp_processes") in HASH_NEUTRAL_DEFAULTS
     with pytest.raises(ConfigError, match=r"optim\.fsdp_processes = 0: must be >= 1"):
         apply_overrides(cfg, ["optim.fsdp_processes=0"])

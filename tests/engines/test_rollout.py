@@ -112,29 +112,51 @@ def test_transformers_backend_group_sizes_and_seeds(random_checkpoints):
     assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == "p3"]
 
 
-def _teacher_forced(model_dir, prompt_ids, completion_ids) -> list[float]:
-    """transformers' log p of each completion token given the prompt (float32), as the trainer computes it."""
+def _teacher_forced(model_dir, prompt_ids, completion_ids, temperature: float = 1.0) -> list[float]:
+    """log_softmax(z / T) of each completion token given the prompt (float32): the sampling distribution."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
     with torch.no_grad():
-        logp = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)  # (T-1, V)
+        logp = (model(input_ids=ids).logits[0, :-1].float() / temperature).log_softmax(-1)  # (T-1, V)
     rows = torch.arange(len(prompt_ids) - 1, ids.shape[1] - 1)
     return logp[rows, ids[0, len(prompt_ids) :]].tolist()
 
 
 @pytest.mark.slow
-def test_sampler_logprobs_equal_the_models_log_p_of_the_sampled_tokens(vllm_engine, random_checkpoints):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_and_trainer_logprobs_are_of_the_sampling_distribution(vllm_engine, random_checkpoints, temperature):
+    """At temperature T every recorded sampler log-prob equals log_softmax(z / T) of the same weights within
+    1e-4, and so do the trainer's (its recorded train/rollout gap, both update paths): the policy gradient is
+    taken for the distribution the rollouts were drawn from."""
+    import numpy as np
+
+    from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+
     a, _ = random_checkpoints
+    sampling = SamplingConfig(temperature=temperature, max_tokens=8)
+    by_id = {r.prompt_id: r for r in requests(1)}
     for backend in (vllm_engine, make_backend("transformers", a)):
-        rows = backend.generate(requests([3, 2, 1, 2, 2]), SAMPLE)
-        by_id = {r.prompt_id: r for r in requests(1)}
+        rows = backend.generate(requests([3, 2, 1, 2, 2]), sampling)
         for r in rows:
             assert len(r.logprobs) == r.n_tokens > 0
-            expected = _teacher_forced(a, by_id[r.prompt_id].prompt_token_ids, r.token_ids)
+            expected = _teacher_forced(a, by_id[r.prompt_id].prompt_token_ids, r.token_ids, temperature)
             assert r.logprobs == pytest.approx(expected, abs=1e-4), (backend.name, r.prompt_id, r.sample_idx)
+        if temperature != 1.0:  # the raw (temperature 1) log-probs are far off: the check can tell them apart
+            raw = [x for r in rows for x in _teacher_forced(a, by_id[r.prompt_id].prompt_token_ids, r.token_ids)]
+            assert max(abs(x - y) for x, y in zip(raw, [x for r in rows for x in r.logprobs], strict=True)) > 1e-2
+        prompts = [by_id[r.prompt_id].prompt_token_ids for r in rows]
+        for shared_prefix in (True, False):
+            # zero advantages with the skip on would leave every row out and nothing to compare
+            settings = UpdateSettings(
+                lr=1e-6, temperature=temperature, shared_prefix=shared_prefix, skip_zero_advantage=False
+            )
+            metrics = PolicyTrainer(a, settings).update(
+                prompts, [r.token_ids for r in rows], np.zeros(len(rows)), [r.logprobs for r in rows]
+            )
+            assert metrics["logprob_diff_max"] < 1e-4, (backend.name, shared_prefix, metrics["logprob_diff_max"])
 
 
 @pytest.mark.slow
@@ -152,6 +174,45 @@ def test_vllm_groups_stay_a_function_of_their_seed_when_prompts_exceed_a_prefill
     for k in (0, 77, 119):
         alone = vllm_engine.generate(reqs[k : k + 1], SAMPLE)
         assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == f"q{k}"]
+
+
+@pytest.mark.slow
+def test_one_engine_call_for_sampled_and_greedy_gives_each_its_own_completions(vllm_engine):
+    """generate_many runs a sampled and a greedy batch in one vLLM call: each batch's rows equal what its own
+    call gives (seeds are per request), so an evaluation that asks for both measures the same as before."""
+    sampled = SamplingConfig(temperature=1.0, top_p=0.9, max_tokens=8)
+    both = vllm_engine.generate_many([(requests(4), sampled), (requests(1), GREEDY)])
+    alone = [vllm_engine.generate(requests(4), sampled), vllm_engine.generate(requests(1), GREEDY)]
+    for together, apart in zip(both, alone, strict=True):
+        assert [(r.prompt_id, r.sample_idx, r.token_ids) for r in together] == [
+            (r.prompt_id, r.sample_idx, r.token_ids) for r in apart
+        ]
+        for x, y in zip(together, apart, strict=True):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert len(both[0]) == 4 * len(PROMPTS) and len(both[1]) == len(PROMPTS)
+    assert vllm_engine.generate_many([]) == [] and vllm_engine.generate_many([([], GREEDY)]) == [[]]
+
+
+@pytest.mark.slow
+def test_top_p_without_the_sort_samples_what_vllms_own_top_p_samples(vllm_engine):
+    """The engine's sort-free nucleus (the default) gives the completions and log-probabilities of vLLM's own
+    top-p from the same seeds, and the nucleus does cut the distribution (top-p 1.0 samples otherwise)."""
+    nucleus = SamplingConfig(temperature=1.0, top_p=0.7, max_tokens=8)
+    vllm_engine.sort_free_top_p = False
+    try:
+        own = vllm_engine.generate(requests(4), nucleus)
+    finally:
+        vllm_engine.sort_free_top_p = True
+    fast = vllm_engine.generate(requests(4), nucleus)
+    assert [r.token_ids for r in fast] == [r.token_ids for r in own]
+    for x, y in zip(fast, own, strict=True):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    whole = vllm_engine.generate(requests(4), SAMPLE)
+    cut = [
+        x.token_ids != y.token_ids or max(abs(a - b) for a, b in zip(x.logprobs, y.logprobs, strict=True)) > 1e-3
+        for x, y in zip(whole, fast, strict=True)
+    ]
+    assert sum(cut) > len(cut) // 2, cut
 
 
 @pytest.mark.slow

@@ -42,8 +42,9 @@ def test_completion_logprobs_equal_full_sequences(tied_checkpoints, chunk):
     prompts, completions, _ = ragged_groups(0)
     got: dict[int, torch.Tensor] = {}
 
-    def keep(rows, logp, mask, logits):
-        assert logits.shape == (int(mask.sum()), model.config.vocab_size)
+    def keep(rows, logp, mask, all_logp):
+        assert all_logp.shape == (int(mask.sum()), model.config.vocab_size)  # the log-softmax at real tokens
+        torch.testing.assert_close(torch.logsumexp(all_logp, -1), torch.zeros(all_logp.shape[0]), rtol=0, atol=1e-5)
         for i, r in enumerate(rows.tolist()):
             got[r] = logp[i][mask[i]]
 
@@ -103,3 +104,46 @@ def test_gradient_checkpointing_falls_back_to_full_sequences(tied_checkpoints):
     prompts, completions, adv = ragged_groups(2)
     metrics = trainer.update(prompts, completions, adv)
     assert metrics["grad_norm"] > 0 and set(trainer.timings) == {"forward", "backward", "optimizer"}
+
+
+def test_gradients_are_bit_identical_when_repeated_on_two_threads():
+    """The same pass repeated gives the same gradients, bit for bit, with 2 threads (a resumed run must
+    equal an uninterrupted one). Each row's prompt cache is gathered with ``index_select``: the backward
+    of advanced indexing (``cache[rows]``) accumulates the rows of a group with parallel atomic adds on
+    the CPU, whose order, and so the last bits of the sums, changed from one call to the next (seen on
+    SmolLM2's shape: grouped-query attention, tied embeddings, prompts of unequal lengths)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        tie_word_embeddings=True,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=256,
+    )
+    model = LlamaForCausalLM(config).float()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in (51, 55, 51, 48)]
+    rows = [prompts[i] for i in (0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 3)]
+    completions = [
+        torch.randint(4, 64, (int(torch.randint(2, 13, (1,), generator=g)),), generator=g).tolist() for _ in rows
+    ]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for _ in range(24):
+            model.zero_grad(set_to_none=True)
+            shared_prefix_pass(
+                model, group_by_prompt(rows), completions, lambda r, logp, m, a: logp.sum(), chunk=8, grad=True
+            )
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    finally:
+        torch.set_num_threads(before)
+    differing = [sorted(n for n in grads[0] if not torch.equal(grads[0][n], other[n])) for other in grads[1:]]
+    assert not any(differing), differing

@@ -26,7 +26,7 @@ def grads_at_optimizer_step(trainer: PolicyTrainer) -> list[torch.Tensor]:
     step = trainer.optimizer.step
 
     def capture(*args, **kwargs):
-        captured.extend(p.grad.clone() for p in trainer.model.parameters())
+        captured.extend(p.grad.clone() for p in trainer.model.parameters() if p.requires_grad)
         return step(*args, **kwargs)
 
     trainer.optimizer.step = capture
@@ -212,3 +212,276 @@ def test_update_follows_the_warmup_and_resumes_on_it(random_checkpoints, tmp_pat
         for name, p in (("plain", params(plain)), ("warm", params(warm)))
     }
     assert 0 < moved["warm"] < moved["plain"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_checkpoint_loads_all_or_nothing(random_checkpoints, tmp_path, tied):
+    """Half of the weights gone: CheckpointError naming the file and the tensors, and the trainer untouched."""
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file
+
+    from coba_tasks.engines.trainer import CheckpointError
+
+    a = _tied_checkpoint(tmp_path / "tied") if tied else random_checkpoints[0]
+    s = UpdateSettings(lr=1e-2, micro_batch_size=2)
+    trainer = PolicyTrainer(a, s)
+    trainer.update(PROMPTS, COMPLETIONS, ADV)
+    ckpt = trainer.save_checkpoint(tmp_path / "ckpt")
+    PolicyTrainer(a, s).load_checkpoint(ckpt)  # whole (tied: the head is stored once and still counts)
+
+    weights = load_torch(str(ckpt / "model.safetensors"))
+    names = sorted(weights)
+    save_file({k: weights[k] for k in names[: len(names) // 2]}, str(ckpt / "model.safetensors"))
+    fresh = PolicyTrainer(a, s)
+    before = params(fresh)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: does not hold the policy's weights: \d+ \("):
+        fresh.load_checkpoint(ckpt)
+    assert all(torch.equal(v, before[k]) for k, v in params(fresh).items())  # nothing of it was loaded
+
+    save_file(weights, str(ckpt / "model.safetensors"))  # weights whole again, AdamW state half gone
+    state = load_torch(str(ckpt / "trainer" / "optimizer.safetensors"))
+    kept = {k: v for k, v in state.items() if not k.startswith("state.1.")}
+    save_file(kept, str(ckpt / "trainer" / "optimizer.safetensors"))
+    with pytest.raises(CheckpointError, match=r"optimizer\.safetensors: not this policy's AdamW state"):
+        PolicyTrainer(a, s).load_checkpoint(ckpt)
+
+
+def test_checkpoint_manifest_names_the_damaged_file(random_checkpoints, tmp_path):
+    from coba_tasks.engines.trainer import CHECKPOINT_MANIFEST, CheckpointError, verify_checkpoint
+
+    trainer = PolicyTrainer(random_checkpoints[0], UpdateSettings(lr=1e-2, micro_batch_size=2))
+    ckpt = trainer.save_checkpoint(tmp_path / "ckpt")
+    listed = json.loads((ckpt / CHECKPOINT_MANIFEST).read_text())["files"]
+    assert {"model.safetensors", "trainer/optimizer.safetensors", "trainer/trainer_state.json"} <= set(listed)
+    assert all(len(e["sha256"]) == 64 and e["bytes"] > 0 for e in listed.values())
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # written beside, renamed: no temporary left
+    verify_checkpoint(ckpt)
+
+    optimizer = ckpt / "trainer" / "optimizer.safetensors"
+    data = bytearray(optimizer.read_bytes())
+    data[-3] ^= 0xFF  # one byte of a moment flipped, same size
+    optimizer.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"trainer/optimizer\.safetensors: sha256 differs"):
+        verify_checkpoint(ckpt)
+    optimizer.write_bytes(bytes(data[:100]))
+    with pytest.raises(CheckpointError, match=r"optimizer\.safetensors: 100 bytes, checkpoint\.json says"):
+        verify_checkpoint(ckpt)
+    optimizer.unlink()
+    with pytest.raises(CheckpointError, match=r"listed in checkpoint\.json but missing"):
+        verify_checkpoint(ckpt)
+    (ckpt / CHECKPOINT_MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=r"checkpoint\.json is missing: the checkpoint was not written whole"):
+        verify_checkpoint(ckpt)
+
+    # saving again over a partial checkpoint (an update that did not finish) replaces it whole
+    again = trainer.save_checkpoint(ckpt)
+    verify_checkpoint(again)
+
+
+# ragged groups (sizes 3, 2, 4, 2), two of them all-equal (advantage 0 everywhere), one completion with a 0
+# advantage inside a mixed group (its reward equals its group's mean)
+RAGGED_PROMPTS = [[10, 11, 12]] * 3 + [[13, 14]] * 2 + [[15, 16, 17, 18]] * 4 + [[10, 12]] * 2
+RAGGED_COMPLETIONS = [
+    [20, 21, 2],
+    [22, 2],
+    [23],
+    [24, 25],
+    [26, 2],
+    [27, 28, 29, 2],
+    [30],
+    [31, 2],
+    [32, 33],
+    [34],
+    [35, 36],
+]
+RAGGED_ADV = np.array([1.2, -0.6, -0.6, 0, 0, 1.0, 0.0, -1.0, 0.0, 0, 0], dtype=np.float32)
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+@pytest.mark.parametrize(("mini_batches", "epochs"), [(1, 1), (3, 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_skipping_zero_advantage_rows_changes_no_gradient(
+    random_checkpoints, shared_prefix, mini_batches, epochs, dtype
+):
+    """Rows with advantage 0 left out of the passes: the gradient of every optimizer step within 1e-6 relative
+    of the update that runs them, the same loss and clip fraction (their tokens stay in the token mean), the
+    same weights after; groups whose rows are all skipped are not encoded at all.
+
+    In float64 every step is compared (two updates, so AdamW's moments carry over). In float32 only the first
+    step is: the rows go through the passes in other batches, so the sums round differently (about 1e-7), and
+    AdamW's later steps, normalised by each weight's gradient size, magnify that into other weights."""
+    a, _ = random_checkpoints
+    runs = {}
+    for skip in (False, True):
+        s = UpdateSettings(
+            lr=1e-2,
+            micro_batch_size=2,
+            mini_batches=mini_batches,
+            update_epochs=epochs,
+            weight_decay=0.1,
+            shared_prefix=shared_prefix,
+            skip_zero_advantage=skip,
+        )
+        trainer = PolicyTrainer(a, s)
+        trainer.model.to(dtype)  # the optimizer holds the same parameters, now in dtype
+        rows_seen: list[int] = []
+        trainer.model.model.register_forward_pre_hook(
+            lambda _m, args, kwargs, seen=rows_seen: seen.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True
+        )
+        grads = grads_at_optimizer_step(trainer)
+        m1 = trainer.update(RAGGED_PROMPTS, RAGGED_COMPLETIONS, RAGGED_ADV)
+        m2 = trainer.update(RAGGED_PROMPTS, RAGGED_COMPLETIONS, -RAGGED_ADV)  # moments from the first update
+        runs[skip] = (grads, m1, m2, params(trainer), sum(rows_seen))
+    (g_full, f1, f2, w_full, rows_full), (g_skip, k1, k2, w_skip, rows_skip) = runs[False], runs[True]
+    n_params = len(w_full)
+    steps = 2 * mini_batches * epochs
+    assert len(g_full) == len(g_skip) == steps * n_params
+    for step in range(steps if dtype == torch.float64 else 1):  # the whole gradient of each optimizer step
+        full = torch.cat([g.flatten() for g in g_full[step * n_params : (step + 1) * n_params]]).double()
+        skip = torch.cat([g.flatten() for g in g_skip[step * n_params : (step + 1) * n_params]]).double()
+        assert float((full - skip).norm()) <= 1e-6 * float(full.norm()), step
+    tol = {"rel": 1e-6, "abs": 1e-9} if dtype == torch.float64 else {"rel": 1e-4, "abs": 1e-6}
+    for full, skip in ((f1, k1), (f2, k2)):
+        assert skip["loss"] == pytest.approx(full["loss"], **tol)
+        assert skip["clip_frac"] == pytest.approx(full["clip_frac"], abs=1e-9 if dtype == torch.float64 else 0.05)
+        assert skip["tokens"] == full["tokens"] and skip["optimizer_steps"] == full["optimizer_steps"]
+        assert full["skipped_rows"] == 0 and skip["skipped_rows"] == 6 and skip["diagnostic_rows"] == 5
+        zero = [len(c) for c, v in zip(RAGGED_COMPLETIONS, RAGGED_ADV, strict=True) if v == 0]
+        assert skip["skipped_tokens"] == sum(zero)
+    if dtype == torch.float64:
+        assert all(torch.allclose(w_full[k], w_skip[k], rtol=1e-9, atol=1e-12) for k in w_full)
+    assert rows_skip < rows_full  # the skipped rows were not run (nor the prompts of the all-equal groups)
+    if shared_prefix and (mini_batches, epochs) == (1, 1):
+        # one pass each update: the 2 prompts of groups with a trained row, then their 5 trained completions
+        # (chunks of 2: 2 + 2 + 1 rows); without skipping 4 prompts and 11 completions
+        assert (rows_full, rows_skip) == (2 * (4 + 11), 2 * (2 + 5))
+
+
+LORA = {"lora_rank": 4, "lora_alpha": 8.0}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lora_trains_the_adapter_only_and_resumes_exactly(random_checkpoints, tmp_path, tied):
+    from safetensors.torch import load_file as load_torch
+
+    from coba_tasks.engines.lora import ADAPTER_CONFIG, ADAPTER_FILE, base_model_of
+
+    a = _tied_checkpoint(tmp_path / "tied") if tied else random_checkpoints[0]
+    s = UpdateSettings(lr=1e-2, micro_batch_size=2, **LORA)
+    straight = PolicyTrainer(a, s)
+    base = {k: v.clone() for k, v in straight.model.state_dict().items() if ".lora_" not in k}
+    trainable = [n for n, p in straight.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert {id(p) for g in straight.optimizer.param_groups for p in g["params"]} == {
+        id(p) for p in straight.model.parameters() if p.requires_grad
+    }
+    straight.update(PROMPTS, COMPLETIONS, ADV)
+    after = straight.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())  # the base weights are frozen
+    assert any(float(after[n].abs().sum()) > 0 for n in trainable if ".lora_B." in n)  # B moved off 0
+    ckpt = straight.save_checkpoint(tmp_path / "ckpt", extra_state={"step": 0})
+    straight.update(PROMPTS, COMPLETIONS, -ADV)
+
+    names = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
+    assert {ADAPTER_FILE, ADAPTER_CONFIG, "trainer/optimizer.safetensors", "checkpoint.json"} <= names
+    assert not [n for n in names if n.endswith("model.safetensors") and n != ADAPTER_FILE]  # no whole model
+    assert base_model_of(ckpt) == a.resolve()
+    moments = load_torch(str(ckpt / "trainer/optimizer.safetensors"))
+    assert sum(v.numel() for k, v in moments.items() if k.endswith("exp_avg")) == sum(
+        p.numel() for p in straight.model.parameters() if p.requires_grad
+    )  # the adapter's AdamW state only
+
+    resumed = PolicyTrainer(a, s)
+    resumed.load_checkpoint(ckpt)
+    resumed.update(PROMPTS, COMPLETIONS, -ADV)
+    p1, p2 = params(straight), params(resumed)
+    assert all(torch.equal(p1[k], p2[k]) for k in p1)
+
+
+def test_lora_merged_weights_give_the_trainers_log_probabilities(random_checkpoints, tmp_path):
+    """What the rollout engine reads: a plain model whose weights are W + (alpha / r) B A, equal to the trainer's
+    LoRA forward within float32 rounding; tied embeddings stay tied (written once)."""
+    from transformers import AutoModelForCausalLM
+
+    a = _tied_checkpoint(tmp_path / "tied")
+    trainer = PolicyTrainer(a, UpdateSettings(lr=5e-2, micro_batch_size=2, **LORA))
+    trainer.update(PROMPTS, COMPLETIONS, ADV)
+    merged_dir = trainer.write_rollout_weights(tmp_path / "rollout")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    ids = torch.tensor([PROMPTS[2] + COMPLETIONS[3]])
+    trainer.model.eval()
+    with torch.no_grad():
+        ours = trainer.model(input_ids=ids).logits
+        theirs = merged(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)(input_ids=ids).logits
+    assert torch.allclose(ours, theirs, atol=1e-5) and not torch.allclose(ours, plain, atol=1e-3)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # written whole, renamed
+
+
+def test_a_partial_adapter_is_refused(random_checkpoints, tmp_path):
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file
+
+    from coba_tasks.engines.lora import ADAPTER_FILE
+    from coba_tasks.engines.trainer import CheckpointError
+
+    a, _ = random_checkpoints
+    s = UpdateSettings(lr=1e-2, micro_batch_size=2, **LORA)
+    trainer = PolicyTrainer(a, s)
+    trainer.update(PROMPTS, COMPLETIONS, ADV)
+    ckpt = trainer.save_checkpoint(tmp_path / "ckpt")
+    tensors = load_torch(str(ckpt / ADAPTER_FILE))
+    save_file(dict(list(tensors.items())[: len(tensors) // 2]), str(ckpt / ADAPTER_FILE))
+    with pytest.raises(
+        CheckpointError, match=r"adapter_model\.safetensors: .*not this policy's adapter \(\d+ tensors missing"
+    ):
+        PolicyTrainer(a, s).load_checkpoint(ckpt)
+    full = PolicyTrainer(a, UpdateSettings(lr=1e-2))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read the policy weights"):
+        full.load_checkpoint(ckpt)  # an adapter checkpoint is not a full one
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_lora_update_paths_agree(random_checkpoints, gradient_checkpointing):
+    """The shared-prefix update and the full-sequence one (also with gradient checkpointing, which needs the
+    frozen embeddings' output to ask for gradients) give the same LoRA gradients."""
+    a, _ = random_checkpoints
+    grads = {}
+    for shared in (True, False):
+        s = UpdateSettings(
+            lr=1e-2, micro_batch_size=2, shared_prefix=shared, gradient_checkpointing=gradient_checkpointing, **LORA
+        )
+        trainer = PolicyTrainer(a, s)
+        captured = grads_at_optimizer_step(trainer)
+        trainer.update(PROMPTS, COMPLETIONS, ADV)
+        grads[shared] = [g for g in captured if g is not None]
+    assert len(grads[True]) == len(grads[False]) > 0
+    assert any(float(g.abs().sum()) > 0 for g in grads[False])
+    assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-7) for x, y in zip(grads[True], grads[False], strict=True))
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_an_update_whose_every_row_is_skipped_steps_with_a_zero_gradient(random_checkpoints, shared_prefix):
+    """All rewards equal (a random model on arithmetic): nothing goes through the passes, the gap has no token
+    to compare (NaN), and AdamW still makes its step, as the update that computes the rows would."""
+    import math
+
+    a, _ = random_checkpoints
+    runs = {}
+    for skip in (False, True):
+        s = UpdateSettings(
+            lr=1e-2, micro_batch_size=2, weight_decay=0.1, shared_prefix=shared_prefix, skip_zero_advantage=skip
+        )
+        trainer = PolicyTrainer(a, s)
+        trainer.update(PROMPTS, COMPLETIONS, ADV)  # moments, so that a zero-gradient step moves the weights
+        before = params(trainer)
+        zeros = np.zeros(len(PROMPTS), dtype=np.float32)
+        metrics = trainer.update(PROMPTS, COMPLETIONS, zeros, [[-1.0] * len(c) for c in COMPLETIONS])
+        runs[skip] = (metrics, before, params(trainer))
+    (full, _, w_full), (skip, before, w_skip) = runs[False], runs[True]
+    assert skip["skipped_rows"] == len(PROMPTS) and skip["diagnostic_rows"] == 0 and skip["optimizer_steps"] == 1
+    assert math.isnan(skip["logprob_diff_mean"]) and math.isnan(skip["entropy"]) and skip["loss"] == 0.0
+    assert full["loss"] == pytest.approx(0.0, abs=1e-12) and full["skipped_rows"] == 0
+    assert any(not torch.equal(before[k], w_skip[k]) for k in before)  # momentum and weight decay moved them
+    assert all(torch.allclose(w_full[k], w_skip[k], rtol=1e-5, atol=1e-7) for k in w_full)

@@ -122,6 +122,43 @@ def test_arith_property(answer: int, delta: int, tail: str) -> None:
     assert int(v.extracted_answer) == answer + delta
 
 
+# --------------------------------------------------------------------------- arith_chat
+
+
+@pytest.mark.parametrize(
+    ("completion", "truth", "kind", "extracted"),
+    [
+        ("\\boxed{2}", "2", CORRECT, "2"),
+        ("8-6 = \\boxed{ 2 }.", "2", CORRECT, "2"),
+        ("So 46-90 = -44.", "-44", CORRECT, "-44"),  # the last integer, sentence end and all
+        ("To compute 6+7, we add them: 6 + 7 = 13", "13", CORRECT, "13"),
+        ("the sum is 1,538 in all", "1538", CORRECT, "1,538"),
+        ("\\boxed{3} or rather \\boxed{2}", "2", CORRECT, "2"),  # the last box
+        ("\\boxed{2}, and then 7", "2", CORRECT, "2"),  # a box wins over later numbers
+        # the question written back is not its answer (math-verify evaluated it: 9-7 -> 2, correct)
+        ("9-7", "2", WRONG, "9"),
+        ("The answer is 9-7", "2", WRONG, "9"),
+        ("4-2", "2", WRONG, "4"),  # an echo whose last operand is the answer
+        ("4 - 2", "2", WRONG, "4"),
+        ("4 - 2 = 2", "2", CORRECT, "2"),
+        ("\\boxed{9-7}", "2", WRONG, "9-7"),
+        ("8-6 = 3", "2", WRONG, "3"),
+        ("2.5", "2", NO_ANSWER, ""),  # no integer
+        ("I cannot say.", "2", NO_ANSWER, ""),
+    ],
+)
+def test_arith_chat(completion: str, truth: str, kind: str, extracted: str) -> None:
+    v = score(completion, truth, "arith_chat")
+    assert (v.verdict.value, v.extracted_answer) == (kind, extracted)
+    assert v.reward == (1.0 if kind == CORRECT else 0.0)
+
+
+def test_math_verify_scores_the_question_written_back_as_its_answer() -> None:
+    """Why the arithmetic chat files name arith_chat: math-verify evaluates an expression it finds."""
+    assert score("9-7", "2", "math").verdict is VerdictKind.CORRECT
+    assert score("9-7", "2", "arith_chat").verdict is VerdictKind.WRONG
+
+
 # --------------------------------------------------------------------------- math
 
 

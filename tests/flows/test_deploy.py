@@ -5,13 +5,18 @@ PREFECT_HOME, a free port), ``prefect work-pool create coba-process --type proce
 deploy --all`` from the project directory, ``prefect worker start --pool coba-process`` (started in
 another directory: the deployments' pull step moves each flow run to the project), then
 ``prefect deployment run`` of coba-train on a tiny config and coba-eval on the run's last
-checkpoint. Everything the runs write lands in tmp_path. The server's, the worker's and every
+checkpoint. The server requires Prefect's API authentication (``PREFECT_SERVER_API_AUTH_STRING``) and
+every client sends it (``PREFECT_API_AUTH_STRING``); a request without it is refused (401). Everything
+the runs write lands in tmp_path. The server's, the worker's and every
 command's output go to files in tmp_path; their tails are printed when something fails.
 """
 
 from __future__ import annotations
 
+import base64
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -59,7 +64,7 @@ def write_tiny_config(tmp_path: Path, model: Path) -> Path:
 
 @pytest.mark.slow
 def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints) -> None:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     t_start = time.monotonic()
     model, _ = random_checkpoints  # made by conftest.make_random_checkpoint (seed 0)
@@ -69,18 +74,29 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
     worker_dir.mkdir()
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
-    env = prefect_env(tmp_path / "prefect-home", url)
+    # a team server with Prefect's API authentication (docs/workers.md): the server takes the auth string,
+    # every client (deploy, the worker, this test) sends it
+    auth = "coba:test-secret"
+    env = prefect_env(tmp_path / "prefect-home", url, PREFECT_SERVER_API_AUTH_STRING=auth, PREFECT_API_AUTH_STRING=auth)
     procs = Processes(tmp_path, env)
     try:
         server = start_server(procs, "server", port, env, cwd=tmp_path)
         wait_healthy(url, server)
         t_server = time.monotonic()
+        for header in (None, "Basic " + base64.b64encode(b"coba:wrong").decode()):  # no or wrong credentials
+            request = urllib.request.Request(f"{url}/deployments/filter", data=b"{}", method="POST")
+            request.add_header("Content-Type", "application/json")
+            if header:
+                request.add_header("Authorization", header)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            assert refused.value.code == 401
         procs.run("work-pool-create", [*PREFECT, "work-pool", "create", "coba-process", "--type", "process"], PROJECT)
         procs.run("deploy", [*PREFECT, "deploy", "--all", "--no-prompt"], PROJECT)
         t_deploy = time.monotonic()
         worker = procs.start("worker", [*PREFECT, "worker", "start", "--pool", "coba-process"], cwd=worker_dir)
 
-        with temporary_settings(updates={PREFECT_API_URL: url}):
+        with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_API_AUTH_STRING: auth}):
             from prefect.client.orchestration import get_client
 
             with get_client(sync_client=True) as client:

@@ -64,7 +64,7 @@ def _gpus(monkeypatch, n: int) -> None:
 
 
 def test_fsdp_processes_needs_a_gpu_per_process_on_cuda_and_any_number_on_cpu(monkeypatch):
-    cfg = load_config(overrides=["optim.fsdp_processes=4"])
+    cfg = load_config("configs/demo-tiny.yaml", ["optim.fsdp_processes=4"])  # full fine-tuning: FSDP allowed
     _gpus(monkeypatch, 0)
     check_platform(cfg)  # gloo ranks on the CPU
     _gpus(monkeypatch, 2)
@@ -125,6 +125,10 @@ class _FakeLLM:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
+    # the backend's own vLLM logits processor (imported when an engine is made) subclasses vLLM's: import it
+    # from the real vLLM before the fake stands in (run alone, this test used to fail on that import)
+    import coba_tasks.engines.rollout.nucleus  # noqa: F401
+
     _FakeLLM.made = []
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_FakeLLM))
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL"):  # set by the backend
@@ -418,6 +422,6 @@ def test_update_task_sleeps_the_engine_around_the_job_and_needs_the_previous_che
     apply_rerun(store, plan_rerun(store, step, Stage.UPDATE))
     shutil.rmtree(store.checkpoint_dir(step))
     engine.events.clear()
-    with pytest.raises(StoreError, match=rf"checkpoints/{step:06d} is missing: the update of step {step} continues"):
+    with pytest.raises(StoreError, match=rf"checkpoints/{step:06d} is missing: step {step} continues from it"):
         train.update_task.fn(str(root), step)
     assert engine.events == [] and not store.is_done(step, Stage.UPDATE)

@@ -97,6 +97,8 @@ def _coba(args: list[str], kill_at: str | None, log: Path) -> int:
 
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()), PYTHONPATH=str(ROOT))
     env.pop("COBA_KILL_AT", None)
+    for key in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM"):  # set by this process's own engine: as a user's shell
+        env.pop(key, None)
     if kill_at:
         env["COBA_KILL_AT"] = kill_at
     with open(log, "ab") as out:
@@ -135,6 +137,18 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     _assert_same_run(baseline, RunStore.open(run_dir), model)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
+    # what the user read: one line per step and the evaluations, not the libraries' start-up chatter
+    text = log.read_text()
+    assert f"step {STEPS}/{STEPS}: pass rate " in text and "held-out accuracy after training: " in text
+    for chatter in (
+        "Task run '",  # Prefect's line per task ("Finished in state Completed()"); the flow's own stay
+        "RotaryEmbedding",
+        "Loading weights",
+        "FutureWarning",
+        "NUMA binding",
+        "Triton",
+    ):
+        assert chatter not in text, chatter
     # a finished run: resume says so and changes nothing
     rc = _coba(resume, None, log)
     assert rc == 0 and "nothing to resume" in log.read_text()
@@ -184,6 +198,82 @@ def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, random_che
     for key in before:
         pd.testing.assert_frame_equal(before[key], repaired[key], check_exact=True, obj=str(key))
     _assert_same_run(baseline, store, model)
+
+
+@pytest.mark.slow
+def test_a_partial_checkpoint_stops_the_resume_with_the_way_out(tmp_path, baseline, random_checkpoints, capsys):
+    """Half of checkpoints/000002's tensors gone: `coba resume` names the file and the rerun that recomputes
+    it, instead of training on from a policy that is half the base model; that rerun gives the run back whole."""
+    from safetensors.torch import save_file
+
+    model, _ = random_checkpoints
+    run_dir = tmp_path / "run"
+    shutil.copytree(baseline.root, run_dir)
+    store = RunStore.open(run_dir)
+    apply_rerun(store, plan_rerun(store, 2, Stage.UPDATE))  # stopped after step 1: resumes from checkpoint 2
+    weights = store.checkpoint_dir(2) / "model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({k: tensors[k] for k in sorted(tensors)[: len(tensors) // 2]}, str(weights))
+
+    assert cli_main(["resume", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"{weights}: " in err and "bytes, checkpoint.json says" in err  # half the tensors: a shorter file
+    assert f"coba rerun --run-dir {run_dir} --step 1 --stage update --yes" in err and err.count("\n") == 1
+    assert not store.is_done(2, Stage.UPDATE)  # nothing ran
+
+    assert cli_main(["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "update", "--yes"]) == 0
+    _assert_same_run(baseline, store, model)
+
+
+@pytest.mark.slow
+def test_a_run_stopped_at_an_epoch_boundary_resumes_the_remaining_steps(
+    tmp_path, prefect_harness, random_checkpoints, first_char_data
+):
+    """8 prompts, 4 per step: epoch 0 is steps 0-1, and step 2 starts epoch 1 with a new order. A run stopped
+    there (step 1 and the allocation for step 2 done, nothing of step 2) resumes, runs steps 2 and 3, and ends
+    equal to an uninterrupted run (a resume that lost its place in the epoch would run no step, or others)."""
+    from helpers_reward import TRAIN_PROMPTS, write_flat
+
+    from coba_tasks.pipeline.run import FAIL_FILE_ENV
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    train = write_flat(tmp_path / "train.parquet", [*TRAIN_PROMPTS, "9+9=", "2*6="], [1, 2, 3, 1, 2, 3, 1, 2])
+    steps = 4
+    overrides = [f"model.path={model}", f"data.train={train}", f"data.test={first_char_data[1]}", f"run.steps={steps}"]
+    cfg = config_to_dict(load_config(ROOT / "configs/tiny-test.yaml", overrides))
+    straight = tmp_path / "straight"
+    train_flow(run_dir=str(straight), config=cfg)
+
+    run_dir = tmp_path / "stopped"
+    fail = tmp_path / "fail-at"
+    fail.write_text("2:rollouts")
+    os.environ[FAIL_FILE_ENV] = str(fail)
+    try:
+        state = train_flow(run_dir=str(run_dir), config=cfg, return_state=True)
+    finally:
+        del os.environ[FAIL_FILE_ENV]
+    assert state.is_failed()
+    store = RunStore.open(run_dir)
+    assert store.is_done(1, Stage.UPDATE) and store.is_done(2, Stage.BUDGET) and not store.is_done(2, Stage.ROLLOUTS)
+    epoch0 = [*store.read_table(0, Stage.BUDGET)["prompt_id"], *store.read_table(1, Stage.BUDGET)["prompt_id"]]
+    assert len(set(epoch0)) == 8  # steps 0-1 were exactly one pass over the pool
+    summary = train_flow(run_dir=str(run_dir), resume=True)
+    assert summary["steps"] == steps and summary["total_rollouts"] == steps * 16
+    ref = RunStore.open(straight)
+    assert store.steps() == ref.steps() == list(range(steps + 1))
+    for step in ref.steps():
+        assert store.manifest(step).keys() == ref.manifest(step).keys(), step
+        for name in ref.manifest(step):
+            pd.testing.assert_frame_equal(
+                store.read_table(step, name), ref.read_table(step, name), obj=f"{step}/{name}"
+            )
+    for step in range(1, steps + 1):
+        wa = load_file(str(store.checkpoint_dir(step) / "model.safetensors"))
+        wb = load_file(str(ref.checkpoint_dir(step) / "model.safetensors"))
+        assert all(torch.equal(wa[k], wb[k]) for k in wb), step
+    _assert_same_trainer_state(store, ref, steps)
+    assert_updates_moved(store, model, steps)
 
 
 def _fake_run(root: Path, steps: int = 3) -> RunStore:

@@ -10,7 +10,7 @@ import json
 import math
 
 import pytest
-from helpers_reward import assert_updates_moved, data_overrides
+from helpers_reward import TEST_PROMPTS, assert_updates_moved, data_overrides, write_flat
 
 from coba_tasks.pipeline.config import config_to_dict, load_config
 from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage
@@ -21,8 +21,10 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     from flows.train import train_flow
 
     model, _ = random_checkpoints
+    # a second held-out set: the same prompts worded otherwise, evaluated beside data.test
+    reworded = write_flat(tmp_path / "reworded.parquet", [p.replace("=", " = ?") for p in TEST_PROMPTS])
     overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=3", *data_overrides(first_char_data)]
-    cfg = load_config("configs/tiny-test.yaml", overrides)
+    cfg = load_config("configs/tiny-test.yaml", [*overrides, f"data.extra_tests=[{reworded}]"])
     run_dir = tmp_path / "run"
     summary = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
 
@@ -43,6 +45,15 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
         assert (rollouts["weight_version"] == step).all()
         assert len(rewards) == len(rollouts) and set(rewards["verdict"]) <= {"correct", "wrong", "no_answer"}
         assert (rollouts["n_tokens"] == rollouts["token_ids"].apply(len)).all()
+    # the budget of step t + 1 is allocated with the (alpha, beta) that step t's failure-rate stage computed,
+    # and step 0's with the starting shape (kappa - 2, 2)
+    first = store.read_table(0, Stage.BUDGET)
+    assert (first["alpha"] == cfg.allocation.kappa - 2).all() and (first["beta"] == 2.0).all()
+    for step in range(3):
+        cap = store.read_table(step, Stage.CAPABILITY).iloc[0]
+        nxt = store.read_table(step + 1, Stage.BUDGET)
+        assert (nxt["alpha"] == cap["alpha"]).all() and (nxt["beta"] == cap["beta"]).all(), step
+    assert len({float(store.read_table(s, Stage.CAPABILITY)["alpha"].iloc[0]) for s in range(3)}) > 1  # it moved
     # 6 prompts, 4 per step: step 2 revisits prompts seen at step 0, so its budget is not uniform by fallback
     assert store.read_table(0, Stage.BUDGET)["fallback"].str.contains("unseen").all()
     assert not store.read_table(2, Stage.BUDGET)["fallback"].str.contains("unseen").any()
@@ -86,11 +97,26 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     timings = [saved["wall_seconds"], saved["step_seconds_mean"], saved["prefect_overhead_seconds_per_step"]]
     for seconds in [*timings, *saved["stage_seconds"].values()]:
         assert isinstance(seconds, float) and math.isfinite(seconds) and seconds >= 0, saved
-    ev = store.read_table(3, Stage.EVAL)  # greedy evaluation: its greedy column is the same figures
-    assert ev["accuracy_greedy"].tolist() == ev["accuracy"].tolist() and len(ev) == cfg.data.eval_prompts
-    assert saved["heldout_greedy_after"] == saved["heldout_accuracy_after"]
+    both = store.read_table(3, Stage.EVAL)
+    assert both["test_set"].value_counts().to_dict() == {
+        "test": cfg.data.eval_prompts,
+        "reworded": cfg.data.eval_prompts,
+    }
+    ev, other = both[both["test_set"] == "test"], both[both["test_set"] == "reworded"]
+    assert ev["accuracy"].between(0, 1).all() and other["accuracy"].between(0, 1).all()
     assert ev["answered"].between(0, 1).all() and (ev["accuracy"] <= ev["answered"]).all()  # correct is answered
     assert saved["heldout_answered_after"] == pytest.approx(ev["answered"].mean())
+    # the extra set: its own ids (flat files: a hash of each prompt), its own figures
+    assert other["prompt_id"].str.startswith("reworded/").all() and not set(other["prompt_id"]) & set(ev["prompt_id"])
+    extra = saved["heldout_test_sets"]["reworded"]
+    assert extra["after"]["accuracy"] == pytest.approx(other["accuracy"].mean()) and extra["before"]["prompts"] == 10
+    before = store.read_table(0, Stage.EVAL)
+    for name, rows in (("test", ev), ("reworded", other)):
+        was = before[before["test_set"] == name].set_index("prompt_id")["accuracy"]
+        diff = rows.set_index("prompt_id")["accuracy"] - was
+        gain = saved["heldout_gain"][name]
+        assert gain["gain"] == pytest.approx(diff.mean()) and gain["prompts"] == 10
+        assert gain["se"] == pytest.approx(diff.std(ddof=1) / math.sqrt(10))
     timing = json.loads((run_dir / "steps/000001/timing.json").read_text())
     assert set(timing) == {"rollouts", "rewards", "capability", "budget", "update"}
     assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in timing.values()), timing
@@ -181,3 +207,217 @@ def test_keep_checkpoints_prunes_old_ones_and_a_resume_that_needs_one_says_so(
     assert state.is_failed()
     with pytest.raises(StoreError, match=r"checkpoints/000001 is missing: step 1 continues from it"):
         state.result()
+
+
+def test_a_new_run_refuses_a_directory_that_holds_anything(tmp_path, random_checkpoints):
+    """The Python API below the command line: resolve_run (before the run lock) and open_run (after it)."""
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline.store import StoreError
+
+    model, _ = random_checkpoints
+    cfg = config_to_dict(load_config("configs/tiny-test.yaml", [f"model.path={model}"]))
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("mine: true\n")
+    with pytest.raises(StoreError, match=r"run directory .*project is not empty \(config\.yaml\) and holds no run"):
+        run.resolve_run(config=cfg, run_dir=str(project))
+    with pytest.raises(StoreError, match="is not empty"):
+        run.open_run(project, load_config("configs/tiny-test.yaml", [f"model.path={model}"]), continuing=False)
+    assert (project / "config.yaml").read_text() == "mine: true\n" and [p.name for p in project.iterdir()] == [
+        "config.yaml"
+    ]
+    with pytest.raises(StoreError, match=r"run directory / is not empty"):
+        run.resolve_run(config=cfg, run_dir="/")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="exists and is not a directory"):
+        run.resolve_run(config=cfg, run_dir=str(tmp_path / "file"))
+    (tmp_path / "empty").mkdir()
+    assert run.resolve_run(config=cfg, run_dir=str(tmp_path / "empty"))[2] is False  # an empty one is fine
+
+
+@pytest.mark.slow
+def test_the_train_flow_refuses_a_non_empty_run_dir_and_keeps_it(tmp_path, prefect_harness, random_checkpoints):
+    """A coba-train deployment's run_dir parameter reaches the flow as it is: refused, nothing written there."""
+    from coba_tasks.pipeline.store import StoreError
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    cfg = config_to_dict(load_config("configs/tiny-test.yaml", [f"model.path={model}"]))
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("keep me")
+    with pytest.raises(StoreError, match="is not empty"):
+        train_flow(run_dir=str(project), config=cfg)
+    assert [p.name for p in project.iterdir()] == ["notes.txt"] and (project / "notes.txt").read_text() == "keep me"
+
+
+def _opened(root, cfg):
+    """A new run directory as open_run makes it (datasets checked, run.json written; no engine)."""
+    from coba_tasks.pipeline import run
+
+    try:
+        return run.open_run(root, cfg, continuing=False)
+    finally:
+        run._RUNS.pop(str(root), None)
+
+
+def test_a_continuing_run_refuses_inputs_that_changed(tmp_path, random_checkpoints, first_char_data):
+    """run.json records the sha256 of data.train, data.test and model.path; a continuing run reads the last two
+    again and refuses to go on when they changed, unless allowed (then it warns)."""
+    import shutil
+
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline.fileio import content_sha256
+    from coba_tasks.pipeline.store import StoreError
+
+    model = tmp_path / "model"
+    shutil.copytree(random_checkpoints[0], model)
+    test = tmp_path / "test.parquet"
+    shutil.copy(first_char_data[1], test)
+    cfg = load_config(
+        "configs/tiny-test.yaml", [f"model.path={model}", f"data.train={first_char_data[0]}", f"data.test={test}"]
+    )
+    root = (tmp_path / "run").resolve()
+    _opened(root, cfg)
+    inputs = RunStore.open(root).run_info["inputs"]
+    assert inputs["data.test"] == {"path": str(test), "sha256": content_sha256(test)}
+    assert inputs["model.path"]["sha256"] == content_sha256(model) and set(inputs) == {
+        "data.train",
+        "data.test",
+        "model.path",
+    }
+    warnings: list[str] = []
+    try:
+        run.open_run(root, cfg, continuing=True, warn=warnings.append)  # unchanged: goes on, says nothing
+        assert warnings == []
+        import pandas as pd
+
+        frame = pd.read_parquet(test)
+        frame.loc[0, "prompt"] = "99+1="  # one held-out prompt edited
+        frame.to_parquet(test)
+        with pytest.raises(StoreError, match=r"data\.test \(.*test\.parquet\) is not what the run started with"):
+            run.open_run(root, cfg, continuing=True)
+        run.open_run(root, cfg, continuing=True, warn=warnings.append, allow_changed_inputs=True)
+        assert len(warnings) == 1 and "continuing as asked" in warnings[0]
+        shutil.copy(first_char_data[1], test)  # restored: accepted again
+        (model / "generation_config.json").write_text("{}")  # a file of the model changed
+        with pytest.raises(StoreError, match=r"model\.path .* --allow-changed-inputs"):
+            run.open_run(root, cfg, continuing=True)
+    finally:
+        run._RUNS.pop(str(root), None)
+
+
+@pytest.mark.slow
+def test_coba_resume_names_a_damaged_config_or_changed_input_in_one_line(
+    tmp_path, capsys, prefect_harness, random_checkpoints, first_char_data
+):
+    import shutil
+
+    from coba_tasks.commands.cli import main
+
+    test = tmp_path / "test.parquet"
+    shutil.copy(first_char_data[1], test)
+    model, _ = random_checkpoints
+    cfg = load_config(
+        "configs/tiny-test.yaml", [f"model.path={model}", f"data.train={first_char_data[0]}", f"data.test={test}"]
+    )
+    root = (tmp_path / "run").resolve()
+    _opened(root, cfg)
+    test.write_bytes(test.read_bytes()[:-1] + b"\x00")  # the held-out file changed under the run
+    assert main(["resume", "--run-dir", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "error: data.test" in err and "coba resume --allow-changed-inputs" in err and err.count("\n") == 1
+
+    config = root / "config.yaml"
+    config.write_text(config.read_text().replace("run:", "run: [", 1))  # a damaged YAML file
+    assert main(["resume", "--run-dir", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {config}: damaged, not valid YAML at line ") and err.count("\n") == 1
+    assert "Traceback" not in err
+    config.write_text("run:\n  steps: zero\n")  # valid YAML, invalid config
+    assert main(["resume", "--run-dir", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {config}: run.steps: expected an integer") and err.count("\n") == 1
+
+
+def test_remote_code_needs_the_permission_of_the_process_that_runs_it(
+    tmp_path, monkeypatch, capsys, random_checkpoints
+):
+    """model.trust_remote_code arriving in a flow's parameters is refused unless the worker's environment allows
+    it; `coba resume` of a run whose config sets it asks for --trust-remote-code."""
+    from coba_tasks.commands.cli import main
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline.config import ConfigError
+
+    model, _ = random_checkpoints
+    monkeypatch.delenv(run.REMOTE_CODE_ENV, raising=False)
+    cfg = load_config("configs/tiny-test.yaml", [f"model.path={model}", "model.trust_remote_code=true"])
+    with pytest.raises(ConfigError, match=r"model\.trust_remote_code = true: .*set COBA_ALLOW_REMOTE_CODE=1"):
+        run.resolve_run(config=config_to_dict(cfg), run_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv(run.REMOTE_CODE_ENV, "1")  # a worker started with the permission
+    assert run.resolve_run(config=config_to_dict(cfg), run_dir=str(tmp_path / "run"))[2] is False
+    root = (tmp_path / "run").resolve()
+    _opened(root, cfg)
+
+    monkeypatch.delenv(run.REMOTE_CODE_ENV)
+    assert main(["resume", "--run-dir", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "sets model.trust_remote_code" in err and "--trust-remote-code" in err and err.count("\n") == 1
+    with pytest.raises(ConfigError, match="COBA_ALLOW_REMOTE_CODE"):  # the flow itself refuses it too
+        run.resolve_run(run_dir=str(root), resume=True)
+
+    import flows.train
+
+    seen = {}
+
+    def fake_flow(**kwargs):
+        seen["env"] = run.os.environ.get(run.REMOTE_CODE_ENV)
+        run.resolve_run(run_dir=kwargs["run_dir"], resume=True)  # what the flow does first: allowed now
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(flows.train, "train_flow", fake_flow)
+    assert main(["resume", "--run-dir", str(root), "--trust-remote-code"]) == 2
+    assert seen["env"] == "1" and "stop here" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_released_mode_runs_through_a_run(tmp_path, prefect_harness, random_checkpoints, first_char_data):
+    """allocation.mode=released end to end: every budget is the released code's allocation of its step's pass
+    rates and (alpha, beta), with the released prompt groups."""
+    import numpy as np
+
+    from coba_tasks.core.allocation import plan_allocation
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=3", "allocation.mode=released"]
+    cfg = load_config("configs/tiny-test.yaml", [*overrides, *data_overrides(first_char_data)])
+    run_dir = tmp_path / "run"
+    train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    store = RunStore.open(run_dir)
+    assert store.read_config()["allocation"]["mode"] == "released"
+    a = cfg.allocation
+    revisited = 0
+    for step in range(4):
+        b = store.read_table(step, Stage.BUDGET)
+        est = b["pass_rate_est"].to_numpy(dtype=np.float64)
+        plan = plan_allocation(
+            est,
+            len(b) * a.group_size,
+            strategy=a.strategy,
+            min_budget=a.min_budget,
+            max_budget=a.max_budget,
+            alpha=float(b["alpha"].iloc[0]),
+            beta=float(b["beta"].iloc[0]),
+            tau=a.tau,
+            mode="released",
+            solver=a.solver,
+        )
+        assert b["budget"].tolist() == plan.budgets.tolist(), step
+        assert int(b["budget"].sum()) == len(b) * a.group_size
+        if not np.isnan(est).all():  # a step with pass rates: the released code's groups, not the paper's "all"
+            revisited += 1
+            assert set(b["group"]) <= {"very_hard", "explore", "very_easy"} and "all" not in set(b["group"]), step
+    assert revisited >= 1
+    assert_updates_moved(store, model, 3)

@@ -33,7 +33,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from helpers_reward import TESTS_DIR, python_with_first_char
+from helpers_reward import TESTS_DIR, assert_updates_moved, python_with_first_char
 from prefect_procs import (
     COBA,
     PREFECT,
@@ -72,6 +72,7 @@ class Cluster:
     worker_env: dict[str, str]  # the workers' (and so their flow runs') environment
     config: Path
     solo: Path  # the reference run, `coba run` alone
+    base_model: Path  # the model every run starts from
     server: subprocess.Popen | None = None
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -187,8 +188,9 @@ def manifest_snapshot(run_dir: Path) -> dict[tuple[int, str], tuple]:
     return snap
 
 
-def assert_same_run(run_dir: Path, reference: Path) -> None:
-    """``run_dir`` is complete and holds the same tables and final weights as ``reference``; no leftovers."""
+def assert_same_run(run_dir: Path, reference: Path, base_model: Path) -> None:
+    """``run_dir`` is complete and holds the same tables and checkpoints as ``reference``, whose every update
+    moved the weights away from ``base_model``; no leftovers."""
     import torch
     from safetensors.torch import load_file
 
@@ -204,19 +206,46 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
         assert set(STEP_STAGES) <= set(a.manifest(step)) | {Stage.BUDGET}, (step, sorted(a.manifest(step)))
     for name in ("prompts", "history"):
         pd.testing.assert_frame_equal(a.read_run_table(name), b.read_run_table(name), obj=name)
-    wa = load_file(str(a.checkpoint_dir(STEPS) / "model.safetensors"))
-    wb = load_file(str(b.checkpoint_dir(STEPS) / "model.safetensors"))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wb), "final weights differ"
+    for step in range(1, STEPS + 1):  # every checkpoint bit for bit: weights, AdamW state, trainer state
+        ca, cb = a.checkpoint_dir(step), b.checkpoint_dir(step)
+        wa, wb = (load_file(str(c / "model.safetensors")) for c in (ca, cb))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wb), f"weights {step} differ"
+        oa, ob = (load_file(str(c / "trainer" / "optimizer.safetensors")) for c in (ca, cb))
+        # not the saved torch RNG state: it depends on which stages a process ran (tests/flows/test_resume.py)
+        assert oa.keys() == ob.keys() and all(torch.equal(oa[k], ob[k]) for k in ob if k != "rng.torch"), step
+        assert (ca / "trainer" / "trainer_state.json").read_text() == (
+            cb / "trainer" / "trainer_state.json"
+        ).read_text()
+    assert_updates_moved(a, base_model, STEPS)  # trained weights: a comparison of two copies of the base proves nothing
     assert (run_dir / "summary.json").is_file()
     assert not (run_dir / ".lock").exists(), "the run lock was not released"
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")], "temporary files left behind"
+
+
+REQUIRE_ENV = "COBA_REQUIRE_POSTGRES"  # .ci/run sets it: in CI these tests fail instead of skipping
+
+
+def unavailable(why: str) -> None:
+    """Skip these tests on a machine without PostgreSQL, but fail where they are required (CI)."""
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{why}; {REQUIRE_ENV}=1 requires these tests to run", pytrace=False)
+    pytest.skip(why)
+
+
+def test_missing_postgres_fails_where_it_is_required(monkeypatch):
+    monkeypatch.setenv(REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="COBA_REQUIRE_POSTGRES=1 requires these tests to run"):
+        unavailable("PostgreSQL is not installed")
+    monkeypatch.delenv(REQUIRE_ENV)
+    with pytest.raises(pytest.skip.Exception, match="PostgreSQL is not installed"):
+        unavailable("PostgreSQL is not installed")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, random_checkpoints, first_char_data):
     bindir = postgres_bindir()
     if bindir is None:
-        pytest.skip("PostgreSQL is not installed and `make test` could not install it (apt-get install postgresql)")
+        unavailable("PostgreSQL is not installed and `make test` could not install it (apt-get install postgresql)")
     root = tmp_path_factory.mktemp("workers")
     config = tiny_config(root / "tiny.yaml", random_checkpoints[0], first_char_data)
     # the reference run, alone, on the embedded server: started first, it runs while the cluster starts
@@ -234,7 +263,7 @@ def cluster(tmp_path_factory, random_checkpoints, first_char_data):
     try:
         pg = Postgres(bindir)
     except KeyError:  # root without a postgres user: nobody the server agrees to run as
-        pytest.skip("running as root and there is no postgres user to own the PostgreSQL cluster")
+        unavailable("running as root and there is no postgres user to own the PostgreSQL cluster")
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = prefect_env(root / "prefect-home", url, PREFECT_API_DATABASE_CONNECTION_URL=pg.url)
@@ -245,7 +274,7 @@ def cluster(tmp_path_factory, random_checkpoints, first_char_data):
         "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
     }
     procs = Processes(root, env)
-    c = Cluster(root, pg, procs, url, port, env, worker_env, config, solo)
+    c = Cluster(root, pg, procs, url, port, env, worker_env, config, solo, random_checkpoints[0])
     try:
         t0 = time.monotonic()
         pg.init()
@@ -286,7 +315,7 @@ def test_four_runs_on_two_workers_equal_solo_runs(cluster: Cluster) -> None:
             assert run.state.is_completed(), f"{name} ended {run.state_name}: {run.state.message}"
         task_runs = client.read_task_runs()
     for name in ids:
-        assert_same_run(cluster.root / name, cluster.solo)
+        assert_same_run(cluster.root / name, cluster.solo, cluster.base_model)
     # each worker ran two (--limit 2): the runs were spread, not queued behind one worker. A worker may
     # also try a flow run the other one took first; the server refuses it ("Aborted submission").
     ran = {w: worker_flow_runs(cluster.root / f"{w}.log") for w in ("worker-a", "worker-b")}
@@ -302,23 +331,35 @@ def test_four_runs_on_two_workers_equal_solo_runs(cluster: Cluster) -> None:
     )
 
 
-def _stop_in_a_step(cluster: Cluster, client, run_id: uuid.UUID, run_dir: Path) -> tuple[int, int]:
-    """Wait until the flow run is inside a step (the step's rollouts done, its update not) and SIGSTOP
-    its process there. Returns (step, pid). Tries steps 1 .. STEPS - 2 (a step can end between two looks)."""
+def _stop_in_a_step(client, runs: dict[str, tuple[uuid.UUID, Path]]) -> dict[str, tuple[int, int]]:
+    """Wait until each flow run (name -> (flow run id, run directory)) is inside a step (the step's rollouts
+    done, its update not) and SIGSTOP its process there; name -> (step, pid). The runs are watched together,
+    so one that is not yet stopped is never left unobserved while another is waited for; a run whose step
+    ends between two looks is stopped in its next one (steps 1 .. STEPS - 2)."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    pid = None
-    for step in range(1, STEPS - 1):
-        while not (run_dir / "run.json").exists() or not RunStore.open(run_dir).is_done(step, Stage.ROLLOUTS):
-            assert time.monotonic() < deadline, f"step {step} did not start: {client.read_flow_run(run_id).state}"
-            pid = pid or pid_of_flow_run(run_id)
-            time.sleep(0.01)
-        pid = pid or pid_of_flow_run(run_id)
-        assert pid is not None, "no process of the flow run"
-        os.kill(pid, signal.SIGSTOP)
-        if not RunStore.open(run_dir).is_done(step, Stage.UPDATE):
-            return step, pid
-        os.kill(pid, signal.SIGCONT)
-    raise AssertionError("every step ended between two looks; could not stop the flow run inside a step")
+    pids: dict[str, int | None] = {}
+    stopped: dict[str, tuple[int, int]] = {}
+    while len(stopped) < len(runs):
+        for name, (run_id, run_dir) in runs.items():
+            if name in stopped:
+                continue
+            assert time.monotonic() < deadline, f"{name} did not reach a step: {client.read_flow_run(run_id).state}"
+            pid = pids[name] = pids.get(name) or pid_of_flow_run(run_id)
+            if pid is None or not (run_dir / "run.json").exists():
+                continue
+            store = RunStore.open(run_dir)
+            step = next((s for s in range(1, STEPS - 1) if not store.is_done(s, Stage.UPDATE)), None)
+            if step is None:
+                raise AssertionError(f"{name}: every step ended between two looks; could not stop it inside one")
+            if not store.is_done(step, Stage.ROLLOUTS):
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            if store.is_done(step, Stage.UPDATE):
+                os.kill(pid, signal.SIGCONT)
+                continue
+            stopped[name] = (step, pid)
+        time.sleep(0.01)
+    return stopped
 
 
 def test_worker_killed_mid_step_is_recovered(cluster: Cluster) -> None:
@@ -326,7 +367,7 @@ def test_worker_killed_mid_step_is_recovered(cluster: Cluster) -> None:
     run_dir = cluster.root / name
     with cluster.client() as client:
         first = cluster.submit(client, name)
-        step, pid = _stop_in_a_step(cluster, client, first, run_dir)
+        step, pid = _stop_in_a_step(client, {name: (first, run_dir)})[name]
         worker = next(
             n for n, w in cluster.workers.items() if w.poll() is None and w.pid in process_tree_of_ancestors(pid)
         )
@@ -346,14 +387,15 @@ def test_worker_killed_mid_step_is_recovered(cluster: Cluster) -> None:
         second = cluster.submit(client, name)
         run = cluster.wait(client, second)
         assert run.state.is_completed(), f"the recovery ended {run.state_name}: {run.state.message}"
-        logs = flow_run_logs(client, second)
-        assert f"continuing {run_dir} at step {step + 1}/{STEPS}: stages already done are skipped" in logs, logs
+        expect = f"continuing {run_dir} at step {step + 1}/{STEPS}: stages already done are skipped"
+        logs = flow_run_logs(client, second, expect=expect)
+        assert expect in logs, logs
         after = manifest_snapshot(run_dir)
         kept = {k: after[k] for k in before}
         assert kept == before, "a table done before the kill was written again"
         computed = set(after) - set(before)
         assert (step, Stage.UPDATE) in computed and all(s >= step for s, _ in computed), sorted(computed)
-        assert_same_run(run_dir, cluster.solo)
+        assert_same_run(run_dir, cluster.solo, cluster.base_model)
 
         # Prefect's view: Running until the heartbeats stop long enough for the automation
         while not client.read_flow_run(first).state.is_final():
@@ -398,12 +440,12 @@ def test_second_run_on_one_run_name_is_refused(cluster: Cluster) -> None:
         second = cluster.submit(client, name)
         refused = cluster.wait(client, second)
         assert refused.state.is_failed(), f"the second run ended {refused.state_name}"
-        logs = flow_run_logs(client, second)
+        logs = flow_run_logs(client, second, expect=f"{run_dir} is in use by process")
         assert f"{run_dir} is in use by process" in logs, logs
         print("\n" + next(line for line in logs.splitlines() if "is in use by process" in line))
         run = cluster.wait(client, first)
         assert run.state.is_completed(), f"the first ended {run.state_name}: {run.state.message}"
-    assert_same_run(run_dir, cluster.solo)
+    assert_same_run(run_dir, cluster.solo, cluster.base_model)
 
 
 def test_setup_server_again_replaces_its_automation(cluster: Cluster) -> None:
@@ -429,7 +471,7 @@ def test_server_and_database_restart_mid_run(cluster: Cluster) -> None:
             patient: cluster.submit(client, patient),
             impatient: cluster.submit(client, impatient, env={"PREFECT_CLIENT_MAX_RETRIES": "1"}),
         }
-        stopped = {name: _stop_in_a_step(cluster, client, ids[name], cluster.root / name) for name in ids}
+        stopped = _stop_in_a_step(client, {name: (ids[name], cluster.root / name) for name in ids})
     # the runs go on while the server and the database are down
     cluster.procs.stop(cluster.server)
     cluster.pg.stop("fast")
@@ -450,7 +492,7 @@ def test_server_and_database_restart_mid_run(cluster: Cluster) -> None:
         again = cluster.wait(client, cluster.submit(client, impatient))
         assert again.state.is_completed(), f"the rerun ended {again.state_name}: {again.state.message}"
     for name in ids:
-        assert_same_run(cluster.root / name, cluster.solo)
+        assert_same_run(cluster.root / name, cluster.solo, cluster.base_model)
     print(
         f"\nserver and database down {down_s} s (from steps {', '.join(str(s + 1) for s, _ in stopped.values())}): "
         f"with client retries the flow run ended {done.state_name}; with one retry it ended {lost.state_name} "

@@ -28,6 +28,7 @@ from coba_tasks.pipeline.bootstrap import (
     train_sft,
 )
 from coba_tasks.pipeline.data import load_dataset
+from coba_tasks.pipeline.fileio import OutputDirError
 
 SMALL = BootstrapConfig(
     spec=TinyLlamaSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1),
@@ -111,10 +112,53 @@ def test_bootstrap_flow_end_to_end(tmp_path, prefect_harness, splits):
         keep = raw[raw["extra_info"].apply(lambda e: str(e["index"])).isin(df["prompt_id"])]
         write_verl_parquet(keep, path)
     out = tmp_path / "model"
-    figures = bootstrap_flow(out_dir=str(out), train_path=str(train_path), test_path=str(test_path), cfg=SMALL)
-    assert (out / "model.safetensors").is_file() and not (tmp_path / "model.partial").exists()
+    paths = {"train_path": str(train_path), "test_path": str(test_path)}
+    figures = bootstrap_flow(out_dir=str(out), cfg=SMALL, **paths)
+    assert (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "test.parquet", "train.parquet"]  # no temporary
     saved = json.loads((out / "bootstrap.json").read_text())
     assert saved["accuracy"] == figures["accuracy"] and saved["config"]["steps"] == SMALL.steps
+    assert saved["files"] == {p.name: p.stat().st_size for p in out.iterdir() if p.name != "bootstrap.json"}
+
+    # an earlier bootstrap is kept without force and replaced with it, keeping nothing of the old one
+    with pytest.raises(OutputDirError, match="already holds a bootstrapped model"):
+        bootstrap_flow(out_dir=str(out), cfg=SMALL, **paths)
+    stale = out / "generation_config.json"
+    stale.unlink(missing_ok=True)
+    bootstrap_flow(out_dir=str(out), cfg=dataclasses.replace(SMALL, seed=1), force=True, **paths)
+    assert json.loads((out / "bootstrap.json").read_text())["config"]["seed"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "test.parquet", "train.parquet"]
+
+
+@pytest.mark.slow
+def test_bootstrap_never_removes_what_it_did_not_write(tmp_path, prefect_harness, capsys):
+    """The flow (a deployment's out_dir), `coba bootstrap --out` and `coba run --bootstrap-if-missing` all refuse
+    a directory holding somebody's files, --force included, before any training; nothing there is touched."""
+    from coba_tasks.commands.cli import main
+    from flows.bootstrap import bootstrap_flow
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("years of work")
+    (home / "bootstrap.json.bak").write_text("{}")
+    before = {p.name: p.read_bytes() for p in home.iterdir()}
+    for force in (False, True):
+        with pytest.raises(OutputDirError, match=r"holds no bootstrap\.json .*nothing was removed"):
+            bootstrap_flow(out_dir=str(home), cfg=SMALL, force=force)
+        args = ["bootstrap", "--out", str(home), "--steps", "1", *(["--force"] if force else [])]
+        assert main(args) == 2
+        assert "nothing was removed" in capsys.readouterr().err
+    # a model.path without config.json (a parent directory, a cache folder) is not bootstrapped over
+    rc = main(["run", "--bootstrap-if-missing", "--run-dir", str(tmp_path / "run"), "--set", f"model.path={home}"])
+    assert rc == 2 and "nothing was removed" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in home.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no temporary, no run directory
+
+    # a bootstrap record beside somebody's file: --force still refuses, naming the file
+    (home / "bootstrap.json").write_text(json.dumps({"config": {}, "files": {"model.safetensors": 1}}))
+    with pytest.raises(OutputDirError, match=r"holds files that no coba bootstrap model build wrote .*thesis\.tex"):
+        bootstrap_flow(out_dir=str(home), cfg=SMALL, force=True)
+    assert (home / "thesis.tex").read_text() == "years of work"
 
 
 def test_near_miss_answers_and_label_noise_bounds():

@@ -34,6 +34,7 @@ from coba_tasks.pipeline.config import (
 )
 
 CONFIGS = PROJECT_ROOT / "configs"
+TINY_DEMO = CONFIGS / "demo-tiny.yaml"  # the config-mechanics tests run on the tiny demo (M = 128, G = 16)
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -89,14 +90,18 @@ def test_empty_file_gives_the_defaults(tmp_path):
 def test_demo_yaml_is_the_default_and_spells_out_every_key():
     cfg = load_config()
     assert cfg == load_config(DEFAULT_CONFIG_PATH) == load_config(CONFIGS / "demo.yaml")
-    assert (cfg.run.steps, cfg.run.eval_every, cfg.data.prompts_per_step, cfg.allocation.group_size) == (24, 6, 128, 16)
-    assert cfg.budget_per_step() == 2048
-    assert cfg.allocation.strategy == "coba" and cfg.optim.lr == 1e-4
+    assert (cfg.run.steps, cfg.run.eval_every, cfg.data.prompts_per_step, cfg.allocation.group_size) == (10, 0, 16, 8)
+    assert cfg.budget_per_step() == 128 and cfg.model.path == "models/smollm2-135m-instruct"
+    assert cfg.allocation.strategy == "coba" and (cfg.model.lora_rank, cfg.optim.lr) == (16, 3e-4)
     r = cfg.run
-    assert (r.eval_samples, r.eval_temperature, r.eval_top_p, r.eval_greedy) == (16, 1.0, 0.9, True)  # avg@16
-    raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
-    assert list(raw) == list(SECTIONS)
-    assert sorted(f"{s}.{k}" for s, body in raw.items() for k in body) == sorted(all_keys())
+    assert (r.eval_samples, r.eval_temperature, r.eval_top_p, r.eval_greedy) == (4, 1.0, 0.9, True)  # avg@4
+    assert cfg.data.extra_tests == ("data/arith_chat_test_reworded.parquet",)
+    for name in ("demo.yaml", "demo-tiny.yaml"):  # both demos spell out every key
+        raw = yaml.safe_load((CONFIGS / name).read_text())
+        assert list(raw) == list(SECTIONS)
+        assert sorted(f"{s}.{k}" for s, body in raw.items() for k in body) == sorted(all_keys()), name
+    tiny = load_config(CONFIGS / "demo-tiny.yaml")
+    assert tiny.budget_per_step() == 2048 and tiny.model.path == "models/arith-tiny" and tiny.run.name == "demo-tiny"
 
 
 def test_tiny_test_yaml_is_small():
@@ -110,13 +115,14 @@ def test_tiny_test_yaml_is_small():
 
 
 def test_shipped_configs_point_at_shipped_files():
-    for name in ("demo.yaml", "tiny-test.yaml"):
+    for name in ("demo.yaml", "demo-tiny.yaml", "tiny-test.yaml", "smollm2-arith.yaml"):
         cfg = load_config(CONFIGS / name)
-        assert (PROJECT_ROOT / cfg.data.train).is_file() and (PROJECT_ROOT / cfg.data.test).is_file()
+        for path in (cfg.data.train, cfg.data.test, *cfg.data.extra_tests):
+            assert (PROJECT_ROOT / path).is_file(), (name, path)
 
 
 def test_config_is_frozen():
-    cfg = load_config()
+    cfg = load_config(TINY_DEMO)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.optim.lr = 1.0  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -129,7 +135,7 @@ def test_config_is_frozen():
 
 def test_overrides_with_dotted_keys_and_types():
     cfg = load_config(
-        None,
+        TINY_DEMO,
         [
             "optim.lr=3e-5",  # PyYAML reads this as a string; a float field takes it
             "optim.clip_high=1",  # int -> float
@@ -157,7 +163,9 @@ def test_overrides_with_dotted_keys_and_types():
 
 
 def test_later_override_wins_and_null_resets_optional():
-    cfg = load_config(None, ["optim.lr=1e-3", "optim.lr=2e-3", "rollout.in_process=true", "rollout.in_process=null"])
+    cfg = load_config(
+        TINY_DEMO, ["optim.lr=1e-3", "optim.lr=2e-3", "rollout.in_process=true", "rollout.in_process=null"]
+    )
     assert cfg.optim.lr == 2e-3 and cfg.rollout.in_process is None
 
 
@@ -167,7 +175,7 @@ def test_float_strings_in_files_are_numbers(tmp_path):
 
 
 def test_apply_overrides_gives_a_new_validated_config():
-    base = load_config()
+    base = load_config(TINY_DEMO)
     other = apply_overrides(base, ["allocation.strategy=knapsack"])
     assert other.allocation.strategy == "knapsack" and base.allocation.strategy == "coba"
     assert dataclasses.replace(other, allocation=base.allocation) == base
@@ -186,7 +194,7 @@ def test_apply_overrides_gives_a_new_validated_config():
 )
 def test_unknown_override_keys_name_the_dotted_key(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        load_config(None, [override])
+        load_config(TINY_DEMO, [override])
 
 
 def test_unknown_keys_in_a_file_name_the_file_and_key(tmp_path):
@@ -219,7 +227,7 @@ def test_unknown_keys_in_a_file_name_the_file_and_key(tmp_path):
 )
 def test_wrong_types_name_key_expected_type_and_value(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        load_config(None, [override])
+        load_config(TINY_DEMO, [override])
 
 
 def test_wrong_type_in_a_file(tmp_path):
@@ -253,9 +261,11 @@ def test_wrong_type_in_a_file(tmp_path):
         ("data.on_bad_rows=ignore", r"data\.on_bad_rows = 'ignore': must be error .* or skip .*bad_rows\.parquet"),
         ("model.dtype=fp8", r"model\.dtype = 'fp8': must be one of float32, bfloat16, float16, auto"),
         ("rollout.backend=sglang", r"rollout\.backend = 'sglang': must be one of transformers, vllm"),
-        ("rollout.temperature=-1", r"rollout\.temperature = -1\.0: must be >= 0"),
-        ("rollout.top_p=0", r"rollout\.top_p = 0\.0: must be in \(0, 1\]"),
-        ("rollout.top_p=1.5", r"rollout\.top_p = 1\.5: must be in \(0, 1\]"),
+        ("rollout.temperature=-1", r"rollout\.temperature = -1\.0: must be > 0: training rollouts are sampled"),
+        ("rollout.temperature=0", r"rollout\.temperature = 0\.0: must be > 0: .*every group's rewards equal"),
+        ("rollout.top_p=0", r"rollout\.top_p = 0\.0: must be 1\.0"),
+        ("rollout.top_p=1.5", r"rollout\.top_p = 1\.5: must be 1\.0"),
+        ("rollout.top_p=0.9", r"rollout\.top_p = 0\.9: must be 1\.0: a nucleus-truncated sampler .*run\.eval_top_p"),
         ("rollout.max_tokens=0", r"rollout\.max_tokens = 0: must be >= 1"),
         ("rollout.max_model_len=12", r"rollout\.max_model_len = 12: must exceed rollout\.max_tokens \(12\)"),
         ("rollout.gpu_memory_utilization=1.2", r"rollout\.gpu_memory_utilization = 1\.2: must be in \(0, 1\]"),
@@ -287,18 +297,18 @@ def test_wrong_type_in_a_file(tmp_path):
 )
 def test_bad_values_name_the_key_and_the_fix(override, pattern):
     with pytest.raises(ConfigError, match=pattern) as info:
-        load_config(None, [override])
+        load_config(TINY_DEMO, [override])
     assert "\n" not in str(info.value)
 
 
 def test_values_at_the_edges_are_accepted():
     cfg = load_config(
-        None,
+        TINY_DEMO,
         [
             "run.eval_every=0",
             "run.eval_samples=4",
             "run.eval_temperature=1.0",
-            "rollout.temperature=0",
+            "rollout.temperature=0.05",
             "rollout.top_p=1",
             "rollout.max_model_len=0",
             "optim.kl_coef=0",
@@ -316,11 +326,11 @@ def test_values_at_the_edges_are_accepted():
 
 def test_group_size_outside_the_bounds_is_infeasible_with_numbers():
     with pytest.raises(ConfigError, match=r"group_size = 200 .*\[2, 128\].*B_total = M \* G = 128 \* 200 = 25600"):
-        load_config(None, ["allocation.group_size=200"])
+        load_config(TINY_DEMO, ["allocation.group_size=200"])
     with pytest.raises(ConfigError, match=r"group_size = 1 .*needs 256 <= B_total <= 16384"):
-        load_config(None, ["allocation.group_size=1"])
+        load_config(TINY_DEMO, ["allocation.group_size=1"])
     with pytest.raises(ConfigError, match=r"group_size = 16 .*\[20, 32\]"):
-        load_config(None, ["allocation.min_budget=20", "allocation.max_budget=32"])
+        load_config(TINY_DEMO, ["allocation.min_budget=20", "allocation.max_budget=32"])
 
 
 @pytest.mark.parametrize(
@@ -328,7 +338,7 @@ def test_group_size_outside_the_bounds_is_infeasible_with_numbers():
 )
 def test_run_name_cannot_leave_the_runs_directory(tmp_path, name):
     for make in (
-        lambda: load_config(None, [f"run.name={name}"]),
+        lambda: load_config(TINY_DEMO, [f"run.name={name}"]),
         lambda: load_config(write(tmp_path, yaml.safe_dump({"run": {"name": name}}))),
         lambda: RunConfig(name=name),
     ):
@@ -347,14 +357,14 @@ def test_budget_bounds_name_the_key_and_the_feasible_range():
     ]
     for overrides, pattern in cases:
         with pytest.raises(ConfigError, match=pattern):
-            load_config(None, overrides)
+            load_config(TINY_DEMO, overrides)
     # B_total = M * G within [M * min_budget, M * max_budget]: the edges are feasible
     for g in (2, 128):
-        assert load_config(None, [f"allocation.group_size={g}"]).budget_per_step() == 128 * g
+        assert load_config(TINY_DEMO, [f"allocation.group_size={g}"]).budget_per_step() == 128 * g
 
 
 def test_on_bad_rows_is_error_or_skip_and_only_skip_changes_the_hash():
-    cfg = load_config()
+    cfg = load_config(TINY_DEMO)
     assert cfg.data.on_bad_rows == "error"
     skip = apply_overrides(cfg, ["data.on_bad_rows=skip"])
     assert skip.data.on_bad_rows == "skip" and config_hash(skip) != config_hash(cfg)
@@ -383,11 +393,11 @@ def test_sections_validate_when_built_directly():
 
 def test_choices_follow_the_registries():
     for strategy in strategies():
-        assert load_config(None, [f"allocation.strategy={strategy}"]).allocation.strategy == strategy
+        assert load_config(TINY_DEMO, [f"allocation.strategy={strategy}"]).allocation.strategy == strategy
     for solver in coba_solvers():
-        assert load_config(None, [f"allocation.solver={solver}"]).allocation.solver == solver
+        assert load_config(TINY_DEMO, [f"allocation.solver={solver}"]).allocation.solver == solver
     for backend in backends():
-        assert load_config(None, [f"rollout.backend={backend}"]).rollout.backend == backend
+        assert load_config(TINY_DEMO, [f"rollout.backend={backend}"]).rollout.backend == backend
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,7 +432,7 @@ def test_duplicate_keys_are_refused_with_the_line(tmp_path):
 
 
 def test_dict_round_trip_is_plain_and_exact():
-    cfg = load_config(None, ["allocation.tau=3.5", "optim.lr=3e-5", "rollout.in_process=false"])
+    cfg = load_config(TINY_DEMO, ["allocation.tau=3.5", "optim.lr=3e-5", "rollout.in_process=false"])
     d = config_to_dict(cfg)
     assert list(d) == list(SECTIONS)
     assert json.loads(json.dumps(d)) == d  # JSON-safe: no tuples, Paths or enums
@@ -447,22 +457,22 @@ def test_dump_then_load_gives_the_same_config(tmp_path):
     assert out == tmp_path / "run" / "config.yaml"
     assert load_config(out) == cfg
     assert sorted(p.name for p in out.parent.iterdir()) == ["config.yaml"]  # no temporary left behind
-    dump_config(load_config(), out)  # overwrite in place
-    assert load_config(out) == load_config()
+    dump_config(load_config(TINY_DEMO), out)  # overwrite in place
+    assert load_config(out) == load_config(TINY_DEMO)
 
 
 @pytest.mark.parametrize("name", ["2024", "null", "yes", "1e5", "0x1F", "1.0", "a.b-c_d"])
 def test_dump_keeps_names_that_look_like_other_yaml_types(tmp_path, name):
-    cfg = load_config(None, [f"run.name={name}"])
+    cfg = load_config(TINY_DEMO, [f"run.name={name}"])
     assert cfg.run.name == name
     assert load_config(dump_config(cfg, tmp_path / "config.yaml")).run.name == name
 
 
 def test_hash_is_stable_and_changes_with_any_value():
-    cfg = load_config()
+    cfg = load_config(TINY_DEMO)
     h = config_hash(cfg)
     assert len(h) == 16 and int(h, 16) >= 0
-    assert config_hash(load_config()) == h == config_hash(config_from_dict(config_to_dict(cfg)))
+    assert config_hash(load_config(TINY_DEMO)) == h == config_hash(config_from_dict(config_to_dict(cfg)))
     assert config_hash(apply_overrides(cfg, ["optim.lr=1e-4"])) == h  # same value, same hash
     assert config_hash(apply_overrides(cfg, ["optim.lr=2e-4"])) != h
     assert config_hash(apply_overrides(cfg, ["run.seed=1"])) != h
@@ -527,7 +537,7 @@ yaml_values = st.recursive(
 def test_random_override_values_only_raise_config_error(key, value):
     text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
     try:
-        cfg = load_config(None, [f"{key}={text}"])
+        cfg = load_config(TINY_DEMO, [f"{key}={text}"])
     except ConfigError as e:
         assert str(e) and "\n" not in str(e)
     else:  # what was accepted is valid and survives a round trip
@@ -538,7 +548,7 @@ def test_random_override_values_only_raise_config_error(key, value):
 @given(key=st.sampled_from([*all_keys(), "optim", "x.y", ".", ""]), text=st.text(max_size=20))
 def test_random_override_text_only_raises_config_error(key, text):
     try:
-        cfg = load_config(None, [f"{key}={text}"])
+        cfg = load_config(TINY_DEMO, [f"{key}={text}"])
     except ConfigError as e:
         assert str(e) and "\n" not in str(e)
     else:

@@ -422,7 +422,7 @@ def run_config(tmp_path: Path, model: Path, train_rows: list[str], *overrides: s
     pd.DataFrame({"prompt": train_rows, "answer": answers}).to_parquet(train)
     test = write_rows(tmp_path / "test.parquet", verl_rows(3))
     base = [f"data.train={train}", f"data.test={test}", f"model.path={model}"]
-    return apply_overrides(load_config(None, []), [*base, *overrides]), train
+    return apply_overrides(load_config("configs/demo-tiny.yaml", []), [*base, *overrides]), train
 
 
 def test_run_datasets_check_lengths_against_the_models_context(tmp_path: Path, random_checkpoints) -> None:
@@ -458,6 +458,73 @@ def test_run_datasets_skip_and_report(tmp_path: Path, random_checkpoints) -> Non
     assert report["message"].str.contains("tokens|empty|duplicates row 0").all()
     assert data.skip_lines() == [f"skipped 3 bad rows of {train} (see bad_rows.parquet)"]
     assert load_run_datasets(cfg, train=False).train is None
+
+
+def test_ground_truths_are_checked_by_their_verifier_at_load(tmp_path: Path) -> None:
+    """A ground truth the row's verifier cannot read is a bad row (named by row and column), not a prompt
+    whose every rollout scores `error` (pass rate 0, where CoBA-RL would spend budget)."""
+    from coba_tasks.pipeline.data import check_ground_truths
+
+    rows = verl_rows(4)
+    rows[1]["reward_model"]["ground_truth"] = "4O"  # a malformed arithmetic answer (letter O)
+    rows[3]["data_source"], rows[3]["reward_model"]["ground_truth"] = "math", "1/0"
+    path = write_rows(tmp_path / "x.parquet", rows)
+    df = load_dataset(path)
+    with pytest.raises(DatasetError) as info:
+        check_ground_truths(df, path)
+    assert str(info.value).splitlines() == [
+        f"{path}: row 1, column reward_model.ground_truth: arith: ground truth '4O' is not an integer",
+        f"{path}: row 3, column reward_model.ground_truth: math: ground truth '1/0' is not a number (zoo)",
+    ]
+    kept, problems = check_ground_truths(df, path, on_bad_rows="skip")
+    assert kept.index.tolist() == [0, 2] and [p.row for p in problems] == [1, 3]
+    flat = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["a", "b"], "answer": ["\\frac{1}{2}", "\\sqrt{"]}).to_parquet(flat)
+    with pytest.raises(DatasetError, match=r"row 1, column answer: math-verify cannot parse the ground truth"):
+        check_ground_truths(load_dataset(flat), flat)
+
+
+def test_a_missing_value_written_as_text_is_not_a_ground_truth(tmp_path: Path) -> None:
+    rows = verl_rows(3)
+    rows[0]["reward_model"]["ground_truth"] = "nan"  # math-verify reads 'nan' as a*n*n, and \boxed{nan} matches it
+    rows[2]["reward_model"]["ground_truth"] = " None "
+    raises_dataset_error(
+        write_rows(tmp_path / "x.parquet", rows),
+        "row 0, column reward_model.ground_truth: ground truth is 'nan', the text of a missing value",
+        "row 2, column reward_model.ground_truth: ground truth is 'None'",
+    )
+
+
+def test_an_unknown_data_source_stops_the_load_unless_math_is_asked_for(tmp_path: Path) -> None:
+    from coba_tasks.pipeline.data import check_ground_truths
+
+    rows = verl_rows(3)
+    rows[1]["data_source"] = rows[2]["data_source"] = "my_reward"
+    path = write_rows(tmp_path / "x.parquet", rows)
+    df = load_dataset(path)
+    with pytest.raises(DatasetError) as info:
+        check_ground_truths(df, path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: data_source 'my_reward' (rows 1, 2) has no verifier; registered: ")
+    assert "arith, " in message and "Register a verifier for it with @register_verifier(name)" in message
+    assert "verify.unknown_sources=math" in message and "\n" not in message
+    kept, problems = check_ground_truths(df, path, unknown_sources="math")  # math-verify reads '2' and '3'
+    assert len(kept) == 3 and problems == []
+
+
+def test_run_datasets_check_ground_truths_with_the_config(tmp_path: Path, random_checkpoints) -> None:
+    model, _ = random_checkpoints
+    rows = verl_rows(3)
+    rows[2]["reward_model"]["ground_truth"] = "three"
+    test = write_rows(tmp_path / "t.parquet", rows)
+    cfg, _ = run_config(tmp_path, model, ["1+1=", "2+2="], f"data.test={test}")
+    with pytest.raises(DatasetError, match=r"row 2, column reward_model\.ground_truth: arith: ground truth 'three'"):
+        load_run_datasets(cfg)
+    cfg, _ = run_config(tmp_path, model, ["1+1=", "2+2="], f"data.test={test}", "data.on_bad_rows=skip")
+    data = load_run_datasets(cfg)
+    assert len(data.test) == 2 and data.bad_rows()["row"].tolist() == [2]
+    with pytest.raises(ConfigError, match=r"verify\.unknown_sources = 'ignore': must be error .* or math"):
+        load_config(None, ["verify.unknown_sources=ignore"])
 
 
 def test_run_datasets_name_model_path_when_the_model_is_unreadable(tmp_path: Path) -> None:
@@ -580,7 +647,10 @@ _text = st.text(alphabet=string.ascii_letters + string.digits + " +-*=?", min_si
     answers=st.data(),
 )
 def test_valid_flat_tables_round_trip(tmp_path: Path, prompts: list[str], answers: st.DataObject) -> None:
-    truths = answers.draw(st.lists(_text, min_size=len(prompts), max_size=len(prompts)))
+    from coba_tasks.pipeline.data import MISSING_TEXTS
+
+    valid = _text.filter(lambda s: s.strip().lower() not in MISSING_TEXTS)  # 'None', 'nan': a missing value
+    truths = answers.draw(st.lists(valid, min_size=len(prompts), max_size=len(prompts)))
     path = tmp_path / "flat.parquet"
     pd.DataFrame({"prompt": prompts, "answer": truths}).to_parquet(path)
     df = load_dataset(path)

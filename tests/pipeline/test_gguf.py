@@ -161,13 +161,24 @@ def test_an_incomplete_conversion_is_refused_without_force(tmp_path: Path, stub_
     assert (out / "model.safetensors").is_file()
 
 
-def test_a_directory_without_a_record_is_refused(tmp_path: Path, stub_build: None) -> None:
+def test_a_directory_without_a_record_is_refused_with_force_too(tmp_path: Path, stub_build: None) -> None:
     out = tmp_path / "m"
     out.mkdir()
     (out / "config.json").write_text("{}")
-    with pytest.raises(GGUFError, match=r"no conversion\.json.*--force"):
-        convert_gguf(_fake_gguf(tmp_path / "m.gguf"), out)
-    assert [p.name for p in out.iterdir()] == ["config.json"]
+    for force in (False, True):  # --force replaces a conversion, never somebody's directory
+        with pytest.raises(GGUFError, match=r"no conversion\.json .*nothing was removed"):
+            convert_gguf(_fake_gguf(tmp_path / "m.gguf"), out, force=force)
+        assert [p.name for p in out.iterdir()] == ["config.json"]
+        assert (out / "config.json").read_text() == "{}"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+
+def test_force_never_removes_a_file_the_conversion_did_not_write(tmp_path: Path, stub_build: None) -> None:
+    out = convert_gguf(_fake_gguf(tmp_path / "a.gguf"), tmp_path / "m")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(GGUFError, match=r"holds files that no coba convert-gguf conversion build wrote \(notes\.txt\)"):
+        convert_gguf(_fake_gguf(tmp_path / "b.gguf", b"other"), out, force=True)
+    assert (out / "notes.txt").read_text() == "mine" and read_record(out)["source"]["name"] == "a.gguf"
 
 
 def test_an_empty_directory_is_used(tmp_path: Path, stub_build: None) -> None:

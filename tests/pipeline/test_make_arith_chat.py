@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -27,11 +29,34 @@ def _load_script() -> ModuleType:
 make_arith_chat = _load_script()
 
 
-@pytest.mark.parametrize("split", ["train", "test"])
-def test_shipped_files_equal_a_fresh_run(tmp_path: Path, split: str) -> None:
+SHIPPED = ("train", "test", "test_reworded")
+
+
+def test_shipped_files_equal_a_fresh_run(tmp_path: Path) -> None:
     make_arith_chat.main(["--out-dir", str(tmp_path)])
-    fresh = (tmp_path / f"arith_chat_{split}.parquet").read_bytes()
-    assert fresh == (DATA_DIR / f"arith_chat_{split}.parquet").read_bytes()
+    for name in SHIPPED:
+        fresh = (tmp_path / f"arith_chat_{name}.parquet").read_bytes()
+        assert fresh == (DATA_DIR / f"arith_chat_{name}.parquet").read_bytes(), name
+
+
+def test_the_reworded_set_holds_the_same_problems_in_other_words() -> None:
+    test = pq.read_table(DATA_DIR / "arith_chat_test.parquet").to_pylist()
+    reworded = pq.read_table(DATA_DIR / "arith_chat_test_reworded.parquet").to_pylist()
+    assert len(reworded) == len(test) == 500
+    wordings: collections.Counter[str] = collections.Counter()
+    for old, new in zip(test, reworded, strict=True):
+        assert (new["extra_info"], new["reward_model"], new["data_source"]) == (
+            old["extra_info"],
+            old["reward_model"],
+            old["data_source"],
+        )
+        text, before = new["prompt"][0]["content"], old["prompt"][0]["content"]
+        assert text != before and "\\boxed{" in text and not text.startswith("Compute")
+        assert text.replace(" ", "").count(before.removeprefix("Compute ").split(".")[0]) == 1  # the same expression
+        wordings[text.split()[0]] += 1
+    assert sorted(wordings) == ["Calculate", "Evaluate", "Find", "What"] and min(wordings.values()) == 125
+    train_texts = {r["prompt"][0]["content"] for r in pq.read_table(DATA_DIR / "arith_chat_train.parquet").to_pylist()}
+    assert not train_texts & {r["prompt"][0]["content"] for r in reworded}
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
@@ -44,7 +69,7 @@ def test_same_problems_ids_levels_and_answers(split: str) -> None:
         assert new["prompt"] == [
             {"role": "user", "content": f"Compute {expression}. Put your final answer within \\boxed{{}}."}
         ]
-        assert new["data_source"] == "math"
+        assert new["data_source"] == "arith_chat"
         assert (new["ability"], new["reward_model"], new["extra_info"]) == (
             old["ability"],
             old["reward_model"],
@@ -57,7 +82,7 @@ def test_the_loader_reads_the_chat_files() -> None:
     assert len(df) == 500
     assert sorted(df["difficulty"].value_counts().items()) == [(level, 100) for level in range(5)]
     row = df.iloc[0]
-    assert (row["prompt_id"], row["data_source"], row["ground_truth"]) == ("0", "math", "2")
+    assert (row["prompt_id"], row["data_source"], row["ground_truth"]) == ("0", "arith_chat", "2")
     assert row["prompt_text"] == "Compute 8-6. Put your final answer within \\boxed{}."
 
 
@@ -68,6 +93,22 @@ def test_math_verify_scores_a_boxed_answer() -> None:
         truth = row["reward_model"]["ground_truth"]
         assert score(f"Step by step ... so the answer is \\boxed{{{truth}}}.", truth, "math").reward == 1.0
         assert score(f"The answer is \\boxed{{{int(truth) + 1}}}.", truth, "math").reward == 0.0
+
+
+def test_the_question_written_back_scores_zero_with_the_files_verifier() -> None:
+    """A model trained on math-verify's reward learned to answer "Compute 9-7" with "9-7": math-verify
+    evaluates the expression. The files name a verifier that wants the number."""
+    plain = pq.read_table(DATA_DIR / "arith_test.parquet").to_pylist()
+    for name in ("arith_chat_train", "arith_chat_test", "arith_chat_test_reworded"):
+        rows = pq.read_table(DATA_DIR / f"{name}.parquet").to_pylist()
+        assert {r["data_source"] for r in rows} == {"arith_chat"}
+    for old, row in zip(plain, pq.read_table(DATA_DIR / "arith_chat_test.parquet").to_pylist(), strict=True):
+        expression, truth = old["prompt"][0]["content"].removesuffix("="), row["reward_model"]["ground_truth"]
+        if re.match(rf"{re.escape(truth)}[-+]", expression):  # "8-0", "0+0": the first operand is the answer
+            continue
+        for echo in (expression, " ".join(expression.replace("-", " - ").replace("+", " + ").split())):
+            assert score(echo, truth, row["data_source"]).reward == 0.0, echo
+        assert score(f"{expression} = \\boxed{{{truth}}}", truth, row["data_source"]).reward == 1.0, expression
 
 
 def test_a_prompt_without_the_equals_sign_is_refused(tmp_path: Path) -> None:

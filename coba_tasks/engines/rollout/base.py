@@ -89,7 +89,7 @@ class Rollout:
     finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
     seed: int
     weight_version: int
-    logprobs: tuple[float, ...] = ()  # the sampler's log p of each completion token (raw logits, temperature 1)
+    logprobs: tuple[float, ...] = ()  # the sampler's log p of each completion token, of the distribution sampled
 
 
 class RolloutBackend(ABC):
@@ -104,6 +104,14 @@ class RolloutBackend(ABC):
     @abstractmethod
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
         """All completions of all requests, grouped by request, ``sample_idx`` 0..n-1 within a group."""
+
+    def generate_many(
+        self, batches: Sequence[tuple[Sequence[RolloutRequest], SamplingConfig]], progress: bool = False
+    ) -> list[list[Rollout]]:
+        """``generate`` of each (requests, sampling) batch, in order; a backend may run them as one batch
+        (vLLM: one engine call, so a sampled and a greedy evaluation share its scheduling). With
+        ``progress`` a backend that can shows a progress bar of the requests done (vLLM's, on stderr)."""
+        return [self.generate(requests, sampling) for requests, sampling in batches]
 
     @abstractmethod
     def load_weights(self, path: str | Path, version: int) -> None:

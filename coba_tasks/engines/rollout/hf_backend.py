@@ -3,7 +3,8 @@
 The same interface and rows as the vLLM backend (it is the tests' reference for them). Each prompt's
 group is sampled in a fork of the global RNG seeded with the prompt's seed, so a group does not depend
 on the rest of the batch. Sleep moves the model to CPU memory. The sampler log-probabilities are
-taken from the raw logits (before temperature and top-p), as the trainer computes them.
+of the distribution each token was sampled from (generate's processed scores: after temperature and
+top-p), as the trainer computes them (log_softmax(logits / T)) and as the vLLM backend records them.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class TransformersBackend(RolloutBackend):
                 "pad_token_id": pad,
                 "eos_token_id": eos,
                 "return_dict_in_generate": True,
-                "output_logits": True,  # raw logits, before temperature and top-p: the sampled tokens' log p
+                "output_scores": True,  # processed logits (after temperature and top-p): the sampling distribution
             }
             if not greedy:
                 gen_kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
@@ -80,7 +81,7 @@ class TransformersBackend(RolloutBackend):
                 torch.manual_seed(r.seed)
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs)
             new_tokens = out.sequences[:, ids.shape[1] :]  # (n, L)
-            logits = torch.stack(out.logits, dim=1).float()  # (n, L, V)
+            logits = torch.stack(out.scores, dim=1).float()  # (n, L, V): what each token was drawn from
             token_logp = logits.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (n, L)
             for j, (seq, logp) in enumerate(zip(new_tokens.tolist(), token_logp.tolist(), strict=True)):
                 finish = "length"

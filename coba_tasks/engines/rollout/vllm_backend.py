@@ -4,7 +4,10 @@ After a GRPO update the new checkpoint is loaded in place through ``vllm_worker.
 ``reload_weights``, made right for tied input/output embeddings), which takes a fraction of a second
 instead of a new engine's start. Each prompt is a token prompt (the ids ``render_prompts`` made: vLLM
 tokenizes nothing) with its own ``SamplingParams(n=B_i, seed=..., logprobs=0)``: per-prompt group
-sizes are native, and each row carries the sampler's log-probability of every token it sampled.
+sizes are native, and each row carries the sampler's log-probability of every token it sampled, of
+the distribution it sampled from (vLLM's ``processed_logprobs``: after the temperature). Top-p < 1
+goes through ``nucleus.NucleusLogitsProcessor`` (the same nucleus as vLLM's own top-p, without its sort
+of the vocabulary; ``sort_free_top_p = False`` gives vLLM's own).
 ``tensor_parallel_size`` (the config's ``rollout.tensor_parallel_size``) splits the engine over that
 many GPUs of its host (vLLM's own tensor parallelism; CUDA only). On CPU the engine runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one executor) unless the caller set that variable: it starts in
@@ -57,6 +60,8 @@ RELOAD_METHOD = "coba_reload_weights"
 class VLLMBackend(RolloutBackend):
     """vLLM engine kept for the whole run; weights reloaded in place after each update."""
 
+    sort_free_top_p = True  # False: vLLM's own top-p (a sort of the vocabulary per sequence and step)
+
     def __init__(
         self,
         model_path: Path,
@@ -96,12 +101,18 @@ class VLLMBackend(RolloutBackend):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
+        from coba_tasks.engines.rollout.nucleus import PROCESSOR as NUCLEUS_PROCESSOR
+
         kwargs: dict[str, Any] = {
             "model": str(model_path),
             "dtype": dtype,
             "seed": seed,
             "trust_remote_code": trust_remote_code,
             "enforce_eager": on_cpu if enforce_eager is None else enforce_eager,
+            # each row's log-probabilities are of the distribution its tokens were sampled from: after the
+            # temperature (and top-p), as the trainer computes them (log_softmax(logits / T))
+            "logprobs_mode": "processed_logprobs",
+            "use_tqdm_on_load": False,  # no progress bar at every engine start
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
@@ -115,6 +126,9 @@ class VLLMBackend(RolloutBackend):
             kwargs["enable_chunked_prefill"] = False
         # the in-place reload, made right for tied input/output embeddings (coba_tasks.engines.rollout.vllm_worker)
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
+        # top-p without sorting the vocabulary (coba_tasks.engines.rollout.nucleus): the same nucleus, found
+        # among the most probable tokens; requests name their p in extra_args (see generate_many)
+        kwargs["logits_processors"] = [NUCLEUS_PROCESSOR]
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
         if not on_cpu:
@@ -132,59 +146,79 @@ class VLLMBackend(RolloutBackend):
         self.model_path = str(model_path)
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
+        return self.generate_many([(requests, sampling)])[0]
+
+    def generate_many(
+        self, batches: Sequence[tuple[Sequence[RolloutRequest], SamplingConfig]], progress: bool = False
+    ) -> list[list[Rollout]]:
+        """Every batch's requests in one engine call (each with its own sampling parameters and seed, so a
+        group's completions are those it would get alone); rows per batch, in order. ``progress``: vLLM's
+        progress bar (requests done, elapsed and remaining time) on stderr."""
         from vllm import SamplingParams
 
-        check_requests(requests)
+        from coba_tasks.engines.rollout.nucleus import EXTRA_KEY as NUCLEUS_KEY
+
+        flat: list[tuple[RolloutRequest, SamplingConfig]] = []
+        spans: list[tuple[int, int]] = []
+        for requests, sampling in batches:
+            check_requests(requests)
+            spans.append((len(flat), len(flat) + len(requests)))
+            flat += [(r, sampling) for r in requests]
+        if not flat:
+            return [[] for _ in batches]
         if self._asleep:  # a sleeping engine's scheduler is paused: generate would wait for ever
             self.wake_up()
         prompts: list[dict[str, list[int]]] = []  # vLLM token prompts: the engine tokenizes nothing
         params: list[Any] = []
         owners: list[int] = []
-        for i, r in enumerate(requests):
+        for i, (r, sampling) in enumerate(flat):
             tokens = {"prompt_token_ids": list(r.prompt_token_ids)}
-            # logprobs=0: the log-probability of each sampled token (vLLM's default "raw_logprobs": from the
-            # model's logits before temperature and top-p, as the trainer computes it)
+            # logprobs=0: the log-probability of each sampled token, of the sampling distribution (the
+            # engine's logprobs_mode "processed_logprobs": after temperature and top-p)
             if sampling.temperature == 0.0:  # vLLM's greedy sampling takes n = 1: repeat the prompt
                 prompts += [tokens] * r.n
                 params += [SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens, logprobs=0)] * r.n
                 owners += [i] * r.n
             else:
                 prompts.append(tokens)
+                nucleus = self.sort_free_top_p and sampling.top_p < 1.0
                 params.append(
                     SamplingParams(
                         n=r.n,
                         temperature=sampling.temperature,
-                        top_p=sampling.top_p,
+                        top_p=1.0 if nucleus else sampling.top_p,
+                        extra_args={NUCLEUS_KEY: sampling.top_p} if nucleus else None,
                         max_tokens=sampling.max_tokens,
                         seed=r.seed,
                         logprobs=0,
                     )
                 )
                 owners.append(i)
-        outputs = self._call_engine(lambda llm: llm.generate(prompts, params, use_tqdm=False), "generate")
-        groups: list[list[Any]] = [[] for _ in requests]
+        outputs = self._call_engine(lambda llm: llm.generate(prompts, params, use_tqdm=progress), "generate")
+        groups: list[list[Any]] = [[] for _ in flat]
         for owner, out in zip(owners, outputs, strict=True):
             groups[owner].extend(out.outputs)
-        rows = []
-        for r, completions in zip(requests, groups, strict=True):
+        per_request: list[list[Rollout]] = []
+        for (r, _), completions in zip(flat, groups, strict=True):
             if len(completions) != r.n:
                 raise RuntimeError(f"prompt {r.prompt_id}: asked vLLM for {r.n} completions, got {len(completions)}")
-            for j, c in enumerate(completions):
-                ids = tuple(int(t) for t in c.token_ids)
-                rows.append(
-                    Rollout(
-                        prompt_id=r.prompt_id,
-                        sample_idx=j,
-                        completion=c.text,
-                        token_ids=ids,
-                        n_tokens=len(ids),
-                        finish_reason="length" if c.finish_reason == "length" else "stop",
-                        seed=r.seed,
-                        weight_version=self.weight_version,
-                        logprobs=_sampled_logprobs(ids, c.logprobs),
-                    )
-                )
-        return rows
+            per_request.append([self._row(r, j, c) for j, c in enumerate(completions)])
+        return [[row for rows in per_request[first:last] for row in rows] for first, last in spans]
+
+    def _row(self, r: RolloutRequest, j: int, c: Any) -> Rollout:
+        """Completion ``j`` of request ``r`` (a vLLM ``CompletionOutput``) as a row."""
+        ids = tuple(int(t) for t in c.token_ids)
+        return Rollout(
+            prompt_id=r.prompt_id,
+            sample_idx=j,
+            completion=c.text,
+            token_ids=ids,
+            n_tokens=len(ids),
+            finish_reason="length" if c.finish_reason == "length" else "stop",
+            seed=r.seed,
+            weight_version=self.weight_version,
+            logprobs=_sampled_logprobs(ids, c.logprobs),
+        )
 
     def load_weights(self, path: str | Path, version: int) -> None:
         if self._asleep:

@@ -1,0 +1,167 @@
+"""LoRA for the policy update, with peft: the adapter, its checkpoints, and merged weights for the engine.
+
+What. With ``model.lora_rank`` > 0 the trainer wraps the policy with peft's LoRA (``add_lora``): every
+targeted linear layer ``W`` gets a trainable ``B @ A`` of rank r, scaled by ``alpha / r``, and the base
+weights are frozen. Only the adapter (A and B) and its AdamW state are trained and checkpointed: a
+checkpoint is peft's own layout, ``adapter_model.safetensors`` and ``adapter_config.json`` (its
+``base_model_name_or_path`` is the absolute path of ``model.path``), so ``PeftModel.from_pretrained``
+and transformers' ``from_pretrained`` of the checkpoint directory load it as they load any adapter.
+
+The rollout engine samples from the merged weights ``W + (alpha / r) * B @ A`` (``save_merged``): vLLM
+and the transformers backend then run a plain model of the base's shape, and a reload after each
+update is the same in-place reload as for full fine-tuning. The merged copy is not a checkpoint: the
+run keeps one, ``rollout_weights/`` in the run directory, written again after every update and on a
+resume (from the base model and the checkpoint's adapter). ``merge_adapter_checkpoint`` does the same
+for ``coba-eval`` of a LoRA checkpoint.
+
+Why merged rather than vLLM's LoRA adapters: docs/benchmarks.md measures both on the CPU.
+
+Numerics: the trainer computes ``x W^T + s (x A^T) B^T``, the engine ``x (W + s B A)^T``: the same in
+exact arithmetic, different float32 rounding, which the sampler/trainer gap shows (``logprob_diff_*``).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_NAME = "default"  # peft's name of the one adapter
+
+
+def parse_targets(targets: str | Sequence[str]) -> str | list[str]:
+    """``all-linear`` (peft: every linear layer but the output projection) or a list of module names;
+    a comma-separated string becomes a list."""
+    if isinstance(targets, str):
+        names = [t.strip() for t in targets.split(",") if t.strip()]
+        return "all-linear" if names == ["all-linear"] else names
+    return list(targets)
+
+
+def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets: str | Sequence[str]) -> Any:
+    """``model`` with LoRA adapters of ``rank`` on ``targets`` (peft's ``get_peft_model``); returns the
+    ``PeftModel``. Its ``get_base_model()`` is ``model`` itself with the adapters in place: calling it runs
+    them, and only their parameters require gradients. The adapters start at ``B = 0``: the policy is the
+    base model until the first update. The initial A is drawn from torch's global generator (seeded)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=int(rank),
+        lora_alpha=float(alpha),
+        target_modules=parse_targets(targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # e.g. a target that names no module of this model
+        raise ValueError(f"model.lora_target_modules: {exc}") from exc
+
+
+def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The plain model's state dict (its own key names) with every LoRA layer merged: ``W + s B A``, in
+    ``dtype`` (default: the weights' own).
+
+    ``model`` is a ``PeftModel``'s base model (adapters in place); nothing in it is changed. Tensors that
+    share a storage in the model (tied embeddings) share one in the result, so they are saved once."""
+    from peft.tuners.lora import LoraLayer
+
+    lora_layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    by_storage: dict[int, torch.Tensor] = {}  # one result per storage of the model: ties stay ties
+    merged: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            if ".lora_" in key:
+                continue
+            owner, sep, leaf = key.rpartition(".base_layer.")
+            if sep and leaf == "weight" and owner in lora_layers:
+                tensor = value + lora_layers[owner].get_delta_weight(ADAPTER_NAME).to(value.dtype)
+            else:
+                tensor = by_storage.get(value.data_ptr())
+                if tensor is None:
+                    tensor = by_storage[value.data_ptr()] = value.detach().clone()
+            merged[key.replace(".base_layer.", ".")] = tensor
+    if dtype is None:
+        return merged
+    cast: dict[int, torch.Tensor] = {}
+    return {k: cast.setdefault(id(v), v.to(dtype)) for k, v in merged.items()}
+
+
+def save_merged(model: torch.nn.Module, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write the merged weights as a Hugging Face model directory (config and ``model.safetensors`` in
+    ``dtype``) at ``out_dir``, whole or not at all: built beside it and renamed into place."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        model.save_pretrained(tmp, state_dict=merged_state_dict(model, dtype), safe_serialization=True)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def save_adapter(peft_model: Any, out_dir: Path, base_model_path: str | Path) -> None:
+    """peft's adapter files in ``out_dir``, naming the base model by its absolute path."""
+    config = peft_model.peft_config[ADAPTER_NAME]
+    config.base_model_name_or_path = str(Path(base_model_path).resolve())
+    peft_model.save_pretrained(out_dir, safe_serialization=True)
+    (Path(out_dir) / "README.md").unlink(missing_ok=True)  # peft's model-card template: nothing of the run
+
+
+def load_adapter(peft_model: Any, ckpt_dir: Path) -> None:
+    """Load the adapter of a checkpoint, all or nothing: the file must hold exactly this model's LoRA
+    tensors (ValueError naming what is missing or unexpected, before anything is loaded)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = ckpt_dir / ADAPTER_FILE
+    tensors = load_file(str(path))
+    expected = get_peft_model_state_dict(peft_model)
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    wrong = [k for k in expected if k in tensors and tensors[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{path}: not this policy's adapter ({len(missing)} tensors missing, {len(unexpected)} unexpected, "
+            f"{len(wrong)} of another shape; e.g. {(missing + unexpected + wrong)[:2]})"
+        )
+    set_peft_model_state_dict(peft_model, tensors)
+
+
+def is_adapter_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` holds a LoRA adapter (peft's ``adapter_config.json``) rather than a whole model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def base_model_of(path: str | Path) -> Path:
+    """The base model an adapter checkpoint was trained on (its ``adapter_config.json``)."""
+    config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+    return Path(config["base_model_name_or_path"])
+
+
+def merge_adapter_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A whole model directory at ``out_dir``: the adapter checkpoint at ``ckpt_dir`` merged into its base
+    model, with the checkpoint's tokenizer (for an engine that needs whole weights: ``coba-eval``)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = Path(ckpt_dir)
+    base = base_model_of(ckpt)
+    if not (base / "config.json").is_file():
+        raise ValueError(f"{ckpt / ADAPTER_CONFIG} names the base model {base}, which is not a model directory")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(model, ckpt)
+    out = save_merged(peft_model.get_base_model(), out_dir, dtype)
+    AutoTokenizer.from_pretrained(ckpt if (ckpt / "tokenizer_config.json").is_file() else base).save_pretrained(out)
+    return out

@@ -1,0 +1,72 @@
+"""Output directories built by a command (coba_tasks/pipeline/fileio.py): refused, replaced, never emptied."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from coba_tasks.pipeline.fileio import OutputDirError, check_output_dir, files_of, new_temporary_dir, publish_dir
+
+RECORD = "built.json"
+
+
+def _build(folder: Path, payload: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "weights.bin").write_text(payload)
+    (folder / "sub").mkdir(exist_ok=True)
+    (folder / "sub" / "part.txt").write_text(payload)
+    (folder / RECORD).write_text(json.dumps({"files": files_of(folder)}))
+    return folder
+
+
+def test_missing_and_empty_directories_are_free(tmp_path: Path) -> None:
+    assert check_output_dir(tmp_path / "absent", RECORD, "build") is False
+    (tmp_path / "empty").mkdir()
+    assert check_output_dir(tmp_path / "empty", RECORD, "build") is False
+
+
+def test_a_file_or_a_directory_of_someone_else_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputDirError, match="is not a directory"):
+        check_output_dir(tmp_path / "f", RECORD, "build")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "mine.txt").write_text("x")
+    with pytest.raises(OutputDirError, match=r"holds no built\.json \(it is not a build\); nothing was removed"):
+        check_output_dir(tmp_path / "d", RECORD, "build")
+
+
+def test_files_the_record_does_not_list_are_named(tmp_path: Path) -> None:
+    out = _build(tmp_path / "out", "a")
+    assert check_output_dir(out, RECORD, "build") is True
+    (out / "sub" / "notes.md").write_text("mine")
+    with pytest.raises(OutputDirError, match=r"holds files that no build build wrote \(sub/notes\.md\)"):
+        check_output_dir(out, RECORD, "build")
+
+
+def test_a_record_without_a_file_list_allows_only_the_default_names(tmp_path: Path) -> None:
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / RECORD).write_text("{}")
+    (out / "weights.bin").write_text("a")
+    assert check_output_dir(out, RECORD, "build", default_files=("weights.bin",)) is True
+    with pytest.raises(OutputDirError, match=r"\(weights\.bin\)"):
+        check_output_dir(out, RECORD, "build")
+
+
+def test_publish_replaces_only_what_the_record_lists(tmp_path: Path) -> None:
+    out = _build(tmp_path / "out", "old")
+    (out / "late.txt").write_text("written after the check")  # e.g. by the user while the build ran
+    tmp = _build(new_temporary_dir(out), "new")
+    kept = publish_dir(tmp, out, RECORD)
+    assert (out / "weights.bin").read_text() == "new" and not (out / "late.txt").exists()
+    assert len(kept) == 1 and kept[0].endswith("/late.txt") and Path(kept[0]).read_text() == "written after the check"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".old")) == ["out"]
+
+
+def test_publish_into_nothing_and_a_clean_replace_leave_no_temporary(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert publish_dir(_build(new_temporary_dir(out), "a"), out, RECORD) == []
+    assert publish_dir(_build(new_temporary_dir(out), "b"), out, RECORD) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "weights.bin").read_text() == "b"
