@@ -3,7 +3,7 @@
 ``coba bench stages`` (coba_tasks/commands/bench_stages.py) opens two run directories on one engine and
 calls this flow; each flow-side step is ``run_step``, exactly what ``coba-train`` runs per step (five
 task runs, the progress line, the step's artifacts), and each plain-side step runs the same stage
-functions without Prefect (``coba_tasks.pipeline.run.plain_step``), inside the same flow run, so both
+functions without Prefect (``coba_tasks.pipeline.stage_runner.plain_step``), inside the same flow run, so both
 sides meet the same server, threads and load.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect import flow
 
-from coba_tasks.pipeline import run
+from coba_tasks.pipeline import run, stage_runner
 from coba_tasks.pipeline.store import STEP_STAGES
 from flows.train import run_step
 
@@ -27,7 +27,7 @@ def bench_steps_flow(flow_dir: str, plain_dir: str, steps: int) -> list[dict[str
     step and side: the wall time, the seconds inside the stage bodies, and the seconds per stage
     (timing.json).
     """
-    sides = {"flow": (flow_dir, run_step), "plain": (plain_dir, run.plain_step)}
+    sides = {"flow": (flow_dir, run_step), "plain": (plain_dir, stage_runner.plain_step)}
     pairs = []
     for t in range(steps):
         order = ("flow", "plain") if t % 2 == 0 else ("plain", "flow")

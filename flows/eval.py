@@ -1,6 +1,7 @@
 """The evaluation flow: held-out accuracy of a model directory on a test Parquet.
 
-    prefect deployment run coba-eval/coba-eval --param model_path=runs/demo-1/checkpoints/000020
+    prefect deployment run coba-eval/coba-eval --param model_path=runs/demo-1/checkpoints/000020 \
+        --param settings='{"test_path": "data/arith_chat_test.parquet", "samples": 4, "temperature": 1.0}'
     python -c "from flows.eval import eval_flow; print(eval_flow('models/arith-tiny'))"
 
 The model is any Hugging Face model directory: a run's checkpoint (``runs/<name>/checkpoints/NNNNNN``)
@@ -26,21 +27,16 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from coba_tasks.engines.checkpoint import CHECKPOINT_MANIFEST, verify_checkpoint
 from coba_tasks.engines.lora import is_adapter_checkpoint, merge_adapter_checkpoint
-from coba_tasks.engines.rollout import backends, make_backend
-from coba_tasks.engines.trainer import CHECKPOINT_MANIFEST, verify_checkpoint
-from coba_tasks.engines.verify import VerifierPool
+from coba_tasks.engines.rollout import make_backend
+from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
-from coba_tasks.pipeline.data import (
-    PROMPT_FORMATS,
-    UNKNOWN_SOURCES,
-    DatasetError,
-    check_ground_truths,
-    check_prompt_lengths,
-    load_dataset,
-    model_context,
-    render_prompts,
-)
+from coba_tasks.pipeline.data import load_dataset
+from coba_tasks.pipeline.data_problems import DatasetError
+from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
+from coba_tasks.pipeline.data_run import check_ground_truths
+from coba_tasks.pipeline.eval_settings import EvalSettings, eval_settings
 from coba_tasks.pipeline.fileio import atomic_write
 
 VERIFY_WORKERS, VERIFY_TIMEOUT_S = 2, 5.0  # the defaults of the run config's verify section
@@ -68,27 +64,8 @@ def artifact_key(model_path: str | Path) -> str:
     return f"eval-{slug or 'model'}"
 
 
-def select_prompts(test: pd.DataFrame, eval_prompts: int, seed: int) -> pd.DataFrame:
-    """A seeded sample of ``eval_prompts`` prompts (0 = all), drawn as the training flow draws its held-out set."""
-    if eval_prompts and eval_prompts < len(test):
-        return test.sample(eval_prompts, random_state=seed).reset_index(drop=True)
-    return test
-
-
-def _check_parameters(
-    model_path: str,
-    test_path: str,
-    samples: int,
-    temperature: float,
-    max_tokens: int,
-    backend: str,
-    eval_prompts: int,
-    top_p: float = 1.0,
-    prompt_format: str = "auto",
-    unknown_sources: str = "error",
-    max_model_len: int = 0,
-) -> None:
-    """Refuse bad parameters before an engine starts; the messages say what to pass instead."""
+def _check_inputs(model_path: str, settings: EvalSettings) -> None:
+    """Refuse a model or test file that cannot be evaluated before an engine starts; the messages say why."""
     if not (Path(model_path) / "config.json").is_file() and not is_adapter_checkpoint(model_path):
         raise ValueError(
             f"model_path {model_path!r} is not a Hugging Face model directory (no config.json) nor a LoRA "
@@ -96,81 +73,45 @@ def _check_parameters(
         )
     if (Path(model_path) / CHECKPOINT_MANIFEST).is_file():  # a run's checkpoint: every file as it was written
         verify_checkpoint(model_path)
-    if not Path(test_path).is_file():
-        raise ValueError(f"test_path {test_path!r} does not exist (a Parquet file of held-out prompts)")
-    if backend not in backends():
-        raise ValueError(f"backend {backend!r} is unknown; valid backends: {', '.join(backends())}")
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1 (completions per prompt), got {samples}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if samples > 1 and temperature == 0:
-        raise ValueError("samples > 1 needs temperature > 0 (greedy decoding repeats one completion)")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1.0 = no nucleus truncation), got {top_p}")
-    if eval_prompts < 0:
-        raise ValueError(f"eval_prompts must be >= 0 (0 = every prompt of the test set), got {eval_prompts}")
-    if prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
-    if unknown_sources not in UNKNOWN_SOURCES:
-        raise ValueError(f"unknown_sources must be one of {', '.join(UNKNOWN_SOURCES)}, got {unknown_sources!r}")
-    if max_model_len < 0 or (max_model_len and max_model_len <= max_tokens):
-        raise ValueError(
-            f"max_model_len must exceed max_tokens ({max_tokens}) to leave room for the prompt, or be 0 for the "
-            f"model's own context length; got {max_model_len}"
-        )
+    if not Path(settings.test_path).is_file():
+        raise ValueError(f"test_path {settings.test_path!r} does not exist (a Parquet file of held-out prompts)")
 
 
 @task(name="heldout-eval", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def evaluate_model(
-    model_path: str,
-    test_path: str,
-    samples: int,
-    temperature: float,
-    max_tokens: int,
-    backend: str,
-    eval_prompts: int,
-    seed: int,
-    dtype: str,
-    max_model_len: int,
-    top_p: float = 1.0,
-    prompt_format: str = "auto",
-    unknown_sources: str = "error",
-) -> pd.DataFrame:
+def evaluate_model(model_path: str, settings: EvalSettings) -> pd.DataFrame:
     """Per-prompt held-out accuracy of the model; the engine and the verifier pool live only in this task.
 
     The prompts pass the checks a training run makes before anything starts: every ground truth read by
     its verifier (an unknown data_source refused, unless ``unknown_sources`` is ``math``), and every
     prompt with room for ``max_tokens`` in the context (``max_model_len``, or the model's own when 0)."""
-    loaded = load_dataset(test_path)
-    checked, _ = check_ground_truths(loaded, test_path, "error", unknown_sources, VERIFY_WORKERS, VERIFY_TIMEOUT_S)
+    s = settings
+    loaded = load_dataset(s.test_path)
+    checked, _ = check_ground_truths(loaded, s.test_path, "error", s.unknown_sources, VERIFY_WORKERS, VERIFY_TIMEOUT_S)
     with contextlib.ExitStack() as stack:
         engine_path = model_path
         if is_adapter_checkpoint(model_path):  # a LoRA checkpoint: the engine samples from the merged weights
             merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coba-eval-"))) / "merged"
-            engine_path = str(merge_adapter_checkpoint(model_path, merged, getattr(torch, dtype, torch.float32)))
-        tokenizer, context, context_from = model_context(engine_path, False, max_model_len)
-        selected = select_prompts(checked, eval_prompts, seed)
-        test, unrendered = render_prompts(selected, tokenizer, prompt_format)
+            engine_path = str(merge_adapter_checkpoint(model_path, merged, getattr(torch, s.dtype, torch.float32)))
+        tokenizer, context, context_from = model_context(engine_path, False, s.max_model_len)
+        selected = stages.eval_sample(checked, s.eval_prompts, s.seed)  # as a training run draws its held-out set
+        test, unrendered = render_prompts(selected, tokenizer, s.prompt_format)
         if unrendered:
-            raise DatasetError(test_path, unrendered)
-        if context is not None:  # the same check and message as a run's (coba_tasks.pipeline.data)
+            raise DatasetError(s.test_path, unrendered)
+        if context is not None:  # the same check and message as a run's (coba_tasks.pipeline.data_run)
             check_prompt_lengths(
                 test,
                 context,
-                max_tokens,
-                test_path,
+                s.max_tokens,
+                s.test_path,
                 "error",
                 context_from.replace("rollout.max_model_len", "max_model_len"),
             )
-        engine = make_backend(backend, engine_path, dtype=dtype, max_model_len=max_model_len or None, seed=seed)
+        engine = make_backend(s.backend, engine_path, dtype=s.dtype, max_model_len=s.max_model_len or None, seed=s.seed)
         pool = None
         try:
             engine.weight_version = checkpoint_version(model_path)
             pool = VerifierPool(workers=VERIFY_WORKERS, timeout_s=VERIFY_TIMEOUT_S)
-            return stages.evaluate(test, engine, pool, samples, temperature, max_tokens, seed, top_p=top_p)
+            return stages.evaluate(test, engine, pool, s.samples, s.temperature, s.max_tokens, s.seed, top_p=s.top_p)
         finally:
             if pool is not None:
                 pool.close()
@@ -189,61 +130,23 @@ def write_table(table: pd.DataFrame, out_path: str) -> str:
 @flow(name="coba-eval")
 def eval_flow(
     model_path: str,
-    test_path: str = "data/arith_test.parquet",
-    samples: int = 1,
-    temperature: float = 0.0,
-    max_tokens: int = 12,
-    backend: str = "vllm",
-    eval_prompts: int = 0,
-    seed: int = 0,
+    settings: EvalSettings | None = None,
     out_path: str | None = None,
-    dtype: str = "float32",
-    max_model_len: int = 64,
-    top_p: float = 1.0,
-    prompt_format: str = "auto",
-    unknown_sources: str = "error",
 ) -> dict[str, Any]:
-    """Held-out accuracy of ``model_path`` on ``test_path``: {"accuracy", "by_difficulty", "prompts"}.
+    """Held-out accuracy of ``model_path`` on ``settings.test_path``: {"accuracy", "by_difficulty", "prompts"}.
 
-    ``samples`` completions per prompt at ``temperature`` (1 at 0.0 = greedy), at most ``max_tokens``
-    tokens each, generated by ``backend`` (vllm or transformers); ``eval_prompts`` a seeded sample of
-    the test set (0 = all); ``out_path`` where to write the per-prompt table (Parquet), if anywhere.
-    ``dtype`` and ``max_model_len`` (0 = the model's own) as in the run config's model and rollout sections;
-    ``top_p`` the nucleus of a sampled evaluation (the run config's run.eval_top_p; the paper: 0.9);
-    ``prompt_format`` how prompts are rendered (the run config's data.prompt_format: auto, chat or raw);
-    ``unknown_sources`` what a data_source without a verifier does (the run config's verify.unknown_sources:
-    error refuses the file, math scores it with math-verify). Ground truths and prompt lengths are checked
-    as a training run checks them, before the engine starts.
+    ``settings`` (``EvalSettings``; a dict of its fields in a deployment, the defaults when left out):
+    ``samples`` completions per prompt at ``temperature`` (1 at 0.0 = greedy) and ``top_p``, at most
+    ``max_tokens`` tokens each, generated by ``backend``; ``eval_prompts`` a seeded sample of the test
+    set (0 = all); ``dtype``, ``max_model_len``, ``prompt_format`` and ``unknown_sources`` as in a run
+    config (``EvalSettings.from_config`` gives a run's). ``out_path`` is where to write the per-prompt
+    table (Parquet), if anywhere. Ground truths and prompt lengths are checked as a training run checks
+    them, before the engine starts.
     """
     log = get_run_logger()
-    _check_parameters(
-        model_path,
-        test_path,
-        samples,
-        temperature,
-        max_tokens,
-        backend,
-        eval_prompts,
-        top_p,
-        prompt_format,
-        unknown_sources,
-        max_model_len,
-    )
-    table = evaluate_model(
-        model_path,
-        test_path,
-        samples,
-        temperature,
-        max_tokens,
-        backend,
-        eval_prompts,
-        seed,
-        dtype,
-        max_model_len,
-        top_p,
-        prompt_format,
-        unknown_sources,
-    )
+    settings = eval_settings(settings)
+    _check_inputs(model_path, settings)
+    table = evaluate_model(model_path, settings)
     written = write_table(table, out_path) if out_path else None
     by_level = table.groupby("difficulty")["accuracy"].mean()
     figures = {
@@ -251,6 +154,8 @@ def eval_flow(
         "by_difficulty": {str(k): float(v) for k, v in by_level.items()},
         "prompts": len(table),
     }
+    s = settings
+    test_path = s.test_path
     levels = " | ".join(f"{k}: {v:.2f}" for k, v in figures["by_difficulty"].items())
     log.info(
         f"held-out accuracy of {model_path} on {test_path}: {figures['accuracy']:.3f} over {len(table)} prompts"
@@ -261,7 +166,7 @@ def eval_flow(
         markdown=(
             f"# Held-out evaluation of {model_path}\n\n| figure | value |\n|---|---|\n"
             f"| test set | {test_path} |\n| prompts | {len(table)} |\n"
-            f"| samples per prompt | {samples} (temperature {temperature}, top-p {top_p}) |\n"
+            f"| samples per prompt | {s.samples} (temperature {s.temperature}, top-p {s.top_p}) |\n"
             f"| accuracy | {figures['accuracy']:.3f} |\n"
             + "".join(f"| accuracy, level {k} | {v:.2f} |\n" for k, v in figures["by_difficulty"].items())
             + (f"| per-prompt table | {written} |\n" if written else "")

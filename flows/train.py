@@ -4,12 +4,11 @@ step) -> GRPO update, as Prefect tasks over the run directory's Parquet tables.
     coba run                                      # configs/demo.yaml, runs/<run.name>
     coba run --config configs/tiny-test.yaml --run-dir runs/t --steps 2 --set optim.lr=3e-5
 
-This module only composes. Each task runs one stage through ``coba_tasks.pipeline.run.run_stage``
+This module only composes. Each task runs one stage through ``coba_tasks.pipeline.stage_runner.run_stage``
 (skip it when its table is done, else compute, write, time) and returns a few figures; the flow body
-calls the tasks in stage order (``run_step`` per step, inline; ``coba-train-step`` wraps one step as
-a flow of its own). Tasks pass the run directory and a step number: the long-lived resources of a run
-(the rollout engine, the verifier pool, the training model) live in the flow process and are looked
-up by directory (``coba_tasks.pipeline.run.resources``).
+calls the tasks in stage order (``run_step`` per step, inline). Tasks pass the run directory and a
+step number: the long-lived resources of a run (the rollout engine, the verifier pool, the training
+model) live in the flow process and are looked up by directory (``coba_tasks.pipeline.run.resources``).
 """
 
 from __future__ import annotations
@@ -22,9 +21,10 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from coba_tasks.pipeline import run
-from coba_tasks.pipeline.run import Stage
+from coba_tasks.pipeline import run, stage_runner
 from coba_tasks.pipeline.runlock import RunLock
+from coba_tasks.pipeline.store import Stage
+from coba_tasks.pipeline.summary import run_summary_json
 
 _TASK = {"cache_policy": NO_CACHE, "retries": 1, "retry_delay_seconds": 2}
 
@@ -32,37 +32,37 @@ _TASK = {"cache_policy": NO_CACHE, "retries": 1, "retry_delay_seconds": 2}
 @task(name="rollout-generation", task_run_name="rollout-generation-step-{step}", **_TASK)
 def rollout_task(run_dir: str, step: int) -> dict[str, Any]:
     """Generate each prompt's budgeted group with the current policy."""
-    return run.stage_figures(Stage.ROLLOUTS, run.run_stage(run_dir, step, Stage.ROLLOUTS))
+    return stage_runner.stage_figures(Stage.ROLLOUTS, stage_runner.run_stage(run_dir, step, Stage.ROLLOUTS))
 
 
 @task(name="verification", task_run_name="verification-step-{step}", **_TASK)
 def verify_task(run_dir: str, step: int) -> dict[str, int]:
     """Score every rollout; verdict counts."""
-    return run.stage_figures(Stage.REWARDS, run.run_stage(run_dir, step, Stage.REWARDS))
+    return stage_runner.stage_figures(Stage.REWARDS, stage_runner.run_stage(run_dir, step, Stage.REWARDS))
 
 
 @task(name="failure-rate-update", task_run_name="failure-rate-update-step-{step}", **_TASK)
 def capability_task(run_dir: str, step: int) -> dict[str, float]:
     """Fold the step's pass rates into F, (alpha, beta) and the per-prompt history."""
-    return run.stage_figures(Stage.CAPABILITY, run.run_stage(run_dir, step, Stage.CAPABILITY))
+    return stage_runner.stage_figures(Stage.CAPABILITY, stage_runner.run_stage(run_dir, step, Stage.CAPABILITY))
 
 
 @task(name="heap-allocation", task_run_name="heap-allocation-step-{step}", **_TASK)
 def allocation_task(run_dir: str, step: int) -> dict[str, float]:
     """Allocate the rollout budget of the next step's batch; budget statistics."""
-    return run.stage_figures(Stage.BUDGET, run.run_stage(run_dir, step, Stage.BUDGET))
+    return stage_runner.stage_figures(Stage.BUDGET, stage_runner.run_stage(run_dir, step, Stage.BUDGET))
 
 
 @task(name="grpo-update", task_run_name="grpo-update-step-{step}", cache_policy=NO_CACHE, retries=0)
 def update_task(run_dir: str, step: int) -> dict[str, float]:
     """GRPO update on the step's rollouts; checkpoint; reload the rollout engine's weights."""
-    return run.stage_figures(Stage.UPDATE, run.run_stage(run_dir, step, Stage.UPDATE))
+    return stage_runner.stage_figures(Stage.UPDATE, stage_runner.run_stage(run_dir, step, Stage.UPDATE))
 
 
 @task(name="heldout-eval", task_run_name="heldout-eval-step-{step}", **_TASK)
 def eval_task(run_dir: str, step: int) -> dict[str, Any]:
     """Held-out accuracy of the weights after ``step`` updates (steps/<step>/eval.parquet)."""
-    return run.stage_figures(Stage.EVAL, run.run_stage(run_dir, step, Stage.EVAL))
+    return stage_runner.stage_figures(Stage.EVAL, stage_runner.run_stage(run_dir, step, Stage.EVAL))
 
 
 def run_step(run_dir: str, step: int) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def run_step(run_dir: str, step: int) -> dict[str, Any]:
     cap = capability_task(run_dir, step)
     budget = allocation_task(run_dir, step)
     upd = update_task(run_dir, step)
-    seconds = run.write_step_timing(res, step, seconds_before)
+    seconds = stage_runner.write_step_timing(res, step, seconds_before)
     figures = {"rollouts": rollouts, "rewards": verdicts, "capability": cap, "budget": budget, "update": upd}
     get_run_logger().info(step_line(step, res.cfg.run.steps, figures, seconds, time.perf_counter() - t0))
     _post_step_artifacts(res, step, rollouts["rollouts"], verdicts, {**cap, **upd})
@@ -141,12 +141,6 @@ def _post_step_artifacts(res: run.RunResources, step: int, n_rollouts: int, verd
     )
 
 
-@flow(name="coba-train-step")
-def train_step_flow(run_dir: str, step: int) -> dict[str, Any]:
-    """One training step as its own flow run (for running or rerunning a single step)."""
-    return run_step(run_dir, step)
-
-
 @flow(name="coba-train")
 def train_flow(
     config_path: str | None = None,
@@ -183,10 +177,10 @@ def train_flow(
         raise
     directory = str(res.store.root)
     try:
-        first = run.resume_point(res)
+        first = stage_runner.resume_point(res)
         if first > 0:
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
-        log.info(f"held-out evaluation before training: {run.eval_plan(res)}")
+        log.info(f"held-out evaluation before training: {stage_runner.eval_plan(res)}")
         before = eval_task(directory, 0)
         log.info(f"held-out accuracy before training: {_eval_text(before)}")
         for step in range(first, cfg.run.steps):
@@ -200,10 +194,10 @@ def train_flow(
             if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
                 ev = eval_task(directory, step + 1)
                 log.info(f"held-out accuracy after step {step + 1}: {_eval_text(ev)}")
-        log.info(f"held-out evaluation after training: {run.eval_plan(res)}")
+        log.info(f"held-out evaluation after training: {stage_runner.eval_plan(res)}")
         after = eval_task(directory, cfg.run.steps)
         log.info(f"held-out accuracy after training: {_eval_text(after)}")
-        summary = run.run_summary_json(res, time.perf_counter() - t_start)
+        summary = run_summary_json(res, time.perf_counter() - t_start)
         res.store.write_json("summary.json", summary)
         _post_report(res.store.root)
         return summary

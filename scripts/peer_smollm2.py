@@ -85,10 +85,10 @@ def trl_run(args: argparse.Namespace, out: Path) -> dict:
 def evaluate(model_dir: Path, args: argparse.Namespace) -> dict:
     """coba-rl's held-out evaluation of a model directory: what a run's evaluation after training measures."""
     from coba_tasks.engines.rollout import make_backend
-    from coba_tasks.engines.verify import VerifierPool
+    from coba_tasks.engines.verify_pool import VerifierPool
     from coba_tasks.pipeline import stages
     from coba_tasks.pipeline.config import load_config
-    from coba_tasks.pipeline.data import load_run_datasets
+    from coba_tasks.pipeline.data_run import load_run_datasets
 
     cfg = load_config(ROOT / "configs/smollm2-arith.yaml", [f"model.path={model_dir}", f"data.test={args.test}"])
     test = load_run_datasets(cfg, train=False).test.sample(120, random_state=0).reset_index(drop=True)

@@ -89,7 +89,7 @@ def math_reward(completions: list, ground_truth: list[str], **_) -> list[float]:
     global _POOL
     if _POOL is None:
         sys.path.insert(0, str(ROOT))
-        from coba_tasks.engines.verify import VerifierPool
+        from coba_tasks.engines.verify_pool import VerifierPool
 
         _POOL = VerifierPool(workers=2, timeout_s=5.0)
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: a message

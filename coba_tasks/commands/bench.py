@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from coba_tasks.core.allocation import allocate, coba_objective
+from coba_tasks.commands.args import available_cpus
+from coba_tasks.core.allocation import allocate
+from coba_tasks.core.allocators import coba_objective
 from coba_tasks.core.values import adaptive_tau
 
 PAPER = {"M": 512, "B_total": 8192, "min_budget": 2, "max_budget": 128, "heap_s": 0.124, "dp_s": 115.05}
@@ -154,7 +156,7 @@ def bench_allocate(
         sweep.append(row)
     return {
         "benchmark": "allocate",
-        "machine": {"python": platform.python_version(), "processor": platform.machine(), "cpus": _cpus()},
+        "machine": {"python": platform.python_version(), "processor": platform.machine(), "cpus": available_cpus()},
         "paper_setting": paper,
         "sweep": sweep,
         "goals": {
@@ -163,12 +165,6 @@ def bench_allocate(
             "threshold_below_2s_at_1M": next((r["threshold_s"] < 2.0 for r in sweep if r["M"] == 1_000_000), None),
         },
     }
-
-
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _fmt_s(s: float | None) -> str:
@@ -244,7 +240,8 @@ def bench_rollout(
     from transformers import AutoTokenizer
 
     from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
-    from coba_tasks.pipeline.data import load_dataset, render_prompts
+    from coba_tasks.pipeline.data import load_dataset
+    from coba_tasks.pipeline.data_prompts import render_prompts
 
     df, _ = render_prompts(load_dataset(test_path).head(prompts), AutoTokenizer.from_pretrained(model_path))
     requests = [
@@ -306,7 +303,8 @@ def format_rollout(result: dict) -> str:
 
 def bench_verify(arith_items: int = 20_000, math_items: int = 300, workers: int = 2, seed: int = 0) -> dict:
     """Verifier items per second: the in-process arith path and math-verify through the worker pool."""
-    from coba_tasks.engines.verify import VerifierPool, count_verdicts
+    from coba_tasks.engines.verify import count_verdicts
+    from coba_tasks.engines.verify_pool import VerifierPool
 
     rng = np.random.default_rng(seed)
     a = rng.integers(-999, 999, size=arith_items)

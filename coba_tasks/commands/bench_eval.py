@@ -26,16 +26,18 @@ from typing import Any
 
 import pandas as pd
 
+from coba_tasks.commands.args import add_command
+
 
 def bench_eval(
     config_path: str | None, overrides: Sequence[str] = (), repeats: int = 2, progress: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """The figures (see the module docstring), as a dict; times in seconds."""
     from coba_tasks.engines.rollout import make_backend
-    from coba_tasks.engines.verify import VerifierPool
+    from coba_tasks.engines.verify_pool import VerifierPool
     from coba_tasks.pipeline import stages
     from coba_tasks.pipeline.config import check_paths, load_config
-    from coba_tasks.pipeline.data import load_run_datasets
+    from coba_tasks.pipeline.data_run import load_run_datasets
 
     cfg = load_config(config_path, list(overrides))
     check_paths(cfg)
@@ -45,8 +47,7 @@ def bench_eval(
             "bench eval times a sampled evaluation: needs run.eval_samples >= 2 and run.eval_temperature > 0"
         )
     test = load_run_datasets(cfg, train=False).test
-    if cfg.data.eval_prompts and cfg.data.eval_prompts < len(test):
-        test = test.sample(cfg.data.eval_prompts, random_state=r.seed).reset_index(drop=True)
+    test = stages.eval_sample(test, cfg.data.eval_prompts, r.seed)
     progress(f"engine on {cfg.model.path}; {len(test)} prompts x ({r.eval_samples} sampled + greedy)")
     engine = make_backend(
         cfg.rollout.backend,
@@ -135,13 +136,15 @@ def format_eval(r: dict[str, Any]) -> str:
 
 def add_bench_eval_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Register ``eval`` under the ``bench`` subcommand group; returns its parser."""
-    p = bench_subparsers.add_parser(
+    p = add_command(
+        bench_subparsers,
         "eval",
         help="a held-out evaluation now (one call, sort-free top-p) against before (separate calls, vLLM's top-p)",
         description=__doc__.split("\n\n")[1],
-        epilog="examples:\n  coba bench eval --config configs/smollm2-arith.yaml\n"
-        "  coba bench eval --config configs/tiny-test.yaml --set run.eval_samples=4 --set run.eval_temperature=1.0",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "coba bench eval --config configs/smollm2-arith.yaml",
+            "coba bench eval --config configs/tiny-test.yaml --set run.eval_samples=4 --set run.eval_temperature=1.0",
+        ],
     )
     p.add_argument("--config", default="configs/smollm2-arith.yaml", help="YAML config (default: the SmolLM2 one)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from coba_tasks.commands.args import add_command
+
 
 def bench_lora(
     checkpoint: str | None,
@@ -44,8 +46,10 @@ def bench_lora(
 
     from coba_tasks.engines.lora import base_model_of
     from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
-    from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings, sampler_gap_rows
-    from coba_tasks.pipeline.data import load_dataset, render_prompts
+    from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+    from coba_tasks.engines.update_batch import sampler_gap_rows
+    from coba_tasks.pipeline.data import load_dataset
+    from coba_tasks.pipeline.data_prompts import render_prompts
 
     with tempfile.TemporaryDirectory(prefix="coba-bench-lora-") as tmp:
         work = Path(tmp)
@@ -150,12 +154,12 @@ def format_lora(r: dict[str, Any]) -> str:
 
 
 def add_bench_lora_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    p = bench_subparsers.add_parser(
+    p = add_command(
+        bench_subparsers,
         "lora",
         help="sampling a LoRA policy: merged weights against vLLM's LoRA adapters (speed, exactness)",
         description=__doc__.split("\n\n")[1],
-        epilog="examples:\n  coba bench lora\n  coba bench lora --checkpoint runs/x/checkpoints/000002 --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=["coba bench lora", "coba bench lora --checkpoint runs/x/checkpoints/000002 --json"],
     )
     p.add_argument("--checkpoint", default=None, help="a LoRA checkpoint (default: one update on synthetic groups)")
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="base model without --checkpoint")

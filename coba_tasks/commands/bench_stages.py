@@ -11,8 +11,8 @@ Everything runs in one process, one after the other, on the same machine state:
    directories with the same config share one vLLM engine and one verifier pool (each run has its
    own trainer). Inside one flow run (``flows/bench.py``), step t of the first run goes through
    ``run_step``, what ``coba-train`` runs per step (five task runs, the progress line, the
-   artifacts), and step t of the second run calls the same five task bodies as plain functions
-   (``rollout_task.fn(run_dir, step)`` ...) plus the same timing.json write; the order alternates
+   artifacts), and step t of the second run runs the same five stages as plain function calls
+   (``plain_step``, without Prefect) plus the same timing.json write; the order alternates
    every step (flow first on even steps), and before the second run of a pair the engine is given
    the step's weights back (untimed). Both sides thus meet the same load, server and threads; the
    ratio flow / plain is printed per step with its median, smallest and largest value, and both
@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from coba_tasks.commands.args import add_command, available_cpus, positive_int
 from coba_tasks.commands.bench import _median_time as bench_median_time
 from coba_tasks.pipeline.store import STAGES, Stage
 
@@ -57,10 +58,6 @@ STAGE_NAMES = STAGES  # the five stages of a step, in pipeline order
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return bench_median_time(fn, repeats, warmup=False)  # stateful calls (the update): no untimed extra call
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -147,7 +144,7 @@ def bench_stages(
 def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: int, progress) -> dict:
     import torch
 
-    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import run, stage_runner
 
     work.mkdir(parents=True, exist_ok=True)
     flow_dir, plain_dir, scratch_dir = (work / n for n in ("flow", "plain", "scratch"))
@@ -157,7 +154,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
     machine = {
         "python": platform.python_version(),
         "processor": platform.machine(),
-        "cpus": _cpus(),
+        "cpus": available_cpus(),
         "torch_threads_at_start": torch.get_num_threads(),
         "cuda": bool(torch.cuda.is_available()),
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -176,11 +173,11 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
     try:
         progress("start the engine, the verifier pool and the two runs' trainers")
         for r in (res_flow, res):
-            run.write_first_budget(r)
+            stage_runner.write_first_budget(r)
         run.start_resources(res_flow, cfg.model.path, version=0)
         run.start_resources(res, cfg.model.path, version=0, engine=res_flow.engine, pool=res_flow.pool)
         machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
-        run.run_stage(root, 0, Stage.EVAL)  # a warm-up of the engine and the pool, untimed
+        stage_runner.run_stage(root, 0, Stage.EVAL)  # a warm-up of the engine and the pool, untimed
         progress(f"{steps} steps of each run, interleaved: through Prefect (coba-bench-steps) and as plain calls")
         pairs = bench_steps_flow(str(flow_root), str(root), steps)
         flow, plain = (_step_figures(pairs, side) for side in ("flow", "plain"))
@@ -190,7 +187,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
         budget = store.read_table(t, Stage.BUDGET)
         rollouts = store.read_table(t, Stage.ROLLOUTS)
         rewards = store.read_table(t, Stage.REWARDS)
-        rollout = _bench_rollout(res, cfg, budget, t, repeats, progress, run.sampling(cfg))
+        rollout = _bench_rollout(res, cfg, budget, t, repeats, progress, stage_runner.sampling(cfg))
         verify = _bench_verify(res, rollouts, rewards, repeats, progress)
         parquet = _bench_parquet(store, scratch_dir, cfg, t, repeats, progress)
         update = _bench_update(res, rollouts, rewards, scratch_dir, repeats, progress)
@@ -313,7 +310,6 @@ def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, pro
 
 def _bench_verify(res: Any, rollouts: Any, rewards: Any, repeats: int, progress) -> dict:
     from coba_tasks.engines.verify import count_verdicts
-    from coba_tasks.pipeline import stages
 
     meta = res.prompts.set_index("prompt_id")
     items = list(
@@ -332,7 +328,7 @@ def _bench_verify(res: Any, rollouts: Any, rewards: Any, repeats: int, progress)
         "workers": res.pool.n_workers,
         "seconds": seconds,
         "items_per_s": len(items) / seconds,
-        "same_verdicts": count_verdicts(verdicts) == stages.count_verdicts_from_table(rewards),
+        "same_verdicts": count_verdicts(verdicts) == count_verdicts(rewards["verdict"]),
     }
 
 
@@ -488,19 +484,10 @@ def format_stages(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return n
-
-
 def add_bench_stages_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Register ``stages`` under the ``bench`` subcommand group; returns its parser."""
-    p = bench_subparsers.add_parser(
+    p = add_command(
+        bench_subparsers,
         "stages",
         help="where a training step's time goes: rollout stage vs bare vLLM, Prefect vs plain calls, Parquet, "
         "verifier, update",
@@ -509,9 +496,11 @@ def add_bench_stages_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
         "prompts, budgets and seeds, the Parquet write and read of each of the step's tables, the verifier and the "
         "GRPO update. Prints the figures and the ratios with their goals (rollout stage / bare vLLM <= 1.10, "
         "orchestration <= 10% of a step); asserts nothing.",
-        epilog="examples:\n  coba bench stages\n  coba bench stages --steps 5 --json > stages.json\n"
-        "  coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "coba bench stages",
+            "coba bench stages --steps 5 --json > stages.json",
+            "coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
+        ],
     )
     p.add_argument(
         "--config",
@@ -525,7 +514,7 @@ def add_bench_stages_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
     )
-    p.add_argument("--steps", type=_positive, default=3, help="training steps in each run (default 3)")
+    p.add_argument("--steps", type=positive_int, default=3, help="training steps in each run (default 3)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=cmd_bench_stages)
     return p

@@ -49,6 +49,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from coba_tasks.commands.args import add_command, available_cpus, positive_int
+
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 DEFAULT_GROUPS = (2, 4, 6, 8, 10, 14, 20)  # 64 completions: CoBA's budgets are uneven
 
@@ -109,7 +111,7 @@ class PlainUpdate:
     def loss_backward(self, prompts: list[list[int]], completions: list[list[int]], adv: np.ndarray) -> float:
         """Forward and backward over every micro-batch (gradients accumulate); the batch's loss."""
         from coba_tasks.core.grpo import policy_loss
-        from coba_tasks.engines.trainer import pad_sequences
+        from coba_tasks.engines.update_batch import pad_sequences
 
         token_count = float(sum(len(c) for c in completions))
         advantages = torch.as_tensor(adv, dtype=torch.float32)
@@ -199,7 +201,7 @@ def bench_update(
         prompts, completions, adv = synthetic_batch(groups, prompt_tokens, completion_tokens, config.vocab_size)
     completion_count = sum(len(c) for c in completions)
     all_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-    settings = UpdateSettings(lr=1e-6, micro_batch_size=micro_batch, threads=threads or _cpus())
+    settings = UpdateSettings(lr=1e-6, micro_batch_size=micro_batch, threads=threads or available_cpus())
     progress("agreement: loss and gradients of both updates from the same weights")
     agreement = _agreement(model_path, prompts, completions, adv, settings)
 
@@ -369,19 +371,6 @@ def format_update(r: dict[str, Any]) -> str:
     )
 
 
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return n
-
-
 def _sizes(value: str) -> list[int]:
     try:
         sizes = [int(x) for x in value.split(",")]
@@ -394,22 +383,27 @@ def _sizes(value: str) -> list[int]:
 
 def add_bench_update_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Register ``update`` under the ``bench`` subcommand group; returns its parser."""
-    p = bench_subparsers.add_parser(
+    p = add_command(
+        bench_subparsers,
         "update",
         help="the GRPO update against a plain transformers loop on the same rollouts (speed and agreement)",
         description=__doc__.split("\n\n")[1],
-        epilog="examples:\n  coba bench update\n  coba bench update --model models/arith-tiny --json\n"
-        "  coba bench update --run-dir runs/smollm2-arith --step 3 --reload",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "coba bench update",
+            "coba bench update --model models/arith-tiny --json",
+            "coba bench update --run-dir runs/smollm2-arith --step 3 --reload",
+        ],
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})")
     p.add_argument("--run-dir", default=None, help="take the rollouts of a run's step instead of synthetic ones")
     p.add_argument("--step", type=int, default=0, help="the run's step (with --run-dir; default 0)")
     p.add_argument("--groups", type=_sizes, default=list(DEFAULT_GROUPS), help="synthetic group sizes (2,4,...)")
-    p.add_argument("--prompt-tokens", type=_positive, default=46, help="synthetic prompt length (default 46)")
-    p.add_argument("--completion-tokens", type=_positive, default=32, help="synthetic completion length (default 32)")
-    p.add_argument("--micro-batch", type=_positive, default=16, help="sequences per forward/backward (default 16)")
-    p.add_argument("--repeats", type=_positive, default=2, help="timed updates of each kind (default 2)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=46, help="synthetic prompt length (default 46)")
+    p.add_argument(
+        "--completion-tokens", type=positive_int, default=32, help="synthetic completion length (default 32)"
+    )
+    p.add_argument("--micro-batch", type=positive_int, default=16, help="sequences per forward/backward (default 16)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="timed updates of each kind (default 2)")
     p.add_argument("--reload", action="store_true", help="also time the weight reload into a vLLM engine")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core, as a run has)")
     p.add_argument(

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from coba_tasks.commands.args import add_command
 from coba_tasks.pipeline.fileio import atomic_write
 
 # strategy name -> config overrides (on top of the config file)
@@ -385,19 +386,20 @@ def format_final(final: pd.DataFrame) -> str:
 # Command line
 # ---------------------------------------------------------------------------------------------
 
-EPILOG = """examples:
-  coba compare --strategies uniform,knapsack,coba,coba-released --seeds 3 --steps 24
-  coba compare --strategies coba,coba-reversed,coba-fixed --seeds 3 --steps 24 --out runs/compare
-  coba compare --seeds 1 --steps 4 --set data.train_prompts=256 --out runs/compare-quick
-  coba compare --out runs/compare --collect-only      # redraw tables and plot from the runs there
-"""
+EXAMPLES = [
+    "coba compare --strategies uniform,knapsack,coba,coba-released --seeds 3 --steps 24",
+    "coba compare --strategies coba,coba-reversed,coba-fixed --seeds 3 --steps 24 --out runs/compare",
+    "coba compare --seeds 1 --steps 4 --set data.train_prompts=256 --out runs/compare-quick",
+    "coba compare --out runs/compare --collect-only      # redraw tables and plot from the runs there",
+]
 
 
 def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``coba compare``."""
     from coba_tasks.commands.console import add_verbose_flag
 
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "compare",
         help="uniform vs knapsack vs CoBA-RL (and ablations) on the same rollout budget",
         description="Train one run per (strategy, seed) from the same config (same model start, data, rollouts per "
@@ -405,8 +407,7 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
         "budget_by_level.parquet, transitions.parquet and compare.png into --out. Finished runs are kept and stopped "
         f"ones resumed, so the command continues where it stopped. Strategies: {', '.join(PRESETS)} "
         "(coba-reversed: explore then exploit; coba-fixed: allocation.fixed_alpha/fixed_beta at every step).",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
     )
     p.add_argument("--config", default=None, help="YAML config (default configs/demo.yaml)")
     p.add_argument("--strategies", default="uniform,knapsack,coba,coba-released", help="comma-separated")

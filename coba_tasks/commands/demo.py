@@ -9,15 +9,19 @@ and they get the rollouts (exploit); as the policy improves the peak moves to ha
 (explore). Knapsack-RL and uniform budgets on the same pass rates are shown beside it.
 
 Run it with ``coba demo`` (or ``make demo-allocation``); ``--steps``, ``--prompts``, ``--group-size``.
+The command's parser and handler are here too (``add_demo_parser``, ``cmd_demo``).
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from coba_tasks.commands.args import add_command, positive_int
 from coba_tasks.core.allocation import plan_allocation
 from coba_tasks.core.capability import CapabilityTracker, beta_mode
 
@@ -101,3 +105,30 @@ def simulate(cfg: DemoConfig, emit: Callable[[str], None] = print) -> dict:
     emit("Early (F high): the mode is near 1 and easy prompts (level 0) get the rollouts: exploit.")
     emit("Later (F low): the mode moves towards 0 and hard prompts (level 4) get them: explore.")
     return {"steps": rows}
+
+
+def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``coba demo``; sets ``func=cmd_demo``."""
+    demo = add_command(
+        subparsers,
+        "demo",
+        help="allocation demo on a simulated training run",
+        description="Show CoBA-RL's budget schedule on a simulated run: how (alpha, beta) follow the failure rate "
+        "and how the rollout budget moves from easy prompts (exploit) to hard ones (explore).",
+        examples=["coba demo", "coba demo --steps 20 --prompts 200 --group-size 8"],
+    )
+    demo.add_argument("--steps", type=positive_int, default=12, help="training steps to simulate (default 12)")
+    demo.add_argument("--prompts", type=positive_int, default=100, help="prompts per batch, M (default 100)")
+    demo.add_argument("--group-size", type=positive_int, default=16, help="mean group size G; B_total = M * G")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.set_defaults(func=cmd_demo)
+    return demo
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run ``coba demo``: the simulation's table, printed."""
+    simulate(
+        DemoConfig(steps=args.steps, prompts=args.prompts, group_size=args.group_size, seed=args.seed),
+        emit=print,
+    )
+    return 0

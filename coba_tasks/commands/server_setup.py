@@ -24,6 +24,8 @@ import os
 from datetime import timedelta
 from typing import Any
 
+from coba_tasks.commands.args import add_command
+
 AUTOMATION_NAME = "coba: crash unresponsive flow runs"
 DEFAULT_POOL = "coba-process"
 HEARTBEAT_DEFAULT_S = 180  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY's default in Prefect 3.7.7
@@ -121,16 +123,17 @@ def _cmd_setup_server(args: argparse.Namespace) -> int:
 
 
 def add_setup_server_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "setup-server",
         help="prepare a Prefect server for workers: the work pool and crash detection",
         description="Create the process work pool of prefect.yaml's deployments and an automation that sets a flow "
         "run Crashed when its process stops sending heartbeats (a killed worker, a lost machine). Idempotent.",
-        epilog="examples:\n"
-        "  coba setup-server --api-url http://127.0.0.1:4200/api\n"
-        "  PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 prefect worker start --pool coba-process   # then, per worker\n"
-        "  coba setup-server --api-url http://127.0.0.1:4200/api --crash-after 120          # with 30 s heartbeats",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "coba setup-server --api-url http://127.0.0.1:4200/api",
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 prefect worker start --pool coba-process   # then, per worker",
+            "coba setup-server --api-url http://127.0.0.1:4200/api --crash-after 120          # with 30 s heartbeats",
+        ],
     )
     p.add_argument("--api-url", default=None, help="the server's API URL (default: $PREFECT_API_URL)")
     p.add_argument("--pool", default=DEFAULT_POOL, help=f"process work pool to create (default {DEFAULT_POOL})")

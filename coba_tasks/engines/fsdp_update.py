@@ -23,7 +23,7 @@ Each rank:
    logp_old (and the reference's log-probs) are computed the same way and summed across ranks;
    the gradient norm is the global one (``get_total_norm`` on the sharded gradients, gathered);
 5. gathers the full float32 weights and AdamW state and, on rank 0 only, writes the checkpoint
-   with ``coba_tasks.engines.trainer.write_checkpoint``: the layout of ``PolicyTrainer.save_checkpoint``, so
+   with ``coba_tasks.engines.checkpoint.write_checkpoint``: the layout of ``PolicyTrainer.save_checkpoint``, so
    the rollout engine reloads it and a single-process run resumes from it.
 
 Mixed precision stays what the single-process trainer does (float32 sharded weights, forward and
@@ -50,14 +50,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coba_tasks.engines.trainer import (
-    DataShard,
-    PolicyTrainer,
-    UpdateSettings,
-    make_optimizer,
-    optimizer_to_tensors,
-    write_checkpoint,
-)
+from coba_tasks.engines.checkpoint import optimizer_to_tensors, write_checkpoint
+from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings, make_optimizer
+from coba_tasks.engines.update_batch import DataShard
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
 LOG_TAIL_LINES = 60

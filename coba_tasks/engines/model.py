@@ -14,7 +14,7 @@ tying them is a spec option, and real models that tie them train and reload like
 from __future__ import annotations
 
 import string
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,11 +71,6 @@ def build_tiny_llama(tokenizer: PreTrainedTokenizerFast, spec: TinyLlamaSpec, se
         model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
-
-
-def spec_dict(spec: TinyLlamaSpec) -> dict:
-    """The spec as a plain dict (for metadata files)."""
-    return asdict(spec)
 
 
 def save_hf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:

@@ -22,46 +22,46 @@ in it for the rollout engine, the float32 weights going to ``trainer/master.safe
 bfloat16 weights would not train at the paper's lr 1e-6: an AdamW step of ~1e-6 is below half a
 bfloat16 ulp of nearly every weight (measured: 98.5% of weights N(0, 0.02) never moved in 10 steps).
 
-Checkpoints are Hugging Face layout with safetensors (the rollout engine reloads them in place)
-plus ``trainer/optimizer.safetensors`` (AdamW moments and steps as tensors, the torch RNG state) and
-``trainer/trainer_state.json`` (param groups, update count, the caller's extra state), so a resumed
-run continues exactly. No pickle anywhere. A checkpoint is written into a temporary sibling and
-renamed into place when whole, with ``checkpoint.json`` (every file's size and sha256) written last:
-``verify_checkpoint`` checks a checkpoint against it before a run resumes from it, and
-``load_checkpoint`` loads all or nothing (every parameter and its AdamW state, or ``CheckpointError``).
+Checkpoints (``save_checkpoint``, ``load_checkpoint``): Hugging Face layout with safetensors plus
+the AdamW state, the RNG and the trainer state, written whole or not at all and loaded all or
+nothing; the layout and its serialisation live in ``coba_tasks.engines.checkpoint``.
 
 Data parallelism: ``update`` reads which rows it computes, and how its sums meet other processes',
-from ``self.shard`` (a ``DataShard``: the whole batch in one process). ``coba_tasks.engines.fsdp_update``
-runs the same ``update`` in several processes with the policy wrapped by FSDP and a ``DataShard``
-that holds one rank's share of each mini-batch; nothing else changes.
+from ``self.shard`` (a ``DataShard``, ``coba_tasks.engines.update_batch``: the whole batch in one
+process). ``coba_tasks.engines.fsdp_update`` runs the same ``update`` in several processes with the
+policy wrapped by FSDP and a ``DataShard`` that holds one rank's share of each mini-batch; nothing
+else changes. The update's tensor helpers that need no model (padding, ``DataShard``, the sampler
+gap) are in ``coba_tasks.engines.update_batch``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import secrets
-import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file, save_model
 
 from coba_tasks.core.grpo import entropy_from_logits, kl_penalty, masked_mean, policy_loss, token_logprobs
+from coba_tasks.engines.checkpoint import (
+    load_adapter_weights,
+    load_optimizer_state,
+    load_weights,
+    optimizer_to_tensors,
+    write_checkpoint,
+)
 from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass, supports_shared_prefix
-
-# Kept in a subdirectory: vLLM's reload reads every *.safetensors file beside the model.
-OPTIMIZER_FILE = "trainer/optimizer.safetensors"
-MASTER_FILE = "trainer/master.safetensors"  # float32 weights, when model.safetensors is in a lower precision
-TRAINER_STATE_FILE = "trainer/trainer_state.json"
-CHECKPOINT_MANIFEST = "checkpoint.json"  # every file's size and sha256, written last (verify_checkpoint)
+from coba_tasks.engines.update_batch import (
+    DataShard,
+    pad_sequences,
+    padded_rows,
+    sampler_gap,
+    sampler_gap_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -114,92 +114,6 @@ def warmup_lr(lr: float, warmup_steps: int, update: int) -> float:
     return lr * min(1.0, (update + 1) / warmup_steps)
 
 
-class DataShard:
-    """Which rows of a step's batch this process computes, and how its sums meet the other processes'.
-
-    This base class is the single-process case (rank 0 of 1): every row, sums unchanged, the plain
-    ``clip_grad_norm_``. ``coba_tasks.engines.fsdp_update.DistributedShard`` overrides ``rank``/``world``
-    and the three collectives. Rank r takes rows r, r + world, ... of each mini-batch.
-    """
-
-    rank: int = 0
-    world: int = 1
-
-    def mine(self, rows: torch.Tensor) -> torch.Tensor:
-        """This process's share of ``rows`` (all of them in one process)."""
-        return rows[self.rank :: self.world]
-
-    def micro_batches(self, n: int, size: int) -> list[slice]:
-        """Slices of ``mine(rows)`` for ``n`` rows, at most ``size`` each; every process gets as many
-        slices as the largest share needs (trailing ones empty): under FSDP each forward and backward
-        is a collective, so all processes must run the same number of passes."""
-        local = len(range(self.rank, n, self.world))
-        largest = -(-n // self.world)  # ceil(n / world)
-        count = -(-largest // size)
-        out = [slice(i, min(i + size, local)) for i in range(0, local, size)]
-        return out + [slice(0, 0)] * (count - len(out))
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """The elementwise sum of ``t`` over the processes (in place)."""
-        return t
-
-    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
-        """Each value summed over the processes."""
-        return values
-
-    def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm to ``max_norm``; returns the norm before clipping."""
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
-def sampler_gap(
-    logp: torch.Tensor,
-    mask: torch.Tensor,
-    sampler_logprobs: Sequence[Sequence[float]] | None,
-    completion_ids: Sequence[Sequence[int]],
-) -> tuple[float, float]:
-    """(mean, max) of |sampler log p - trainer log p| over the completion tokens; NaNs without sampler figures.
-
-    ``logp`` (B, T-1) and ``mask`` (B, T-1) as in the full-sequence update: the completion tokens of row
-    b are the positions where ``mask[b]`` is 1, in order, one per entry of ``sampler_logprobs[b]``.
-    """
-    return _gap(logp[mask.bool()], sampler_logprobs, completion_ids)  # row-major: row 0's tokens, then row 1's
-
-
-def sampler_gap_rows(
-    trainer_rows: Sequence[torch.Tensor | None],
-    sampler_logprobs: Sequence[Sequence[float]] | None,
-    completion_ids: Sequence[Sequence[int]],
-) -> tuple[float, float]:
-    """``sampler_gap`` from one 1-D tensor per row of the trainer's completion-token log-probabilities."""
-    ours = [t.double().cpu() if t is not None else torch.zeros(0, dtype=torch.float64) for t in trainer_rows]
-    return _gap(torch.cat(ours) if ours else torch.zeros(0), sampler_logprobs, completion_ids)
-
-
-def _gap(
-    ours: torch.Tensor, sampler_logprobs: Sequence[Sequence[float]] | None, completion_ids: Sequence[Sequence[int]]
-) -> tuple[float, float]:
-    if sampler_logprobs is None:
-        return float("nan"), float("nan")
-    for b, (lp, c) in enumerate(zip(sampler_logprobs, completion_ids, strict=True)):
-        if len(lp) != len(c):
-            raise ValueError(f"rollout {b}: {len(lp)} sampler logprobs for {len(c)} completion tokens")
-    theirs = torch.tensor([x for lp in sampler_logprobs for x in lp], dtype=torch.float64, device=ours.device)
-    if theirs.numel() == 0:  # no token to compare: every row was left out (advantage 0) or had no tokens
-        return float("nan"), float("nan")
-    diff = (theirs - ours.double()).abs()
-    return float(diff.mean()), float(diff.max())
-
-
-def _padded(rows: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
-    """Per-row 1-D tensors placed left-aligned in a zero tensor shaped like ``like`` (n, C)."""
-    out = torch.zeros_like(like)
-    for i, t in enumerate(rows):
-        if t is not None:
-            out[i, : len(t)] = t.to(out.dtype)
-    return out.detach()
-
-
 def make_optimizer(model: torch.nn.Module, settings: UpdateSettings) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (two groups: ndim >= 2 decayed, the rest not)."""
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
@@ -211,26 +125,6 @@ def make_optimizer(model: torch.nn.Module, settings: UpdateSettings) -> torch.op
         betas=settings.betas,
         eps=settings.eps,
     )
-
-
-def pad_sequences(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt + completion: (input_ids (B, T), attention_mask (B, T), completion_mask (B, T)).
-
-    completion_mask[b, t] = 1 where token t of row b is a completion token (the ones the loss sees).
-    """
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(lengths), width), dtype=torch.long)
-    comp = torch.zeros((len(lengths), width), dtype=torch.float32)
-    for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        seq = list(p) + list(c)
-        ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[b, : len(seq)] = 1
-        comp[b, len(p) : len(seq)] = 1.0
-    return ids, attn, comp
 
 
 class PolicyTrainer:
@@ -482,11 +376,11 @@ class PolicyTrainer:
                         old_rows[r] = logp[i][mask[i]].detach()
                     old = logp.detach()
                 else:
-                    old = _padded([old_rows[r] for r in idx.tolist()], logp)
+                    old = padded_rows([old_rows[r] for r in idx.tolist()], logp)
                 weights = mask.to(logp.dtype)
                 loss, stats = policy_loss(logp, old, adv[idx], weights, s.clip_low, s.clip_high, token_count=mb_tokens)
                 if self.ref_model is not None:
-                    ref = _padded([ref_rows[r] for r in idx.tolist()], logp)
+                    ref = padded_rows([ref_rows[r] for r in idx.tolist()], logp)
                     kl = masked_mean(kl_penalty(logp, ref, weights), weights, mb_tokens)
                     loss = loss + s.kl_coef * kl
                     totals["kl"] += float(kl.detach()) * mb_tokens
@@ -496,7 +390,7 @@ class PolicyTrainer:
                     totals["clip_tokens"] += stats["clip_frac"] * n_tok
                 with torch.no_grad():  # H = -sum p log p, from the log-softmax this chunk computed anyway
                     lp = all_logp.detach()
-                    totals["entropy"] += float(-(lp.exp() * lp).sum())
+                    totals["entropy"] += _exact_sum(-(lp.exp() * lp).sum(-1))  # per token, then summed exactly
                     totals["entropy_tokens"] += float(lp.shape[0])
                 return loss
 
@@ -611,7 +505,7 @@ class PolicyTrainer:
                 n_tok = float(mask[idx].sum())
                 if n_tok > 0:
                     totals["clip_tokens"] += stats["clip_frac"] * n_tok
-                totals["entropy"] += float((ent.detach() * mask[idx]).sum())
+                totals["entropy"] += _exact_sum(ent.detach()[mask[idx] > 0])
                 totals["entropy_tokens"] += n_tok
 
         opt_steps = self._mini_batch_steps(
@@ -656,253 +550,16 @@ class PolicyTrainer:
         files against the checkpoint's manifest; the run does that before it loads one.)"""
         ckpt = Path(ckpt_dir)
         if self.peft_model is not None:
-            self._load_adapter(ckpt)
+            load_adapter_weights(self.peft_model, ckpt)
         else:
-            self._load_weights(ckpt)
-        state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
-        tensors = load_file(str(ckpt / OPTIMIZER_FILE))
-        rng = tensors.pop("rng.torch", None)
-        if rng is None:
-            raise CheckpointError(f"{ckpt / OPTIMIZER_FILE}: has no rng.torch (the torch RNG state)")
-        try:
-            optimizer_from_tensors(self.optimizer, tensors, state["param_groups"])
-        except (KeyError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"{ckpt / OPTIMIZER_FILE}: not this policy's AdamW state ({exc})") from exc
-        torch.set_rng_state(rng)
+            load_weights(self.model, ckpt)
+        state = load_optimizer_state(self.optimizer, ckpt)
         self.updates = int(state["updates"])
         return state
 
-    def _load_adapter(self, ckpt: Path) -> None:
-        from coba_tasks.engines.lora import ADAPTER_FILE, is_adapter_checkpoint, load_adapter
 
-        if not is_adapter_checkpoint(ckpt):
-            raise CheckpointError(f"{ckpt}: holds no LoRA adapter (model.lora_rank > 0 needs one; a full checkpoint?)")
-        try:
-            load_adapter(self.peft_model, ckpt)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(f"{ckpt / ADAPTER_FILE}: {exc}") from exc
-
-    def _load_weights(self, ckpt: Path) -> None:
-        from safetensors.torch import load_model
-
-        master = ckpt / MASTER_FILE
-        weights = master if master.is_file() else ckpt / "model.safetensors"
-        try:
-            stored = set(safe_open_keys(weights))
-        except (OSError, RuntimeError, ValueError) as exc:  # missing, or not a safetensors file
-            raise CheckpointError(f"{weights}: cannot read the policy weights ({exc})") from exc
-        names_by_storage: dict[int, list[str]] = {}  # tied weights share one storage and are stored once
-        for name, tensor in self.model.state_dict().items():
-            names_by_storage.setdefault(tensor.data_ptr(), []).append(name)
-        missing = [names[0] for names in names_by_storage.values() if not stored.intersection(names)]
-        unexpected = sorted(stored - {n for names in names_by_storage.values() for n in names})
-        if missing or unexpected:  # checked before anything is loaded: nothing of a partial checkpoint is used
-            raise CheckpointError(
-                f"{weights}: does not hold the policy's weights: {_some(missing)} missing, {_some(unexpected)} "
-                "unexpected"
-            )
-        try:
-            load_model(self.model, str(weights), strict=True)
-        except (OSError, RuntimeError, ValueError) as exc:  # e.g. a tensor of another shape
-            raise CheckpointError(f"{weights}: cannot load the policy weights ({exc})") from exc
-
-
-def write_checkpoint(
-    out_dir: str | Path,
-    model: torch.nn.Module,
-    tokenizer: Any,
-    compute_dtype: torch.dtype,
-    optimizer_tensors: dict[str, torch.Tensor],
-    param_groups: list[dict],
-    updates: int,
-    extra_state: dict[str, Any] | None = None,
-    rng_state: torch.Tensor | None = None,
-    adapter: tuple[Any, str] | None = None,
-) -> Path:
-    """Write a checkpoint: ``model`` (a plain, unsharded HF model holding the float32 weights) and
-    ``tokenizer`` in HF layout, the optimizer tensors (``optimizer_to_tensors``) plus the torch RNG
-    state (this process's unless ``rng_state``), and the trainer state JSON. With ``adapter``
-    (``(peft_model, base_model_path)``: LoRA) the adapter is written instead of the model's weights."""
-    final = Path(out_dir)
-    out = _fresh_temporary(final)  # built beside its place, renamed when whole: never half a checkpoint there
-    try:
-        _write_checkpoint_files(
-            out,
-            model,
-            tokenizer,
-            compute_dtype,
-            optimizer_tensors,
-            param_groups,
-            updates,
-            extra_state,
-            rng_state,
-            adapter,
-        )
-        write_checkpoint_manifest(out)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-    if final.exists():  # a checkpoint of an update that did not finish (its stage is recomputed): replaced
-        shutil.rmtree(final)
-    out.rename(final)
-    return final
-
-
-def _write_checkpoint_files(
-    out: Path,
-    model: torch.nn.Module,
-    tokenizer: Any,
-    compute_dtype: torch.dtype,
-    optimizer_tensors: dict[str, torch.Tensor],
-    param_groups: list[dict],
-    updates: int,
-    extra_state: dict[str, Any] | None,
-    rng_state: torch.Tensor | None,
-    adapter: tuple[Any, str] | None = None,
-) -> None:
-    if adapter is not None:  # LoRA: the adapter (float32) and its base model's path, not the whole model
-        from coba_tasks.engines.lora import save_adapter
-
-        save_adapter(adapter[0], out, adapter[1])
-    elif compute_dtype == torch.float32:
-        model.save_pretrained(out, safe_serialization=True)
-    else:  # the engine's weights in the compute dtype; the float32 master weights for a resume
-        cast: dict[int, torch.Tensor] = {}  # one copy per storage: tied weights stay tied (written once)
-        low = {k: cast.setdefault(v.data_ptr(), v.to(compute_dtype)) for k, v in model.state_dict().items()}
-        model.save_pretrained(out, state_dict=low, safe_serialization=True)
-        (out / MASTER_FILE).parent.mkdir(exist_ok=True)
-        save_model(model, str(out / MASTER_FILE))
-    tokenizer.save_pretrained(out)
-    tensors = dict(optimizer_tensors)
-    tensors["rng.torch"] = torch.get_rng_state() if rng_state is None else rng_state
-    (out / OPTIMIZER_FILE).parent.mkdir(exist_ok=True)
-    save_file(tensors, str(out / OPTIMIZER_FILE))
-    state = {"updates": updates, "param_groups": param_groups, **(extra_state or {})}
-    (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
-
-
-def _fresh_temporary(final: Path) -> Path:
-    """A new empty ``.<name>.<hex>.tmp`` beside ``final``; temporaries of killed writers of it go first
-    (one writer per run directory: the run lock)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".{final.name}.*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
-    tmp.mkdir()
-    return tmp
-
-
-# -- the checkpoint manifest ------------------------------------------------------------------------
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, partial or damaged; the message names the file."""
-
-
-def _file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def write_checkpoint_manifest(ckpt: Path) -> Path:
-    """``checkpoint.json``: every file of the checkpoint (relative path -> bytes and sha256), written last."""
-    files = {
-        p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "sha256": _file_sha256(p)}
-        for p in sorted(ckpt.rglob("*"))
-        if p.is_file() and p.name != CHECKPOINT_MANIFEST
-    }
-    path = ckpt / CHECKPOINT_MANIFEST
-    path.write_text(json.dumps({"format": 1, "files": files}, indent=2) + "\n")
-    return path
-
-
-def verify_checkpoint(ckpt_dir: str | Path) -> None:
-    """Check every file of a checkpoint against its ``checkpoint.json`` (present, size, sha256);
-    ``CheckpointError`` names the first file that is not as written."""
-    ckpt = Path(ckpt_dir)
-    if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint {ckpt} is missing")
-    manifest = ckpt / CHECKPOINT_MANIFEST
-    try:
-        files = json.loads(manifest.read_text())["files"]
-        if not isinstance(files, dict) or not files:
-            raise ValueError("no files listed")
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{manifest} is missing: the checkpoint was not written whole (or by a coba-rl without checkpoint "
-            "manifests), so it cannot be trusted"
-        ) from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{manifest}: unreadable ({exc})") from exc
-    for name, entry in files.items():
-        parts = Path(name).parts
-        if not parts or Path(name).is_absolute() or ".." in parts:  # a manifest never points outside
-            raise CheckpointError(f"{manifest}: lists {name!r}, not a path inside the checkpoint")
-        path = ckpt / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: listed in {CHECKPOINT_MANIFEST} but missing")
-        size = path.stat().st_size
-        if size != entry.get("bytes"):
-            raise CheckpointError(f"{path}: {size} bytes, {CHECKPOINT_MANIFEST} says {entry.get('bytes')} (truncated?)")
-        if _file_sha256(path) != entry.get("sha256"):
-            raise CheckpointError(f"{path}: sha256 differs from {CHECKPOINT_MANIFEST}'s (the file was altered)")
-
-
-def safe_open_keys(path: Path) -> list[str]:
-    """The tensor names of a safetensors file, read from its header."""
-    with safe_open(str(path), framework="pt") as f:
-        return list(f.keys())
-
-
-def _some(names: Sequence[str], shown: int = 3) -> str:
-    names = sorted(names)
-    if not names:
-        return "none"
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return f"{len(names)} ({', '.join(names[:shown])}{more})"
-
-
-def optimizer_to_tensors(
-    optimizer: torch.optim.Optimizer, full: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Flatten an optimizer's state_dict into named tensors (safetensors) and JSON-safe param groups.
-
-    ``full`` maps a state tensor to the whole tensor (FSDP: ``DTensor.full_tensor``, a collective that
-    every process calls in the same order); by default tensors are taken as they are.
-    """
-    sd = optimizer.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    for idx, st in sd["state"].items():
-        for key, value in st.items():
-            t = value if torch.is_tensor(value) else torch.tensor(value)
-            if full is not None:
-                t = full(t)
-            tensors[f"state.{idx}.{key}"] = t.detach().cpu().contiguous()
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    return tensors, groups
-
-
-def optimizer_from_tensors(
-    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]
-) -> None:
-    """Inverse of ``optimizer_to_tensors``. All or nothing: once the optimizer has stepped, every
-    parameter must have the same state tensors (AdamW: step, exp_avg, exp_avg_sq); ValueError otherwise."""
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        _, idx, key = name.split(".", 2)
-        state.setdefault(int(idx), {})[key] = t
-    params = sorted(i for g in groups for i in g["params"])
-    if state:
-        keys = set().union(*(set(v) for v in state.values()))
-        partial = [i for i in params if set(state.get(i, {})) != keys]
-        if partial or set(state) - set(params):
-            raise ValueError(
-                f"{len(partial)} of {len(params)} parameters lack some of their state ({', '.join(sorted(keys))})"
-                + (
-                    f"; state for unknown parameters {sorted(set(state) - set(params))[:3]}"
-                    if set(state) - set(params)
-                    else ""
-                )
-            )
-    restored = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
-    optimizer.load_state_dict({"state": state, "param_groups": restored})
+def _exact_sum(values: torch.Tensor) -> float:
+    """The exact sum of a 1-D tensor's values (``math.fsum``): a diagnostic summed over a chunk's tokens does
+    not depend on the order or the grouping of the tokens, nor on how torch splits a reduction over threads
+    (a resumed run's update table equals the uninterrupted run's bit for bit)."""
+    return math.fsum(values.double().tolist())

@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 
 from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
-from coba_tasks.engines.trainer import pad_sequences
+from coba_tasks.engines.update_batch import pad_sequences
 from coba_tasks.pipeline.fileio import (
     OutputDirError,
     atomic_write,

@@ -8,7 +8,6 @@ default written beside its field below. ``configs/demo.yaml`` spells every key o
     cfg.budget_per_step()            # B_total = M * G rollouts per training step
     check_paths(cfg)                 # data files and model directory exist (before a run starts)
     check_platform(cfg)              # settings this machine cannot honour (sleep mode or TP without CUDA, ...)
-    dump_config(cfg, run_dir / "config.yaml")
 
 Validation happens in each section's ``__post_init__`` (types, then ranges) and in
 ``Config.__post_init__`` (checks that span sections), so a ``Config`` that exists is valid,
@@ -40,16 +39,17 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from coba_tasks.core.allocation import Mode, coba_solvers, strategies
+from coba_tasks.core.allocators import Mode, strategies
+from coba_tasks.core.solvers import coba_solvers
 from coba_tasks.engines.rollout import backends
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
 DEFAULT_CONFIG_PATH = PROJECT_ROOT / "configs" / "demo.yaml"
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit seed
-ON_BAD_ROWS = ("error", "skip")  # data.on_bad_rows (coba_tasks.pipeline.data reads the same two words)
-PROMPT_FORMATS = ("auto", "chat", "raw")  # data.prompt_format (coba_tasks.pipeline.data.render_prompts)
-UNKNOWN_SOURCES = ("error", "math")  # verify.unknown_sources (coba_tasks.pipeline.data.check_ground_truths)
+ON_BAD_ROWS = ("error", "skip")  # data.on_bad_rows (coba_tasks.pipeline.data_problems reads the same two words)
+PROMPT_FORMATS = ("auto", "chat", "raw")  # data.prompt_format (coba_tasks.pipeline.data_prompts.render_prompts)
+UNKNOWN_SOURCES = ("error", "math")  # verify.unknown_sources (coba_tasks.pipeline.data_run.check_ground_truths)
 # Keys added after runs were made: left out of config_hash while at these defaults, so a run made
 # before the key existed keeps its hash (and can be resumed); any other value is hashed.
 HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
@@ -305,7 +305,7 @@ class AllocationConfig:
 
     SECTION: ClassVar[str] = "allocation"
 
-    strategy: str = "coba"  # allocator (coba_tasks.core.allocation.strategies()): coba, knapsack or uniform
+    strategy: str = "coba"  # allocator (coba_tasks.core.allocators.strategies()): coba, knapsack or uniform
     mode: str = "paper"  # coba variant: paper (heap over all prompts) or released (the authors' released code)
     solver: str = "heap"  # coba solver: heap (Algorithm 1), threshold (closed form) or dp (exact, slow)
     group_size: int = 16  # G, the mean group size: B_total = M * G rollouts per step
@@ -547,23 +547,6 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     }
 
 
-def dump_config(cfg: Config, path: str | os.PathLike[str]) -> Path:
-    """Write the config as YAML to ``path`` atomically (temporary name, then rename); returns the path.
-
-    ``load_config`` of the file gives back an equal Config.
-    """
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    text = yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False)
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
-
-
 def config_hash(cfg: Config) -> str:
     """First 16 hex digits of the sha256 of the config's canonical JSON (sorted keys, no spaces).
 
@@ -646,13 +629,6 @@ def check_platform(cfg: Config) -> None:
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
-
-
-class _Dumper(yaml.SafeDumper):
-    """SafeDumper writing sections in block style and short lists (betas) inline."""
-
-
-_Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -1,33 +1,30 @@
-"""A training run outside Prefect: open or continue it, hold its resources, run each stage of a step.
+"""A training run's lifecycle outside Prefect: resolve, open or continue it, hold its resources, close it.
 
-``flows/train.py`` composes these into Prefect tasks and flows; ``coba bench stages`` calls the same
-functions without Prefect. Nothing here imports Prefect's flow machinery.
+``flows/train.py`` composes these (and the stages of ``coba_tasks.pipeline.stage_runner``) into
+Prefect tasks and flows; ``coba bench stages`` calls the same functions without Prefect. Nothing here
+imports Prefect's flow machinery.
 
     cfg, root, continuing = resolve_run("configs/demo.yaml", run_dir="runs/x")
     res = open_run(root, cfg, continuing)            # datasets checked, run directory created
-    write_first_budget(res)                          # step 0: uniform budgets
+    write_first_budget(res)                          # stage_runner: step 0, uniform budgets
     start_resources(res, cfg.model.path, version=0)  # engine, verifier pool, trainer
     for stage in STEP_STAGES:
-        run_stage(str(root), 0, stage)               # skip if done, compute, write, time
+        run_stage(str(root), 0, stage)               # stage_runner: skip if done, compute, write, time
     close_run(res)
 
 A run's long-lived resources (the rollout engine, the verifier pool, the training model) live in
 this process in a ``RunResources`` registered under the run directory; tasks receive the directory
 and a step number and look them up with ``resources(run_dir)``, never as task parameters.
 
-Each stage is one function ``(res, step) -> table`` in ``STAGE_STEPS``; ``run_stage`` wraps it with
-what every stage does: skip it when its table is in the step's manifest, else compute, pass the fault
-hooks, write the table (atomically, recorded in the manifest) and add its seconds to the run's
-timing. The budget stage of step t writes the budget of step t + 1; the update stage writes the next
-checkpoint, and after it (done or not) the rollout engine is given that checkpoint's weights.
+Also here: the checks of a run directory (a new run's must be missing or empty; a continuing run's
+inputs must hash as they did when it started), the checkpoint a step continues from, and the
+permission to run a model's own code.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,21 +32,14 @@ from typing import Any
 
 import pandas as pd
 
-from coba_tasks.core.capability import CapabilityTracker
-from coba_tasks.engines.engine_sleep import engine_asleep
-from coba_tasks.engines.fsdp_update import fsdp_update
-from coba_tasks.engines.rollout import SamplingConfig, make_backend
-from coba_tasks.engines.trainer import CheckpointError, PolicyTrainer, UpdateSettings, verify_checkpoint
-from coba_tasks.engines.verify import VerifierPool
+from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
+from coba_tasks.engines.rollout import make_backend
+from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import MAIN_TEST_SET, Config, check_platform, config_from_dict
 from coba_tasks.pipeline.runlock import LOCK_FILE
-from coba_tasks.pipeline.store import RUN_FILE, STEP_STAGES, RunStore, Stage, StoreError
-from coba_tasks.pipeline.summary import eval_figures, run_summary
-
-ROLLOUT_WEIGHTS_DIR = "rollout_weights"  # LoRA: the merged policy the engine reads (one copy, rewritten)
-
-__all__ = ["STEP_STAGES", "Stage"]  # re-exported for the flows: the stage order lives in the store
+from coba_tasks.pipeline.store import RUN_FILE, RunStore, Stage, StoreError
 
 
 @dataclass
@@ -76,246 +66,6 @@ _RUNS: dict[str, RunResources] = {}
 def resources(run_dir: str | Path) -> RunResources:
     """The resources of the open run in ``run_dir`` (``open_run`` registered them)."""
     return _RUNS[str(Path(run_dir).resolve())]
-
-
-def sampling(cfg: Config) -> SamplingConfig:
-    """How training rollouts are sampled (the config's rollout section)."""
-    r = cfg.rollout
-    return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fault hooks (tests): both fire inside a stage after its work is computed and before its table is
-# recorded. COBA_KILL_AT="<step>:<stage>" makes the process SIGKILL itself (a crash at the worst
-# moment); COBA_FAIL_FILE=<path> raises an error while that file exists and holds "<step>:<stage>"
-# (a failure that goes away, for task retries and `prefect flow-run retry`).
-
-KILL_ENV = "COBA_KILL_AT"
-FAIL_FILE_ENV = "COBA_FAIL_FILE"
-
-
-class InjectedFailure(RuntimeError):
-    """The failure COBA_FAIL_FILE asks for."""
-
-
-def fault_point(step: int, stage: str) -> None:
-    """Kill the process or raise, when the environment asks for it at ``step``:``stage``."""
-    where = f"{step}:{stage}"
-    if os.environ.get(KILL_ENV) == where:
-        os.kill(os.getpid(), signal.SIGKILL)
-    fail_file = os.environ.get(FAIL_FILE_ENV)
-    if fail_file and os.path.isfile(fail_file) and Path(fail_file).read_text().strip() == where:
-        raise InjectedFailure(f"injected failure in {stage} at step {step} ({FAIL_FILE_ENV}={fail_file})")
-
-
-# ---------------------------------------------------------------------------------------------
-# The stages of a step: (res, step) -> the stage's table
-
-
-def tracker_before(res: RunResources, step: int) -> CapabilityTracker:
-    """The capability tracker as it was when step ``step`` started."""
-    if step == 0:
-        a = res.cfg.allocation
-        return CapabilityTracker(kappa=a.kappa, window=a.capability_window, gamma=a.gamma)
-    return stages.tracker_from_capability(res.store.read_table(step - 1, Stage.CAPABILITY))
-
-
-def _rollouts(res: RunResources, step: int) -> pd.DataFrame:
-    budget = res.store.read_table(step, Stage.BUDGET)
-    return stages.rollout_table(budget, res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
-
-
-def _rewards(res: RunResources, step: int) -> pd.DataFrame:
-    return stages.reward_table(res.store.read_table(step, Stage.ROLLOUTS), res.prompts, res.pool)
-
-
-def _capability(res: RunResources, step: int) -> pd.DataFrame:
-    rewards = res.store.read_table(step, Stage.REWARDS)
-    table, _ = stages.capability_table(step, rewards, tracker_before(res, step))
-    # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
-    # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
-    previous = res.store.read_table(step - 1, Stage.HISTORY) if step > 0 else stages.empty_history()
-    history = stages.update_history(previous, rewards, step, res.cfg.allocation.pass_rate_window)
-    res.store.write_table(step, Stage.HISTORY, history)
-    res.store.write_run_table("history", history)
-    return table
-
-
-def budget_for(res: RunResources, step: int, history: pd.DataFrame, tracker: CapabilityTracker) -> pd.DataFrame:
-    """budget.parquet of ``step``: its batch allocated from ``history`` and the tracker's (alpha, beta)."""
-    cfg = res.cfg
-    batch = stages.batch_for_step(
-        res.prompts["prompt_id"].tolist(), step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
-    )
-    return stages.budget_table(batch, history, tracker, cfg.allocation)
-
-
-def _budget(res: RunResources, step: int) -> pd.DataFrame:
-    """The allocation at the end of step t: the budget of step t + 1."""
-    tracker = stages.tracker_from_capability(res.store.read_table(step, Stage.CAPABILITY))
-    return budget_for(res, step + 1, res.store.read_table(step, Stage.HISTORY), tracker)
-
-
-def write_first_budget(res: RunResources) -> None:
-    """The budget of step 0 (uniform: no pass rates yet), unless it is done."""
-    if not res.store.is_done(0, Stage.BUDGET):
-        res.store.write_table(0, Stage.BUDGET, budget_for(res, 0, stages.empty_history(), tracker_before(res, 0)))
-
-
-def _update(res: RunResources, step: int) -> pd.DataFrame:
-    """The GRPO update on the step's rollouts; writes checkpoints/<step + 1>."""
-    ckpt = res.store.checkpoint_dir(step + 1)
-    rollouts = res.store.read_table(step, Stage.ROLLOUTS)
-    rewards = res.store.read_table(step, Stage.REWARDS)
-    adv = stages.advantages_for(rollouts, rewards)
-    prompt_ids, completion_ids, sampler_logprobs = stages.update_batch(rollouts, res.prompts)
-    tracker = stages.tracker_from_capability(res.store.read_table(step, Stage.CAPABILITY))
-    extra_state = {"step": step, "capability": tracker.to_dict()}
-    fsdp = res.cfg.optim.fsdp_processes > 1
-    previous = previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
-    # rollout.sleep_during_update: the engine's GPU memory is free while the update runs; it is awake
-    # again before the new weights are loaded (engine_sleep.json: seconds and memory figures)
-    with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
-        if fsdp:  # a torchrun job of optim.fsdp_processes ranks; it writes the checkpoint itself
-            metrics = fsdp_update(
-                res.cfg.model.path,
-                ckpt,
-                prompt_ids,
-                completion_ids,
-                adv,
-                update_settings(res.cfg),
-                res.cfg.optim.fsdp_processes,
-                checkpoint=previous,
-                seed=res.cfg.run.seed,
-                extra_state=extra_state,
-                sampler_logprobs=sampler_logprobs,
-            )
-        else:
-            metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs)
-    if slept:
-        res.store.write_json(f"steps/{step:06d}/engine_sleep.json", slept)
-    if not fsdp:
-        res.trainer.save_checkpoint(ckpt, extra_state=extra_state)
-    return stages.update_row(step, metrics, rollouts, rewards)
-
-
-def _reload_policy(res: RunResources, step: int) -> None:
-    """The rollout engine takes the weights the update of ``step`` wrote (also when it was done before);
-    then checkpoints beyond the newest ``run.keep_checkpoints`` are deleted."""
-    res.engine.load_weights(engine_weights(res, step + 1), version=step + 1)
-    res.store.prune_checkpoints(res.cfg.run.keep_checkpoints)
-
-
-def engine_weights(res: RunResources, version: int) -> Path:
-    """Where the rollout engine reads the policy after ``version`` updates: the checkpoint itself, or with
-    LoRA (an adapter checkpoint) the merged weights the trainer holds, written to ``rollout_weights/``."""
-    if res.cfg.model.lora_rank == 0:
-        return res.store.checkpoint_dir(version)
-    return res.trainer.write_rollout_weights(res.store.root / ROLLOUT_WEIGHTS_DIR)
-
-
-def _evaluate(res: RunResources, step: int) -> pd.DataFrame:
-    r = res.cfg.run
-    return stages.evaluate(
-        res.test,
-        res.engine,
-        res.pool,
-        r.eval_samples,
-        r.eval_temperature,
-        res.cfg.rollout.max_tokens,
-        r.seed,
-        greedy=r.eval_greedy,
-        top_p=r.eval_top_p,
-        progress=sys.stderr.isatty(),  # the engine's progress bar, on a terminal
-    )
-
-
-def eval_plan(res: RunResources) -> str:
-    """What an evaluation of the run computes, in words: ``90 + 90 held-out prompts x (4 samples + greedy)``."""
-    r = res.cfg.run
-    sizes = res.test["test_set"].value_counts(sort=False) if "test_set" in res.test else [len(res.test)]
-    kinds = f"{r.eval_samples} sample{'s' if r.eval_samples > 1 else ''} at T {r.eval_temperature:g}"
-    if r.eval_temperature == 0 and r.eval_samples == 1:
-        kinds = "greedy"
-    elif r.eval_greedy:
-        kinds += " + greedy"
-    return f"{' + '.join(str(int(n)) for n in sizes)} held-out prompts x ({kinds})"
-
-
-@dataclass(frozen=True)
-class StageStep:
-    """How a stage runs: its table from (res, step), and what follows it whether it ran or was done."""
-
-    compute: Callable[[RunResources, int], pd.DataFrame]
-    after: Callable[[RunResources, int], None] | None = None
-    fault_hooks: bool = True
-
-
-STAGE_STEPS: dict[Stage, StageStep] = {
-    Stage.ROLLOUTS: StageStep(_rollouts),
-    Stage.REWARDS: StageStep(_rewards),
-    Stage.CAPABILITY: StageStep(_capability),
-    Stage.BUDGET: StageStep(_budget),
-    Stage.UPDATE: StageStep(_update, after=_reload_policy),
-    Stage.EVAL: StageStep(_evaluate, fault_hooks=False),  # held-out accuracy of the weights after `step` updates
-}
-
-
-def run_stage(run_dir: str | Path, step: int, stage: Stage) -> pd.DataFrame:
-    """Stage ``stage`` of step ``step`` in the open run at ``run_dir``; returns the stage's table.
-
-    Skipped when its table is in the manifest of its step directory (``stage.output_step(step)``), else
-    computed, passed through the fault hooks and written; then the stage's follow-up (the update's
-    weight reload) runs. The seconds spent are added to the run's ``stage_seconds``.
-    """
-    res, t0 = resources(run_dir), time.perf_counter()
-    how, where = STAGE_STEPS[stage], stage.output_step(step)
-    if not res.store.is_done(where, stage):
-        table = how.compute(res, step)
-        if how.fault_hooks:
-            fault_point(step, stage)
-        res.store.write_table(where, stage, table)
-    if how.after is not None:
-        how.after(res, step)
-    res.timed(stage, time.perf_counter() - t0)
-    return res.store.read_table(where, stage)
-
-
-def stage_figures(stage: Stage, table: pd.DataFrame) -> dict[str, Any]:
-    """The few figures of a stage's table that a step's progress line and artifacts show."""
-    if stage is Stage.ROLLOUTS:
-        return {"rollouts": len(table)}
-    if stage is Stage.REWARDS:
-        return stages.count_verdicts_from_table(table)
-    if stage is Stage.CAPABILITY:
-        row = table.iloc[0]
-        return {k: float(row[k]) for k in ("S", "F", "alpha", "beta", "zero_variance_groups")}
-    if stage is Stage.BUDGET:
-        b = table["budget"]
-        return {"min": int(b.min()), "max": int(b.max()), "mean": float(b.mean()), "total": int(b.sum())}
-    if stage is Stage.UPDATE:
-        row = table.iloc[0]
-        return {k: float(row[k]) for k in ("loss", "clip_frac", "grad_norm", "entropy", "tokens")}
-    if stage is Stage.EVAL:
-        return eval_figures(table)
-    raise ValueError(f"no figures for stage {stage!r}")
-
-
-def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, float]) -> dict[str, float]:
-    """steps/<step>/timing.json: wall seconds per stage of this step (not a stage output: not in the
-    manifest); returns them."""
-    seconds = {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Stage.EVAL}
-    res.store.write_json(f"steps/{step:06d}/timing.json", seconds)
-    return seconds
-
-
-def plain_step(run_dir: str | Path, step: int) -> None:
-    """One training step as plain calls: the five stages in order, and timing.json (no Prefect)."""
-    res = resources(run_dir)
-    before = dict(res.stage_seconds)
-    for stage in STEP_STAGES:
-        run_stage(run_dir, step, stage)
-    write_step_timing(res, step, before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,7 +277,8 @@ def open_run(
     ``start_resources``.
     """
     from coba_tasks.pipeline.config import config_hash, config_to_dict
-    from coba_tasks.pipeline.data import load_run_datasets, render_prompts
+    from coba_tasks.pipeline.data_prompts import render_prompts
+    from coba_tasks.pipeline.data_run import load_run_datasets
 
     say = warn or (lambda s: print(s, file=sys.stderr))
     if continuing:
@@ -658,23 +409,6 @@ def start_resources(
         res.trainer = PolicyTrainer(cfg.model.path, settings, seed=cfg.run.seed)
 
 
-def resume_point(res: RunResources) -> int:
-    """Write the first budget if needed, start the resources on the right weights, and return the first
-    step to run: a continuing run starts from the checkpoint of its first step not done."""
-    write_first_budget(res)
-    first = first_step_not_done(res.store, res.cfg.run.steps)
-    lora = res.cfg.model.lora_rank > 0
-    ckpt = checked_checkpoint(res.store, first) if first > 0 else None
-    # an adapter checkpoint is not a whole model: the engine starts on the base, then takes the merged weights
-    weights = str(ckpt) if ckpt is not None and not lora else res.cfg.model.path
-    start_resources(res, weights, version=first)
-    if ckpt is not None and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
-        res.trainer.load_checkpoint(ckpt)
-        if lora:
-            res.engine.load_weights(engine_weights(res, first), version=first)
-    return first
-
-
 def close_run(res: RunResources, engine: bool = True, pool: bool = True) -> None:
     """Close the run's verifier pool and engine (unless shared: ``engine``/``pool`` False) and unregister it."""
     if pool and res.pool is not None:
@@ -689,49 +423,3 @@ def remove_empty_run_dir(root: Path) -> None:
     if root.is_dir() and {p.name for p in root.iterdir()} <= {LOCK_FILE}:
         (root / LOCK_FILE).unlink(missing_ok=True)
         root.rmdir()
-
-
-def run_summary_json(res: RunResources, wall: float) -> dict[str, Any]:
-    """summary.json of a finished run: ``run_summary``'s figures flattened under the names of the
-    before/after comparison, plus the timings the flow measured in this process (stage seconds, step
-    seconds, Prefect's share)."""
-    s = run_summary(res.store.root)
-    before, after = s["heldout_before"] or {}, s["heldout_after"] or {}
-    first, latest = s["capability"]["first"] or {}, s["capability"]["latest"] or {}
-
-    def nan(x: Any) -> float:
-        return float("nan") if x is None else float(x)
-
-    walls = res.step_walls
-    return {
-        "steps": res.cfg.run.steps,
-        "strategy": res.cfg.allocation.strategy,
-        **{f"heldout_{k}_before": nan(before.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
-        **{f"heldout_{k}_after": nan(after.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
-        "heldout_accuracy_by_difficulty_before": before.get("by_difficulty", {}),
-        "heldout_accuracy_by_difficulty_after": after.get("by_difficulty", {}),
-        # avg@k gain on each held-out set (data.test's is "test"), paired by prompt, with its standard error
-        "heldout_gain": s["heldout_gain"],
-        # data.extra_tests: each held-out set's figures before and after training
-        "heldout_test_sets": {
-            name: {"before": (before.get("test_sets") or {}).get(name), "after": figures}
-            for name, figures in (after.get("test_sets") or {}).items()
-        },
-        "mean_budget_by_difficulty": (s["budget"] or {}).get("mean_by_difficulty") or {},
-        "alpha_beta_start": [nan(first.get("alpha_used")), nan(first.get("beta_used"))],
-        "alpha_beta_end": [nan(latest.get("alpha")), nan(latest.get("beta"))],
-        "total_rollouts": s["total_rollouts"],
-        "verdicts": s["verdicts"],
-        "logprob_gap_mean": nan(s["logprob_gap"]["mean"]),  # over steps: |sampler - trainer| log p of completion tokens
-        "logprob_gap_max": nan(s["logprob_gap"]["max"]),  # the largest token gap of any step
-        "wall_seconds": wall,
-        "stage_seconds": res.stage_seconds,
-        "step_seconds_mean": _mean_of([w for w, _ in walls]),
-        "prefect_overhead_seconds_per_step": _mean_of([o for _, o in walls]),
-        "run_dir": s["run_dir"],
-        "config": {"lr": res.cfg.optim.lr, "group_size": res.cfg.allocation.group_size},
-    }
-
-
-def _mean_of(xs: list[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else float("nan")

@@ -1,4 +1,4 @@
-"""Stage functions of one training step (layer 2): read input tables, call the math or a backend,
+"""Stage functions of one training step (the pipeline layer): read input tables, call the math or a backend,
 write the output table. Plain functions, testable without Prefect; the flow wraps them as tasks.
 
 Per step t (docs/design.md, "One training step"):
@@ -28,7 +28,7 @@ from coba_tasks.core.allocation import plan_allocation
 from coba_tasks.core.capability import CapabilityTracker
 from coba_tasks.core.grpo import group_advantages, zero_variance_share
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
-from coba_tasks.engines.verify import VerdictKind
+from coba_tasks.engines.verify import VerdictKind, count_verdicts
 
 BOXED = "\\boxed{"  # the answer format of math prompts ("put your final answer within \\boxed{}")
 
@@ -80,7 +80,7 @@ def rollout_table(
 ) -> pd.DataFrame:
     """Generate ``budget.budget`` completions per prompt; one row per completion.
 
-    ``prompts`` holds each prompt's ``prompt_token_ids`` (``coba_tasks.pipeline.data.render_prompts``): the
+    ``prompts`` holds each prompt's ``prompt_token_ids`` (``coba_tasks.pipeline.data_prompts.render_prompts``): the
     engine receives those ids, the same the update trains on. Column ``logprobs`` is the sampler's
     log-probability of each completion token.
     """
@@ -174,7 +174,7 @@ def capability_table(
     rates = pass_rates(rewards)
     tracker.update(rates.to_numpy())
     group_ids = torch.as_tensor(pd.factorize(rewards["prompt_id"])[0])
-    counts = count_verdicts_from_table(rewards)
+    counts = count_verdicts(rewards["verdict"])
     row = {
         "step": step,
         "S": float(rates.mean()),
@@ -194,12 +194,6 @@ def capability_table(
         "tracker_state": json.dumps(tracker.to_dict()),
     }
     return pd.DataFrame([row]), tracker
-
-
-def count_verdicts_from_table(rewards: pd.DataFrame) -> dict[str, int]:
-    """Counts of every verdict kind (all five keys) in a rewards table."""
-    counts = rewards["verdict"].value_counts()
-    return {k.value: int(counts.get(k.value, 0)) for k in VerdictKind}
 
 
 def tracker_from_capability(capability: pd.DataFrame) -> CapabilityTracker:
@@ -323,6 +317,17 @@ def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rew
 # ---------------------------------------------------------------------------------------------
 # Held-out evaluation
 # ---------------------------------------------------------------------------------------------
+
+
+def eval_sample(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame:
+    """The held-out prompts an evaluation scores: a sample of ``prompts`` rows seeded by ``seed`` (the run
+    config's data.eval_prompts and run.seed), or every row when ``prompts`` is 0 or not below their count.
+
+    >>> test = pd.DataFrame({"prompt_id": list("abcde")})
+    >>> eval_sample(test, 2, seed=0)["prompt_id"].tolist(), len(eval_sample(test, 0, seed=0))
+    (['c', 'a'], 5)
+    """
+    return test.sample(prompts, random_state=seed).reset_index(drop=True) if 0 < prompts < len(test) else test
 
 
 def evaluate(

@@ -14,7 +14,7 @@ this module is the only code that knows where those files live and how they are 
         _manifest.json          one entry per table: file, rows, bytes, schema_version, sha256,
                                 config_hash, written_at
       checkpoints/000007/       model weights (LoRA: the adapter), tokenizer, optimizer state, checkpoint.json
-                                (written by the trainer, coba_tasks/engines/trainer.py)
+                                (written by the trainer, coba_tasks/engines/checkpoint.py)
       summary.json
       report/
 
@@ -49,8 +49,9 @@ Integrity. ``read_table`` checks the file's size and sha256 against its manifest
 pointing to ``coba resume --repair``, which recomputes it. ``is_done`` only checks that the entry
 and the file exist (no hashing), so asking is cheap.
 
-Not provided: locking. One process writes a run directory at a time; atomic renames are the only
-concurrency guarantee. This module is layer 2 (I/O, no Prefect).
+One process writes a run directory at a time: the training flow holds its ``.lock``
+(``coba_tasks.pipeline.runlock``); atomic renames keep readers from seeing half a file. This module
+is in the pipeline layer (I/O, no Prefect).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class RunStore:
         if (self.root / RUN_FILE).exists():
             raise StoreError(
                 f"{self.root}: a run already exists here ({RUN_FILE} found); "
-                f"continue it with `coba resume {self.root}` or choose another run name"
+                f"continue it with `coba resume --run-dir {self.root}` or choose another run name"
             )
         leftovers = [p for p in (CONFIG_FILE, STEPS_DIR, CHECKPOINTS_DIR, MANIFEST_FILE) if (self.root / p).exists()]
         if leftovers:
@@ -363,10 +364,6 @@ class RunStore:
     def has_run_table(self, name: str) -> bool:
         """Whether the run-level table has a manifest entry and its file exists."""
         return _is_tracked(self.root, _check_name(name))
-
-    def run_manifest(self) -> dict[str, dict[str, Any]]:
-        """The run-level manifest entries, name -> entry (same fields as a step's)."""
-        return _read_manifest(self.root)
 
     # -----------------------------------------------------------------------------------------
     # JSON files (summary.json, checkpoint metadata)

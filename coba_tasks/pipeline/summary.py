@@ -3,8 +3,8 @@
 ``RunTables`` (``load_run``) is the loader that ``coba inspect``, ``coba report`` and the training
 flow's ``summary.json`` share: it reads only *done* tables (an entry in the step's manifest and the
 file present, ``RunStore.is_done``), so a run still going can be read at any moment, and each table
-at most once. ``run_summary`` computes every figure the three show (``coba_tasks.pipeline.run``
-flattens it, with the timings the flow measured, into ``summary.json``).
+at most once. ``run_summary`` computes every figure the three show (``run_summary_json`` flattens
+it, with the timings the flow measured, into ``summary.json``).
 
 Step numbering: a table lives in the directory of the step that *uses* it. ``budget`` in
 ``steps/000007`` is the budget step 7 consumed (allocated at the end of step 6); ``eval`` in
@@ -18,13 +18,17 @@ import os
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from coba_tasks.engines.verify import VerdictKind, count_verdicts
 from coba_tasks.pipeline.config import MAIN_TEST_SET
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, StoreError
+
+if TYPE_CHECKING:  # annotations only: run.py pulls in the engines (torch), which inspect and report do not need
+    from coba_tasks.pipeline.run import RunResources
 
 # The per-step tables in the order a step produces them (budget first: it is written into the step's
 # directory before the step runs), then the history snapshot and the held-out evaluation.
@@ -32,7 +36,7 @@ TABLE_ORDER: tuple[str, ...] = tuple(
     s.value
     for s in (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.UPDATE, Stage.HISTORY, Stage.EVAL)
 )
-VERDICTS = ("correct", "wrong", "no_answer", "timeout", "error")  # coba_tasks.engines.verify.VerdictKind values
+VERDICTS = tuple(kind.value for kind in VerdictKind)
 CAPABILITY_FIELDS = ("F", "S", "alpha_used", "beta_used", "alpha", "beta")
 UPDATE_FIELDS = (
     "loss",
@@ -113,8 +117,7 @@ class RunTables:
                     if f"{_VERDICT_PREFIX}{v}" in cap
                 }
             elif Stage.REWARDS in self.done[s]:
-                counts = self.table(s, Stage.REWARDS)["verdict"].astype(str).value_counts()
-                rows[s] = {v: int(counts.get(v, 0)) for v in VERDICTS}
+                rows[s] = count_verdicts(self.table(s, Stage.REWARDS)["verdict"])
                 from_rewards.append(s)
         frame = pd.DataFrame.from_dict(rows, orient="index", columns=list(VERDICTS)).fillna(0).astype(int)
         return frame.sort_index(), from_rewards
@@ -279,6 +282,52 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
         "logprob_gap": {"mean": gap_mean, "max": gap_max},
     }
     return plain(summary)
+
+
+def run_summary_json(res: RunResources, wall: float) -> dict[str, Any]:
+    """summary.json of a finished run: ``run_summary``'s figures flattened under the names of the
+    before/after comparison, plus the timings the flow measured in this process (stage seconds, step
+    seconds, Prefect's share)."""
+    s = run_summary(res.store.root)
+    before, after = s["heldout_before"] or {}, s["heldout_after"] or {}
+    first, latest = s["capability"]["first"] or {}, s["capability"]["latest"] or {}
+
+    def nan(x: Any) -> float:
+        return float("nan") if x is None else float(x)
+
+    walls = res.step_walls
+    return {
+        "steps": res.cfg.run.steps,
+        "strategy": res.cfg.allocation.strategy,
+        **{f"heldout_{k}_before": nan(before.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
+        **{f"heldout_{k}_after": nan(after.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
+        "heldout_accuracy_by_difficulty_before": before.get("by_difficulty", {}),
+        "heldout_accuracy_by_difficulty_after": after.get("by_difficulty", {}),
+        # avg@k gain on each held-out set (data.test's is "test"), paired by prompt, with its standard error
+        "heldout_gain": s["heldout_gain"],
+        # data.extra_tests: each held-out set's figures before and after training
+        "heldout_test_sets": {
+            name: {"before": (before.get("test_sets") or {}).get(name), "after": figures}
+            for name, figures in (after.get("test_sets") or {}).items()
+        },
+        "mean_budget_by_difficulty": (s["budget"] or {}).get("mean_by_difficulty") or {},
+        "alpha_beta_start": [nan(first.get("alpha_used")), nan(first.get("beta_used"))],
+        "alpha_beta_end": [nan(latest.get("alpha")), nan(latest.get("beta"))],
+        "total_rollouts": s["total_rollouts"],
+        "verdicts": s["verdicts"],
+        "logprob_gap_mean": nan(s["logprob_gap"]["mean"]),  # over steps: |sampler - trainer| log p of completion tokens
+        "logprob_gap_max": nan(s["logprob_gap"]["max"]),  # the largest token gap of any step
+        "wall_seconds": wall,
+        "stage_seconds": res.stage_seconds,
+        "step_seconds_mean": _mean_of([w for w, _ in walls]),
+        "prefect_overhead_seconds_per_step": _mean_of([o for _, o in walls]),
+        "run_dir": s["run_dir"],
+        "config": {"lr": res.cfg.optim.lr, "group_size": res.cfg.allocation.group_size},
+    }
+
+
+def _mean_of(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
 def _budget_stats(t: RunTables, steps: list[int]) -> dict[str, Any] | None:

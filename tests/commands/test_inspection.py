@@ -1,4 +1,4 @@
-"""Tests for coba_tasks/commands/inspection.py (``coba inspect``) on small synthetic run directories."""
+"""Tests for ``coba inspect`` (commands/inspection.py, inspection_views.py) on small synthetic run directories."""
 
 from __future__ import annotations
 
@@ -13,16 +13,10 @@ import pandas as pd
 import pytest
 
 from coba_tasks.commands import inspection
-from coba_tasks.commands.inspection import (
-    STAGE_NAMES,
-    add_inspect_parser,
-    format_summary,
-    render,
-    run_sql,
-    run_summary,
-    show_table,
-)
+from coba_tasks.commands.inspection import add_inspect_parser, run_sql
+from coba_tasks.commands.inspection_views import STAGE_NAMES, format_summary, render, show_table
 from coba_tasks.pipeline.store import RunStore
+from coba_tasks.pipeline.summary import run_summary
 
 CONFIG = {
     "run": {"name": "t", "seed": 0, "steps": 2, "eval_every": 2},

@@ -7,17 +7,16 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from coba_tasks.core.allocation import (
+from coba_tasks.core.allocation import allocate, plan_allocation
+from coba_tasks.core.allocators import (
     VERY_EASY_ABOVE,
     VERY_HARD_BELOW,
-    allocate,
     coba_objective,
     distribute_proportional,
-    plan_allocation,
     released_heap_share,
-    solve_mckp_dp,
     strategies,
 )
+from coba_tasks.core.solvers import solve_mckp_dp
 from coba_tasks.core.values import adaptive_tau, coba_value, knapsack_value
 
 ALL = [("uniform", "paper"), ("knapsack", "paper"), ("coba", "paper"), ("coba", "released")]

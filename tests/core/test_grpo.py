@@ -17,7 +17,15 @@ from coba_tasks.core.grpo import (
     zero_variance_share,
 )
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These small tensors are fastest on one thread; the count is restored for the modules after this one
+    (it was set at import: every test collected with this module ran its torch code on one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def group_advantages_loop(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings, pad_sequences
+from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+from coba_tasks.engines.update_batch import pad_sequences
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]
@@ -220,7 +221,7 @@ def test_a_checkpoint_loads_all_or_nothing(random_checkpoints, tmp_path, tied):
     from safetensors.torch import load_file as load_torch
     from safetensors.torch import save_file
 
-    from coba_tasks.engines.trainer import CheckpointError
+    from coba_tasks.engines.checkpoint import CheckpointError
 
     a = _tied_checkpoint(tmp_path / "tied") if tied else random_checkpoints[0]
     s = UpdateSettings(lr=1e-2, micro_batch_size=2)
@@ -247,7 +248,7 @@ def test_a_checkpoint_loads_all_or_nothing(random_checkpoints, tmp_path, tied):
 
 
 def test_checkpoint_manifest_names_the_damaged_file(random_checkpoints, tmp_path):
-    from coba_tasks.engines.trainer import CHECKPOINT_MANIFEST, CheckpointError, verify_checkpoint
+    from coba_tasks.engines.checkpoint import CHECKPOINT_MANIFEST, CheckpointError, verify_checkpoint
 
     trainer = PolicyTrainer(random_checkpoints[0], UpdateSettings(lr=1e-2, micro_batch_size=2))
     ckpt = trainer.save_checkpoint(tmp_path / "ckpt")
@@ -295,6 +296,20 @@ RAGGED_COMPLETIONS = [
     [35, 36],
 ]
 RAGGED_ADV = np.array([1.2, -0.6, -0.6, 0, 0, 1.0, 0.0, -1.0, 0.0, 0, 0], dtype=np.float32)
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_a_kl_term_keeps_every_row_in_the_passes(random_checkpoints, shared_prefix):
+    """With a KL term a row whose advantage is 0 still has a gradient (its KL to the reference): nothing is
+    skipped. Without one, exactly the rows whose advantage is 0 are."""
+    a, _ = random_checkpoints
+    zero_rows = int((RAGGED_ADV == 0).sum())
+    for kl_coef, skipped in ((0.1, 0), (0.0, zero_rows)):
+        s = UpdateSettings(lr=1e-3, micro_batch_size=4, kl_coef=kl_coef, shared_prefix=shared_prefix)
+        metrics = PolicyTrainer(a, s).update(RAGGED_PROMPTS, RAGGED_COMPLETIONS, RAGGED_ADV)
+        assert metrics["skipped_rows"] == skipped, kl_coef
+        assert metrics["diagnostic_rows"] == len(RAGGED_ADV) - skipped, kl_coef
+    assert zero_rows > 0
 
 
 @pytest.mark.parametrize("shared_prefix", [True, False])
@@ -423,8 +438,8 @@ def test_a_partial_adapter_is_refused(random_checkpoints, tmp_path):
     from safetensors.torch import load_file as load_torch
     from safetensors.torch import save_file
 
+    from coba_tasks.engines.checkpoint import CheckpointError
     from coba_tasks.engines.lora import ADAPTER_FILE
-    from coba_tasks.engines.trainer import CheckpointError
 
     a, _ = random_checkpoints
     s = UpdateSettings(lr=1e-2, micro_batch_size=2, **LORA)

@@ -1,4 +1,5 @@
-"""Tests for coba_tasks.engines.verify: the arith and math verifiers, the registry, and the process pool.
+"""Tests for coba_tasks.engines.verify (the arith and math verifiers, the registry) and
+coba_tasks.engines.verify_pool (the process pool).
 
 The pool tests use verifiers registered below (``test_hang``, ``test_crash``, ...). They are
 module-level functions, so a worker process receives them by reference and imports this module.
@@ -16,18 +17,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import coba_tasks.engines.verify as verify_module
+import coba_tasks.engines.verify_pool as verify_pool_module
 from coba_tasks.engines.verify import (
     Verdict,
     VerdictKind,
-    VerifierPool,
     count_verdicts,
     register_verifier,
     registered_verifiers,
     score,
-    score_batch,
     verifier_for,
 )
+from coba_tasks.engines.verify_pool import VerifierPool, score_batch
 
 CORRECT, WRONG, NO_ANSWER, TIMEOUT, ERROR = (k.value for k in VerdictKind)
 
@@ -379,7 +379,7 @@ def test_pool_interrupted_mid_batch_stops_its_workers(pool: VerifierPool, monkey
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(verify_module, "wait", interrupted)
+    monkeypatch.setattr(verify_pool_module, "wait", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pool.score(_boxed_integers(4, offset=0))
     assert pool.worker_pids == []
@@ -467,7 +467,7 @@ def test_reward_table_records_timeouts_in_its_verdict_column(pool: VerifierPool)
     table = stages.reward_table(rollouts, prompts, pool)
     assert table["verdict"].tolist() == [CORRECT, WRONG, TIMEOUT]
     assert table["reward"].tolist() == [1.0, 0.0, 0.0]
-    assert stages.count_verdicts_from_table(table) == {
+    assert count_verdicts(table["verdict"]) == {
         "correct": 1,
         "wrong": 1,
         "no_answer": 0,

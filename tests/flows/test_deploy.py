@@ -14,6 +14,7 @@ command's output go to files in tmp_path; their tails are printed when something
 from __future__ import annotations
 
 import base64
+import json
 import time
 import urllib.error
 import urllib.request
@@ -45,6 +46,17 @@ def artifact_keys(client, run_id: uuid.UUID) -> set[str]:
 
     artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
     return {a.key for a in artifacts if a.key}
+
+
+def run_deployment(procs: Processes, deployment: str, **params: object) -> uuid.UUID:
+    """``prefect deployment run DEPLOYMENT --param key=value ...``; the new flow run's id."""
+    args = [f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in params.items()]
+    out = procs.run(
+        f"run-{deployment.split('/')[0]}",
+        [*PREFECT, "deployment", "run", deployment, *(x for a in args for x in ("--param", a))],
+        PROJECT,
+    )
+    return flow_run_id(out)
 
 
 def write_tiny_config(tmp_path: Path, model: Path) -> Path:
@@ -107,18 +119,9 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                         {"prefect.deployments.steps.set_working_directory": {"directory": str(PROJECT)}}
                     ], (name, d.pull_steps)
 
-                out = procs.run(
-                    "run-train",
-                    [
-                        *PREFECT,
-                        *("deployment", "run", "coba-train/coba-train"),
-                        *("--param", f"config_path={config_path}"),
-                        *("--param", "run_name=deploy-test"),
-                        *("--param", f"run_dir={run_dir}"),
-                    ],
-                    PROJECT,
+                train_id = run_deployment(
+                    procs, "coba-train/coba-train", config_path=config_path, run_name="deploy-test", run_dir=run_dir
                 )
-                train_id = flow_run_id(out)
                 run = wait_final(client, train_id, worker)
                 assert run.state.is_completed(), f"coba-train ended {run.state_name}: {run.state.message}"
                 t_train = time.monotonic()
@@ -144,19 +147,13 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                 keys = artifact_keys(client, train_id)
                 assert {"step-000000", "step-000001", "budget-step-000001"} <= keys, keys
 
-                out = procs.run(
-                    "run-eval",
-                    [
-                        *PREFECT,
-                        *("deployment", "run", "coba-eval/coba-eval"),
-                        *("--param", f"model_path={store.checkpoint_dir(2)}"),
-                        *("--param", "eval_prompts=10"),
-                        *("--param", "backend=transformers"),
-                        *("--param", f"out_path={eval_out}"),
-                    ],
-                    PROJECT,
+                eval_id = run_deployment(
+                    procs,
+                    "coba-eval/coba-eval",
+                    model_path=store.checkpoint_dir(2),
+                    settings={"eval_prompts": 10, "backend": "transformers"},
+                    out_path=eval_out,
                 )
-                eval_id = flow_run_id(out)
                 run = wait_final(client, eval_id, worker)
                 assert run.state.is_completed(), f"coba-eval ended {run.state_name}: {run.state.message}"
                 table = pd.read_parquet(eval_out)

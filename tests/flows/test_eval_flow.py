@@ -5,7 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from coba_tasks.pipeline.data import DatasetError
+from coba_tasks.pipeline.data_problems import DatasetError
+from coba_tasks.pipeline.eval_settings import EvalSettings, eval_settings
 
 
 def _flat(path, prompts, answers=None, source="arith"):
@@ -14,13 +15,11 @@ def _flat(path, prompts, answers=None, source="arith"):
     return path
 
 
-def _evaluate(model, test, **overrides):
+def _evaluate(model, test, **changes):
     from flows.eval import evaluate_model
 
-    args = dict(samples=1, temperature=0.0, max_tokens=12, backend="transformers", eval_prompts=0, seed=0)
-    args.update(dtype="float32", max_model_len=64)
-    args.update(overrides)
-    return evaluate_model.fn(str(model), str(test), **args)  # the task's body, without Prefect
+    settings = eval_settings(test_path=str(test), backend="transformers", **changes)
+    return evaluate_model.fn(str(model), settings)  # the task's body, without Prefect
 
 
 def test_an_over_long_prompt_is_refused_before_the_engine_starts(tmp_path, random_checkpoints, monkeypatch):
@@ -54,12 +53,46 @@ def test_ground_truths_and_sources_are_checked_before_the_engine_starts(tmp_path
         _evaluate(model, unknown)
 
 
-def test_bad_parameters_are_one_line(random_checkpoints, tmp_path):
-    from flows.eval import _check_parameters
+def test_bad_settings_are_one_line_naming_the_field():
+    with pytest.raises(ValueError, match=r"^eval settings: max_model_len must exceed max_tokens \(12\)"):
+        eval_settings(max_model_len=10)
+    with pytest.raises(ValueError, match=r"^eval settings: unknown_sources: Input should be 'error' or 'math' \(got"):
+        eval_settings(unknown_sources="skip")
+    with pytest.raises(ValueError, match=r"^eval settings: backend: unknown backend 'tpu'; valid backends: .*vllm"):
+        eval_settings(backend="tpu")
+    with pytest.raises(ValueError, match=r"samples > 1 needs temperature > 0"):
+        eval_settings(samples=4)
+    with pytest.raises(ValueError, match=r"temperature: Input should be a finite number \(got nan\)"):
+        eval_settings(temperature=float("nan"))
+    with pytest.raises(ValueError, match=r"^eval settings: sampels: Extra inputs are not permitted \(got 4\)$"):
+        eval_settings({"sampels": 4})
+    for message in (str(e) for e in _errors(eval_settings, [{"samples": 0}, {"top_p": 0}, {"dtype": "int4"}])):
+        assert "\n" not in message, message
 
-    model, _ = random_checkpoints
-    test = _flat(tmp_path / "t.parquet", ["1+1="])
-    with pytest.raises(ValueError, match=r"max_model_len must exceed max_tokens \(12\)"):
-        _check_parameters(str(model), str(test), 1, 0.0, 12, "vllm", 0, max_model_len=10)
-    with pytest.raises(ValueError, match="unknown_sources must be one of error, math"):
-        _check_parameters(str(model), str(test), 1, 0.0, 12, "vllm", 0, unknown_sources="skip")
+
+def _errors(fn, calls):
+    out = []
+    for kwargs in calls:
+        with pytest.raises(ValueError) as info:
+            fn(kwargs)
+        out.append(info.value)
+    return out
+
+
+def test_a_run_config_gives_the_settings_of_its_evaluations():
+    from coba_tasks.pipeline.config import load_config
+
+    cfg = load_config("configs/demo.yaml")
+    s = EvalSettings.from_config(cfg)
+    assert (s.test_path, s.samples, s.temperature, s.top_p) == (
+        cfg.data.test,
+        cfg.run.eval_samples,
+        cfg.run.eval_temperature,
+        cfg.run.eval_top_p,
+    )
+    assert (s.max_tokens, s.max_model_len, s.eval_prompts, s.prompt_format) == (
+        cfg.rollout.max_tokens,
+        cfg.rollout.max_model_len,
+        cfg.data.eval_prompts,
+        cfg.data.prompt_format,
+    )

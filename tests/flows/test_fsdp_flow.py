@@ -250,7 +250,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
     """The same 2-step run with optim.fsdp_processes 2 and 1; the FSDP run stopped by a failure at step 1's
     rollouts and resumed (so its second update is a resumed run's); the FSDP run's ``fsdp_update`` calls."""
     import flows.train as train
-    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import run, stage_runner
 
     model, _ = random_checkpoints
     root = tmp_path_factory.mktemp("fsdp-flow")
@@ -262,7 +262,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
     # the 95k weights more than 1e-3 of the update's size (1e-4) apart, at most 8.4e-7; the rest closer;
     # tests/test_fsdp_update.py saw the same. eps 1e-5 keeps that amplification out of the comparison.
     data = [f"data.train={train_file}", f"data.test={test_file}", "optim.eps=1e-5"]
-    real, calls = run.fsdp_update, []
+    real, calls = stage_runner.fsdp_update, []
 
     def recording(model_path, out_dir, *args, **kwargs):
         live = list(run._RUNS.values())
@@ -271,7 +271,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
 
     stores = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run, "fsdp_update", recording)
+        mp.setattr(stage_runner, "fsdp_update", recording)
         single = root / "single"
         train.train_flow(run_dir=str(single), config=config_to_dict(_tiny(model, *data)))
         stores[1] = RunStore.open(single)
@@ -279,7 +279,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
         fsdp = root / "fsdp2"
         fail = root / "fail-at"
         fail.write_text("1:rollouts")  # after step 0's update (one torchrun job), before step 1's rollouts
-        mp.setenv(run.FAIL_FILE_ENV, str(fail))
+        mp.setenv(stage_runner.FAIL_FILE_ENV, str(fail))
         cfg = _tiny(model, *data, "optim.fsdp_processes=2")
         state = train.train_flow(run_dir=str(fsdp), config=config_to_dict(cfg), return_state=True)
         assert state.is_failed() and len(calls) == 1
@@ -390,7 +390,7 @@ class _SleepyEngine:
 def test_update_task_sleeps_the_engine_around_the_job_and_needs_the_previous_checkpoint(runs, tmp_path, monkeypatch):
     """The update stage alone on a copy of the FSDP run, the job replaced by a recording fake."""
     import flows.train as train
-    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import run, stage_runner
 
     stores, _, _ = runs
     original = stores[2]
@@ -407,7 +407,7 @@ def test_update_task_sleeps_the_engine_around_the_job_and_needs_the_previous_che
         assert len(prompt_ids) == len(completion_ids) == len(adv) == len(store.read_table(step, Stage.ROLLOUTS))
         return metrics.to_dict()
 
-    monkeypatch.setattr(run, "fsdp_update", fake_job)
+    monkeypatch.setattr(stage_runner, "fsdp_update", fake_job)
     cfg = apply_overrides(config_from_dict(store.read_config()), ["rollout.sleep_during_update=true"])
     res = run.RunResources(cfg=cfg, store=store, prompts=store.read_run_table("prompts"), test=None, engine=engine)
     monkeypatch.setitem(run._RUNS, str(root), res)

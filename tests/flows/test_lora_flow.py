@@ -35,7 +35,8 @@ def _adapters(store: RunStore) -> list[dict[str, torch.Tensor]]:
 def test_a_lora_run_trains_adapters_resumes_and_evaluates(
     tmp_path, prefect_harness, random_checkpoints, first_char_data
 ):
-    from coba_tasks.pipeline.run import FAIL_FILE_ENV, ROLLOUT_WEIGHTS_DIR
+    from coba_tasks.pipeline.eval_settings import eval_settings
+    from coba_tasks.pipeline.stage_runner import FAIL_FILE_ENV, ROLLOUT_WEIGHTS_DIR
     from flows.eval import evaluate_model
     from flows.train import train_flow
 
@@ -82,18 +83,8 @@ def test_a_lora_run_trains_adapters_resumes_and_evaluates(
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
     # coba-eval of a LoRA checkpoint: the adapter merged into its base for the engine
-    table = evaluate_model.fn(
-        str(ref.checkpoint_dir(STEPS)),
-        str(first_char_data[1]),
-        samples=1,
-        temperature=0.0,
-        max_tokens=8,
-        backend="transformers",
-        eval_prompts=10,
-        seed=0,
-        dtype="float32",
-        max_model_len=64,
-    )
+    settings = eval_settings(test_path=str(first_char_data[1]), max_tokens=8, backend="transformers", eval_prompts=10)
+    table = evaluate_model.fn(str(ref.checkpoint_dir(STEPS)), settings)
     assert len(table) == 10 and (table["weight_version"] == STEPS).all()
     final = ref.read_table(STEPS, Stage.EVAL)
     assert sorted(table["prompt_id"]) == sorted(final["prompt_id"])

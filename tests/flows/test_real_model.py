@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend
 from coba_tasks.engines.verify import Verdict, VerdictKind, register_verifier, registered_verifiers
 from coba_tasks.pipeline.config import config_to_dict, load_config
-from coba_tasks.pipeline.data import load_dataset, render_prompts
+from coba_tasks.pipeline.data import load_dataset
+from coba_tasks.pipeline.data_prompts import render_prompts
 from coba_tasks.pipeline.store import RunStore, Stage
 
 pytestmark = pytest.mark.slow
@@ -129,8 +130,8 @@ def test_smollm2_run_with_chat_template_resume_rerun_inspect_report_and_eval(
     import flows.train as train
     from coba_tasks.commands.cli import main as cli_main
     from coba_tasks.commands.inspection import run_summary
-    from coba_tasks.pipeline import run
     from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
+    from coba_tasks.pipeline.stage_runner import FAIL_FILE_ENV
     from flows.eval import eval_flow
 
     train_file, test_file = _parity_data(tmp_path)
@@ -138,7 +139,7 @@ def test_smollm2_run_with_chat_template_resume_rerun_inspect_report_and_eval(
     run_dir = tmp_path / "run"
     fail = tmp_path / "fail-at"
     fail.write_text("1:update")  # step 1's update is computed, then fails before its table is recorded
-    monkeypatch.setenv(run.FAIL_FILE_ENV, str(fail))
+    monkeypatch.setenv(FAIL_FILE_ENV, str(fail))
     state = train.train_flow(run_dir=str(run_dir), config=config_to_dict(cfg), return_state=True)
     assert state.is_failed()
     store = RunStore.open(run_dir)
@@ -188,9 +189,8 @@ def test_smollm2_run_with_chat_template_resume_rerun_inspect_report_and_eval(
     assert "train/rollout log-prob gap" in (run_dir / "report" / "index.html").read_text()
 
     # the evaluation flow on the last checkpoint, rendered with the same template
-    figures = eval_flow(
-        str(store.checkpoint_dir(2)), test_path=test_file, max_tokens=12, max_model_len=256, eval_prompts=4
-    )
+    settings = {"test_path": str(test_file), "max_tokens": 12, "max_model_len": 256, "eval_prompts": 4}
+    figures = eval_flow(str(store.checkpoint_dir(2)), settings)  # a dict, as a deployment passes it
     assert figures["prompts"] == 4 and 0.0 <= figures["accuracy"] <= 1.0
     eval_table = store.read_table(2, Stage.EVAL)
     assert json.loads(json.dumps(figures))["accuracy"] == pytest.approx(float(eval_table["accuracy"].mean()))

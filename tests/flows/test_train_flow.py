@@ -13,7 +13,7 @@ import pytest
 from helpers_reward import TEST_PROMPTS, assert_updates_moved, data_overrides, write_flat
 
 from coba_tasks.pipeline.config import config_to_dict, load_config
-from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage
+from coba_tasks.pipeline.store import MANIFEST_FILE, STEP_STAGES, RunStore, Stage
 
 
 @pytest.mark.slow
@@ -169,13 +169,13 @@ def test_skipped_rows_are_listed_in_bad_rows_parquet(tmp_path, capsys, random_ch
     assert bad["message"].tolist()[0].startswith("prompt is 900 tokens; with rollout.max_tokens 8 it exceeds")
     assert "prompt is empty" in bad["message"][1] and "duplicates row 0" in bad["message"][2]
     assert f"skipped 3 bad rows of {train} (see bad_rows.parquet)" in capsys.readouterr().err
-    assert store.run_manifest()["bad_rows"]["rows"] == 3
+    assert json.loads((store.root / MANIFEST_FILE).read_text())["entries"]["bad_rows"]["rows"] == 3
 
 
 @pytest.mark.slow
 def test_refused_dataset_leaves_no_run_directory(tmp_path, prefect_harness, random_checkpoints):
     """A prompt longer than the context stops the flow before anything is written; no run directory stays."""
-    from coba_tasks.pipeline.data import DatasetError
+    from coba_tasks.pipeline.data_problems import DatasetError
     from flows.train import train_flow
 
     model, _ = random_checkpoints

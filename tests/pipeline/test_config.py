@@ -12,7 +12,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coba_tasks.core.allocation import coba_solvers, strategies
+from coba_tasks.core.allocators import strategies
+from coba_tasks.core.solvers import coba_solvers
 from coba_tasks.engines.rollout import backends
 from coba_tasks.pipeline.config import (
     DEFAULT_CONFIG_PATH,
@@ -29,9 +30,9 @@ from coba_tasks.pipeline.config import (
     config_from_dict,
     config_hash,
     config_to_dict,
-    dump_config,
     load_config,
 )
+from coba_tasks.pipeline.store import RunStore
 
 CONFIGS = PROJECT_ROOT / "configs"
 TINY_DEMO = CONFIGS / "demo-tiny.yaml"  # the config-mechanics tests run on the tiny demo (M = 128, G = 16)
@@ -451,21 +452,23 @@ def test_config_from_dict_validates_like_load():
         config_from_dict([1, 2])  # type: ignore[arg-type]
 
 
-def test_dump_then_load_gives_the_same_config(tmp_path):
+def _saved_with_a_run(cfg, root):
+    """The config as a run directory keeps it (config.yaml, written by RunStore.create), loaded back."""
+    RunStore(root).create(config_to_dict(cfg), config_hash(cfg), {})
+    return load_config(root / "config.yaml")
+
+
+def test_a_run_keeps_the_same_config(tmp_path):
     cfg = load_config(CONFIGS / "tiny-test.yaml", ["allocation.tau=2.5", "optim.eps=1e-7"])
-    out = dump_config(cfg, tmp_path / "run" / "config.yaml")
-    assert out == tmp_path / "run" / "config.yaml"
-    assert load_config(out) == cfg
-    assert sorted(p.name for p in out.parent.iterdir()) == ["config.yaml"]  # no temporary left behind
-    dump_config(load_config(TINY_DEMO), out)  # overwrite in place
-    assert load_config(out) == load_config(TINY_DEMO)
+    assert _saved_with_a_run(cfg, tmp_path / "run") == cfg
+    assert _saved_with_a_run(load_config(TINY_DEMO), tmp_path / "demo") == load_config(TINY_DEMO)
 
 
 @pytest.mark.parametrize("name", ["2024", "null", "yes", "1e5", "0x1F", "1.0", "a.b-c_d"])
-def test_dump_keeps_names_that_look_like_other_yaml_types(tmp_path, name):
+def test_a_run_keeps_names_that_look_like_other_yaml_types(tmp_path, name):
     cfg = load_config(TINY_DEMO, [f"run.name={name}"])
     assert cfg.run.name == name
-    assert load_config(dump_config(cfg, tmp_path / "config.yaml")).run.name == name
+    assert _saved_with_a_run(cfg, tmp_path / "run").run.name == name
 
 
 def test_hash_is_stable_and_changes_with_any_value():

@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from coba_tasks.commands.report import add_report_parser
 from coba_tasks.pipeline import report
 from coba_tasks.pipeline.report import (
     PLOT_FILES,
     STAGE_TIME_PNG,
-    add_report_parser,
     build_report,
     report_artifacts_markdown,
     write_report,

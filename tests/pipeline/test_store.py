@@ -429,7 +429,7 @@ def test_run_tables_round_trip_and_are_tracked_in_the_root_manifest(run: RunStor
     assert path == run.root / "prompts.parquet"
     pd.testing.assert_frame_equal(run.read_run_table("prompts"), prompts, check_dtype=False)
     assert [list(x) for x in run.read_run_table("history")["pass_rates"]] == [[0.5, 0.25], []]
-    entries = run.run_manifest()
+    entries = json.loads((run.root / MANIFEST_FILE).read_text())["entries"]
     assert set(entries) == {"prompts", "history"}
     assert entries["prompts"]["rows"] == 2
     assert entries["prompts"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,291 @@
+"""``coba run``, ``coba resume`` and ``coba rerun``: their parsers and handlers, and the summary a run prints.
+
+    coba run --config configs/tiny-test.yaml --run-dir runs/tiny --steps 2
+    coba resume --run-dir runs/tiny
+    coba rerun --run-dir runs/tiny --step 1 --stage rewards --yes
+
+Each handler checks what it can before the Prefect training flow (``flows.train``) starts, so that a
+refusal is one line, not a failed flow run's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from coba_tasks.commands.args import add_command, positive_int
+from coba_tasks.commands.console import add_verbose_flag
+from coba_tasks.commands.model_cmd import cmd_bootstrap
+
+
+def add_train_parsers(subparsers: Any) -> None:
+    """Register ``coba run``, ``coba resume`` and ``coba rerun``, in this order; each sets its ``func``."""
+    from coba_tasks.pipeline.rerun import RERUNNABLE
+
+    run = add_command(
+        subparsers,
+        "run",
+        help="train a model with CoBA-RL budgets (Prefect flow over Parquet)",
+        description="Run the training flow: per step rollout generation (vLLM), verification, failure-rate update, "
+        "budget allocation for the next step and a GRPO update; every stage's output is a Parquet table in the run "
+        "directory. Held-out accuracy is measured before and after (and every run.eval_every steps).",
+        examples=[
+            "coba run",
+            "coba run --steps 5 --set allocation.strategy=uniform --run-dir runs/uniform",
+            "coba run --config configs/tiny-test.yaml --run-dir runs/tiny --set optim.lr=3e-5",
+        ],
+    )
+    run.add_argument("--config", default=None, help="YAML config (default configs/demo.yaml)")
+    run.add_argument("--run-dir", default=None, help="run directory (default runs/<run.name>); must not exist")
+    run.add_argument("--dataset", default=None, help="training Parquet (veRL or prompt/answer); sets data.train")
+    run.add_argument("--steps", type=positive_int, default=None, help="training steps; sets run.steps")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. optim.lr=3e-5")
+    run.add_argument(
+        "--bootstrap-if-missing", action="store_true", help="build the default model first when model.path is missing"
+    )
+
+    resume = _add_run_dir_command(
+        subparsers,
+        "resume",
+        "the run directory to continue",
+        help="continue a stopped or failed run from the first stage not done",
+        description="Continue the run in --run-dir with its own config (config.yaml): stages already done (in their "
+        "step's _manifest.json) are not recomputed, so the finished run equals an uninterrupted one. A run written "
+        "by another schema version is refused.",
+        examples=["coba resume --run-dir runs/demo", "coba resume --run-dir runs/demo --repair"],
+    )
+    resume.add_argument(
+        "--repair",
+        action="store_true",
+        help="recompute from the first table that is missing, truncated or altered (checked against the manifests)",
+    )
+    resume.add_argument(
+        "--allow-changed-inputs",
+        action="store_true",
+        help="continue although data.test or model.path changed since the run started (their sha256 is in "
+        "run.json; refused otherwise)",
+    )
+    resume.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the model's own code when the run's config sets model.trust_remote_code (refused otherwise)",
+    )
+
+    rerun = _add_run_dir_command(
+        subparsers,
+        "rerun",
+        "the run directory",
+        help="recompute one stage of one step (and everything after it)",
+        description="Recompute the stage --stage of step --step. Everything computed after it is invalid too: the "
+        "command first lists those outputs, removes them only with --yes, then resumes the run, which recomputes "
+        "them. The budget of step N is the table steps/N/budget.parquet (allocated at the end of step N - 1); "
+        "eval invalidates only itself.",
+        examples=[
+            "coba rerun --run-dir runs/demo --step 5 --stage rewards",
+            "coba rerun --run-dir runs/demo --step 5 --stage rewards --yes",
+            "coba rerun --run-dir runs/demo --step 12 --stage eval --yes --no-resume",
+        ],
+    )
+    rerun.add_argument("--step", type=int, required=True, help="the step (0-based, as in steps/NNNNNN/)")
+    rerun.add_argument("--stage", required=True, choices=RERUNNABLE, help="the stage to recompute")
+    rerun.add_argument("--yes", action="store_true", help="remove the invalidated outputs (default: only list them)")
+    rerun.add_argument("--no-resume", action="store_true", help="with --yes: remove, but do not resume the run")
+
+    for parser, handler in ((run, cmd_run), (resume, cmd_resume), (rerun, cmd_rerun)):
+        add_verbose_flag(parser)  # each starts the engines; last, after the command's own arguments
+        parser.set_defaults(func=handler)
+
+
+def _add_run_dir_command(subparsers: Any, name: str, run_dir_help: str, **texts: Any) -> argparse.ArgumentParser:
+    """A subcommand (``add_command``'s ``texts``) on an existing run: its first argument, ``--run-dir``, is required."""
+    parser = add_command(subparsers, name, **texts)
+    parser.add_argument("--run-dir", required=True, help=run_dir_help)
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run ``coba run``: load and check the config and the data, then the training flow in a new run directory."""
+    from coba_tasks.pipeline.config import check_paths, config_to_dict, load_config
+
+    overrides = list(args.set or [])
+    if args.steps is not None:
+        overrides.append(f"run.steps={args.steps}")
+    if args.dataset is not None:
+        overrides.append(f"data.train={args.dataset}")
+    cfg = load_config(args.config, overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.run.name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"run directory {run_dir} already exists; pick another --run-dir (or resume it)")
+    if args.bootstrap_if_missing and not (Path(cfg.model.path) / "config.json").is_file():
+        print(f"model {cfg.model.path} is missing: bootstrapping it first")
+        rc = cmd_bootstrap(
+            argparse.Namespace(
+                out=cfg.model.path,
+                train="data/arith_train.parquet",
+                test="data/arith_test.parquet",
+                seed=0,
+                steps=None,
+                force=False,
+            )
+        )
+        if rc:
+            return rc
+    elif args.bootstrap_if_missing:
+        from coba_tasks.pipeline.bootstrap import stale_bootstrap_note
+
+        note = stale_bootstrap_note(Path(cfg.model.path))
+        if note:
+            print(note)
+    check_paths(cfg)
+    if cfg.model.trust_remote_code:  # the user's own command turns it on, on this machine
+        from coba_tasks.pipeline.run import allow_remote_code
+
+        allow_remote_code()
+    from coba_tasks.pipeline.data_run import load_run_datasets
+
+    load_run_datasets(cfg)  # a bad dataset or over-long prompt fails here, before anything is written
+    from coba_tasks.pipeline.prefect_env import configure_prefect
+
+    configure_prefect()
+    from flows.train import train_flow
+
+    summary = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    _print_summary(summary)
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Run ``coba resume``: check the run (lock, config, tables, inputs, checkpoint), then continue its flow."""
+    from coba_tasks.pipeline.run import read_run_config
+    from coba_tasks.pipeline.runlock import RunLock
+    from coba_tasks.pipeline.store import RunStore
+
+    store = RunStore.open(args.run_dir)  # refuses a missing run or another schema version
+    RunLock(store.root).check_free()  # a run still going there: refuse before starting anything
+    cfg = read_run_config(store)  # a damaged config.yaml: one line naming it
+    if cfg.model.trust_remote_code:
+        if not getattr(args, "trust_remote_code", False):
+            raise ValueError(
+                f"{store.root / 'config.yaml'} sets model.trust_remote_code: the model's own code would run; "
+                "resume it with --trust-remote-code if you trust that model"
+            )
+        from coba_tasks.pipeline.run import allow_remote_code
+
+        allow_remote_code()
+    from coba_tasks.pipeline.rerun import apply_rerun, damaged_tables, plan_repair
+
+    damaged = damaged_tables(store)  # every done table is checked against its manifest (size, sha256)
+    if damaged and not getattr(args, "repair", False):
+        step, name, reason = damaged[0]
+        raise ValueError(f"{len(damaged)} damaged table(s), the first at step {step} ({name}): {reason}")
+    if damaged:
+        plan = plan_repair(store)
+        print(f"repairing: {len(damaged)} damaged table(s), the first at step {damaged[0][0]} ({damaged[0][1]})")
+        print(plan.describe(store.root))
+        with RunLock(store.root):
+            apply_rerun(store, plan)
+    from coba_tasks.pipeline.run import first_step_not_done
+
+    first = first_step_not_done(store, cfg.run.steps)
+    summary_file = store.root / "summary.json"
+    if first == cfg.run.steps and summary_file.is_file():
+        print(f"{store.root}: all {cfg.run.steps} steps are done; nothing to resume")
+        _print_summary(json.loads(summary_file.read_text()))
+        return 0
+    # what the flow checks too, here first so that a refusal is one line, not a failed flow run's log
+    from coba_tasks.pipeline.run import check_inputs, checked_checkpoint
+
+    changed = getattr(args, "allow_changed_inputs", False)
+    check_inputs(store, cfg, changed, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
+    if first > 0:
+        checked_checkpoint(store, first)  # a partial or damaged checkpoint: the file and the rerun that mends it
+    print(f"resuming {store.root} at step {first + 1} of {cfg.run.steps}; stages already done are not recomputed")
+    from coba_tasks.pipeline.prefect_env import configure_prefect
+
+    configure_prefect()
+    from flows.train import train_flow
+
+    _print_summary(train_flow(run_dir=str(store.root), resume=True, allow_changed_inputs=changed))
+    return 0
+
+
+def cmd_rerun(args: argparse.Namespace) -> int:
+    """Run ``coba rerun``: list what the stage invalidates; with --yes remove it and (unless --no-resume) resume."""
+    from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
+    from coba_tasks.pipeline.runlock import RunLock
+    from coba_tasks.pipeline.store import RunStore
+
+    store = RunStore.open(args.run_dir)
+    RunLock(store.root).check_free()
+    plan = plan_rerun(store, args.step, args.stage)
+    print(plan.describe(store.root))
+    if not args.yes:
+        print("nothing removed: pass --yes to remove these outputs and recompute them")
+        return 0
+    with RunLock(store.root):
+        apply_rerun(store, plan)
+    print(f"removed {len(plan.tables)} table(s) and {len(plan.checkpoints)} checkpoint(s)")
+    if args.no_resume:
+        print(f"continue with: coba resume --run-dir {args.run_dir}")
+        return 0
+    return cmd_resume(
+        argparse.Namespace(run_dir=args.run_dir, repair=False, allow_changed_inputs=False, trust_remote_code=False)
+    )
+
+
+def _print_summary(s: dict) -> None:
+    print()
+    print(
+        f"run {s['run_dir']}: {s['steps']} steps, strategy {s['strategy']}, {s['total_rollouts']} rollouts, "
+        f"{s['wall_seconds']:.0f} s"
+    )
+    gains = s.get("heldout_gain") or {}
+
+    def gain_text(name: str) -> str:  # the paired gain of avg@k and its standard error
+        g = gains.get(name)
+        return f"  (gain {g['gain']:+.3f} ± {g['se']:.3f} s.e.)" if g and math.isfinite(g["se"]) else ""
+
+    print(
+        f"held-out accuracy: before {s['heldout_accuracy_before']:.3f} -> after {s['heldout_accuracy_after']:.3f}"
+        + gain_text("test")
+    )
+    for name, figures in (s.get("heldout_test_sets") or {}).items():
+        b, a = figures.get("before") or {}, figures.get("after") or {}
+        if b and a:
+            print(f"  {name}: before {b['accuracy']:.3f} -> after {a['accuracy']:.3f}" + gain_text(name))
+    g0, g1 = s.get("heldout_greedy_before", float("nan")), s.get("heldout_greedy_after", float("nan"))
+    if g0 == g0 and g1 == g1 and (g0, g1) != (s["heldout_accuracy_before"], s["heldout_accuracy_after"]):
+        print(f"held-out greedy:   before {g0:.3f} -> after {g1:.3f}")
+    n0, n1 = s.get("heldout_answered_before", float("nan")), s.get("heldout_answered_after", float("nan"))
+    if n0 == n0 and n1 == n1 and n0 > 0 and n1 > 0:  # where the gain comes from: answering more, or better
+        a0, a1 = s["heldout_accuracy_before"] / n0, s["heldout_accuracy_after"] / n1
+        print(f"answers given:     before {n0:.3f} -> after {n1:.3f} (share of completions with an answer)")
+        print(f"correct if answered: before {a0:.3f} -> after {a1:.3f}")
+    b0, b1 = s.get("heldout_boxed_before", float("nan")), s.get("heldout_boxed_after", float("nan"))
+    if b0 == b0 and b1 == b1 and (b0 > 0 or b1 > 0):  # math prompts ask for \boxed{} answers
+        print(f"boxed answers:     before {b0:.3f} -> after {b1:.3f} (share of completions with \\boxed{{}})")
+    gap = s.get("logprob_gap_max")
+    if gap and gap == gap:
+        print(f"train/rollout log-prob gap: mean over steps {s['logprob_gap_mean']:.2e}, largest token {gap:.2e}")
+    levels = sorted(s["heldout_accuracy_by_difficulty_after"])
+    print("by difficulty:      " + "  ".join(f"L{k}" + " " * 8 for k in levels))
+    print("  before            " + "  ".join(f"{s['heldout_accuracy_by_difficulty_before'][k]:<10.2f}" for k in levels))
+    print("  after             " + "  ".join(f"{s['heldout_accuracy_by_difficulty_after'][k]:<10.2f}" for k in levels))
+    print(
+        "  mean budget       "
+        + "  ".join(f"{s['mean_budget_by_difficulty'].get(k, float('nan')):<10.1f}" for k in levels)
+    )
+    a0, a1 = s["alpha_beta_start"], s["alpha_beta_end"]
+    print(f"(alpha, beta): start ({a0[0]:.2f}, {a0[1]:.2f}) -> end ({a1[0]:.2f}, {a1[1]:.2f})")
+    print("time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in s["stage_seconds"].items()))
+    step_s, over_s = s.get("step_seconds_mean", float("nan")), s.get("prefect_overhead_seconds_per_step", float("nan"))
+    print(f"per step: {step_s:.2f} s, of which Prefect orchestration {over_s:.2f} s ({over_s / step_s:.0%})")
+    print(f"run directory: {s['run_dir']}")
+    report = Path(s["run_dir"]) / "report"
+    if (report / "index.html").is_file():
+        pictures = ", ".join(sorted(p.name for p in report.glob("*.png")))
+        print(f"report: {report / 'index.html'} ({pictures})")

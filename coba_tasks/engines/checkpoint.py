@@ -1,0 +1,281 @@
+"""Checkpoint serialisation: the policy's weights, its AdamW state and the trainer state on disk, and back.
+
+Kept apart from the update (``coba_tasks.engines.trainer``) because the same layout is written by two
+writers, ``PolicyTrainer.save_checkpoint`` and rank 0 of an FSDP update (``coba_tasks.engines.fsdp_update``),
+and checked by readers that never train (a resume, a rerun, ``coba-eval``).
+
+Checkpoints are Hugging Face layout with safetensors (the rollout engine reloads them in place)
+plus ``trainer/optimizer.safetensors`` (AdamW moments and steps as tensors, the torch RNG state) and
+``trainer/trainer_state.json`` (param groups, update count, the caller's extra state), so a resumed
+run continues exactly; with ``dtype`` bfloat16 or float16 ``model.safetensors`` is in that dtype for
+the rollout engine and the float32 weights go to ``trainer/master.safetensors``. No pickle anywhere.
+A checkpoint is written into a temporary sibling and renamed into place when whole, with
+``checkpoint.json`` (every file's size and sha256) written last: ``verify_checkpoint`` checks a
+checkpoint against it before a run resumes from it, and ``PolicyTrainer.load_checkpoint`` (with
+``load_weights``, ``load_adapter_weights`` and ``load_optimizer_state`` here) loads all or nothing
+(every parameter and its AdamW state, or ``CheckpointError``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file, save_model
+
+# Kept in a subdirectory: vLLM's reload reads every *.safetensors file beside the model.
+OPTIMIZER_FILE = "trainer/optimizer.safetensors"
+MASTER_FILE = "trainer/master.safetensors"  # float32 weights, when model.safetensors is in a lower precision
+TRAINER_STATE_FILE = "trainer/trainer_state.json"
+CHECKPOINT_MANIFEST = "checkpoint.json"  # every file's size and sha256, written last (verify_checkpoint)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, partial or damaged; the message names the file."""
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    compute_dtype: torch.dtype,
+    optimizer_tensors: dict[str, torch.Tensor],
+    param_groups: list[dict],
+    updates: int,
+    extra_state: dict[str, Any] | None = None,
+    rng_state: torch.Tensor | None = None,
+    adapter: tuple[Any, str] | None = None,
+) -> Path:
+    """Write a checkpoint: ``model`` (a plain, unsharded HF model holding the float32 weights) and
+    ``tokenizer`` in HF layout, the optimizer tensors (``optimizer_to_tensors``) plus the torch RNG
+    state (this process's unless ``rng_state``), and the trainer state JSON. With ``adapter``
+    (``(peft_model, base_model_path)``: LoRA) the adapter is written instead of the model's weights."""
+    final = Path(out_dir)
+    out = _fresh_temporary(final)  # built beside its place, renamed when whole: never half a checkpoint there
+    try:
+        _write_model(out, model, tokenizer, compute_dtype, adapter)
+        tensors = dict(optimizer_tensors)
+        tensors["rng.torch"] = torch.get_rng_state() if rng_state is None else rng_state
+        (out / OPTIMIZER_FILE).parent.mkdir(exist_ok=True)
+        save_file(tensors, str(out / OPTIMIZER_FILE))
+        state = {"updates": updates, "param_groups": param_groups, **(extra_state or {})}
+        (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+        write_checkpoint_manifest(out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if final.exists():  # a checkpoint of an update that did not finish (its stage is recomputed): replaced
+        shutil.rmtree(final)
+    out.rename(final)
+    return final
+
+
+def _write_model(
+    out: Path, model: torch.nn.Module, tokenizer: Any, compute_dtype: torch.dtype, adapter: tuple[Any, str] | None
+) -> None:
+    """The policy's weights (or its LoRA adapter) and the tokenizer, in Hugging Face layout."""
+    if adapter is not None:  # LoRA: the adapter (float32) and its base model's path, not the whole model
+        from coba_tasks.engines.lora import save_adapter
+
+        save_adapter(adapter[0], out, adapter[1])
+    elif compute_dtype == torch.float32:
+        model.save_pretrained(out, safe_serialization=True)
+    else:  # the engine's weights in the compute dtype; the float32 master weights for a resume
+        cast: dict[int, torch.Tensor] = {}  # one copy per storage: tied weights stay tied (written once)
+        low = {k: cast.setdefault(v.data_ptr(), v.to(compute_dtype)) for k, v in model.state_dict().items()}
+        model.save_pretrained(out, state_dict=low, safe_serialization=True)
+        (out / MASTER_FILE).parent.mkdir(exist_ok=True)
+        save_model(model, str(out / MASTER_FILE))
+    tokenizer.save_pretrained(out)
+
+
+def _fresh_temporary(final: Path) -> Path:
+    """A new empty ``.<name>.<hex>.tmp`` beside ``final``; temporaries of killed writers of it go first
+    (one writer per run directory: the run lock)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
+    tmp.mkdir()
+    return tmp
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
+    """Load the policy's float32 weights (``trainer/master.safetensors`` if there, else ``model.safetensors``)
+    into ``model``. All or nothing: every parameter of the model must be in the file and nothing else
+    (tied embeddings, stored once, count as both); otherwise ``CheckpointError``, before anything is loaded."""
+    from safetensors.torch import load_model
+
+    master = ckpt / MASTER_FILE
+    weights = master if master.is_file() else ckpt / "model.safetensors"
+    try:
+        stored = set(safe_open_keys(weights))
+    except (OSError, RuntimeError, ValueError) as exc:  # missing, or not a safetensors file
+        raise CheckpointError(f"{weights}: cannot read the policy weights ({exc})") from exc
+    names_by_storage: dict[int, list[str]] = {}  # tied weights share one storage and are stored once
+    for name, tensor in model.state_dict().items():
+        names_by_storage.setdefault(tensor.data_ptr(), []).append(name)
+    missing = [names[0] for names in names_by_storage.values() if not stored.intersection(names)]
+    unexpected = sorted(stored - {n for names in names_by_storage.values() for n in names})
+    if missing or unexpected:  # checked before anything is loaded: nothing of a partial checkpoint is used
+        raise CheckpointError(
+            f"{weights}: does not hold the policy's weights: {_some(missing)} missing, {_some(unexpected)} unexpected"
+        )
+    try:
+        load_model(model, str(weights), strict=True)
+    except (OSError, RuntimeError, ValueError) as exc:  # e.g. a tensor of another shape
+        raise CheckpointError(f"{weights}: cannot load the policy weights ({exc})") from exc
+
+
+def load_adapter_weights(peft_model: Any, ckpt: Path) -> None:
+    """Load a LoRA checkpoint's adapter into ``peft_model``; ``CheckpointError`` if it holds none or it does not fit."""
+    from coba_tasks.engines.lora import ADAPTER_FILE, is_adapter_checkpoint, load_adapter
+
+    if not is_adapter_checkpoint(ckpt):
+        raise CheckpointError(f"{ckpt}: holds no LoRA adapter (model.lora_rank > 0 needs one; a full checkpoint?)")
+    try:
+        load_adapter(peft_model, ckpt)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{ckpt / ADAPTER_FILE}: {exc}") from exc
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt: Path) -> dict[str, Any]:
+    """Restore ``optimizer`` (AdamW moments, steps, param groups) and this process's torch RNG from a
+    checkpoint's trainer files; returns the trainer state (``updates``, ``param_groups``, the extra state).
+    ``CheckpointError`` names the file when the state is not this optimizer's or the RNG state is missing."""
+    state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+    tensors = load_file(str(ckpt / OPTIMIZER_FILE))
+    rng = tensors.pop("rng.torch", None)
+    if rng is None:
+        raise CheckpointError(f"{ckpt / OPTIMIZER_FILE}: has no rng.torch (the torch RNG state)")
+    try:
+        optimizer_from_tensors(optimizer, tensors, state["param_groups"])
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{ckpt / OPTIMIZER_FILE}: not this policy's AdamW state ({exc})") from exc
+    torch.set_rng_state(rng)
+    return state
+
+
+def safe_open_keys(path: Path) -> list[str]:
+    """The tensor names of a safetensors file, read from its header."""
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
+def _some(names: Sequence[str], shown: int = 3) -> str:
+    names = sorted(names)
+    if not names:
+        return "none"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} ({', '.join(names[:shown])}{more})"
+
+
+# -- the checkpoint manifest ------------------------------------------------------------------------
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checkpoint_manifest(ckpt: Path) -> Path:
+    """``checkpoint.json``: every file of the checkpoint (relative path -> bytes and sha256), written last."""
+    files = {
+        p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "sha256": _file_sha256(p)}
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and p.name != CHECKPOINT_MANIFEST
+    }
+    path = ckpt / CHECKPOINT_MANIFEST
+    path.write_text(json.dumps({"format": 1, "files": files}, indent=2) + "\n")
+    return path
+
+
+def verify_checkpoint(ckpt_dir: str | Path) -> None:
+    """Check every file of a checkpoint against its ``checkpoint.json`` (present, size, sha256);
+    ``CheckpointError`` names the first file that is not as written."""
+    ckpt = Path(ckpt_dir)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint {ckpt} is missing")
+    manifest = ckpt / CHECKPOINT_MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        if not isinstance(files, dict) or not files:
+            raise ValueError("no files listed")
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{manifest} is missing: the checkpoint was not written whole (or by a coba-rl without checkpoint "
+            "manifests), so it cannot be trusted"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest}: unreadable ({exc})") from exc
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts:  # a manifest never points outside
+            raise CheckpointError(f"{manifest}: lists {name!r}, not a path inside the checkpoint")
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in {CHECKPOINT_MANIFEST} but missing")
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{path}: {size} bytes, {CHECKPOINT_MANIFEST} says {entry.get('bytes')} (truncated?)")
+        if _file_sha256(path) != entry.get("sha256"):
+            raise CheckpointError(f"{path}: sha256 differs from {CHECKPOINT_MANIFEST}'s (the file was altered)")
+
+
+# -- the optimizer state as tensors -----------------------------------------------------------------
+
+
+def optimizer_to_tensors(
+    optimizer: torch.optim.Optimizer, full: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Flatten an optimizer's state_dict into named tensors (safetensors) and JSON-safe param groups.
+
+    ``full`` maps a state tensor to the whole tensor (FSDP: ``DTensor.full_tensor``, a collective that
+    every process calls in the same order); by default tensors are taken as they are.
+    """
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for idx, st in sd["state"].items():
+        for key, value in st.items():
+            t = value if torch.is_tensor(value) else torch.tensor(value)
+            if full is not None:
+                t = full(t)
+            tensors[f"state.{idx}.{key}"] = t.detach().cpu().contiguous()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, groups
+
+
+def optimizer_from_tensors(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]
+) -> None:
+    """Inverse of ``optimizer_to_tensors``. All or nothing: once the optimizer has stepped, every
+    parameter must have the same state tensors (AdamW: step, exp_avg, exp_avg_sq); ValueError otherwise."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        _, idx, key = name.split(".", 2)
+        state.setdefault(int(idx), {})[key] = t
+    params = sorted(i for g in groups for i in g["params"])
+    if state:
+        keys = set().union(*(set(v) for v in state.values()))
+        partial = [i for i in params if set(state.get(i, {})) != keys]
+        if partial or set(state) - set(params):
+            raise ValueError(
+                f"{len(partial)} of {len(params)} parameters lack some of their state ({', '.join(sorted(keys))})"
+                + (
+                    f"; state for unknown parameters {sorted(set(state) - set(params))[:3]}"
+                    if set(state) - set(params)
+                    else ""
+                )
+            )
+    restored = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+    optimizer.load_state_dict({"state": state, "param_groups": restored})

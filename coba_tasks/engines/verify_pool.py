@@ -1,0 +1,397 @@
+"""The verifier pool: ``coba_tasks.engines.verify``'s graders run in worker processes with a hard
+wall-clock limit per item.
+
+Kept apart from the graders because it is process management, not grading: what a verdict is and
+which verifier scores a ``data_source`` are ``coba_tasks.engines.verify``; this module only decides
+where and for how long a verifier runs.
+
+Why a process pool. math-verify's own time limit (``signal.alarm``) works only in the main thread,
+and some answers make sympy run for ever (``\\boxed{9^{9^{9^{9}}}}`` against ``5`` never returns).
+So ``VerifierPool`` runs ``score`` in worker processes (``spawn`` start method: safe beside torch's
+threads) with a hard wall-clock limit per item: a stuck worker is killed and replaced and its item
+scored ``timeout``; a worker that dies (``os._exit``, segfault) gives its item ``error`` and is
+replaced; the rest of the batch goes on. The wall-clock limit is the guarantee for any input
+(deeply nested LaTeX, a megabyte-long box of digits: both measured to run for minutes in sympy).
+A cheap guard in front of it: a completion longer than ``max_chars`` (default 1,000,000
+characters, far above what any generation length produces) is scored ``error`` without being
+sent to a worker, so it costs neither a worker's time limit nor a worker restart.
+
+How to use::
+
+    from coba_tasks.engines.verify import count_verdicts
+    from coba_tasks.engines.verify_pool import VerifierPool, score_batch
+
+    verdicts = score_batch(items, timeout_s=5.0)      # items: [(completion, ground_truth, data_source)]
+    with VerifierPool(workers=4, timeout_s=5.0) as pool:  # a training run keeps one pool for all steps
+        for step in steps:
+            verdicts = pool.score(items_of(step))
+            counts = count_verdicts(verdicts)         # {"correct": .., "wrong": .., ...}
+
+Fast path: verifiers registered with ``in_process=True`` (``arith``: one regex, cannot hang) are
+scored in the calling process, never sent to a worker; a batch of only such items starts no
+process at all.
+
+Workers receive a verifier function by reference (pickle), so it must live in an importable module;
+a worker imports the modules of all verifiers registered when it starts (so module import time does
+not count against an item's limit), and any other on first use.
+
+Caveats: ``spawn`` re-imports the main script in each worker, so a script that scores batches
+needs an ``if __name__ == "__main__":`` guard. A pool round trip costs about 1 ms per item.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Sequence
+from functools import partial
+from multiprocessing import get_context
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from coba_tasks.engines.verify import (
+    FALLBACK_SOURCE,
+    TruthCheck,
+    Verdict,
+    VerdictKind,
+    Verifier,
+    qualified_name,
+    run_verifier,
+    score,
+    verifier_for,
+    verifier_modules,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_WORKERS = 2
+DEFAULT_MAX_CHARS = 1_000_000  # longer completions are scored `error` by the pool without parsing
+STARTUP_TIMEOUT_S = 120.0  # a fresh worker imports sympy and math-verify before it says "ready"
+
+
+def _truth_verdict(check: TruthCheck, completion: str, ground_truth: str) -> Verdict:
+    """A ground-truth check as a verdict (so the pool runs it like a verifier): correct when usable."""
+    try:
+        check(ground_truth)
+    except ValueError as exc:
+        return Verdict.of(VerdictKind.ERROR, detail=str(exc))
+    return Verdict.of(VerdictKind.CORRECT)
+
+
+# --------------------------------------------------------------------------- worker processes
+
+
+def _worker_main(conn: Connection, warmup: bool, preload: tuple[str, ...]) -> None:
+    """Worker loop: receive (verifier, completion, ground_truth), send back a Verdict; None stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    for module in preload:
+        try:
+            importlib.import_module(module)
+        except Exception:  # reported as an `error` verdict by the first item that needs the module
+            logger.warning("verifier worker: cannot import %s", module, exc_info=True)
+    if warmup:  # import sympy and math-verify and fill its caches before taking items
+        score("\\boxed{1}", "1", FALLBACK_SOURCE)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent went away
+            return
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # unpickling failed: the verifier's module does not import here
+            conn.send(Verdict.of(VerdictKind.ERROR, detail=f"worker could not load the verifier: {exc!r}"))
+            continue
+        if msg is None:
+            return
+        verifier, completion, ground_truth = msg
+        conn.send(run_verifier(verifier, completion, ground_truth))
+
+
+class _Worker:
+    """One worker process, its pipe, and the item it is scoring (index into the batch, deadline)."""
+
+    def __init__(self, ctx: Any, warmup: bool) -> None:
+        # Import every registered verifier's module before taking items: import time must not
+        # count against an item's limit. Modules registered later load on first use instead.
+        preload = tuple(sorted(verifier_modules() - {score.__module__}))  # verify: imported with this module
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=_worker_main, args=(child_conn, warmup, preload), daemon=True, name="coba-verifier"
+        )
+        self.process.start()
+        child_conn.close()  # so that the parent sees EOF when the worker dies
+        self.started_at = time.monotonic()
+        self.ready = False
+        self.item: int | None = None
+        self.deadline = float("inf")
+
+    def stop(self, *, graceful: bool) -> None:
+        if graceful and self.process.is_alive():
+            try:
+                self.conn.send(None)
+                self.process.join(timeout=2.0)
+            except OSError:
+                pass
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5.0)
+        self.conn.close()
+
+
+def _exit_detail(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"exit code {exitcode}"
+
+
+class VerifierPool:
+    """Worker processes that score items with a hard wall-clock limit per item; reuse it across steps.
+
+    ``workers``: number of processes. ``timeout_s``: wall-clock limit per item, from the moment a
+    worker takes it. ``start_method``: "spawn" (default) or "forkserver"; "fork" is refused
+    (unsafe next to torch's threads). ``warmup``: workers import math-verify before taking
+    items, so import time never counts against an item's limit. ``max_chars``: a completion
+    longer than this is scored ``error`` at once, never sent to a worker (``None``: no limit;
+    verifiers registered ``in_process`` are never limited). Not thread-safe: one caller.
+    Workers start on the first batch that needs them and stop at ``close()`` / the end of ``with``.
+    """
+
+    def __init__(
+        self,
+        workers: int = DEFAULT_WORKERS,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        start_method: str = "spawn",
+        warmup: bool = True,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        max_chars: int | None = DEFAULT_MAX_CHARS,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+        if max_chars is not None and max_chars < 1:
+            raise ValueError(f"max_chars must be >= 1 or None, got {max_chars}")
+        self.n_workers = workers
+        self.timeout_s = float(timeout_s)
+        self.warmup = warmup
+        self.startup_timeout_s = startup_timeout_s
+        self.max_chars = max_chars
+        self.restarts = 0  # workers killed (timeout) or lost (crash) and replaced, over the pool's life
+        self._ctx = get_context(start_method)
+        self._workers: list[_Worker] = []
+
+    def __enter__(self) -> VerifierPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """PIDs of the live worker processes ([] before the first batch that needs them)."""
+        return [w.process.pid for w in self._workers if w.process.pid is not None]
+
+    def start(self) -> VerifierPool:
+        """Start the workers now and wait until each is ready (otherwise the first batch that needs them does)."""
+        self._spawn_missing()
+        while starting := [w for w in self._workers if not w.ready]:
+            wait_s = max(0.0, min(w.started_at for w in starting) + self.startup_timeout_s - time.monotonic())
+            wait([w.conn for w in starting] + [w.process.sentinel for w in starting], timeout=wait_s)
+            for slot in range(len(self._workers)):
+                self._service(slot, [], {})
+        return self
+
+    def close(self) -> None:
+        """Stop every worker (politely, then by SIGKILL)."""
+        for w in self._workers:
+            w.stop(graceful=True)
+        self._workers = []
+
+    def score(self, items: Sequence[tuple[str, str, str]]) -> list[Verdict]:
+        """Score ``(completion, ground_truth, data_source)`` items; verdicts in the order of ``items``."""
+        entries = []
+        for i, item in enumerate(items):
+            if len(item) != 3:
+                raise ValueError(f"item {i} has {len(item)} fields; expected (completion, ground_truth, data_source)")
+            completion, ground_truth, source = item
+            entries.append((verifier_for(source), completion, ground_truth))
+        return self._score_entries(entries)
+
+    def check_truths(self, items: Sequence[tuple[str, str]]) -> list[str | None]:
+        """Check ``(ground_truth, data_source)`` items with their verifiers' ``check``, under the same
+        wall-clock limit as scoring: None for a usable ground truth, else why not (one line). Sources
+        without a verifier are checked by the fallback's (math); verifiers without a check pass all."""
+        unique = list(dict.fromkeys((str(gt), str(src)) for gt, src in items))
+        entries, index = [], {}
+        for gt, src in unique:
+            verifier = verifier_for(src)
+            if verifier.check is None:
+                continue
+            index[(gt, src)] = len(entries)
+            checker = Verifier(
+                f"{verifier.name} ground truth", partial(_truth_verdict, verifier.check), verifier.in_process
+            )
+            entries.append((checker, "", gt))
+        verdicts = self._score_entries(entries)
+        reasons: dict[tuple[str, str], str | None] = {}
+        for key, k in index.items():
+            v = verdicts[k]
+            if v.verdict is VerdictKind.CORRECT:
+                reasons[key] = None
+            elif v.verdict is VerdictKind.TIMEOUT:
+                reasons[key] = (
+                    f"the {key[1]} verifier could not read the ground truth {key[0]!r} within {self.timeout_s:g} s"
+                )
+            else:
+                reasons[key] = v.detail or f"the {key[1]} verifier cannot read the ground truth {key[0]!r}"
+        return [reasons.get((str(gt), str(src))) for gt, src in items]
+
+    def _score_entries(self, entries: Sequence[tuple[Verifier, str, str]]) -> list[Verdict]:
+        """Verdicts of ``(verifier, completion, ground_truth)`` entries, in order."""
+        results: list[Verdict | None] = [None] * len(entries)
+        pending: deque[tuple[int, bytes, str]] = deque()
+        for i, (verifier, completion, ground_truth) in enumerate(entries):
+            if verifier.in_process:
+                results[i] = run_verifier(verifier, completion, ground_truth)
+                continue
+            if self.max_chars is not None and isinstance(completion, str) and len(completion) > self.max_chars:
+                results[i] = Verdict.of(
+                    VerdictKind.ERROR,
+                    detail=f"{verifier.name}: not scored: the completion has {len(completion)} characters, "
+                    f"over the pool's limit of {self.max_chars} (max_chars)",
+                )
+                continue
+            try:
+                payload = bytes(ForkingPickler.dumps((verifier, completion, ground_truth)))
+            except Exception as exc:
+                results[i] = Verdict.of(
+                    VerdictKind.ERROR,
+                    detail=f"cannot send verifier {qualified_name(verifier.fn)} to a worker ({exc!r}); "
+                    "define it at module level in an importable module",
+                )
+                continue
+            pending.append((i, payload, verifier.name))
+        if pending:
+            try:
+                self._run(pending, results)
+            except BaseException:
+                # Ctrl-C or a failed start-up: busy workers would later answer for items of this
+                # batch, so stop them all; the next batch starts fresh ones.
+                self.close()
+                raise
+        done = [r for r in results if r is not None]
+        if len(done) != len(entries):  # cannot happen: every branch above sets a verdict
+            raise RuntimeError(f"internal error: {len(entries) - len(done)} items left without a verdict")
+        return done
+
+    # -- the dispatch loop
+
+    def _run(self, pending: deque[tuple[int, bytes, str]], results: list[Verdict | None]) -> None:
+        self._spawn_missing()
+        names = {i: name for i, _, name in pending}
+        while True:
+            for slot, w in enumerate(self._workers):
+                if w.ready and w.item is None and pending:
+                    if not w.process.is_alive():  # died while idle
+                        self._replace(slot)
+                        continue
+                    i, payload, _ = pending.popleft()
+                    try:
+                        w.conn.send_bytes(payload)
+                    except OSError:  # broken pipe: it died just now; the item goes back to the queue
+                        pending.appendleft((i, payload, names[i]))
+                        self._replace(slot)
+                        continue
+                    w.item, w.deadline = i, time.monotonic() + self.timeout_s
+            active = [w for w in self._workers if not w.ready or w.item is not None]
+            if not pending and all(w.item is None for w in self._workers):
+                return
+            deadlines = [w.deadline if w.ready else w.started_at + self.startup_timeout_s for w in active]
+            wait_s = max(0.0, min(deadlines) - time.monotonic())
+            wait([w.conn for w in active] + [w.process.sentinel for w in active], timeout=wait_s)
+            for slot in range(len(self._workers)):
+                self._service(slot, results, names)
+
+    def _spawn_missing(self) -> None:
+        while len(self._workers) < self.n_workers:
+            self._workers.append(_Worker(self._ctx, self.warmup))
+
+    def _service(self, slot: int, results: list[Verdict | None], names: dict[int, str]) -> None:
+        w = self._workers[slot]
+        now = time.monotonic()
+        if not w.ready:
+            message = None
+            if w.conn.poll():
+                try:
+                    message = w.conn.recv()
+                except (EOFError, OSError):
+                    message = None
+            if message is not None:
+                w.ready = True
+            elif not w.process.is_alive() or now > w.started_at + self.startup_timeout_s:
+                alive = w.process.is_alive()
+                self.close()
+                raise RuntimeError(
+                    f"a verifier worker did not start within {self.startup_timeout_s:g} s"
+                    if alive
+                    else f"a verifier worker died while starting ({_exit_detail(w.process.exitcode)}); its "
+                    "traceback is on stderr. Usual causes: the main script lacks an `if __name__ == '__main__':` "
+                    "guard (spawn re-imports it), or `import coba_tasks.engines.verify_pool, math_verify` fails here"
+                )
+            return
+        if w.item is None:
+            return
+        i = w.item
+        if w.conn.poll():
+            try:
+                verdict = w.conn.recv()
+            except (EOFError, OSError):
+                verdict = None
+            if isinstance(verdict, Verdict):
+                results[i] = verdict
+                w.item, w.deadline = None, float("inf")
+                return
+        if not w.process.is_alive():
+            w.process.join()
+            detail = f"{names[i]}: worker process died while scoring ({_exit_detail(w.process.exitcode)})"
+            logger.warning("verifier item %d: %s; starting a new worker", i, detail)
+            results[i] = Verdict.of(VerdictKind.ERROR, detail=detail)
+            self._replace(slot)
+        elif now >= w.deadline:
+            detail = f"{names[i]}: no verdict within {self.timeout_s:g} s; worker killed"
+            logger.warning("verifier item %d: %s; starting a new worker", i, detail)
+            results[i] = Verdict.of(VerdictKind.TIMEOUT, detail=detail)
+            self._replace(slot)
+
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].stop(graceful=False)
+        self._workers[slot] = _Worker(self._ctx, self.warmup)
+        self.restarts += 1
+
+
+def score_batch(
+    items: Sequence[tuple[str, str, str]],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    workers: int = DEFAULT_WORKERS,
+) -> list[Verdict]:
+    """Score a batch in a fresh ``VerifierPool`` (started only if some item needs it), then stop it.
+
+    ``items``: ``(completion, ground_truth, data_source)``. Returns verdicts in the order of ``items``.
+    A training loop should keep one ``VerifierPool`` instead, to start processes once.
+    """
+    with VerifierPool(workers=workers, timeout_s=timeout_s) as pool:
+        return pool.score(items)
