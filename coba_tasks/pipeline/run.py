@@ -313,14 +313,11 @@ def heldout_prompts(cfg: Config, test: pd.DataFrame, extra: Mapping[str, pd.Data
     (seeded by ``run.seed``) of data.test (``MAIN_TEST_SET``), and the same positions of each extra set
     (``data.extra_tests``: the same problems when the files list them in the same order), whose
     prompt ids are prefixed with the set's name so that every row of an evaluation has its own id."""
-    n = cfg.data.eval_prompts
-
-    def sample(df: pd.DataFrame) -> pd.DataFrame:
-        return df.sample(n, random_state=cfg.run.seed).reset_index(drop=True) if n and n < len(df) else df
-
-    frames = [sample(test).assign(test_set=MAIN_TEST_SET)]
+    n, seed = cfg.data.eval_prompts, cfg.run.seed
+    frames = [stages.eval_sample(test, n, seed).assign(test_set=MAIN_TEST_SET)]
     for name, df in (extra or {}).items():
-        frames.append(sample(df).assign(test_set=name, prompt_id=lambda d, name=name: name + "/" + d["prompt_id"]))
+        renamed = {"test_set": name, "prompt_id": lambda d, name=name: name + "/" + d["prompt_id"]}
+        frames.append(stages.eval_sample(df, n, seed).assign(**renamed))
     return pd.concat(frames, ignore_index=True)
 
 
