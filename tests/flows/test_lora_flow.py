@@ -14,6 +14,7 @@ import torch
 from helpers_reward import data_overrides
 from safetensors.torch import load_file
 
+from coba_tasks.commands.cli import main as cli_main
 from coba_tasks.engines.lora import ADAPTER_FILE, is_adapter_checkpoint
 from coba_tasks.pipeline.config import ConfigError, config_to_dict, load_config
 from coba_tasks.pipeline.store import RunStore, Stage
@@ -29,6 +30,16 @@ def _config(model, data, *extra):
 
 def _adapters(store: RunStore) -> list[dict[str, torch.Tensor]]:
     return [load_file(str(store.checkpoint_dir(s) / ADAPTER_FILE)) for s in range(1, STEPS + 1)]
+
+
+def _assert_same_run(store: RunStore, ref: RunStore, adapters: list[dict[str, torch.Tensor]]) -> None:
+    for step in ref.steps():
+        for name in ref.manifest(step):
+            pd.testing.assert_frame_equal(
+                store.read_table(step, name), ref.read_table(step, name), obj=f"{step}/{name}"
+            )
+    for x, y in zip(_adapters(store), adapters, strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 @pytest.mark.slow
@@ -74,13 +85,14 @@ def test_a_lora_run_trains_adapters_resumes_and_evaluates(
         del os.environ[FAIL_FILE_ENV]
     train_flow(run_dir=str(run_dir), resume=True)
     store = RunStore.open(run_dir)
-    for step in ref.steps():
-        for name in ref.manifest(step):
-            pd.testing.assert_frame_equal(
-                store.read_table(step, name), ref.read_table(step, name), obj=f"{step}/{name}"
-            )
-    for x, y in zip(_adapters(store), adapters, strict=True):
-        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    _assert_same_run(store, ref, adapters)
+
+    # step 1's update rerun: checkpoints 2 and 3 recomputed from checkpoint 1's adapter and AdamW state
+    args = ["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "update", "--yes", "--no-resume"]
+    assert cli_main(args) == 0
+    assert not store.checkpoint_dir(2).exists() and store.checkpoint_dir(1).exists()
+    train_flow(run_dir=str(run_dir), resume=True)
+    _assert_same_run(store, ref, adapters)
 
     # coba-eval of a LoRA checkpoint: the adapter merged into its base for the engine
     settings = eval_settings(test_path=str(first_char_data[1]), max_tokens=8, backend="transformers", eval_prompts=10)
