@@ -598,3 +598,27 @@ def test_real_model_configs_load_validate_and_spell_out_every_key(name):
         assert cfg.rollout.max_tokens < 4096 and cfg.budget_per_step() < 4096
     with pytest.raises(ConfigError, match=r"^data\.train: data/math/dapo_math_17k\.parquet does not exist"):
         check_paths(cfg, root=PROJECT_ROOT / "tests")  # the recipe's files are made by the user
+
+
+# ---------------------------------------------------------------------------------------------
+# Pinned: the resolved configs and hashes computed before the config became pydantic models
+# (tests/pipeline/config_pinned.json); existing run directories must keep their hash to stay resumable
+
+PINNED = json.loads((Path(__file__).parent / "config_pinned.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(PINNED["configs"]))
+def test_shipped_configs_resolve_to_the_pinned_values_and_hashes(name):
+    cfg = load_config(CONFIGS / name)
+    assert config_to_dict(cfg) == PINNED["configs"][name]
+    assert config_hash(cfg) == PINNED["hashes"][name]
+
+
+def test_every_shipped_config_is_pinned():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(PINNED["configs"])
+
+
+@pytest.mark.parametrize("variant", sorted(PINNED["variants"]))
+def test_hashes_of_overridden_defaults_are_pinned(variant):
+    cfg = apply_overrides(Config(), PINNED["variants"][variant])
+    assert config_hash(cfg) == PINNED["hashes"][f"Config()+{variant}"]
