@@ -151,9 +151,13 @@ def _registered(registry: Callable[[], Sequence[str]]) -> AfterValidator:
     return AfterValidator(run)
 
 
+def _fspath(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value  # a Path is taken as its text
+
+
 Number = Annotated[float, BeforeValidator(_not_bool)]
-Text = str  # a plain string: --set takes its text verbatim
-NonBlank = Annotated[str, _rule(lambda v: bool(v.strip()), "must not be blank")]
+Text = Annotated[str, BeforeValidator(_fspath)]  # a plain string (or a path): --set takes its text verbatim
+NonBlank = Annotated[Text, _rule(lambda v: bool(v.strip()), "must not be blank")]
 
 
 def _key(default: Any, description: str, fix: str | None = None, **bounds: Any) -> Any:

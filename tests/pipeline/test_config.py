@@ -407,6 +407,7 @@ def test_sections_validate_when_built_directly():
     with pytest.raises(ConfigError, match=r"config section 'optim' must be a mapping of key: value, got 1\.0"):
         Config(optim=1.0)  # type: ignore[arg-type]
     assert OptimConfig(betas=[0.5, 0.6]).betas == (0.5, 0.6)  # type: ignore[arg-type]
+    assert config_from_dict({"data": {"train": Path("data/x.parquet")}}).data.train == "data/x.parquet"
 
 
 def test_choices_follow_the_registries():
