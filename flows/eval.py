@@ -32,6 +32,7 @@ from coba_tasks.engines.lora import is_adapter_checkpoint, merge_adapter_checkpo
 from coba_tasks.engines.rollout import make_backend
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
+from coba_tasks.pipeline.config import VerifyConfig
 from coba_tasks.pipeline.data import load_dataset
 from coba_tasks.pipeline.data_problems import DatasetError
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
@@ -39,7 +40,7 @@ from coba_tasks.pipeline.data_run import check_ground_truths
 from coba_tasks.pipeline.eval_settings import EvalSettings, eval_settings
 from coba_tasks.pipeline.fileio import atomic_write
 
-VERIFY_WORKERS, VERIFY_TIMEOUT_S = 2, 5.0  # the defaults of the run config's verify section
+VERIFY = VerifyConfig()  # the verifier pool of an evaluation: the run config's verify defaults
 
 
 def checkpoint_version(model_path: str | Path) -> int:
@@ -86,7 +87,7 @@ def evaluate_model(model_path: str, settings: EvalSettings) -> pd.DataFrame:
     prompt with room for ``max_tokens`` in the context (``max_model_len``, or the model's own when 0)."""
     s = settings
     loaded = load_dataset(s.test_path)
-    checked, _ = check_ground_truths(loaded, s.test_path, "error", s.unknown_sources, VERIFY_WORKERS, VERIFY_TIMEOUT_S)
+    checked, _ = check_ground_truths(loaded, s.test_path, "error", s.unknown_sources, VERIFY.workers, VERIFY.timeout_s)
     with contextlib.ExitStack() as stack:
         engine_path = model_path
         if is_adapter_checkpoint(model_path):  # a LoRA checkpoint: the engine samples from the merged weights
@@ -110,7 +111,7 @@ def evaluate_model(model_path: str, settings: EvalSettings) -> pd.DataFrame:
         pool = None
         try:
             engine.weight_version = checkpoint_version(model_path)
-            pool = VerifierPool(workers=VERIFY_WORKERS, timeout_s=VERIFY_TIMEOUT_S)
+            pool = VerifierPool(workers=VERIFY.workers, timeout_s=VERIFY.timeout_s)
             return stages.evaluate(test, engine, pool, s.samples, s.temperature, s.max_tokens, s.seed, top_p=s.top_p)
         finally:
             if pool is not None:

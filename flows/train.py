@@ -22,6 +22,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from coba_tasks.pipeline import run, stage_runner
+from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.store import Stage
 from coba_tasks.pipeline.summary import run_summary_json
@@ -143,22 +144,24 @@ def _post_step_artifacts(res: run.RunResources, step: int, n_rollouts: int, verd
 
 @flow(name="coba-train")
 def train_flow(
+    config: Config | None = None,
     config_path: str | None = None,
-    run_name: str | None = None,
     run_dir: str | None = None,
-    overrides: list[str] | None = None,
-    config: dict | None = None,
     resume: bool = False,
     allow_changed_inputs: bool = False,
+    run_name: str | None = None,
+    overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """A whole training run: held-out eval before, ``run.steps`` training steps, eval every ``eval_every``, eval after.
 
-    Parameters (a deployment passes the first two): ``config_path`` the YAML config (default
-    configs/demo.yaml), ``run_name`` sets run.name (the run directory is runs/<run_name> unless
-    ``run_dir`` is given), ``overrides`` are ``section.key=value`` strings, ``config`` a config
-    dict instead of a file, ``resume`` continues the run in ``run_dir`` with its own config;
-    ``allow_changed_inputs`` lets a continuing run go on when data.test or model.path changed since
-    it started (their sha256 is in run.json; refused otherwise).
+    Parameters: ``config`` the run's typed config (``coba run`` passes the one it built and checked; a
+    deployment's parameter form shows its sections and keys, and a JSON object of them is validated
+    before the flow starts, keys left out taking their defaults), else ``config_path`` the YAML
+    config (default configs/demo.yaml); ``run_dir`` the run directory (default runs/<run.name>);
+    ``resume`` continues the run in ``run_dir`` with its own config; ``allow_changed_inputs`` lets a
+    continuing run go on when data.test or model.path changed since it started (their sha256 is in
+    run.json; refused otherwise). ``run_name`` (sets run.name) and ``overrides`` (``section.key=value``
+    strings, as ``coba run --set``) change the config given either way.
     Stages already done (in their step's manifest) are not recomputed, so the flow run can be
     retried or resumed after a crash and ends with the same tables as an uninterrupted run.
     """

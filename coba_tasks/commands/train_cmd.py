@@ -109,7 +109,7 @@ def _add_run_dir_command(subparsers: Any, name: str, run_dir_help: str, **texts:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run ``coba run``: load and check the config and the data, then the training flow in a new run directory."""
-    from coba_tasks.pipeline.config import check_paths, config_to_dict, load_config
+    from coba_tasks.pipeline.config import check_paths, load_config
 
     overrides = list(args.set or [])
     if args.steps is not None:
@@ -153,7 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     configure_prefect()
     from flows.train import train_flow
 
-    summary = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    summary = train_flow(config=cfg, run_dir=str(run_dir))  # the config built and checked here, typed
     _print_summary(summary)
     return 0
 

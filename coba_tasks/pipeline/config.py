@@ -1,24 +1,26 @@
-"""The run configuration: one typed, frozen object, validated on load and saved with every run.
+"""The run configuration: one typed, frozen pydantic model, validated on load and saved with every run.
 
 A config file is a YAML mapping of sections (``run``, ``data``, ``model``, ``rollout``,
 ``allocation``, ``optim``, ``verify``), each a mapping of keys to values; a key left out takes the
-default written beside its field below. ``configs/demo.yaml`` spells every key out.
+default written beside its field below (docs/config.md lists them all, with what they mean;
+``config_reference`` writes that page).
 
     cfg = load_config("configs/demo.yaml", ["optim.lr=3e-5", "allocation.strategy=uniform"])
     cfg.budget_per_step()            # B_total = M * G rollouts per training step
     check_paths(cfg)                 # data files and model directory exist (before a run starts)
     check_platform(cfg)              # settings this machine cannot honour (sleep mode or TP without CUDA, ...)
 
-Validation happens in each section's ``__post_init__`` (types, then ranges) and in
-``Config.__post_init__`` (checks that span sections), so a ``Config`` that exists is valid,
-however it was built. Every failure is a ``ConfigError`` (a ``ValueError``) with a one-line
-message that names the dotted key (``optim.lr``) and says how to fix it.
+Each section is a pydantic model (frozen, no unknown keys, no NaN or infinity) whose fields carry
+their bounds, word lists (``Literal``) and descriptions; checks that span keys are the sections' and
+``Config``'s model validators. A ``Config`` that exists is valid, however it was built. Every
+failure is a ``ConfigError`` (a ``ValueError``) with a one-line message that names the dotted key
+(``optim.lr``) and says how to fix it (``_config_error`` turns pydantic's ValidationError into it).
 
-Type rules: an int is accepted where a float is expected, and so is a string that ``float()``
-reads (PyYAML reads ``3e-5`` as a string: YAML 1.1 wants ``3.0e-5``); NaN and infinities are
-refused; a bool is never taken for a number. Overrides (the CLI's ``--set section.key=value``)
-are parsed with YAML, except for plain string fields, which take the text verbatim (so
-``--set run.name=2024`` is the name "2024", not an error).
+Type rules: an int is accepted where a float is expected, and so is a string that reads as a
+number (PyYAML reads ``3e-5`` as a string: YAML 1.1 wants ``3.0e-5``); NaN and infinities are
+refused; a bool is never taken for a number, nor a number or a string for a bool. Overrides (the
+CLI's ``--set section.key=value``) are parsed with YAML, except for string fields, which take the
+text verbatim (so ``--set run.name=2024`` is the name "2024", not an error).
 """
 
 from __future__ import annotations
@@ -26,18 +28,26 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import math
-import numbers
 import os
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from functools import cache
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import UnionType
-from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from coba_tasks.core.allocators import Mode, strategies
 from coba_tasks.core.solvers import coba_solvers
@@ -45,11 +55,18 @@ from coba_tasks.engines.rollout import backends
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
 DEFAULT_CONFIG_PATH = PROJECT_ROOT / "configs" / "demo.yaml"
-DTYPES = ("float32", "bfloat16", "float16", "auto")
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit seed
-ON_BAD_ROWS = ("error", "skip")  # data.on_bad_rows (coba_tasks.pipeline.data_problems reads the same two words)
-PROMPT_FORMATS = ("auto", "chat", "raw")  # data.prompt_format (coba_tasks.pipeline.data_prompts.render_prompts)
-UNKNOWN_SOURCES = ("error", "math")  # verify.unknown_sources (coba_tasks.pipeline.data_run.check_ground_truths)
+
+# The word-valued keys: each Literal is the one list of its words (readers take typing.get_args of it)
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]  # model.dtype
+OnBadRows = Literal["error", "skip"]  # data.on_bad_rows (coba_tasks.pipeline.data_problems)
+PromptFormat = Literal["auto", "chat", "raw"]  # data.prompt_format (coba_tasks.pipeline.data_prompts.render_prompts)
+UnknownSources = Literal["error", "math"]  # verify.unknown_sources (coba_tasks.pipeline.data_run)
+Schedule = Literal["adaptive", "reversed", "fixed"]  # allocation.schedule: the paper's ablations reverse or fix it
+ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocators.Mode
+DTYPES = get_args(Dtype)
+assert set(get_args(ModeName)) == {m.value for m in Mode}, "allocation.mode's words are Mode's values"
+
 # Keys added after runs were made: left out of config_hash while at these defaults, so a run made
 # before the key existed keeps its hash (and can be resumed); any other value is hashed.
 HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
@@ -91,6 +108,78 @@ class ConfigError(ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).split()))
+        self.source: tuple[Any, ...] = ()  # (ValidationError, section prefix) it was made from, if any
+
+
+# ---------------------------------------------------------------------------------------------
+# Field types: what pydantic's lax mode would take that a config must not
+# ---------------------------------------------------------------------------------------------
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic takes true for 1.0
+        raise PydanticCustomError("float_type", "a bool is not a number")
+    return value
+
+
+def _a_list(value: Any) -> Any:
+    if not isinstance(value, list | tuple):  # pydantic takes a dict, a set or a generator for a tuple
+        raise PydanticCustomError("tuple_type", "expected a list")
+    return value
+
+
+def _rule(check: Callable[[Any], bool], message: str) -> AfterValidator:
+    """A check of one value; its failure is reported with the field's ``fix`` (else ``message``)."""
+
+    def run(value: Any) -> Any:
+        if not check(value):
+            raise PydanticCustomError("config", message)
+        return value
+
+    return AfterValidator(run)
+
+
+def _registered(registry: Callable[[], Sequence[str]]) -> AfterValidator:
+    """The one check of a name against its registry (strategies, solvers, rollout backends)."""
+
+    def run(value: str) -> str:
+        if value not in registry():
+            raise PydanticCustomError("config", "must be one of {names}", {"names": ", ".join(registry())})
+        return value
+
+    run.registry = registry  # type: ignore[attr-defined]  # (docs/config.md lists the names)
+    return AfterValidator(run)
+
+
+def _fspath(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value  # a Path is taken as its text
+
+
+Number = Annotated[float, BeforeValidator(_not_bool)]
+Text = Annotated[str, BeforeValidator(_fspath)]  # a plain string (or a path): --set takes its text verbatim
+NonBlank = Annotated[Text, _rule(lambda v: bool(v.strip()), "must not be blank")]
+
+
+def _key(default: Any, description: str, fix: str | None = None, **bounds: Any) -> Any:
+    """A config key: its default, its description (docs/config.md) and bounds; ``fix`` is the message of a
+    value out of them (else the bounds or word list, said in words)."""
+    return Field(default, description=description, json_schema_extra={"fix": fix} if fix else None, **bounds)
+
+
+class _Section(BaseModel):
+    """A config section: frozen, no unknown keys, no NaN or infinity; errors as one-line ConfigErrors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    SECTION: ClassVar[str] = ""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _config_error(e, prefix=(self.SECTION,) if self.SECTION else ()) from None
+
+    def _fail(self, name: str, how: str) -> None:
+        raise ConfigError(f"{self.SECTION}.{name} = {_short(getattr(self, name))}: {how}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,355 +187,340 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunConfig:
+class RunConfig(_Section):
     """The run as a whole: its name, seed, length and evaluation schedule."""
 
     SECTION: ClassVar[str] = "run"
 
-    name: str = "demo"  # run directory runs/<name>/: letters, digits, '-', '_', '.', not starting with '.'
-    seed: int = 0  # root of every seed (rollouts, shuffling, init): seeds derive from (seed, step, prompt id)
-    steps: int = 20  # training steps; one step takes M prompts through rollout, verify, allocate, update
-    eval_every: int = 5  # evaluate on held-out prompts every this many steps; 0 = only before and after training
-    eval_samples: int = 1  # samples per held-out prompt (avg@k at eval_temperature); 1 with temperature 0 = greedy
-    eval_temperature: float = 0.0  # sampling temperature of evaluation; 0 = greedy
-    eval_top_p: float = 1.0  # nucleus sampling mass of a sampled evaluation, in (0, 1] (paper: 0.9 at temperature 1.0)
-    eval_greedy: bool = True  # with a sampled evaluation, also measure greedy accuracy (eval accuracy_greedy)
-    keep_checkpoints: int = 0  # checkpoints kept on disk, the newest; 0 = all (a rerun of update t needs checkpoint t)
+    name: Annotated[Text, _rule(lambda v: bool(_NAME_RE.fullmatch(v)) and len(v) <= 200, "not a run name")] = _key(
+        "demo",
+        "run directory runs/<name>/: letters, digits, '-', '_', '.', not starting with '.'",
+        "must be one path component (at most 200 characters) of letters, digits, '-', '_' and '.', "
+        "not starting with '.' (e.g. coba-lr1e-4); it names the run directory runs/<name>/",
+    )
+    seed: StrictInt = _key(
+        0,
+        "root of every seed (rollouts, shuffling, init): seeds derive from (seed, step, prompt id)",
+        ge=0,
+        le=MAX_SEED,
+    )
+    steps: StrictInt = _key(
+        20, "training steps; one step takes M prompts through rollout, verify, allocate, update", ge=1
+    )
+    eval_every: StrictInt = _key(
+        5, "evaluate on held-out prompts every this many steps; 0 = only before and after training", ge=0
+    )
+    eval_samples: StrictInt = _key(
+        1, "samples per held-out prompt (avg@k at eval_temperature); 1 with temperature 0 = greedy", ge=1
+    )
+    eval_temperature: Number = _key(0.0, "sampling temperature of evaluation; 0 = greedy", ge=0)
+    eval_top_p: Number = _key(
+        1.0, "nucleus sampling mass of a sampled evaluation, in (0, 1] (paper: 0.9 at temperature 1.0)", gt=0, le=1
+    )
+    eval_greedy: StrictBool = _key(
+        True, "with a sampled evaluation, also measure greedy accuracy (eval accuracy_greedy)"
+    )
+    keep_checkpoints: StrictInt = _key(
+        0, "checkpoints kept on disk, the newest; 0 = all (a rerun of update t needs checkpoint t)", ge=0
+    )
 
-    def __post_init__(self) -> None:
-        _coerce_fields(self)
-        _check(
-            self,
-            "name",
-            bool(_NAME_RE.fullmatch(self.name)) and len(self.name) <= 200,
-            "must be one path component (at most 200 characters) of letters, digits, '-', '_' and '.', "
-            "not starting with '.' (e.g. coba-lr1e-4); it names the run directory runs/<name>/",
-        )
-        _check(self, "seed", 0 <= self.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}]")
-        _check(self, "steps", self.steps >= 1, "must be >= 1 (the number of training steps)")
-        _check(
-            self,
-            "keep_checkpoints",
-            self.keep_checkpoints >= 0,
-            "must be >= 0 (0 keeps every checkpoint; N keeps the newest N, the one a resume needs among them)",
-        )
-        _check(self, "eval_every", self.eval_every >= 0, "must be >= 0 (0 evaluates only before and after training)")
-        _check(self, "eval_samples", self.eval_samples >= 1, "must be >= 1 (samples per held-out prompt)")
-        _check(self, "eval_temperature", self.eval_temperature >= 0, "must be >= 0 (0 = greedy)")
-        _check(self, "eval_top_p", 0 < self.eval_top_p <= 1, "must be in (0, 1] (1.0 = no nucleus truncation)")
-        _check(
-            self,
-            "eval_samples",
-            self.eval_samples == 1 or self.eval_temperature > 0,
-            "more than one sample needs run.eval_temperature > 0 (greedy decoding repeats one completion); "
-            "set run.eval_samples=1 or run.eval_temperature=1.0",
-        )
+    @model_validator(mode="after")
+    def _samples_need_sampling(self) -> RunConfig:
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            self._fail(
+                "eval_samples",
+                "more than one sample needs run.eval_temperature > 0 (greedy decoding repeats one completion); "
+                "set run.eval_samples=1 or run.eval_temperature=1.0",
+            )
+        return self
 
 
-@dataclass(frozen=True)
-class DataConfig:
+def _distinct_test_sets(paths: tuple[str, ...]) -> bool:
+    names = [test_set_name(p) for p in paths]
+    return all(p.strip() for p in paths) and len(set(names)) == len(names) and MAIN_TEST_SET not in names
+
+
+class DataConfig(_Section):
     """Datasets: veRL-format (or flat prompt/answer) Parquet files."""
 
     SECTION: ClassVar[str] = "data"
 
-    train: str = "data/arith_train.parquet"  # training prompts (Parquet); relative paths are from the working dir
-    test: str = "data/arith_test.parquet"  # held-out prompts for evaluation (Parquet)
-    # more held-out sets, each evaluated beside data.test and reported under its file name (e.g. the same
-    # problems worded differently); the same eval_prompts sample (positions) is taken of each
-    extra_tests: tuple[str, ...] = ()
-    # keep only the rows of these difficulty levels (extra_info.difficulty), in data.train, data.test and
-    # data.extra_tests; empty = every row
-    difficulties: tuple[int, ...] = ()
-    prompts_per_step: int = 32  # M, prompts in each training step's batch
-    eval_prompts: int = 0  # held-out prompts used per evaluation (a seeded sample); 0 = all of data.test
-    train_prompts: int = 0  # training pool: a seeded sample of this many prompts of data.train; 0 = all
-    shuffle: bool = True  # shuffle the prompt order of each epoch (a pass over the training pool) with run.seed
-    on_bad_rows: str = "error"  # a bad row (or over-long prompt): error = refuse the run; skip = drop it, list it
-    prompt_format: str = (
-        "auto"  # chat: the tokenizer's chat template; raw: last user message as text; auto: chat if any
+    train: NonBlank = _key(
+        "data/arith_train.parquet",
+        "training prompts (Parquet); relative paths are from the working directory",
+        "must name a Parquet file",
+    )
+    test: NonBlank = _key(
+        "data/arith_test.parquet", "held-out prompts for evaluation (Parquet)", "must name a Parquet file"
+    )
+    extra_tests: Annotated[
+        tuple[str, ...], BeforeValidator(_a_list), _rule(_distinct_test_sets, "not distinct test sets")
+    ] = _key(
+        (),
+        "more held-out sets, each evaluated beside data.test and reported under its file name (e.g. the same "
+        "problems worded differently); the same eval_prompts sample (positions) is taken of each",
+        f"must be Parquet files with distinct file names other than {MAIN_TEST_SET}.parquet "
+        "(each set is reported under its file name), e.g. [data/arith_chat_test_reworded.parquet]",
+    )
+    difficulties: Annotated[tuple[StrictInt, ...], BeforeValidator(_a_list)] = _key(
+        (),
+        "keep only the rows of these difficulty levels (extra_info.difficulty), in data.train, data.test and "
+        "data.extra_tests; empty = every row",
+    )
+    prompts_per_step: StrictInt = _key(32, "M, prompts in each training step's batch", ge=1)
+    eval_prompts: StrictInt = _key(
+        0, "held-out prompts used per evaluation (a seeded sample); 0 = all of data.test", ge=0
+    )
+    train_prompts: StrictInt = _key(
+        0, "training pool: a seeded sample of this many prompts of data.train; 0 = all", ge=0
+    )
+    shuffle: StrictBool = _key(
+        True, "shuffle the prompt order of each epoch (a pass over the training pool) with run.seed"
+    )
+    on_bad_rows: OnBadRows = _key(
+        "error",
+        "a bad row (or over-long prompt): error = refuse the run; skip = drop it, list it",
+        "must be error (a bad row stops the run before it starts) or skip (bad rows are dropped and "
+        "listed in the run's bad_rows.parquet)",
+    )
+    prompt_format: PromptFormat = _key(
+        "auto",
+        "chat: the tokenizer's chat template; raw: last user message as text; auto: chat if any",
+        "must be auto (the chat template when the tokenizer has one), chat (the tokenizer's chat template "
+        "over the whole message list) or raw (the last user message as plain text: base models)",
     )
 
-    def __post_init__(self) -> None:
-        _coerce_fields(self)
-        _check(self, "train", bool(self.train.strip()), "must name a Parquet file")
-        _check(self, "test", bool(self.test.strip()), "must name a Parquet file")
-        names = [test_set_name(p) for p in self.extra_tests]
-        _check(
-            self,
-            "extra_tests",
-            all(p.strip() for p in self.extra_tests) and len(set(names)) == len(names) and MAIN_TEST_SET not in names,
-            f"must be Parquet files with distinct file names other than {MAIN_TEST_SET}.parquet "
-            "(each set is reported under its file name), e.g. [data/arith_chat_test_reworded.parquet]",
-        )
-        _check(
-            self,
-            "on_bad_rows",
-            self.on_bad_rows in ON_BAD_ROWS,
-            "must be error (a bad row stops the run before it starts) or skip (bad rows are dropped and "
-            "listed in the run's bad_rows.parquet)",
-        )
-        _check(
-            self,
-            "prompt_format",
-            self.prompt_format in PROMPT_FORMATS,
-            "must be auto (the chat template when the tokenizer has one), chat (the tokenizer's chat template "
-            "over the whole message list) or raw (the last user message as plain text: base models)",
-        )
-        _check(self, "prompts_per_step", self.prompts_per_step >= 1, "must be >= 1 (M, prompts per step)")
-        _check(self, "eval_prompts", self.eval_prompts >= 0, "must be >= 0 (0 = every prompt of data.test)")
-        _check(self, "train_prompts", self.train_prompts >= 0, "must be >= 0 (0 = every prompt of data.train)")
 
-
-@dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Section):
     """The policy: a Hugging Face causal LM checkpoint directory."""
 
     SECTION: ClassVar[str] = "model"
 
-    path: str = "models/arith-tiny"  # local HF checkpoint directory (config.json, weights, tokenizer)
-    dtype: str = "float32"  # weights dtype for training and rollouts: float32, bfloat16, float16 or auto
-    trust_remote_code: bool = False  # allow the checkpoint's own modelling code (only for checkpoints you trust)
-    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
-    lora_rank: int = 0  # 0 = full fine-tuning; r > 0 = train LoRA adapters of rank r (peft) on the target modules
-    lora_alpha: float = 32.0  # LoRA scale alpha: the update is (alpha / r) * B @ A
-    lora_target_modules: str = "all-linear"  # all-linear (every linear layer but the output) or names, comma-separated
+    path: NonBlank = _key(
+        "models/arith-tiny",
+        "local HF checkpoint directory (config.json, weights, tokenizer)",
+        "must name a model directory",
+    )
+    dtype: Dtype = _key("float32", "weights dtype for training and rollouts: float32, bfloat16, float16 or auto")
+    trust_remote_code: StrictBool = _key(
+        False, "allow the checkpoint's own modelling code (only for checkpoints you trust)"
+    )
+    gradient_checkpointing: StrictBool = _key(
+        False, "recompute activations in the backward pass: less memory, more time"
+    )
+    lora_rank: StrictInt = _key(
+        0, "0 = full fine-tuning; r > 0 = train LoRA adapters of rank r (peft) on the target modules", ge=0
+    )
+    lora_alpha: Number = _key(32.0, "LoRA scale alpha: the update is (alpha / r) * B @ A", gt=0)
+    lora_target_modules: Annotated[Text, _rule(lambda v: bool(v.strip(", ")), "no modules")] = _key(
+        "all-linear",
+        "all-linear (every linear layer but the output) or names, comma-separated",
+        "must be all-linear or module names separated by commas (e.g. q_proj,v_proj)",
+    )
 
-    def __post_init__(self) -> None:
-        _coerce_fields(self)
-        _check(self, "path", bool(self.path.strip()), "must name a model directory")
-        _check(self, "dtype", self.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}")
-        _check(self, "lora_rank", self.lora_rank >= 0, "must be >= 0 (0 = full fine-tuning, e.g. 16 for LoRA)")
-        _check(self, "lora_alpha", self.lora_alpha > 0, "must be > 0 (the LoRA scale is lora_alpha / lora_rank)")
-        _check(
-            self,
-            "lora_target_modules",
-            bool(self.lora_target_modules.strip(", ")),
-            "must be all-linear or module names separated by commas (e.g. q_proj,v_proj)",
-        )
 
-
-@dataclass(frozen=True)
-class RolloutConfig:
+class RolloutConfig(_Section):
     """Rollout generation: the engine and how completions are sampled."""
 
     SECTION: ClassVar[str] = "rollout"
 
-    backend: str = (
-        "vllm"  # rollout engine (coba_tasks.engines.rollout.backends()): vllm, vllm-ray, or transformers (fallback)
+    backend: Annotated[Text, _registered(backends)] = _key(
+        "vllm", "rollout engine (coba_tasks.engines.rollout.backends()): vllm, vllm-ray, or transformers (fallback)"
     )
-    temperature: float = 1.0  # sampling temperature of training rollouts (> 0); the update trains on log_softmax(z / T)
-    top_p: float = 1.0  # nucleus sampling of training rollouts: 1.0 only (docs/method.md says why)
-    max_tokens: int = 12  # most tokens generated per completion
-    max_model_len: int = 64  # engine context length (prompt + completion); 0 = the model's own
-    gpu_memory_utilization: float = 0.5  # share of GPU memory vLLM may take (ignored on CPU)
-    in_process: bool | None = None  # run the vLLM engine in this process; null = auto (yes on CPU, no on GPU)
-    sleep_during_update: bool = False  # free the engine's GPU memory while the GRPO update runs (CUDA only)
-    engines: int = 1  # vLLM engines (Ray actors) of the vllm-ray backend (docs/scale_out.md); 1 for the others
-    tensor_parallel_size: int = 1  # GPUs each vLLM engine is split over (vLLM's tensor parallelism; CUDA only)
+    temperature: Number = _key(
+        1.0,
+        "sampling temperature of training rollouts (> 0); the update trains on log_softmax(z / T)",
+        "must be > 0: training rollouts are sampled (greedy ones would make every group's rewards equal); "
+        "1.0 is the paper's",
+        gt=0,
+    )
+    top_p: Number = _key(
+        1.0,
+        "nucleus sampling of training rollouts: 1.0 only (docs/method.md says why)",
+        "must be 1.0: a nucleus-truncated sampler draws from a distribution the policy gradient does not see "
+        "(docs/method.md, 'Log-probabilities'); run.eval_top_p sets the evaluation's nucleus",
+        ge=1,
+        le=1,
+    )
+    max_tokens: StrictInt = _key(12, "most tokens generated per completion", ge=1)
+    max_model_len: StrictInt = _key(64, "engine context length (prompt + completion); 0 = the model's own", ge=0)
+    gpu_memory_utilization: Number = _key(0.5, "share of GPU memory vLLM may take (ignored on CPU)", gt=0, le=1)
+    in_process: StrictBool | None = _key(
+        None, "run the vLLM engine in this process; null = auto (yes on CPU, no on GPU)"
+    )
+    sleep_during_update: StrictBool = _key(False, "free the engine's GPU memory while the GRPO update runs (CUDA only)")
+    engines: StrictInt = _key(
+        1, "vLLM engines (Ray actors) of the vllm-ray backend (docs/scale_out.md); 1 for the others", ge=1
+    )
+    tensor_parallel_size: StrictInt = _key(
+        1, "GPUs each vLLM engine is split over (vLLM's tensor parallelism; CUDA only)", ge=1
+    )
 
-    def __post_init__(self) -> None:
-        _coerce_fields(self)
-        _check(self, "backend", self.backend in backends(), f"must be one of {', '.join(backends())}")
-        _check(
-            self,
-            "temperature",
-            self.temperature > 0,
-            "must be > 0: training rollouts are sampled (greedy ones would make every group's rewards equal); "
-            "1.0 is the paper's",
-        )
-        _check(
-            self,
-            "top_p",
-            self.top_p == 1.0,
-            "must be 1.0: a nucleus-truncated sampler draws from a distribution the policy gradient does not see "
-            "(docs/method.md, 'Log-probabilities'); run.eval_top_p sets the evaluation's nucleus",
-        )
-        _check(self, "max_tokens", self.max_tokens >= 1, "must be >= 1 (tokens per completion)")
-        _check(self, "max_model_len", self.max_model_len >= 0, "must be >= 0 (0 = the model's own context length)")
-        _check(
-            self,
-            "max_model_len",
-            self.max_model_len == 0 or self.max_model_len > self.max_tokens,
-            f"must exceed rollout.max_tokens ({self.max_tokens}) to leave room for the prompt, "
-            "or be 0 for the model's own context length",
-        )
-        _check(self, "gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1], e.g. 0.5")
-        _check(self, "engines", self.engines >= 1, "must be >= 1 (vLLM engines of the vllm-ray backend)")
-        _check(
-            self,
-            "engines",
-            self.engines == 1 or self.backend == "vllm-ray",
-            f"must be 1 with rollout.backend={self.backend}: only the vllm-ray backend runs several engines",
-        )
-        _check(self, "tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1 (GPUs per vLLM engine)")
-        _check(
-            self,
-            "tensor_parallel_size",
-            self.tensor_parallel_size == 1 or self.backend != "transformers",
-            "must be 1 with rollout.backend=transformers: only vLLM splits a model over GPUs",
-        )
-        _check(
-            self,
-            "tensor_parallel_size",
-            self.tensor_parallel_size == 1 or self.in_process is not True,
-            "must be 1 with rollout.in_process=true (vLLM's in-process executor runs one worker); "
-            "set rollout.in_process=null",
-        )
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutConfig:
+        if self.max_model_len and self.max_model_len <= self.max_tokens:
+            self._fail(
+                "max_model_len",
+                f"must exceed rollout.max_tokens ({self.max_tokens}) to leave room for the prompt, "
+                "or be 0 for the model's own context length",
+            )
+        if self.engines != 1 and self.backend != "vllm-ray":
+            self._fail(
+                "engines",
+                f"must be 1 with rollout.backend={self.backend}: only the vllm-ray backend runs several engines",
+            )
+        if self.tensor_parallel_size != 1 and self.backend == "transformers":
+            self._fail(
+                "tensor_parallel_size",
+                "must be 1 with rollout.backend=transformers: only vLLM splits a model over GPUs",
+            )
+        if self.tensor_parallel_size != 1 and self.in_process is True:
+            self._fail(
+                "tensor_parallel_size",
+                "must be 1 with rollout.in_process=true (vLLM's in-process executor runs one worker); "
+                "set rollout.in_process=null",
+            )
+        return self
 
 
-# the schedule of (alpha, beta): adaptive (from the failure rate); the paper's ablations reverse it or fix it
-SCHEDULES = ("adaptive", "reversed", "fixed")
+_TAU = "must be 'adaptive' or a positive number (the saturation scale of eta, docs/method.md)"
 
 
-@dataclass(frozen=True)
-class AllocationConfig:
+class AllocationConfig(_Section):
     """Rollout-budget allocation (docs/method.md)."""
 
     SECTION: ClassVar[str] = "allocation"
 
-    strategy: str = "coba"  # allocator (coba_tasks.core.allocators.strategies()): coba, knapsack or uniform
-    mode: str = "paper"  # coba variant: paper (heap over all prompts) or released (the authors' released code)
-    solver: str = "heap"  # coba solver: heap (Algorithm 1), threshold (closed form) or dp (exact, slow)
-    group_size: int = 16  # G, the mean group size: B_total = M * G rollouts per step
-    min_budget: int = 2  # B_low, fewest rollouts per prompt (>= 2: a group of one has no advantage)
-    max_budget: int = 128  # B_up, most rollouts per prompt
-    schedule: str = "adaptive"  # (alpha, beta): adaptive (from F), reversed (explore then exploit) or fixed
-    fixed_alpha: float = 5.5  # alpha of the Beta density when schedule is fixed
-    fixed_beta: float = 5.5  # beta of the Beta density when schedule is fixed
-    tau: str | float = "adaptive"  # saturation scale of eta(B, p): adaptive (from the spread of pass rates) or > 0
-    kappa: float = 11.0  # alpha + beta of the Beta density (> 2)
-    gamma: float = 10.0  # steepness of the sigmoid applied to the failure rate when it is <= 0.5
-    capability_window: int = 1  # steps in the moving average of the failure rate
-    pass_rate_window: int = 1  # a prompt's last visits whose pass rates give its p_i
+    strategy: Annotated[Text, _registered(strategies)] = _key(
+        "coba", "allocator (coba_tasks.core.allocators.strategies()): coba, knapsack or uniform"
+    )
+    mode: ModeName = _key(
+        "paper", "coba variant: paper (heap over all prompts) or released (the authors' released code)"
+    )
+    solver: Annotated[Text, _registered(coba_solvers)] = _key(
+        "heap", "coba solver: heap (Algorithm 1), threshold (closed form) or dp (exact, slow)"
+    )
+    group_size: StrictInt = _key(16, "G, the mean group size: B_total = M * G rollouts per step", ge=1)
+    min_budget: StrictInt = _key(
+        2,
+        "B_low, fewest rollouts per prompt (>= 2: a group of one has no advantage)",
+        "must be >= 2: a GRPO group of one rollout has no advantage (set allocation.min_budget=2)",
+        ge=2,
+    )
+    max_budget: StrictInt = _key(128, "B_up, most rollouts per prompt (>= allocation.min_budget)")
+    schedule: Schedule = _key("adaptive", "(alpha, beta): adaptive (from F), reversed (explore then exploit) or fixed")
+    fixed_alpha: Number = _key(5.5, "alpha of the Beta density when schedule is fixed", gt=0)
+    fixed_beta: Number = _key(5.5, "beta of the Beta density when schedule is fixed", gt=0)
+    tau: Literal["adaptive"] | float = _key(
+        "adaptive", "saturation scale of eta(B, p): adaptive (from the spread of pass rates) or a number > 0", _TAU
+    )
+    kappa: Number = _key(
+        11.0,
+        "alpha + beta of the Beta density (> 2)",
+        "must be > 2 so that alpha and beta can both exceed 1 (paper: 11)",
+        gt=2,
+    )
+    gamma: Number = _key(10.0, "steepness of the sigmoid applied to the failure rate when it is <= 0.5", gt=0)
+    capability_window: StrictInt = _key(1, "steps in the moving average of the failure rate", ge=1)
+    pass_rate_window: StrictInt = _key(1, "a prompt's last visits whose pass rates give its p_i", ge=1)
 
-    def __post_init__(self) -> None:
-        _coerce_fields(self)
-        _check(self, "strategy", self.strategy in strategies(), f"must be one of {', '.join(strategies())}")
-        modes = [m.value for m in Mode]
-        _check(self, "mode", self.mode in modes, f"must be one of {', '.join(modes)}")
-        _check(self, "solver", self.solver in coba_solvers(), f"must be one of {', '.join(coba_solvers())}")
-        _check(self, "schedule", self.schedule in SCHEDULES, f"must be one of {', '.join(SCHEDULES)}")
-        _check(self, "fixed_alpha", self.fixed_alpha > 0, "must be > 0 (alpha of Beta(alpha, beta))")
-        _check(self, "fixed_beta", self.fixed_beta > 0, "must be > 0 (beta of Beta(alpha, beta))")
-        _check(self, "group_size", self.group_size >= 1, "must be >= 1 (G, the mean rollouts per prompt)")
-        _check(
-            self,
-            "min_budget",
-            self.min_budget >= 2,
-            "must be >= 2: a GRPO group of one rollout has no advantage (set allocation.min_budget=2)",
-        )
-        _check(
-            self,
-            "max_budget",
-            self.max_budget >= self.min_budget,
-            f"must be >= allocation.min_budget ({self.min_budget})",
-        )
-        if isinstance(self.tau, str) and self.tau != "adaptive":
-            try:
-                object.__setattr__(self, "tau", _as_float("allocation.tau", self.tau))
-            except ConfigError:
-                _fail(
-                    self, "tau", "must be 'adaptive' or a positive number (the saturation scale of eta, docs/method.md)"
-                )
-        _check(
-            self,
-            "tau",
-            self.tau == "adaptive" or self.tau > 0,
-            "must be 'adaptive' or a positive number (the saturation scale of eta, docs/method.md)",
-        )
-        _check(self, "kappa", self.kappa > 2, "must be > 2 so that alpha and beta can both exceed 1 (paper: 11)")
-        _check(self, "gamma", self.gamma > 0, "must be > 0 (steepness of the sigmoid; paper: 10)")
-        _check(self, "capability_window", self.capability_window >= 1, "must be >= 1 (steps averaged)")
-        _check(self, "pass_rate_window", self.pass_rate_window >= 1, "must be >= 1 (visits averaged)")
+    @field_validator("tau", mode="before")
+    @classmethod
+    def _tau(cls, value: Any) -> Any:
+        """'adaptive', or a positive number (a numeric string too)."""
+        if isinstance(value, bool):
+            raise PydanticCustomError("float_type", "a bool is not a number")
+        if value == "adaptive" or not isinstance(value, str | int | float):
+            return value  # 'adaptive'; None, a list: the union's type error
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):
+            raise PydanticCustomError("config", _TAU) from None
+        if number != number or number in (float("inf"), float("-inf")):
+            raise PydanticCustomError("finite_number", "expected a finite number")
+        if number <= 0:
+            raise PydanticCustomError("config", _TAU)
+        return number
+
+    @model_validator(mode="after")
+    def _budgets(self) -> AllocationConfig:
+        if self.max_budget < self.min_budget:
+            self._fail("max_budget", f"must be >= allocation.min_budget ({self.min_budget})")
+        return self
 
 
-@dataclass(frozen=True)
-class OptimConfig:
+class OptimConfig(_Section):
     """The GRPO update: AdamW and the clipped token-mean loss (docs/method.md)."""
 
     SECTION: ClassVar[str] = "optim"
 
-    lr: float = 1e-4  # AdamW learning rate (the paper uses 1e-6 for 7B models)
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    betas: tuple[float, float] = (0.9, 0.999)  # AdamW (beta1, beta2), each in [0, 1)
-    eps: float = 1e-8  # AdamW denominator epsilon
-    max_grad_norm: float = 1.0  # clip the global gradient norm to this value
-    micro_batch_size: int = 64  # sequences per forward/backward pass: bounds memory whatever the budgets
-    mini_batches: int = 1  # optimizer steps per epoch over a step's rollouts (veRL's PPO mini-batches)
-    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
-    clip_high: float = 0.28  # ratio clipped above at 1 + clip_high ("clip-higher")
-    kl_coef: float = 0.0  # coefficient of the KL penalty to the initial policy; 0 = none (the default)
-    update_epochs: int = 1  # optimiser passes over each step's rollouts
-    lr_warmup_steps: int = 0  # linear warm-up: training step k (from 0) updates at lr * min(1, (k + 1) / N); 0 = none
-    fsdp_processes: int = 1  # 1 = the update in the flow process; N > 1 = each update a torchrun job of N FSDP ranks
-    shared_prefix: bool = True  # encode each group's prompt once in the update (same loss and gradients, faster)
-    skip_zero_advantage: bool = True  # leave advantage-0 rows out of the passes when kl_coef is 0 (same gradients)
-
-    def __post_init__(self) -> None:
-        _coerce_fields(self)
-        _check(self, "lr", self.lr > 0, "must be > 0 (the AdamW step size, e.g. 1e-4)")
-        _check(self, "lr_warmup_steps", self.lr_warmup_steps >= 0, "must be >= 0 (training steps; 0 = no warm-up)")
-        _check(self, "weight_decay", self.weight_decay >= 0, "must be >= 0 (0 = no weight decay)")
-        _check(self, "betas", all(0 <= b < 1 for b in self.betas), "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
-        _check(self, "eps", self.eps > 0, "must be > 0, e.g. 1e-8")
-        _check(self, "max_grad_norm", self.max_grad_norm > 0, "must be > 0, e.g. 1.0")
-        _check(self, "micro_batch_size", self.micro_batch_size >= 1, "must be >= 1 (sequences per forward/backward)")
-        _check(self, "mini_batches", self.mini_batches >= 1, "must be >= 1 (optimizer steps per epoch)")
-        _check(self, "clip_low", 0 < self.clip_low < 1, "must be in (0, 1): the ratio is clipped below at 1 - clip_low")
-        _check(self, "clip_high", self.clip_high > 0, "must be > 0: the ratio is clipped above at 1 + clip_high")
-        _check(self, "kl_coef", self.kl_coef >= 0, "must be >= 0 (0 = no KL term)")
-        _check(self, "update_epochs", self.update_epochs >= 1, "must be >= 1")
-        _check(
-            self,
-            "fsdp_processes",
-            self.fsdp_processes >= 1,
-            "must be >= 1 (1 = the update in the flow process; N > 1 = FSDP over N processes, one GPU each)",
-        )
+    lr: Number = _key(1e-4, "AdamW learning rate (the paper uses 1e-6 for 7B models)", gt=0)
+    weight_decay: Number = _key(0.0, "AdamW decoupled weight decay", ge=0)
+    betas: Annotated[
+        tuple[Number, Number], BeforeValidator(_a_list), _rule(lambda v: all(0 <= b < 1 for b in v), "out of [0, 1)")
+    ] = _key((0.9, 0.999), "AdamW (beta1, beta2), each in [0, 1)", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    eps: Number = _key(1e-8, "AdamW denominator epsilon", gt=0)
+    max_grad_norm: Number = _key(1.0, "clip the global gradient norm to this value", gt=0)
+    micro_batch_size: StrictInt = _key(
+        64, "sequences per forward/backward pass: bounds memory whatever the budgets", ge=1
+    )
+    mini_batches: StrictInt = _key(
+        1, "optimizer steps per epoch over a step's rollouts (veRL's PPO mini-batches)", ge=1
+    )
+    clip_low: Number = _key(0.2, "ratio clipped below at 1 - clip_low", gt=0, lt=1)
+    clip_high: Number = _key(0.28, 'ratio clipped above at 1 + clip_high ("clip-higher")', gt=0)
+    kl_coef: Number = _key(0.0, "coefficient of the KL penalty to the initial policy; 0 = none (the default)", ge=0)
+    update_epochs: StrictInt = _key(1, "optimiser passes over each step's rollouts", ge=1)
+    lr_warmup_steps: StrictInt = _key(
+        0, "linear warm-up: training step k (from 0) updates at lr * min(1, (k + 1) / N); 0 = none", ge=0
+    )
+    fsdp_processes: StrictInt = _key(
+        1, "1 = the update in the flow process; N > 1 = each update a torchrun job of N FSDP ranks", ge=1
+    )
+    shared_prefix: StrictBool = _key(
+        True, "encode each group's prompt once in the update (same loss and gradients, faster)"
+    )
+    skip_zero_advantage: StrictBool = _key(
+        True, "leave advantage-0 rows out of the passes when kl_coef is 0 (same gradients)"
+    )
 
 
-@dataclass(frozen=True)
-class VerifyConfig:
+class VerifyConfig(_Section):
     """Reward verification in a process pool."""
 
     SECTION: ClassVar[str] = "verify"
 
-    workers: int = 2  # verifier processes
-    timeout_s: float = 5.0  # hard wall-clock limit per completion, seconds; over it counts as a timeout
-    unknown_sources: str = "error"  # a data_source without a verifier: error = refuse the run; math = math-verify
-
-    def __post_init__(self) -> None:
-        _coerce_fields(self)
-        _check(self, "workers", self.workers >= 1, "must be >= 1 (verifier processes)")
-        _check(self, "timeout_s", self.timeout_s > 0, "must be > 0 (seconds per completion)")
-        _check(
-            self,
-            "unknown_sources",
-            self.unknown_sources in UNKNOWN_SOURCES,
-            "must be error (a data_source without a registered verifier stops the run before it starts) or math "
-            "(math-verify scores such rows)",
-        )
+    workers: StrictInt = _key(2, "verifier processes", ge=1)
+    timeout_s: Number = _key(5.0, "hard wall-clock limit per completion, seconds; over it counts as a timeout", gt=0)
+    unknown_sources: UnknownSources = _key(
+        "error",
+        "a data_source without a verifier: error = refuse the run; math = math-verify",
+        "must be error (a data_source without a registered verifier stops the run before it starts) or math "
+        "(math-verify scores such rows)",
+    )
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(_Section):
     """A whole run's configuration; immutable, valid by construction."""
 
-    run: RunConfig = field(default_factory=RunConfig)  # name, seed, steps, evaluation schedule
-    data: DataConfig = field(default_factory=DataConfig)  # datasets and batch size M
-    model: ModelConfig = field(default_factory=ModelConfig)  # the policy checkpoint
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout engine and sampling
-    allocation: AllocationConfig = field(default_factory=AllocationConfig)  # rollout budgets
-    optim: OptimConfig = field(default_factory=OptimConfig)  # the GRPO update
-    verify: VerifyConfig = field(default_factory=VerifyConfig)  # reward verification
+    run: RunConfig = Field(default_factory=RunConfig, description="name, seed, steps, evaluation schedule")
+    data: DataConfig = Field(default_factory=DataConfig, description="datasets and batch size M")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy checkpoint")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout engine and sampling")
+    allocation: AllocationConfig = Field(default_factory=AllocationConfig, description="rollout budgets")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="the GRPO update")
+    verify: VerifyConfig = Field(default_factory=VerifyConfig, description="reward verification")
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            cls = SECTIONS[f.name]
-            if not isinstance(getattr(self, f.name), cls):
-                raise ConfigError(
-                    f"config section {f.name!r} must be of type {cls.__name__}, got {_show(getattr(self, f.name))}"
-                )
+    @model_validator(mode="before")
+    @classmethod
+    def _sections(cls, data: Any) -> Any:
+        """An empty section (``optim:`` with nothing under it) takes its defaults."""
+        if isinstance(data, Mapping):
+            return {name: body for name, body in data.items() if body is not None}
+        return data
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> Config:
         if self.model.lora_rank > 0 and self.optim.fsdp_processes > 1:
             raise ConfigError(
                 f"model.lora_rank = {self.model.lora_rank} with optim.fsdp_processes = {self.optim.fsdp_processes}: "
@@ -461,13 +535,14 @@ class Config:
                 f" split into {m} groups of {a.min_budget} to {a.max_budget} rollouts (needs {m * a.min_budget}"
                 f" <= B_total <= {m * a.max_budget}); set group_size between {a.min_budget} and {a.max_budget}"
             )
+        return self
 
     def budget_per_step(self) -> int:
         """B_total = M * G, the rollouts of one training step."""
         return self.data.prompts_per_step * self.allocation.group_size
 
 
-SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type[_Section]] = {
     "run": RunConfig,
     "data": DataConfig,
     "model": ModelConfig,
@@ -514,8 +589,8 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{file}: expected a mapping of sections ({', '.join(SECTIONS)}), got {_show(raw)}")
-    _check_keys(raw, f" in {file}")
-    return config_from_dict(_apply_overrides(raw, overrides))
+    # an unknown key is the file's (overrides' keys are checked as they are applied): named with the file
+    return _validate(_apply_overrides(raw, overrides), f" in {file}")
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
@@ -534,17 +609,12 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     """
     if not isinstance(data, Mapping):
         raise ConfigError(f"a config is a mapping of sections ({', '.join(SECTIONS)}), got {_show(data)}")
-    _check_keys(data, "")
-    return Config(**{name: cls(**(data.get(name) or {})) for name, cls in SECTIONS.items()})
+    return _validate(data, "")
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """Plain nested dict of the config (JSON- and YAML-safe: tuples become lists)."""
-    return {
-        name: {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
-        for name in SECTIONS
-        for section in [getattr(cfg, name)]
-    }
+    return cfg.model_dump(mode="json")
 
 
 def config_hash(cfg: Config) -> str:
@@ -558,6 +628,57 @@ def config_hash(cfg: Config) -> str:
             del data[section][key]
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_reference() -> str:
+    """docs/config.md: every section and key with its default, what it takes and what it means, from the fields.
+
+    Written by ``python -m coba_tasks.pipeline.config`` (tests/pipeline/test_config.py checks it is up to date).
+    """
+    lines = [
+        "# Config reference",
+        "",
+        "<!-- Generated from the field descriptions of coba_tasks/pipeline/config.py by",
+        "     `python -m coba_tasks.pipeline.config`; edit the descriptions there, not this file. -->",
+        "",
+        "A config file is a YAML mapping of these sections, each a mapping of keys to values; a key left out",
+        "takes the default below, so a file lists only where its recipe departs from them (configs/demo.yaml).",
+        "`coba run --set section.key=value` sets one key. Every value is checked on load; a wrong one is one",
+        "line naming the key and what it must be.",
+    ]
+    for name, cls in SECTIONS.items():
+        lines += [
+            "",
+            f"## {name}",
+            "",
+            str(cls.__doc__),
+            "",
+            "| key | default | takes | meaning |",
+            "|---|---|---|---|",
+        ]
+        for key, field in cls.model_fields.items():
+            default = yaml.safe_dump(_plain(field.default), default_flow_style=True).strip().removesuffix("...").strip()
+            takes, meaning = (
+                t.replace("|", "\\|").replace("<", "&lt;") for t in (_takes(field), str(field.description))
+            )
+            lines.append(f"| `{key}` | `{default}` | {takes} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def _takes(field: Any) -> str:
+    hint = field.annotation
+    if get_origin(hint) is Literal:
+        return " or ".join(f"`{a}`" for a in get_args(hint))
+    registry = next((m.func.registry for m in field.metadata if hasattr(getattr(m, "func", None), "registry")), None)
+    if registry is not None:
+        return "a registered name: " + ", ".join(f"`{n}`" for n in registry())
+    words = _expected(hint)
+    bounds = _bounds_text(field).removeprefix("must be ")
+    return f"{words}, {bounds}" if bounds else words
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def check_paths(cfg: Config, root: str | os.PathLike[str] | None = None) -> None:
@@ -665,137 +786,169 @@ def _parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: invalid YAML: {e}") from e
 
 
-def _check_keys(data: Mapping[Any, Any], where: str) -> None:
-    """Unknown sections and keys, and sections that are not mappings, as ConfigErrors."""
-    for name, body in data.items():
-        if name not in SECTIONS:
-            raise ConfigError(
-                f"unknown config section {str(name)!r}{where}{_did_you_mean(name, SECTIONS)};"
-                f" valid sections: {', '.join(SECTIONS)}"
-            )
-        if body is not None and not isinstance(body, Mapping):
-            raise ConfigError(f"config section {name!r}{where} must be a mapping of key: value, got {_show(body)}")
-        valid = _field_names(SECTIONS[name])
-        for key in body or {}:
-            if key not in valid:
-                raise ConfigError(
-                    f"unknown config key '{name}.{key}'{where}{_did_you_mean(key, valid)};"
-                    f" valid keys of {name}: {', '.join(valid)}"
-                )
-
-
 def _apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of the raw sections with each ``section.key=value`` override set."""
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of section.key=value strings, got the string {overrides!r}")
-    out: dict[str, Any] = {name: dict(body or {}) for name, body in raw.items()}
+    out: dict[str, Any] = {name: dict(body) if isinstance(body, Mapping) else body for name, body in raw.items()}
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {_show(item)} must look like section.key=value, e.g. optim.lr=3e-5")
         dotted, text = (s.strip() for s in item.split("=", 1))
         name, _, key = dotted.partition(".")
         if name not in SECTIONS:
-            raise ConfigError(
-                f"unknown config section {name!r} in --set {item}{_did_you_mean(name, SECTIONS)};"
-                f" valid sections: {', '.join(SECTIONS)}"
-            )
-        valid = _field_names(SECTIONS[name])
-        if key not in valid:
-            raise ConfigError(
-                f"unknown config key '{dotted}' in --set {item}{_did_you_mean(key, valid)};"
-                f" valid keys of {name}: {', '.join(valid)}"
-            )
-        hint = _field_hints(SECTIONS[name])[key]
-        out.setdefault(name, {})[key] = text if hint is str else _parse_yaml(text, f"--set {dotted}")
+            raise ConfigError(_unknown_section(name, f" in --set {item}"))
+        if key not in SECTIONS[name].model_fields:
+            raise ConfigError(_unknown_key(name, key, f" in --set {item}"))
+        if not isinstance(out.get(name) or {}, Mapping):
+            raise ConfigError(f"config section {name!r} must be a mapping of key: value, got {_show(out[name])}")
+        value = text if _verbatim(SECTIONS[name], key) else _parse_yaml(text, f"--set {dotted}")
+        out[name] = {**(out.get(name) or {}), key: value}
     return out
 
 
-def _coerce_fields(section: Any) -> None:
-    """Check each field's type against its annotation, converting where that is lossless."""
-    hints = _field_hints(type(section))
-    for f in fields(section):
-        value = getattr(section, f.name)
-        new = _coerce(f"{section.SECTION}.{f.name}", value, hints[f.name])
-        if new is not value:
-            object.__setattr__(section, f.name, new)
+def _verbatim(cls: type[_Section], key: str) -> bool:
+    """Whether ``--set`` gives this key its text as it is: a string field (a word list's too)."""
+    hint = cls.model_fields[key].annotation
+    return hint is str or (get_origin(hint) is Literal and all(isinstance(a, str) for a in get_args(hint)))
 
 
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, UnionType):  # bool | None, str | float
-        if value is None and type(None) in args:
-            return None
-        if (str in args and isinstance(value, str)) or (bool in args and isinstance(value, bool)):
-            return value
-        if float in args and _is_number(value):
-            return _as_float(key, value)
-        kinds = [a for a in args if a is not type(None)]
-        expected = " or ".join(_type_word(a) for a in kinds) + (" or null" if type(None) in args else "")
-        raise ConfigError(f"{key}: expected {expected}, got {_show(value)}")
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[str, ...]: a list of any length
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list of {_type_word(args[0]).split()[-1]}s, got {_show(value)}")
-        return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
-    if origin is tuple:  # tuple[float, float]
-        if not isinstance(value, list | tuple) or len(value) != len(args):
-            raise ConfigError(
-                f"{key}: expected a list of {len(args)} {_type_word(args[0]).split()[-1]}s, got {_show(value)}"
-            )
-        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True)))
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            return int(value)
-    elif hint is float:
-        return _as_float(key, value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
-            return os.fspath(value)
-    else:  # pragma: no cover - a field annotation this module does not know
-        raise TypeError(f"{key}: unsupported annotation {hint!r}")
-    raise ConfigError(f"{key}: expected {_type_word(hint)}, got {_show(value)}")
+def _validate(data: Mapping[str, Any], where: str) -> Config:
+    """``Config.model_validate`` with its ValidationError as a one-line ConfigError."""
+    for name, body in data.items():  # (a key that is not a string cannot be a keyword of the sections' __init__)
+        if not isinstance(name, str) or name not in SECTIONS:
+            raise ConfigError(_unknown_section(str(name), where))
+        for key in body if isinstance(body, Mapping) else ():
+            if not isinstance(key, str) or key not in SECTIONS[name].model_fields:
+                raise ConfigError(_unknown_key(name, str(key), where))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise _config_error(e, where=where) from None
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+# pydantic's error types: a key or section that should not be there, or is not a mapping; a value out of
+# its bounds or word list (or failing a field's own check, "config"); the rest say the type is wrong
+_STRUCTURE = ("extra_forbidden", "model_type", "model_attributes_type", "dict_type")
+_VALUE = (
+    "greater_than",
+    "greater_than_equal",
+    "less_than",
+    "less_than_equal",
+    "literal_error",
+    "config",
+    "value_error",
+)
 
 
-def _as_float(key: str, value: Any) -> float:
-    """A finite float from a number or a numeric string; ConfigError otherwise."""
-    if isinstance(value, str):
-        try:
-            out = float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected a number, got {_show(value)}") from None
-    elif _is_number(value):
-        try:
-            out = float(value)
-        except OverflowError:
-            raise ConfigError(f"{key}: {_show(value)} is too large for a float") from None
-    else:
-        raise ConfigError(f"{key}: expected a number, got {_show(value)}")
-    if not math.isfinite(out):
-        raise ConfigError(f"{key}: expected a finite number, got {_show(value)}")
+def _config_error(error: ValidationError, prefix: tuple[str, ...] = (), where: str = "") -> ConfigError:
+    """The first problem of a ValidationError as one line that names the dotted key and the fix.
+
+    ``where`` (`` in <file>``) is said of an unknown section or key; ``prefix`` is the section's name when
+    a section was validated by itself (its errors' locations start at the key).
+    """
+    errors = error.errors()
+    err = next((e for e in errors if e["type"] in _STRUCTURE), errors[0])
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigError):  # a section's own (pydantic calls its __init__) or a check across keys
+        return _config_error(*cause.source, where=where) if cause.source else cause
+    loc, kind, value = (*prefix, *err["loc"]), err["type"], err["input"]
+    out = _one_line(loc, kind, value, err, where)
+    out.source = (error, prefix)  # a Config validating this section says it again with the file's name
     return out
 
 
-def _check(section: Any, name: str, ok: bool, how: str) -> None:
-    if not ok:
-        _fail(section, name, how)
-
-
-def _fail(section: Any, name: str, how: str) -> None:
-    raise ConfigError(f"{section.SECTION}.{name} = {_short(getattr(section, name))}: {how}")
-
-
-def _type_word(t: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        t, getattr(t, "__name__", str(t))
+def _one_line(loc: tuple[Any, ...], kind: str, value: Any, err: Any, where: str) -> ConfigError:
+    if not loc:
+        return ConfigError(f"a config is a mapping of sections ({', '.join(SECTIONS)}), got {_show(value)}")
+    section = str(loc[0])
+    if len(loc) == 1:
+        if kind == "extra_forbidden":
+            return ConfigError(_unknown_section(section, where))
+        return ConfigError(f"config section {section!r}{where} must be a mapping of key: value, got {_show(value)}")
+    key = str(loc[1])
+    if kind == "extra_forbidden":
+        return ConfigError(_unknown_key(section, key, where))
+    field = SECTIONS[section].model_fields[key]
+    if kind in _VALUE and not any(isinstance(p, str) for p in loc[2:]):  # (a union's member: a type error)
+        fix = (field.json_schema_extra or {}).get("fix") if isinstance(field.json_schema_extra, dict) else None
+        return ConfigError(
+            f"{section}.{key} = {_short(_as_read(field.annotation, value))}: {fix or _rule_text(field, err)}"
+        )
+    index = (
+        "" if kind in ("missing", "too_short", "too_long") else "".join(f"[{p}]" for p in loc[2:] if isinstance(p, int))
     )
+    expected = "a finite number" if kind == "finite_number" else _expected(field.annotation, element=bool(index))
+    return ConfigError(f"{section}.{key}{index}: expected {expected}, got {_show(value)}")
+
+
+def _unknown_section(name: str, where: str) -> str:
+    return (
+        f"unknown config section {name!r}{where}{_did_you_mean(name, SECTIONS)}; valid sections: {', '.join(SECTIONS)}"
+    )
+
+
+def _unknown_key(section: str, key: str, where: str) -> str:
+    valid = list(SECTIONS[section].model_fields)
+    return (
+        f"unknown config key '{section}.{key}'{where}{_did_you_mean(key, valid)};"
+        f" valid keys of {section}: {', '.join(valid)}"
+    )
+
+
+def _rule_text(field: Any, err: Any) -> str:
+    """A field's bounds or words, said as ``must be ...`` (its check's own message otherwise)."""
+    if err["type"] == "literal_error":
+        return f"must be one of {', '.join(map(str, get_args(field.annotation)))}"
+    if err["type"] in ("config", "value_error"):
+        return str(err["msg"]).removeprefix("Value error, ")
+    return f"{_bounds_text(field) or err['msg']} ({field.description})"
+
+
+def _bounds_text(field: Any) -> str:
+    b = {k: getattr(m, k) for m in field.metadata for k in ("gt", "ge", "lt", "le") if getattr(m, k, None) is not None}
+    low = ("(", b["gt"]) if "gt" in b else ("[", b["ge"]) if "ge" in b else None
+    high = (")", b["lt"]) if "lt" in b else ("]", b["le"]) if "le" in b else None
+    if low and high:
+        return f"must be {low[1]}" if low[1] == high[1] else f"must be in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low:
+        return f"must be {'>' if low[0] == '(' else '>='} {low[1]}"
+    if high:
+        return f"must be {'<' if high[0] == ')' else '<='} {high[1]}"
+    return ""
+
+
+def _strip(hint: Any) -> Any:
+    return get_args(hint)[0] if get_origin(hint) is Annotated else hint
+
+
+def _expected(hint: Any, element: bool = False) -> str:
+    """What a key of type ``hint`` takes, in words (``element``: an item of a list-valued key)."""
+    hint = _strip(hint)
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is tuple:
+        word = _expected(args[0])
+        if element:
+            return word
+        plural = word.split()[-1] + "s"
+        return f"a list of {plural}" if len(args) == 2 and args[1] is Ellipsis else f"a list of {len(args)} {plural}"
+    if origin in (Union, type(int | None)):
+        words = " or ".join(_expected(a) for a in args if a is not type(None))
+        return words + (" or null" if type(None) in args else "")
+    if origin is Literal:
+        return "a string"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def _as_read(hint: Any, value: Any) -> Any:
+    """A number as the key reads it (an int or a numeric string as a float where the key is a float)."""
+    floats = float in (hint, *get_args(hint))
+    if floats and isinstance(value, int | str) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (ValueError, OverflowError):
+            return value
+    return value
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -807,20 +960,14 @@ def _show(value: Any) -> str:
     return f"{_short(value)} ({type(value).__name__})"
 
 
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
 def _did_you_mean(word: Any, valid: Sequence[str] | Mapping[str, Any]) -> str:
     close = difflib.get_close_matches(str(word), list(valid), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-@cache
-def _field_hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
+if __name__ == "__main__":  # python -m coba_tasks.pipeline.config [PATH]: write the reference (docs/config.md)
+    import sys
 
-
-@cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else PROJECT_ROOT / "docs" / "config.md"
+    out.write_text(config_reference(), encoding="utf-8")
+    print(f"wrote {out}")

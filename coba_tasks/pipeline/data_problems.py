@@ -14,12 +14,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
-ON_BAD_ROWS = ("error", "skip")  # data.on_bad_rows: refuse a file with bad rows, or drop and report them
+from coba_tasks.pipeline.config import OnBadRows  # data.on_bad_rows: refuse a file with bad rows, or drop them
+
 MAX_REPORTED = 5  # bad rows listed in a DatasetError message; the rest are counted
-
-OnBadRows = Literal["error", "skip"]
 
 
 @dataclass(frozen=True)
@@ -59,9 +58,9 @@ def error_reason(e: BaseException) -> str:
 
 
 def check_on_bad_rows(on_bad_rows: str) -> None:
-    """ValueError unless ``on_bad_rows`` is one of ``ON_BAD_ROWS``."""
-    if on_bad_rows not in ON_BAD_ROWS:
-        raise ValueError(f"on_bad_rows must be one of {', '.join(ON_BAD_ROWS)}, got {on_bad_rows!r}")
+    """ValueError unless ``on_bad_rows`` is one of the words of ``OnBadRows``."""
+    if on_bad_rows not in get_args(OnBadRows):
+        raise ValueError(f"on_bad_rows must be one of {', '.join(get_args(OnBadRows))}, got {on_bad_rows!r}")
 
 
 def refuse_or_skip(path: str | os.PathLike[str], n_rows: int, problems: list[Problem], on_bad_rows: OnBadRows) -> None:

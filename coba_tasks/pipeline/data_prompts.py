@@ -10,14 +10,12 @@ refuses (or skips) rendered prompts too long for the model's context once the co
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import pandas as pd
 
+from coba_tasks.pipeline.config import PromptFormat  # data.prompt_format (render_prompts)
 from coba_tasks.pipeline.data_problems import OnBadRows, Problem, check_on_bad_rows, error_reason, refuse_or_skip
-
-PromptFormat = Literal["auto", "chat", "raw"]
-PROMPT_FORMATS = ("auto", "chat", "raw")  # data.prompt_format (render_prompts)
 
 
 def prompt_format_of(tokenizer: Any, prompt_format: PromptFormat) -> Literal["chat", "raw"]:
@@ -26,8 +24,8 @@ def prompt_format_of(tokenizer: Any, prompt_format: PromptFormat) -> Literal["ch
     Raises:
         ValueError: ``chat`` asked for and the tokenizer has no chat template, or an unknown format.
     """
-    if prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"prompt format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
+    if prompt_format not in get_args(PromptFormat):
+        raise ValueError(f"prompt format must be one of {', '.join(get_args(PromptFormat))}, got {prompt_format!r}")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if prompt_format == "chat" and not has_template:
         raise ValueError(

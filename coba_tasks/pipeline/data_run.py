@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from coba_tasks.pipeline.config import UnknownSources  # verify.unknown_sources
 from coba_tasks.pipeline.data import is_string_type, read_dataset
 from coba_tasks.pipeline.data_problems import DatasetError, OnBadRows, Problem, all_bad_note, refuse_or_skip
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from coba_tasks.pipeline.config import Config
 
 BAD_ROWS_COLUMNS = ("key", "file", "row", "column", "message")  # bad_rows.parquet of a run
-UNKNOWN_SOURCES = ("error", "math")  # verify.unknown_sources: refuse a data_source without a verifier, or use math
 
 
 @dataclass
@@ -86,8 +86,9 @@ def check_ground_truths(
     from coba_tasks.engines.verify import unknown_sources as find_unknown
     from coba_tasks.engines.verify_pool import VerifierPool
 
-    if unknown_sources not in UNKNOWN_SOURCES:
-        raise ValueError(f"unknown_sources must be one of {', '.join(UNKNOWN_SOURCES)}, got {unknown_sources!r}")
+    if unknown_sources not in get_args(UnknownSources):
+        words = ", ".join(get_args(UnknownSources))
+        raise ValueError(f"unknown_sources must be one of {words}, got {unknown_sources!r}")
     if df.empty:
         return df, []
     unknown = find_unknown(df["data_source"])

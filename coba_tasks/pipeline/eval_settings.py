@@ -10,12 +10,27 @@ them before the flow starts; the same checks run when the model is built in Pyth
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coba_tasks.engines.rollout import backends
-from coba_tasks.pipeline.config import DTYPES, Config
+from coba_tasks.pipeline.config import (
+    Config,
+    DataConfig,
+    Dtype,
+    ModelConfig,
+    PromptFormat,
+    RolloutConfig,
+    RunConfig,
+    UnknownSources,
+    VerifyConfig,
+)
+
+
+def _default(section: type, key: str) -> Any:
+    """The run config's default of ``section.key``: the one place the defaults are written."""
+    return section.model_fields[key].default
 
 
 class EvalSettings(BaseModel):
@@ -23,19 +38,45 @@ class EvalSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    test_path: str = Field("data/arith_test.parquet", description="held-out prompts (Parquet; a run's data.test)")
-    samples: int = Field(1, ge=1, description="completions per prompt, avg@k (a run's run.eval_samples)")
-    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 = greedy (run.eval_temperature)")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus of a sampled evaluation; 1.0 = none (run.eval_top_p)")
-    max_tokens: int = Field(12, ge=1, description="most tokens a completion has (rollout.max_tokens)")
-    backend: str = Field("vllm", description="rollout engine: vllm or transformers (rollout.backend)")
-    eval_prompts: int = Field(0, ge=0, description="a seeded sample of this many prompts; 0 = all (data.eval_prompts)")
-    seed: int = Field(0, description="seed of the prompt sample and of sampling (run.seed)")
-    dtype: str = Field("float32", description="weights dtype (model.dtype)")
-    max_model_len: int = Field(64, ge=0, description="engine context; 0 = the model's own (rollout.max_model_len)")
-    prompt_format: Literal["auto", "chat", "raw"] = Field("auto", description="prompt rendering (data.prompt_format)")
-    unknown_sources: Literal["error", "math"] = Field(
-        "error", description="a data_source without a verifier: refuse it, or score it with math-verify"
+    test_path: str = Field(_default(DataConfig, "test"), description="held-out prompts (Parquet; a run's data.test)")
+    samples: int = Field(
+        _default(RunConfig, "eval_samples"), ge=1, description="completions per prompt, avg@k (run.eval_samples)"
+    )
+    temperature: float = Field(
+        _default(RunConfig, "eval_temperature"),
+        ge=0,
+        description="sampling temperature; 0 = greedy (run.eval_temperature)",
+    )
+    top_p: float = Field(
+        _default(RunConfig, "eval_top_p"),
+        gt=0,
+        le=1,
+        description="nucleus of a sampled evaluation; 1.0 = none (run.eval_top_p)",
+    )
+    max_tokens: int = Field(
+        _default(RolloutConfig, "max_tokens"), ge=1, description="most tokens a completion has (rollout.max_tokens)"
+    )
+    backend: str = Field(
+        _default(RolloutConfig, "backend"), description="rollout engine: vllm or transformers (rollout.backend)"
+    )
+    eval_prompts: int = Field(
+        _default(DataConfig, "eval_prompts"),
+        ge=0,
+        description="a seeded sample of this many prompts; 0 = all (data.eval_prompts)",
+    )
+    seed: int = Field(_default(RunConfig, "seed"), description="seed of the prompt sample and of sampling (run.seed)")
+    dtype: Dtype = Field(_default(ModelConfig, "dtype"), description="weights dtype (model.dtype)")
+    max_model_len: int = Field(
+        _default(RolloutConfig, "max_model_len"),
+        ge=0,
+        description="engine context; 0 = the model's own (rollout.max_model_len)",
+    )
+    prompt_format: PromptFormat = Field(
+        _default(DataConfig, "prompt_format"), description="prompt rendering (data.prompt_format)"
+    )
+    unknown_sources: UnknownSources = Field(
+        _default(VerifyConfig, "unknown_sources"),
+        description="a data_source without a verifier: refuse it, or score it with math-verify",
     )
 
     @field_validator("backend")
@@ -43,13 +84,6 @@ class EvalSettings(BaseModel):
     def _known_backend(cls, value: str) -> str:
         if value not in backends():
             raise ValueError(f"unknown backend {value!r}; valid backends: {', '.join(backends())}")
-        return value
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        if value not in DTYPES:
-            raise ValueError(f"must be one of {', '.join(DTYPES)}")
         return value
 
     @model_validator(mode="after")

@@ -143,12 +143,13 @@ def resolve_run(
     run_name: str | None = None,
     run_dir: str | None = None,
     overrides: list[str] | None = None,
-    config: dict | None = None,
+    config: Config | Mapping[str, Any] | None = None,
     resume: bool = False,
 ) -> tuple[Config, Path, bool]:
     """(config, run directory, continuing) for a start, a resume or a retried flow run.
 
-    A new run reads ``config`` (a dict) or the YAML at ``config_path`` with ``overrides``; its
+    A new run takes ``config`` (a Config, or a dict of its sections) or the YAML at ``config_path``, with
+    ``overrides``; its
     directory is ``run_dir`` or ``runs/<run_name or run.name>``. Where that directory already
     holds a run with the same config hash, the run continues (a retried flow run recomputes only
     the stages that are not done); a different config there is an error. ``resume`` reads the
@@ -166,7 +167,11 @@ def resolve_run(
         check_platform(cfg)
         check_remote_code(cfg)
         return cfg, Path(run_dir).resolve(), True
-    cfg = config_from_dict(config) if config is not None else load_config(config_path, overrides or [])
+    if config is None:
+        cfg = load_config(config_path, overrides or [])
+    else:
+        cfg = config if isinstance(config, Config) else config_from_dict(config)
+        cfg = apply_overrides(cfg, overrides) if overrides else cfg
     if run_name:
         cfg = apply_overrides(cfg, [f"run.name={run_name}"])
     root = Path(run_dir) if run_dir else Path("runs") / cfg.run.name

@@ -4,9 +4,10 @@ The commands of docs/workers.md, run as subprocesses: ``prefect server start`` (
 PREFECT_HOME, a free port), ``prefect work-pool create coba-process --type process``, ``prefect
 deploy --all`` from the project directory, ``prefect worker start --pool coba-process`` (started in
 another directory: the deployments' pull step moves each flow run to the project), then
-``prefect deployment run`` of coba-train on a tiny config and coba-eval on the run's last
-checkpoint. The server requires Prefect's API authentication (``PREFECT_SERVER_API_AUTH_STRING``) and
-every client sends it (``PREFECT_API_AUTH_STRING``); a request without it is refused (401). Everything
+``prefect deployment run`` of coba-train on a tiny config (by config_path, then as a JSON object
+of its sections, the typed ``config`` parameter) and coba-eval on the first run's last checkpoint.
+The server requires Prefect's API authentication (``PREFECT_SERVER_API_AUTH_STRING``) and every
+client sends it (``PREFECT_API_AUTH_STRING``); a request without it is refused (401). Everything
 the runs write lands in tmp_path. The server's, the worker's and every
 command's output go to files in tmp_path; their tails are printed when something fails.
 """
@@ -146,6 +147,19 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
 
                 keys = artifact_keys(client, train_id)
                 assert {"step-000000", "step-000001", "budget-step-000001"} <= keys, keys
+
+                # the config as a JSON object (the typed `config` parameter, validated by Prefect before the
+                # flow starts), no config_path of its own: keys left out take config.py's defaults
+                whole = yaml.safe_load(config_path.read_text())
+                whole["run"].update(name="deploy-json", steps=1)
+                json_dir = tmp_path / "run-json"
+                json_id = run_deployment(procs, "coba-train/coba-train", config=whole, run_dir=json_dir)
+                run = wait_final(client, json_id, worker)
+                assert run.state.is_completed(), f"coba-train (config) ended {run.state_name}: {run.state.message}"
+                json_cfg = RunStore.open(json_dir).read_config()
+                assert json_cfg["run"]["name"] == "deploy-json" and json_cfg["run"]["steps"] == 1
+                assert json_cfg["data"]["train_prompts"] == 6 and json_cfg["optim"]["lr"] == 1e-4  # file; default
+                assert (json_dir / "summary.json").is_file()
 
                 eval_id = run_deployment(
                     procs,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from coba_tasks.core.allocators import strategies
 from coba_tasks.core.solvers import coba_solvers
@@ -29,6 +29,7 @@ from coba_tasks.pipeline.config import (
     check_paths,
     config_from_dict,
     config_hash,
+    config_reference,
     config_to_dict,
     load_config,
 )
@@ -45,7 +46,7 @@ def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
 
 
 def all_keys() -> list[str]:
-    return [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    return [f"{name}.{key}" for name, cls in SECTIONS.items() for key in cls.model_fields]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,7 +89,21 @@ def test_empty_file_gives_the_defaults(tmp_path):
     assert load_config(write(tmp_path, "optim:\n", "empty-section.yaml")) == Config()
 
 
-def test_demo_yaml_is_the_default_and_spells_out_every_key():
+def only_departures(name: str) -> None:
+    """A shipped config lists only the keys where its recipe departs from the defaults (config.py has them)."""
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    assert list(raw) == [s for s in SECTIONS if s in raw], name  # sections in the usual order
+    defaults = config_to_dict(Config())
+    same = [
+        f"{s}.{k}"
+        for s, body in raw.items()
+        for k in body
+        if config_to_dict(load_config(CONFIGS / name))[s][k] == defaults[s][k]
+    ]
+    assert not same, f"{name} repeats defaults: {same}"
+
+
+def test_demo_yaml_is_the_default_and_lists_only_its_departures():
     cfg = load_config()
     assert cfg == load_config(DEFAULT_CONFIG_PATH) == load_config(CONFIGS / "demo.yaml")
     assert (cfg.run.steps, cfg.run.eval_every, cfg.data.prompts_per_step, cfg.allocation.group_size) == (10, 0, 16, 8)
@@ -97,10 +112,9 @@ def test_demo_yaml_is_the_default_and_spells_out_every_key():
     r = cfg.run
     assert (r.eval_samples, r.eval_temperature, r.eval_top_p, r.eval_greedy) == (4, 1.0, 0.9, True)  # avg@4
     assert cfg.data.extra_tests == ("data/arith_chat_test_reworded.parquet",)
-    for name in ("demo.yaml", "demo-tiny.yaml"):  # both demos spell out every key
-        raw = yaml.safe_load((CONFIGS / name).read_text())
-        assert list(raw) == list(SECTIONS)
-        assert sorted(f"{s}.{k}" for s, body in raw.items() for k in body) == sorted(all_keys()), name
+    for name in sorted(p.name for p in CONFIGS.glob("*.yaml")):  # no shipped config repeats a default
+        only_departures(name)
+    assert "docs/config.md" in (CONFIGS / "demo.yaml").read_text()  # where the rest are listed
     tiny = load_config(CONFIGS / "demo-tiny.yaml")
     assert tiny.budget_per_step() == 2048 and tiny.model.path == "models/arith-tiny" and tiny.run.name == "demo-tiny"
 
@@ -124,9 +138,9 @@ def test_shipped_configs_point_at_shipped_files():
 
 def test_config_is_frozen():
     cfg = load_config(TINY_DEMO)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.optim.lr = 1.0  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.run = RunConfig()  # type: ignore[misc]
 
 
@@ -179,7 +193,7 @@ def test_apply_overrides_gives_a_new_validated_config():
     base = load_config(TINY_DEMO)
     other = apply_overrides(base, ["allocation.strategy=knapsack"])
     assert other.allocation.strategy == "knapsack" and base.allocation.strategy == "coba"
-    assert dataclasses.replace(other, allocation=base.allocation) == base
+    assert other.model_copy(update={"allocation": base.allocation}) == base
     with pytest.raises(ConfigError, match=r"allocation\.strategy"):
         apply_overrides(base, ["allocation.strategy=best"])
 
@@ -387,9 +401,13 @@ def test_sections_validate_when_built_directly():
         OptimConfig(lr=-1)
     with pytest.raises(ConfigError, match=r"allocation\.group_size = 1"):
         Config(allocation=AllocationConfig(group_size=1))
-    with pytest.raises(ConfigError, match=r"config section 'optim' must be of type OptimConfig"):
-        Config(optim={"lr": 1.0})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^optim\.lr = -1\.0: must be > 0"):
+        Config(optim={"lr": -1.0})  # type: ignore[arg-type]
+    assert Config(optim={"lr": 1.0}).optim == OptimConfig(lr=1.0)  # type: ignore[arg-type]  # a dict is validated
+    with pytest.raises(ConfigError, match=r"config section 'optim' must be a mapping of key: value, got 1\.0"):
+        Config(optim=1.0)  # type: ignore[arg-type]
     assert OptimConfig(betas=[0.5, 0.6]).betas == (0.5, 0.6)  # type: ignore[arg-type]
+    assert config_from_dict({"data": {"train": Path("data/x.parquet")}}).data.train == "data/x.parquet"
 
 
 def test_choices_follow_the_registries():
@@ -578,10 +596,8 @@ def test_eval_top_p_and_sleep_during_update_validate():
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b-math.yaml", "qwen2.5-7b-math.yaml"])
-def test_real_model_configs_load_validate_and_spell_out_every_key(name):
+def test_real_model_configs_load_and_validate(name):
     cfg = load_config(CONFIGS / name)  # no model or data needed to load and validate
-    raw = yaml.safe_load((CONFIGS / name).read_text())
-    assert sorted(f"{s}.{k}" for s, body in raw.items() for k in body) == sorted(all_keys())
     assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing
     assert cfg.rollout.backend == "vllm" and cfg.rollout.sleep_during_update and cfg.rollout.temperature == 1.0
     assert cfg.rollout.max_model_len > cfg.rollout.max_tokens and 0 < cfg.rollout.gpu_memory_utilization < 1
@@ -598,3 +614,35 @@ def test_real_model_configs_load_validate_and_spell_out_every_key(name):
         assert cfg.rollout.max_tokens < 4096 and cfg.budget_per_step() < 4096
     with pytest.raises(ConfigError, match=r"^data\.train: data/math/dapo_math_17k\.parquet does not exist"):
         check_paths(cfg, root=PROJECT_ROOT / "tests")  # the recipe's files are made by the user
+
+
+# ---------------------------------------------------------------------------------------------
+# Pinned: the resolved configs and hashes computed before the config became pydantic models
+# (tests/pipeline/config_pinned.json); existing run directories must keep their hash to stay resumable
+
+PINNED = json.loads((Path(__file__).parent / "config_pinned.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(PINNED["configs"]))
+def test_shipped_configs_resolve_to_the_pinned_values_and_hashes(name):
+    cfg = load_config(CONFIGS / name)
+    assert config_to_dict(cfg) == PINNED["configs"][name]
+    assert config_hash(cfg) == PINNED["hashes"][name]
+
+
+def test_every_shipped_config_is_pinned():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(PINNED["configs"])
+
+
+@pytest.mark.parametrize("variant", sorted(PINNED["variants"]))
+def test_hashes_of_overridden_defaults_are_pinned(variant):
+    cfg = apply_overrides(Config(), PINNED["variants"][variant])
+    assert config_hash(cfg) == PINNED["hashes"][f"Config()+{variant}"]
+
+
+def test_docs_config_md_is_up_to_date():
+    """docs/config.md is generated from the fields' descriptions: after changing one, run
+    `python -m coba_tasks.pipeline.config` to write it again."""
+    assert (PROJECT_ROOT / "docs" / "config.md").read_text(encoding="utf-8") == config_reference()
+    readme = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
+    assert "docs/config.md" in readme

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import decimal
 import tempfile
 from pathlib import Path
@@ -216,7 +215,7 @@ def test_random_and_damaged_bytes_load_or_raise_dataset_error(content: bytes, on
 # ---------------------------------------------------------------------------------------------
 # Configs
 
-FIELDS = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in SECTIONS.items()}
+FIELDS = {name: list(cls.model_fields) for name, cls in SECTIONS.items()}
 ALL_KEYS = [f"{s}.{k}" for s, keys in FIELDS.items() for k in keys]
 _scalars = (
     st.none()
