@@ -70,6 +70,8 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("model", "lora_target_modules"): "all-linear",
     ("data", "extra_tests"): [],
     ("data", "difficulties"): [],
+    ("verify", "reward_function"): "",
+    ("verify", "pass_threshold"): 1.0,
 }
 MAIN_TEST_SET = "test"  # the eval table's test_set of data.test; an extra test's is its file name without .parquet
 
@@ -414,9 +416,27 @@ class VerifyConfig:
     workers: int = 2  # verifier processes
     timeout_s: float = 5.0  # hard wall-clock limit per completion, seconds; over it counts as a timeout
     unknown_sources: str = "error"  # a data_source without a verifier: error = refuse the run; math = math-verify
+    # your reward instead of the built-in verifiers: path/to/file.py[:function] with veRL's compute_score
+    # signature (coba_tasks/engines/reward_file.py); empty = the built-in verifiers
+    reward_function: str = ""
+    pass_threshold: float = 1.0  # a reward_function score >= this counts as solved (the pass rates CoBA-RL uses)
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
+        if self.reward_function.strip():
+            from coba_tasks.engines.reward_file import split_spec
+
+            try:
+                split_spec(self.reward_function)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        _check(
+            self,
+            "pass_threshold",
+            self.pass_threshold == 1.0 or bool(self.reward_function.strip()),
+            "applies to verify.reward_function's scores only (the built-in verifiers score 1 = solved); "
+            "set verify.reward_function or leave verify.pass_threshold at 1.0",
+        )
         _check(self, "workers", self.workers >= 1, "must be >= 1 (verifier processes)")
         _check(self, "timeout_s", self.timeout_s > 0, "must be > 0 (seconds per completion)")
         _check(
