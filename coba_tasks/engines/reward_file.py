@@ -169,7 +169,8 @@ def _import_function(path: str, name: str) -> Callable[..., Any]:
 def exception_line(exc: BaseException, path: str | None = None) -> str:
     """The last line of ``exc``'s traceback (``ValueError: message``, the message on one line), and the
     line of ``path`` it was raised from when that file is in the traceback."""
-    message = " ".join(str(exc).split())
+    raw = exc.msg if isinstance(exc, SyntaxError) and exc.msg else str(exc)  # without "(file, line N)"
+    message = " ".join(str(raw).split())
     text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     line = None
     if isinstance(exc, SyntaxError) and exc.lineno is not None:
