@@ -40,6 +40,9 @@ How to use::
     score("95", "95", "arith").verdict                # in-process, no timeout: trusted input only
     counts = count_verdicts(verdicts)                 # {"correct": .., "wrong": .., ...}
 
+A user's reward file with veRL's ``compute_score`` signature (``verify.reward_function``) replaces
+these verifiers for a run: ``coba_tasks.engines.reward_file``.
+
 Custom verifiers: ``@register_verifier("my_source")`` on a module-level function
 ``(completion: str, ground_truth: str) -> Verdict``. Pool workers receive the function by reference
 (pickle), so it must live in an importable module. ``in_process=True`` marks a verifier that is
@@ -76,8 +79,10 @@ class VerdictKind(StrEnum):
 class Verdict:
     """The outcome of scoring one completion.
 
-    ``reward`` is 1.0 exactly when ``verdict`` is ``correct``; ``extracted_answer`` is the answer
-    text the verifier read ("" if none); ``detail`` explains errors, timeouts and odd cases.
+    ``reward`` is 1.0 exactly when ``verdict`` is ``correct`` (0.0 otherwise), except for a ``graded``
+    verdict: a reward file's score (any finite number, ``correct`` when it reached the pass threshold,
+    else ``wrong``; ``extra`` holds the other keys of the dict it returned). ``extracted_answer`` is the
+    answer text the verifier read ("" if none); ``detail`` explains errors, timeouts and odd cases.
     """
 
     reward: float

@@ -27,6 +27,11 @@ How to use::
             verdicts = pool.score(items_of(step))
             counts = count_verdicts(verdicts)         # {"correct": .., "wrong": .., ...}
 
+A reward file (``verify.reward_function``, ``coba_tasks.engines.reward_file``): ``VerifierPool(reward_function=rf)``
+scores every item with it instead, in the workers, under the same limit. Workers receive its path and
+function name, never the function, and import the file when they start; an item may carry a fourth
+field, the row's ``extra_info`` dict.
+
 Fast path: verifiers registered with ``in_process=True`` (``arith``: one regex, cannot hang) are
 scored in the calling process, never sent to a worker; a batch of only such items starts no
 process at all.

@@ -253,3 +253,23 @@ def test_the_config_check_loads_the_file_in_this_process_before_a_run(tmp_path: 
     with pytest.raises(RewardFileError, match=r"has no 'score_it'"):
         verifier_pool(load_config("configs/tiny-test.yaml", [f"verify.reward_function={reward_file}:score_it"]))
     assert reward_function(load_config("configs/tiny-test.yaml")) is None  # the built-in verifiers
+
+
+def test_the_reward_file_of_docs_operations_works_unchanged(tmp_path: Path) -> None:
+    """The example of docs/operations.md ("Your own reward"), as written there, through the pool."""
+    from coba_tasks.pipeline.config import PROJECT_ROOT
+
+    text = (PROJECT_ROOT / "docs" / "operations.md").read_text()
+    section = text.split("### Your own reward (a veRL reward file)", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "gsm8k_reward.py"
+    path.write_text(code)
+    items = [("so #### 1,234.", "1234", "openai/gsm8k"), ("#### 7", "8", "openai/gsm8k"), ("eight", "8", "x")]
+    with VerifierPool(workers=1, timeout_s=10.0, reward_function=_rf(path)) as pool:
+        verdicts = pool.score(items)
+    assert [(v.reward, v.verdict.value) for v in verdicts] == [(1.0, CORRECT), (0.1, WRONG), (0.0, WRONG)]
+    assert [dict(v.extra) for v in verdicts] == [
+        {"formatted": True, "pred": "1234"},
+        {"formatted": True, "pred": "7"},
+        {"formatted": False, "pred": ""},
+    ]
