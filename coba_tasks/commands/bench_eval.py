@@ -34,10 +34,10 @@ def bench_eval(
 ) -> dict[str, Any]:
     """The figures (see the module docstring), as a dict; times in seconds."""
     from coba_tasks.engines.rollout import make_backend
-    from coba_tasks.engines.verify_pool import VerifierPool
     from coba_tasks.pipeline import stages
     from coba_tasks.pipeline.config import check_paths, load_config
     from coba_tasks.pipeline.data_run import load_run_datasets
+    from coba_tasks.pipeline.run import verifier_pool
 
     cfg = load_config(config_path, list(overrides))
     check_paths(cfg)
@@ -59,7 +59,7 @@ def bench_eval(
     )
     common = {"max_tokens": cfg.rollout.max_tokens, "seed": r.seed, "top_p": r.eval_top_p}
     try:
-        with VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s) as pool:
+        with verifier_pool(cfg) as pool:
 
             def one_call(sort_free: bool = True) -> pd.DataFrame:
                 engine.sort_free_top_p = sort_free

@@ -40,6 +40,9 @@ How to use::
     score("95", "95", "arith").verdict                # in-process, no timeout: trusted input only
     counts = count_verdicts(verdicts)                 # {"correct": .., "wrong": .., ...}
 
+A user's reward file with veRL's ``compute_score`` signature (``verify.reward_function``) replaces
+these verifiers for a run: ``coba_tasks.engines.reward_file``.
+
 Custom verifiers: ``@register_verifier("my_source")`` on a module-level function
 ``(completion: str, ground_truth: str) -> Verdict``. Pool workers receive the function by reference
 (pickle), so it must live in an importable module. ``in_process=True`` marks a verifier that is
@@ -54,10 +57,11 @@ A math-verify item takes 3-40 ms (sympy simplification dominates; rarely a secon
 from __future__ import annotations
 
 import logging
+import math
 import re
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
 from typing import Any
@@ -75,18 +79,31 @@ class VerdictKind(StrEnum):
 class Verdict:
     """The outcome of scoring one completion.
 
-    ``reward`` is 1.0 exactly when ``verdict`` is ``correct``; ``extracted_answer`` is the answer
-    text the verifier read ("" if none); ``detail`` explains errors, timeouts and odd cases.
+    ``reward`` is 1.0 exactly when ``verdict`` is ``correct`` (0.0 otherwise), except for a ``graded``
+    verdict: a reward file's score (any finite number, ``correct`` when it reached the pass threshold,
+    else ``wrong``; ``extra`` holds the other keys of the dict it returned). ``extracted_answer`` is the
+    answer text the verifier read ("" if none); ``detail`` explains errors, timeouts and odd cases.
     """
 
     reward: float
     verdict: VerdictKind
     extracted_answer: str = ""
     detail: str = ""
+    # a graded score (a reward file's, ``coba_tasks.engines.reward_file``): any finite reward, ``correct``
+    # when it reached the pass threshold, else ``wrong``; ``extra`` holds the other keys it returned
+    graded: bool = False
+    extra: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.verdict, VerdictKind):
             object.__setattr__(self, "verdict", VerdictKind(self.verdict))
+        if self.graded:
+            if self.verdict not in (VerdictKind.CORRECT, VerdictKind.WRONG) or not math.isfinite(self.reward):
+                raise ValueError(
+                    f"a graded verdict is correct or wrong with a finite reward, got {self.verdict.value!r} "
+                    f"with {self.reward}; build it with Verdict.graded_score(reward, passed)"
+                )
+            return
         expected = 1.0 if self.verdict is VerdictKind.CORRECT else 0.0
         if self.reward != expected:
             raise ValueError(
@@ -100,11 +117,19 @@ class Verdict:
         kind = VerdictKind(kind)
         return cls(1.0 if kind is VerdictKind.CORRECT else 0.0, kind, extracted_answer, detail)
 
+    @classmethod
+    def graded_score(
+        cls, reward: float, passed: bool, extra: Iterable[tuple[str, Any]] = (), detail: str = ""
+    ) -> Verdict:
+        """A reward function's score: ``correct`` when ``passed`` (it reached the pass threshold), else ``wrong``."""
+        kind = VerdictKind.CORRECT if passed else VerdictKind.WRONG
+        return cls(float(reward), kind, "", detail, graded=True, extra=tuple(extra))
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain types only, one row of ``rewards.parquet``: reward, verdict, extracted_answer, detail."""
-        row = asdict(self)
-        row["verdict"] = self.verdict.value
-        return row
+        """Plain types only, one row of ``rewards.parquet``: reward, verdict, extracted_answer, detail, and the
+        extra keys of a reward function's dict."""
+        row = {"reward": self.reward, "verdict": self.verdict.value, "extracted_answer": self.extracted_answer}
+        return {**row, "detail": self.detail, **dict(self.extra)}
 
 
 def count_verdicts(verdicts: Iterable[Verdict | str]) -> dict[str, int]:

@@ -27,6 +27,11 @@ How to use::
             verdicts = pool.score(items_of(step))
             counts = count_verdicts(verdicts)         # {"correct": .., "wrong": .., ...}
 
+A reward file (``verify.reward_function``, ``coba_tasks.engines.reward_file``): ``VerifierPool(reward_function=rf)``
+scores every item with it instead, in the workers, under the same limit. Workers receive its path and
+function name, never the function, and import the file when they start; an item may carry a fourth
+field, the row's ``extra_info`` dict.
+
 Fast path: verifiers registered with ``in_process=True`` (``arith``: one regex, cannot hang) are
 scored in the calling process, never sent to a worker; a batch of only such items starts no
 process at all.
@@ -54,6 +59,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from coba_tasks.engines.reward_file import RewardFileError, RewardFunction, reward_verdict
 from coba_tasks.engines.verify import (
     FALLBACK_SOURCE,
     TruthCheck,
@@ -87,7 +93,9 @@ def _truth_verdict(check: TruthCheck, completion: str, ground_truth: str) -> Ver
 # --------------------------------------------------------------------------- worker processes
 
 
-def _worker_main(conn: Connection, warmup: bool, preload: tuple[str, ...]) -> None:
+def _worker_main(
+    conn: Connection, warmup: bool, preload: tuple[str, ...], reward: RewardFunction | None = None
+) -> None:
     """Worker loop: receive (verifier, completion, ground_truth), send back a Verdict; None stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     for module in preload:
@@ -95,6 +103,11 @@ def _worker_main(conn: Connection, warmup: bool, preload: tuple[str, ...]) -> No
             importlib.import_module(module)
         except Exception:  # reported as an `error` verdict by the first item that needs the module
             logger.warning("verifier worker: cannot import %s", module, exc_info=True)
+    if reward is not None:  # the reward file is imported before taking items, out of any item's limit
+        try:
+            reward.load()
+        except RewardFileError as exc:  # every item then scores `error` with this message
+            logger.warning("verifier worker: %s", exc)
     if warmup:  # import sympy and math-verify and fill its caches before taking items
         score("\\boxed{1}", "1", FALLBACK_SOURCE)
     conn.send(("ready", os.getpid()))
@@ -117,13 +130,13 @@ def _worker_main(conn: Connection, warmup: bool, preload: tuple[str, ...]) -> No
 class _Worker:
     """One worker process, its pipe, and the item it is scoring (index into the batch, deadline)."""
 
-    def __init__(self, ctx: Any, warmup: bool) -> None:
-        # Import every registered verifier's module before taking items: import time must not
-        # count against an item's limit. Modules registered later load on first use instead.
+    def __init__(self, ctx: Any, warmup: bool, reward: RewardFunction | None = None) -> None:
+        # Import every registered verifier's module (and the reward file) before taking items: import
+        # time must not count against an item's limit. Modules registered later load on first use instead.
         preload = tuple(sorted(verifier_modules() - {score.__module__}))  # verify: imported with this module
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, warmup, preload), daemon=True, name="coba-verifier"
+            target=_worker_main, args=(child_conn, warmup, preload, reward), daemon=True, name="coba-verifier"
         )
         self.process.start()
         child_conn.close()  # so that the parent sees EOF when the worker dies
@@ -162,8 +175,10 @@ class VerifierPool:
     (unsafe next to torch's threads). ``warmup``: workers import math-verify before taking
     items, so import time never counts against an item's limit. ``max_chars``: a completion
     longer than this is scored ``error`` at once, never sent to a worker (``None``: no limit;
-    verifiers registered ``in_process`` are never limited). Not thread-safe: one caller.
-    Workers start on the first batch that needs them and stop at ``close()`` / the end of ``with``.
+    verifiers registered ``in_process`` are never limited). ``reward_function``: a user's reward file
+    (``coba_tasks.engines.reward_file``) that scores every item instead of the built-in verifiers, in
+    the workers, under the same limit; the workers then skip the math-verify warm-up. Not thread-safe:
+    one caller. Workers start on the first batch that needs them and stop at ``close()`` / the end of ``with``.
     """
 
     def __init__(
@@ -175,6 +190,7 @@ class VerifierPool:
         warmup: bool = True,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         max_chars: int | None = DEFAULT_MAX_CHARS,
+        reward_function: RewardFunction | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -186,7 +202,8 @@ class VerifierPool:
             raise ValueError(f"max_chars must be >= 1 or None, got {max_chars}")
         self.n_workers = workers
         self.timeout_s = float(timeout_s)
-        self.warmup = warmup
+        self.reward_function = reward_function
+        self.warmup = warmup and reward_function is None  # a reward file scores every item: no math-verify
         self.startup_timeout_s = startup_timeout_s
         self.max_chars = max_chars
         self.restarts = 0  # workers killed (timeout) or lost (crash) and replaced, over the pool's life
@@ -220,14 +237,26 @@ class VerifierPool:
             w.stop(graceful=True)
         self._workers = []
 
-    def score(self, items: Sequence[tuple[str, str, str]]) -> list[Verdict]:
-        """Score ``(completion, ground_truth, data_source)`` items; verdicts in the order of ``items``."""
+    def score(self, items: Sequence[tuple[str, str, str] | tuple[str, str, str, Any]]) -> list[Verdict]:
+        """Score ``(completion, ground_truth, data_source)`` items; verdicts in the order of ``items``.
+
+        An item may carry a fourth field, the row's ``extra_info`` dict: the reward function's
+        ``extra_info`` argument (the built-in verifiers do not read it)."""
         entries = []
+        rf = self.reward_function
         for i, item in enumerate(items):
-            if len(item) != 3:
-                raise ValueError(f"item {i} has {len(item)} fields; expected (completion, ground_truth, data_source)")
-            completion, ground_truth, source = item
-            entries.append((verifier_for(source), completion, ground_truth))
+            if len(item) not in (3, 4):
+                raise ValueError(
+                    f"item {i} has {len(item)} fields; expected (completion, ground_truth, data_source) "
+                    "or (completion, ground_truth, data_source, extra_info)"
+                )
+            completion, ground_truth, source = item[:3]
+            if rf is None:
+                entries.append((verifier_for(source), completion, ground_truth))
+                continue
+            extra_info = item[3] if len(item) == 4 else None
+            fn = partial(reward_verdict, rf, str(source), extra_info if isinstance(extra_info, dict) else None)
+            entries.append((Verifier(rf.label, fn), completion, ground_truth))
         return self._score_entries(entries)
 
     def check_truths(self, items: Sequence[tuple[str, str]]) -> list[str | None]:
@@ -327,7 +356,7 @@ class VerifierPool:
 
     def _spawn_missing(self) -> None:
         while len(self._workers) < self.n_workers:
-            self._workers.append(_Worker(self._ctx, self.warmup))
+            self._workers.append(_Worker(self._ctx, self.warmup, self.reward_function))
 
     def _service(self, slot: int, results: list[Verdict | None], names: dict[int, str]) -> None:
         w = self._workers[slot]
@@ -378,7 +407,7 @@ class VerifierPool:
 
     def _replace(self, slot: int) -> None:
         self._workers[slot].stop(graceful=False)
-        self._workers[slot] = _Worker(self._ctx, self.warmup)
+        self._workers[slot] = _Worker(self._ctx, self.warmup, self.reward_function)
         self.restarts += 1
 
 

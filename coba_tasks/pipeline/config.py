@@ -87,6 +87,8 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("model", "lora_target_modules"): "all-linear",
     ("data", "extra_tests"): [],
     ("data", "difficulties"): [],
+    ("verify", "reward_function"): "",
+    ("verify", "pass_threshold"): 1.0,
 }
 MAIN_TEST_SET = "test"  # the eval table's test_set of data.test; an extra test's is its file name without .parquet
 
@@ -498,6 +500,31 @@ class VerifyConfig(_Section):
         "must be error (a data_source without a registered verifier stops the run before it starts) or math "
         "(math-verify scores such rows)",
     )
+    reward_function: Text = _key(
+        "",
+        "your reward instead of the built-in verifiers: path/to/file.py[:function] with veRL's compute_score "
+        "signature (docs/operations.md); empty = the built-in verifiers",
+    )
+    pass_threshold: Number = _key(
+        1.0, "a reward_function score >= this counts as solved (the pass rates CoBA-RL uses)"
+    )
+
+    @model_validator(mode="after")
+    def _reward_function(self) -> VerifyConfig:
+        if self.reward_function.strip():
+            from coba_tasks.engines.reward_file import split_spec
+
+            try:
+                split_spec(self.reward_function)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        elif self.pass_threshold != 1.0:
+            self._fail(
+                "pass_threshold",
+                "applies to verify.reward_function's scores only (the built-in verifiers score 1 = solved); "
+                "set verify.reward_function or leave verify.pass_threshold at 1.0",
+            )
+        return self
 
 
 class Config(_Section):

@@ -19,7 +19,9 @@ The layout is told apart by the type of ``prompt``: a list means veRL, a string 
 - ``difficulty``: ``extra_info.difficulty`` or a ``difficulty`` column as an int, -1 when missing;
 - ``prompt_text``: the content of the last user message; ``messages``: the whole chat prompt (what the
   model sees is rendered from these by ``coba_tasks.pipeline.data_prompts.render_prompts``);
-- ``ground_truth``: ``reward_model.ground_truth`` or ``answer`` as a string.
+- ``ground_truth``: ``reward_model.ground_truth`` or ``answer`` as a string;
+- ``extra_info``: a veRL row's ``extra_info`` as JSON text (``{}`` for a flat row): the ``extra_info``
+  argument of a reward file (``verify.reward_function``).
 
 Validation happens on load, so a bad file stops a run before it starts: every row is checked,
 and ``DatasetError`` (``coba_tasks.pipeline.data_problems``) reports the first few bad rows by

@@ -28,6 +28,7 @@ LOADED_COLUMNS = (
     "prompt_text",
     "ground_truth",
     "messages",
+    "extra_info",
 )
 MISSING_DIFFICULTY = -1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -98,6 +99,7 @@ def read_verl_row(raw: Row) -> Row:
         "prompt_text": _last_user_text(messages),
         "ground_truth": _ground_truth(reward_model.get("ground_truth"), "reward_model.ground_truth"),
         "messages": messages,
+        "extra_info": extra_info_text(extra),
     }
 
 
@@ -119,9 +121,20 @@ def make_flat_reader(default_source: str) -> RowReader:
             "prompt_text": text,
             "ground_truth": _ground_truth(raw["answer"], "answer"),
             "messages": messages,
+            "extra_info": "{}",
         }
 
     return read
+
+
+def extra_info_text(extra: dict[str, Any]) -> str:
+    """A veRL row's ``extra_info`` as JSON text (what a reward file's ``extra_info`` argument is read from);
+    a value JSON cannot hold is kept as its text.
+
+    >>> extra_info_text({"split": "train", "index": 3})
+    '{"split": "train", "index": 3}'
+    """
+    return json.dumps(extra, ensure_ascii=False, default=str)
 
 
 def _messages(value: Any) -> Messages:

@@ -24,6 +24,7 @@ from coba_tasks.pipeline.data_problems import DatasetError, OnBadRows, Problem, 
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
 
 if TYPE_CHECKING:
+    from coba_tasks.engines.reward_file import RewardFunction
     from coba_tasks.pipeline.config import Config
 
 BAD_ROWS_COLUMNS = ("key", "file", "row", "column", "message")  # bad_rows.parquet of a run
@@ -59,6 +60,20 @@ class RunDatasets:
 
 
 _TRUTH_CHECKED: dict[tuple[str, str], str | None] = {}  # (ground truth, source) -> reason; per process
+
+
+def reward_function(cfg: Config) -> RewardFunction | None:
+    """The run's reward file (``verify.reward_function``) imported and checked in this process, or None for
+    the built-in verifiers. A file that does not exist or import, or lacks the function, or whose name is
+    not a function, is a ``RewardFileError`` (a ValueError): one line naming the key, the path and the fix,
+    before anything starts. The verifier workers import the same file again (by its absolute path)."""
+    from coba_tasks.engines.reward_file import RewardFunction
+
+    if not cfg.verify.reward_function.strip():
+        return None
+    rf = RewardFunction.from_spec(cfg.verify.reward_function, cfg.verify.pass_threshold)
+    rf.load()
+    return rf
 
 
 def check_ground_truths(
@@ -126,8 +141,9 @@ def _ground_truth_column(path: str | os.PathLike[str]) -> str:
 
 
 def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
-    """Load and check a run's datasets: every row (``load_dataset``), every ground truth with its
-    verifier (``check_ground_truths``), rendered and tokenized as the model will see it
+    """Load and check a run's datasets: the reward file, if any (``reward_function``), every row
+    (``load_dataset``), every ground truth with its verifier (``check_ground_truths``; not with a reward
+    file, which reads the ground truths itself), rendered and tokenized as the model will see it
     (``render_prompts`` with ``data.prompt_format``), and every prompt's length.
 
     ``data.on_bad_rows`` says whether a bad row stops the run or is skipped. The context is
@@ -138,6 +154,8 @@ def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
         DatasetError: a bad file, or bad rows that are not skipped (``data.train`` / ``data.test``).
         ConfigError: the model's tokenizer or config cannot be read (naming ``model.path``).
     """
+    # a reward file scores every row whatever its data_source: no ground-truth check by a built-in verifier
+    custom_reward = reward_function(cfg) is not None
     tokenizer, context, context_from = model_context(
         cfg.model.path, cfg.model.trust_remote_code, cfg.rollout.max_model_len
     )
@@ -152,8 +170,10 @@ def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
         df = keep_difficulties(df, cfg.data.difficulties, path)
         rows = len(df) + len(problems)
         try:
-            df, bad_truths = check_ground_truths(
-                df, path, cfg.data.on_bad_rows, v.unknown_sources, v.workers, v.timeout_s
+            df, bad_truths = (
+                (df, [])
+                if custom_reward
+                else check_ground_truths(df, path, cfg.data.on_bad_rows, v.unknown_sources, v.workers, v.timeout_s)
             )
         except DatasetError as e:
             if not problems or not e.problems:

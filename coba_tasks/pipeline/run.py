@@ -362,6 +362,16 @@ def update_settings(cfg: Config) -> UpdateSettings:
     )
 
 
+def verifier_pool(cfg: Config) -> VerifierPool:
+    """The run's verifier pool (not started): verify.workers processes, verify.timeout_s per item, and the
+    reward file of verify.reward_function when set (imported here first: a bad file fails in one line)."""
+    from coba_tasks.pipeline.data_run import reward_function
+
+    return VerifierPool(
+        workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s, reward_function=reward_function(cfg)
+    )
+
+
 def start_resources(
     res: RunResources, model_path: str, version: int, engine: Any = None, pool: VerifierPool | None = None
 ) -> None:
@@ -398,7 +408,7 @@ def start_resources(
         )
     )
     res.engine.weight_version = version
-    res.pool = pool if pool is not None else VerifierPool(workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s)
+    res.pool = pool if pool is not None else verifier_pool(cfg)
     settings = update_settings(cfg)
     if cfg.optim.fsdp_processes > 1:
         import torch

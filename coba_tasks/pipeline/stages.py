@@ -138,21 +138,58 @@ def _rows_table(rows: list[Any]) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------
 
 
+REWARD_COLUMNS = ("prompt_id", "sample_idx", "reward", "verdict", "extracted_answer", "detail")
+
+
 def reward_table(rollouts: pd.DataFrame, prompts: pd.DataFrame, pool: Any) -> pd.DataFrame:
-    """Score every completion with the verifier of its prompt's data_source (in worker processes)."""
+    """Score every completion with the verifier of its prompt's data_source, or the run's reward file (in
+    worker processes). ``detail`` says why an item is ``error`` or ``timeout``; the extra keys a reward
+    file's dict returns follow as columns (``extra_columns``)."""
     meta = prompts.set_index("prompt_id")
-    truth = meta.loc[rollouts["prompt_id"], "ground_truth"].tolist()
-    source = meta.loc[rollouts["prompt_id"], "data_source"].tolist()
-    verdicts = pool.score(list(zip(rollouts["completion"].tolist(), truth, source, strict=True)))
-    return pd.DataFrame(
+    rows = meta.loc[rollouts["prompt_id"]]
+    truth, source = rows["ground_truth"].tolist(), rows["data_source"].tolist()
+    items: list[tuple[Any, ...]] = list(zip(rollouts["completion"].tolist(), truth, source, strict=True))
+    if getattr(pool, "reward_function", None) is not None:  # the reward file's extra_info argument
+        extra = [json.loads(x) for x in rows["extra_info"]] if "extra_info" in rows else [{}] * len(items)
+        items = [(*item, x) for item, x in zip(items, extra, strict=True)]
+    verdicts = pool.score(items)
+    table = pd.DataFrame(
         {
             "prompt_id": rollouts["prompt_id"].tolist(),
             "sample_idx": rollouts["sample_idx"].to_numpy(),
             "reward": np.array([v.reward for v in verdicts], dtype=np.float64),
             "verdict": [str(v.verdict) for v in verdicts],
             "extracted_answer": [v.extracted_answer for v in verdicts],
+            "detail": [v.detail for v in verdicts],
         }
     )
+    for name, values in extra_columns([dict(v.extra) for v in verdicts]).items():
+        table[name] = values
+    return table
+
+
+def extra_columns(extras: Sequence[dict[str, Any]]) -> dict[str, pd.Series]:
+    """The extra keys of a reward file's dicts as columns, one value per row (null where a row lacks the
+    key). A column of bools stays bool, one of numbers float64; any other mix is written as text. A key
+    named like a column of the rewards table gets the prefix ``extra_``.
+
+    >>> cols = extra_columns([{"acc": True, "pred": "4"}, {"acc": False, "pred": 4}])
+    >>> cols["acc"].tolist(), cols["pred"].tolist()
+    ([True, False], ['4', '4'])
+    """
+    keys = list(dict.fromkeys(k for x in extras for k in x))
+    out: dict[str, pd.Series] = {}
+    for key in keys:
+        values = [x.get(key) for x in extras]
+        present = [v for v in values if v is not None]
+        if present and all(isinstance(v, bool) for v in present):
+            column = pd.Series(values, dtype="boolean")
+        elif present and all(isinstance(v, int | float) and not isinstance(v, bool) for v in present):
+            column = pd.Series([np.nan if v is None else float(v) for v in values], dtype=np.float64)
+        else:
+            column = pd.Series([None if v is None else str(v) for v in values], dtype=object)
+        out[f"extra_{key}" if key in REWARD_COLUMNS else key] = column
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,8 +198,16 @@ def reward_table(rollouts: pd.DataFrame, prompts: pd.DataFrame, pool: Any) -> pd
 
 
 def pass_rates(rewards: pd.DataFrame) -> pd.Series:
-    """Per-prompt pass rate of this step: share of reward == 1 among its rollouts (index prompt_id)."""
-    return (rewards["reward"] == 1.0).groupby(rewards["prompt_id"], sort=False).mean()
+    """Per-prompt pass rate of this step: share of solved rollouts (verdict ``correct``) among its rollouts
+    (index prompt_id). A built-in verifier's ``correct`` is its reward 1; a reward file's is a score of at
+    least ``verify.pass_threshold`` (``coba_tasks.engines.reward_file``), so fractional scores count as
+    solved or not, never as fractions of a pass."""
+    return solved(rewards).groupby(rewards["prompt_id"], sort=False).mean()
+
+
+def solved(rewards: pd.DataFrame) -> pd.Series:
+    """Per row of a rewards table: whether the rollout solved its prompt (verdict ``correct``)."""
+    return rewards["verdict"] == str(VerdictKind.CORRECT)
 
 
 def capability_table(
@@ -342,7 +387,9 @@ def evaluate(
     top_p: float = 1.0,
     progress: bool = False,
 ) -> pd.DataFrame:
-    """Mean reward over ``samples`` completions per held-out prompt (greedy when temperature is 0).
+    """Share of solved completions (verdict ``correct``: the mean reward of the built-in verifiers, a score of
+    at least ``verify.pass_threshold`` of a reward file) over ``samples`` completions per held-out prompt
+    (greedy when temperature is 0).
 
     A sampled evaluation keeps the ``top_p`` nucleus (the paper: avg@16 at temperature 1.0, top-p 0.9).
     With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
@@ -367,6 +414,7 @@ def evaluate(
     tables = rollout_tables(batches, test, engine, run_seed=seed, step=-1, progress=progress)
     rolls = pd.concat([t.assign(_kind=k) for k, t in enumerate(tables)], ignore_index=True)
     rewards = reward_table(rolls, test, pool).assign(
+        reward=lambda r: solved(r).astype(np.float64),  # accuracy: the share solved (a reward file's threshold)
         answered=lambda r: r["verdict"] != str(VerdictKind.NO_ANSWER),
         boxed=rolls["completion"].str.contains(BOXED, regex=False).to_numpy(),
         _kind=rolls["_kind"].to_numpy(),

@@ -646,3 +646,53 @@ def test_docs_config_md_is_up_to_date():
     assert (PROJECT_ROOT / "docs" / "config.md").read_text(encoding="utf-8") == config_reference()
     readme = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
     assert "docs/config.md" in readme
+
+
+def test_reward_function_and_pass_threshold(tmp_path):
+    """verify.reward_function: a path.py[:function] string, verbatim from --set and from YAML; its format is
+    checked here (the file itself where a run's datasets are: coba_tasks.pipeline.data_run.reward_function).
+    verify.pass_threshold: any finite number, with a reward function only. Both at their defaults leave
+    the hash of existing runs as it was."""
+    cfg = load_config(TINY_DEMO)
+    assert (cfg.verify.reward_function, cfg.verify.pass_threshold) == ("", 1.0)
+    assert ("verify", "reward_function") in HASH_NEUTRAL_DEFAULTS and (
+        "verify",
+        "pass_threshold",
+    ) in HASH_NEUTRAL_DEFAULTS
+    without = config_to_dict(cfg)
+    del without["verify"]["reward_function"], without["verify"]["pass_threshold"]
+    assert config_from_dict(without) == cfg  # an older run's config.yaml loads with the defaults
+    old = {
+        s: {k: v for k, v in body.items() if (s, k) not in HASH_NEUTRAL_DEFAULTS or v != HASH_NEUTRAL_DEFAULTS[(s, k)]}
+        for s, body in without.items()
+    }
+    text = json.dumps(old, sort_keys=True, separators=(",", ":"))
+    assert config_hash(cfg) == hashlib.sha256(text.encode()).hexdigest()[:16]  # the hash without the two keys
+
+    custom = load_config(
+        TINY_DEMO, ["verify.reward_function=rewards/my reward.py:score_it", "verify.pass_threshold=0.5"]
+    )
+    assert custom.verify.reward_function == "rewards/my reward.py:score_it" and custom.verify.pass_threshold == 0.5
+    assert config_hash(custom) != config_hash(cfg)
+    assert config_hash(apply_overrides(custom, ["verify.pass_threshold=0.75"])) != config_hash(custom)
+    assert (
+        load_config(TINY_DEMO, ["verify.reward_function=r.py", "verify.pass_threshold=-1"]).verify.pass_threshold == -1
+    )
+    path = tmp_path / "cfg.yaml"  # a deployment's config file
+    path.write_text("verify:\n  reward_function: /srv/rewards/verl_reward.py\n  pass_threshold: 0.9\n")
+    assert load_config(path).verify == Config().verify.model_copy(
+        update={"reward_function": "/srv/rewards/verl_reward.py", "pass_threshold": 0.9}
+    )
+    for overrides, pattern in [
+        (
+            ["verify.reward_function=rewards/mine"],
+            r"^verify\.reward_function = 'rewards/mine': must be path/to/file\.py",
+        ),
+        (["verify.reward_function=r.py:no-such"], r"verify\.reward_function = 'r\.py:no-such'.*leave it empty"),
+        (["verify.pass_threshold=0.5"], r"^verify\.pass_threshold = 0\.5: applies to verify\.reward_function's scores"),
+        (["verify.reward_function=r.py", "verify.pass_threshold=nan"], r"verify\.pass_threshold: expected a finite"),
+        (["verify.reward_function=r.py", "verify.pass_threshold=high"], r"verify\.pass_threshold: expected a number"),
+    ]:
+        with pytest.raises(ConfigError, match=pattern) as info:
+            load_config(TINY_DEMO, overrides)
+        assert "\n" not in str(info.value)

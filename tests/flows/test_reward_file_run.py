@@ -1,0 +1,126 @@
+"""A short training run on the tiny model scored by a veRL-style reward file (``verify.reward_function``).
+
+The run's stages are called as plain functions (``stage_runner.plain_step``: the same stage code the
+Prefect flow runs, without the Prefect server), two steps on four prompts. The reward file reads each
+prompt's ``extra_info`` (a veRL dataset) to pick what it does with it: a fractional float, a dict with
+extra keys, a raise, or a sleep past ``verify.timeout_s``, each on completions whose first character is
+not a lowercase letter or a digit (about 60 % of the random tiny model's samples).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pandas as pd
+import pytest
+from helpers_reward import TEST_PROMPTS
+
+from coba_tasks.pipeline.config import load_config
+from coba_tasks.pipeline.data import write_verl_parquet
+from coba_tasks.pipeline.store import RunStore, Stage
+
+REWARD_FILE = textwrap.dedent(
+    """\
+    import time
+
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        head = solution_str[:1]
+        good = head.isascii() and (head.islower() or head.isdigit())
+        mode = extra_info["mode"]
+        if mode == "float":
+            return 1.0 if good else 0.25
+        if mode == "dict":
+            return {"score": 0.75 if good else 0.0, "acc": good, "first": head}
+        if not good and mode == "raise":
+            raise ValueError("no grade for " + repr(head))
+        if not good and mode == "slow":
+            time.sleep(30)
+        return 1.0
+    """
+)
+MODES = ("float", "dict", "raise", "slow")
+RAISE_LINE = REWARD_FILE.splitlines().index('        raise ValueError("no grade for " + repr(head))') + 1
+
+
+def _verl_file(path, prompts, modes):
+    rows = pd.DataFrame(
+        {
+            "data_source": "my_task",  # no built-in verifier has this name: the reward file scores it
+            "prompt": [[{"role": "user", "content": p}] for p in prompts],
+            "ability": "test",
+            "reward_model": [{"style": "rule", "ground_truth": "0"} for _ in prompts],
+            "extra_info": [{"index": i, "mode": m} for i, m in enumerate(modes)],
+        }
+    )
+    return write_verl_parquet(rows, path)
+
+
+def _good(completion: str) -> bool:
+    head = completion[:1]
+    return head.isascii() and (head.islower() or head.isdigit())
+
+
+@pytest.mark.slow
+def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoints):
+    from coba_tasks.pipeline import run, stage_runner, stages
+
+    model, _ = random_checkpoints
+    reward = tmp_path / "verl_reward.py"
+    reward.write_text(REWARD_FILE)
+    train = _verl_file(tmp_path / "train.parquet", ["12+7=", "3*4=", "40-9=", "5+5="], MODES)
+    test = _verl_file(tmp_path / "test.parquet", TEST_PROMPTS[:4], ["float"] * 4)
+    overrides = [
+        f"model.path={model}",
+        f"data.train={train}",
+        f"data.test={test}",
+        f"verify.reward_function={reward}",  # compute_score, veRL's default name
+        "verify.pass_threshold=0.5",
+        "verify.timeout_s=1.0",
+        "data.eval_prompts=4",
+    ]
+    cfg = load_config("configs/tiny-test.yaml", overrides)
+    root = (tmp_path / "run").resolve()
+    res = run.open_run(root, cfg, continuing=False)
+    try:
+        assert stage_runner.resume_point(res) == 0
+        assert res.pool.reward_function is not None and res.pool.reward_function.pass_threshold == 0.5
+        for step in range(2):
+            stage_runner.plain_step(root, step)
+        held_out = stages.evaluate(res.test, res.engine, res.pool, 1, 0.0, cfg.rollout.max_tokens, cfg.run.seed)
+    finally:
+        run.close_run(res)
+
+    store = RunStore.open(root)
+    mode = dict(zip(res.prompts["prompt_id"], MODES, strict=True))
+    seen: set[str] = set()
+    for step in range(2):
+        rollouts = store.read_table(step, Stage.ROLLOUTS)
+        rewards = store.read_table(step, Stage.REWARDS)
+        assert {"detail", "acc", "first"} <= set(rewards.columns)
+        good = rollouts["completion"].map(_good).to_numpy()
+        for m, g, row in zip(rewards["prompt_id"].map(mode), good, rewards.itertuples(), strict=True):
+            want = {
+                "float": (1.0 if g else 0.25, "correct" if g else "wrong"),
+                "dict": (0.75 if g else 0.0, "correct" if g else "wrong"),
+                "raise": (1.0, "correct") if g else (0.0, "error"),
+                "slow": (1.0, "correct") if g else (0.0, "timeout"),
+            }[m]
+            assert (row.reward, row.verdict) == want, (step, m, row)
+            seen.add(row.verdict)
+            if m == "raise" and not g:
+                assert row.detail.startswith("verl_reward.py:compute_score: ValueError: no grade for ")
+                assert row.detail.endswith(f"(verl_reward.py line {RAISE_LINE})")
+            if m == "dict":
+                assert row.acc == g and row.first == rollouts["completion"][row.Index][:1]
+            else:
+                assert pd.isna(row.acc) and pd.isna(row.first)
+        # the pass rates CoBA-RL allocates with: the share of scores >= 0.5 (verdict correct), per prompt
+        rates = (rewards["verdict"] == "correct").groupby(rewards["prompt_id"]).mean()
+        history = store.read_table(step, Stage.HISTORY).set_index("prompt_id")["pass_rates"]
+        assert all(history[pid][-1] == pytest.approx(rate) for pid, rate in rates.items())
+        assert store.read_table(step, Stage.CAPABILITY)["S"].iloc[0] == pytest.approx(rates.mean())
+        assert float(store.read_table(step, Stage.UPDATE)["grad_norm"].iloc[0]) > 0  # raw-score advantages
+    assert {"correct", "wrong", "error", "timeout"} <= seen  # the run went on past raises and timeouts
+    # held-out accuracy: the share of completions at or above the threshold
+    assert held_out["accuracy"].isin([0.0, 1.0]).all()
