@@ -16,8 +16,20 @@ for ``coba-eval`` of a LoRA checkpoint.
 
 Why merged rather than vLLM's LoRA adapters: docs/benchmarks.md measures both on the CPU.
 
-Numerics: the trainer computes ``x W^T + s (x A^T) B^T``, the engine ``x (W + s B A)^T``: the same in
-exact arithmetic, different float32 rounding, which the sampler/trainer gap shows (``logprob_diff_*``).
+How the update computes a LoRA layer. peft's layer computes ``x W^T + s (x A^T) B^T``: two more matrix
+products over the activations and two elementwise passes (a scale and an add) in the forward, as many
+again in the backward, which on a CPU cost most of what freezing the base saves (docs/benchmarks.md).
+``MergedLoraLinear`` (registered with peft for ``nn.Linear``, so peft still builds, saves, loads and
+merges the adapters) computes the same layer as one product with the merged weight, ``x (W + s B A)^T``:
+the forward costs what the frozen layer costs, and the backward adds four rank-r products for the
+gradients of A and B to the input gradient the frozen base needs anyway. The merge (``merged_weight``,
+one ``addmm`` over the weight) is done again in the backward rather than kept, which costs less than
+holding a second copy of every weight. A layer the fast path does not cover (dropout, DoRA, several
+adapters, a trainable base bias) runs peft's own forward.
+
+Numerics: the trainer and the engine multiply by the same merged weights (``merged_state_dict`` calls
+``merged_weight`` too), so what is left of the sampler/trainer gap (``logprob_diff_*``) is the two
+engines' kernels.
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -60,10 +74,74 @@ def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets: str | Seq
         bias="none",
         task_type="CAUSAL_LM",
     )
+    config._register_custom_module({torch.nn.Linear: MergedLoraLinear})  # peft's hook for a layer class of one's own
     try:
         return get_peft_model(model, config)
     except ValueError as exc:  # e.g. a target that names no module of this model
         raise ValueError(f"model.lora_target_modules: {exc}") from exc
+
+
+def _fast_path(layer: Any) -> bool:
+    """Whether ``layer``'s forward is ``x (W + s B A)^T + b`` with only A and B trained: one adapter, no
+    dropout, no DoRA or LoRA bias, an ``nn.Linear`` base in its own layout, nothing merged in place."""
+    if layer.disable_adapters or layer.merged or list(layer.active_adapters) != [ADAPTER_NAME]:
+        return False
+    base = layer.get_base_layer()
+    return (
+        type(base) is torch.nn.Linear
+        and ADAPTER_NAME in layer.lora_A
+        and ADAPTER_NAME not in getattr(layer, "lora_variant", {})
+        and isinstance(layer.lora_dropout[ADAPTER_NAME], torch.nn.Identity)
+        and layer.lora_B[ADAPTER_NAME].bias is None
+        and not layer.fan_in_fan_out
+        and not base.weight.requires_grad
+        and (base.bias is None or not base.bias.requires_grad)
+        and base.weight.dtype == layer.lora_A[ADAPTER_NAME].weight.dtype
+    )
+
+
+def merged_weight(layer: Any) -> torch.Tensor:
+    """``W + s B A`` of a LoRA layer: what the trainer's fast path multiplies by and the engine samples with."""
+    weight = layer.get_base_layer().weight
+    if not _fast_path(layer):
+        return weight.detach() + layer.get_delta_weight(ADAPTER_NAME).detach().to(weight.dtype)
+    a, b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
+    with torch.no_grad():
+        return torch.addmm(weight, b, a, alpha=layer.scaling[ADAPTER_NAME])
+
+
+class _MergedLora(torch.autograd.Function):
+    """``y = x (W + s B A)^T + b``, with gradients for x, A and B (W and b are frozen)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight, bias, a, b, scaling: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight, a, b)
+        ctx.scaling = scaling
+        return F.linear(x, torch.addmm(weight, b, a, alpha=scaling), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        x, weight, a, b = ctx.saved_tensors
+        s = ctx.scaling
+        grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # the input gradient through the merged weight, made again here
+            grad_x = (grad2 @ torch.addmm(weight, b, a, alpha=s)).view(x.shape)
+        grad_a = torch.mm((grad2 @ b).t(), x2).mul_(s)  # s (g B)^T x
+        grad_b = torch.mm(grad2.t(), x2 @ a.t()).mul_(s)  # s g^T (x A^T)
+        return grad_x, None, None, grad_a, grad_b, None
+
+
+class MergedLoraLinear(PeftLoraLinear):
+    """peft's LoRA ``Linear`` whose forward, on the fast path, is one product with the merged weight
+    (the module docstring says why); peft's forward otherwise."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or not _fast_path(self):
+            return super().forward(x, *args, **kwargs)
+        base = self.get_base_layer()
+        a, b = self.lora_A[ADAPTER_NAME].weight, self.lora_B[ADAPTER_NAME].weight
+        return _MergedLora.apply(x, base.weight, base.bias, a, b, self.scaling[ADAPTER_NAME])
 
 
 def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -83,7 +161,7 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) 
                 continue
             owner, sep, leaf = key.rpartition(".base_layer.")
             if sep and leaf == "weight" and owner in lora_layers:
-                tensor = value + lora_layers[owner].get_delta_weight(ADAPTER_NAME).to(value.dtype)
+                tensor = merged_weight(lora_layers[owner])
             else:
                 tensor = by_storage.get(value.data_ptr())
                 if tensor is None:
