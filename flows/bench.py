@@ -15,7 +15,7 @@ from typing import Any
 from prefect import flow
 
 from coba_tasks.pipeline import run, stage_runner
-from coba_tasks.pipeline.store import STEP_STAGES
+from coba_tasks.pipeline.store import Stage
 from flows.train import run_step
 
 
@@ -46,7 +46,7 @@ def bench_steps_flow(flow_dir: str, plain_dir: str, steps: int) -> list[dict[str
             pair[side] = {
                 "wall_s": wall,
                 "inside_s": sum(res.stage_seconds.values()) - inside0,
-                "stage_s": {str(name): float(timing[name]) for name in STEP_STAGES},
+                "stage_s": {str(name): float(timing[name]) for name in Stage},
             }
         pairs.append(pair)
     return pairs

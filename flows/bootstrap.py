@@ -11,40 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from coba_tasks.pipeline.bootstrap import (
-    BootstrapConfig,
-    build_area,
-    evaluate_greedy,
-    init_model,
-    publish,
-    train_sft,
-    write_metrics,
-)
-from coba_tasks.pipeline.data import load_dataset
-
-
-@task(name="build-model", retries=1)
-def build_model(work_dir: str, cfg: BootstrapConfig) -> str:
-    """Build the character tokenizer and the randomly initialised tiny Llama."""
-    return str(init_model(Path(work_dir) / "init", cfg))
-
-
-@task(name="sft-warmup")
-def warm_up(init_dir: str, train_path: str, work_dir: str, cfg: BootstrapConfig) -> tuple[str, dict]:
-    """Supervised training on the train split (loss on the answer tokens)."""
-    log = get_run_logger()
-    out = Path(work_dir) / "model"
-    figures = train_sft(init_dir, load_dataset(train_path), out, cfg, log=log.info)
-    return str(out), figures
-
-
-@task(name="heldout-eval", retries=1)
-def evaluate(model_dir: str, test_path: str, cfg: BootstrapConfig) -> dict:
-    """Greedy accuracy on the held-out split, by difficulty."""
-    return evaluate_greedy(model_dir, load_dataset(test_path), cfg)
+from coba_tasks.engines.bootstrap import BootstrapConfig, build_area, publish, write_metrics
+from coba_tasks.pipeline.tasks import build_model_task, sft_eval_task, warm_up_task
 
 
 @flow(name="coba-bootstrap", log_prints=True)
@@ -64,9 +35,9 @@ def bootstrap_flow(
     log = get_run_logger()
     out = Path(out_dir)
     with build_area(out, force) as work:  # checks out_dir first; the temporary goes away whatever happens
-        init_dir = build_model(str(work), cfg)
-        model_dir, train_figures = warm_up(init_dir, train_path, str(work), cfg)
-        eval_figures = evaluate(model_dir, test_path, cfg)
+        init_dir = build_model_task(str(work), cfg)
+        model_dir, train_figures = warm_up_task(init_dir, train_path, str(work), cfg)
+        eval_figures = sft_eval_task(model_dir, test_path, cfg)
         figures = {**train_figures, **eval_figures}
         write_metrics(model_dir, cfg, figures)
         kept = publish(model_dir, out)  # the model appears only when complete

@@ -1,14 +1,15 @@
-"""The training flow: per step, rollout -> verification -> failure-rate update -> allocation (for the next
-step) -> GRPO update, as Prefect tasks over the run directory's Parquet tables.
+"""The training flow: per step, the stages rollouts -> rewards -> capability -> budget (for the next step)
+-> update, as Prefect tasks over the run directory's Parquet tables.
 
     coba run                                      # configs/demo.yaml, runs/<run.name>
     coba run --config configs/tiny-test.yaml --run-dir runs/t --steps 2 --set optim.lr=3e-5
 
-This module only composes. Each task runs one stage through ``coba_tasks.pipeline.stage_runner.run_stage``
-(skip it when its table is done, else compute, write, time) and returns a few figures; the flow body
-calls the tasks in stage order (``run_step`` per step, inline). Tasks pass the run directory and a
-step number: the long-lived resources of a run (the rollout engine, the verifier pool, the training
-model) live in the flow process and are looked up by directory (``coba_tasks.pipeline.run.resources``).
+This module only composes. Each task (``coba_tasks.pipeline.tasks``, named as its stage) runs one stage
+through ``coba_tasks.pipeline.stage_runner.run_stage`` (skip it when its table is done, else compute,
+write, time) and returns a few figures; the flow body calls the tasks in stage order (``run_step`` per
+step, inline). Tasks pass the run directory and a step number: the long-lived resources of a run (the
+rollout engine, the verifier pool, the training model) live in the flow process and are looked up by
+directory (``coba_tasks.pipeline.run.resources``).
 """
 
 from __future__ import annotations
@@ -17,53 +18,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 
 from coba_tasks.pipeline import run, stage_runner
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.store import Stage
+from coba_tasks.pipeline.store import Stage, Table
 from coba_tasks.pipeline.summary import run_summary_json
-
-_TASK = {"cache_policy": NO_CACHE, "retries": 1, "retry_delay_seconds": 2}
-
-
-@task(name="rollout-generation", task_run_name="rollout-generation-step-{step}", **_TASK)
-def rollout_task(run_dir: str, step: int) -> dict[str, Any]:
-    """Generate each prompt's budgeted group with the current policy."""
-    return stage_runner.stage_figures(Stage.ROLLOUTS, stage_runner.run_stage(run_dir, step, Stage.ROLLOUTS))
-
-
-@task(name="verification", task_run_name="verification-step-{step}", **_TASK)
-def verify_task(run_dir: str, step: int) -> dict[str, int]:
-    """Score every rollout; verdict counts."""
-    return stage_runner.stage_figures(Stage.REWARDS, stage_runner.run_stage(run_dir, step, Stage.REWARDS))
-
-
-@task(name="failure-rate-update", task_run_name="failure-rate-update-step-{step}", **_TASK)
-def capability_task(run_dir: str, step: int) -> dict[str, float]:
-    """Fold the step's pass rates into F, (alpha, beta) and the per-prompt history."""
-    return stage_runner.stage_figures(Stage.CAPABILITY, stage_runner.run_stage(run_dir, step, Stage.CAPABILITY))
-
-
-@task(name="heap-allocation", task_run_name="heap-allocation-step-{step}", **_TASK)
-def allocation_task(run_dir: str, step: int) -> dict[str, float]:
-    """Allocate the rollout budget of the next step's batch; budget statistics."""
-    return stage_runner.stage_figures(Stage.BUDGET, stage_runner.run_stage(run_dir, step, Stage.BUDGET))
-
-
-@task(name="grpo-update", task_run_name="grpo-update-step-{step}", cache_policy=NO_CACHE, retries=0)
-def update_task(run_dir: str, step: int) -> dict[str, float]:
-    """GRPO update on the step's rollouts; checkpoint; reload the rollout engine's weights."""
-    return stage_runner.stage_figures(Stage.UPDATE, stage_runner.run_stage(run_dir, step, Stage.UPDATE))
-
-
-@task(name="heldout-eval", task_run_name="heldout-eval-step-{step}", **_TASK)
-def eval_task(run_dir: str, step: int) -> dict[str, Any]:
-    """Held-out accuracy of the weights after ``step`` updates (steps/<step>/eval.parquet)."""
-    return stage_runner.stage_figures(Stage.EVAL, stage_runner.run_stage(run_dir, step, Stage.EVAL))
+from coba_tasks.pipeline.tasks import stage_task
 
 
 def run_step(run_dir: str, step: int) -> dict[str, Any]:
@@ -74,13 +37,9 @@ def run_step(run_dir: str, step: int) -> dict[str, Any]:
     """
     res, t0 = run.resources(run_dir), time.perf_counter()
     seconds_before = dict(res.stage_seconds)
-    rollouts = rollout_task(run_dir, step)
-    verdicts = verify_task(run_dir, step)
-    cap = capability_task(run_dir, step)
-    budget = allocation_task(run_dir, step)
-    upd = update_task(run_dir, step)
+    figures = {stage.value: stage_task(run_dir, step, stage) for stage in Stage}  # in stage order
     seconds = stage_runner.write_step_timing(res, step, seconds_before)
-    figures = {"rollouts": rollouts, "rewards": verdicts, "capability": cap, "budget": budget, "update": upd}
+    rollouts, verdicts, cap, upd = (figures[k] for k in ("rollouts", "rewards", "capability", "update"))
     get_run_logger().info(step_line(step, res.cfg.run.steps, figures, seconds, time.perf_counter() - t0))
     _post_step_artifacts(res, step, rollouts["rollouts"], verdicts, {**cap, **upd})
     return {"verdicts": verdicts, **cap, **upd}
@@ -184,7 +143,7 @@ def train_flow(
         if first > 0:
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
         log.info(f"held-out evaluation before training: {stage_runner.eval_plan(res)}")
-        before = eval_task(directory, 0)
+        before = stage_task(directory, 0, Table.EVAL)
         log.info(f"held-out accuracy before training: {_eval_text(before)}")
         for step in range(first, cfg.run.steps):
             # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
@@ -195,10 +154,10 @@ def train_flow(
             res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
             every = cfg.run.eval_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
-                ev = eval_task(directory, step + 1)
+                ev = stage_task(directory, step + 1, Table.EVAL)
                 log.info(f"held-out accuracy after step {step + 1}: {_eval_text(ev)}")
         log.info(f"held-out evaluation after training: {stage_runner.eval_plan(res)}")
-        after = eval_task(directory, cfg.run.steps)
+        after = stage_task(directory, cfg.run.steps, Table.EVAL)
         log.info(f"held-out accuracy after training: {_eval_text(after)}")
         summary = run_summary_json(res, time.perf_counter() - t_start)
         res.store.write_json("summary.json", summary)

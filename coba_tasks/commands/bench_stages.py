@@ -46,14 +46,11 @@ from typing import Any
 
 from coba_tasks.commands.args import add_command, available_cpus, positive_int
 from coba_tasks.commands.bench import _median_time as bench_median_time
-from coba_tasks.pipeline.store import STAGES, Stage
+from coba_tasks.pipeline.store import Stage, Table
 
 GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
 EVAL_PROMPTS = 16  # held-out prompts per evaluation in the benchmark's runs (unless --set data.eval_prompts=...)
-STEP_TABLES = tuple(
-    str(s) for s in (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.HISTORY, Stage.UPDATE)
-)
-STAGE_NAMES = STAGES  # the five stages of a step, in pipeline order
+STEP_TABLES = tuple(t.value for t in Table if t is not Table.EVAL)
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -98,7 +95,7 @@ def _step_figures(pairs: Sequence[dict], side: str) -> dict[str, Any]:
     return {
         "step_s": _mean(walls),
         "outside_stages_s": _mean(outside),  # for the flow: Prefect's own time per step
-        "stage_s": {name: _mean([p[side]["stage_s"][name] for p in pairs]) for name in STAGE_NAMES},
+        "stage_s": {s.value: _mean([p[side]["stage_s"][s] for p in pairs]) for s in Stage},
     }
 
 
@@ -177,7 +174,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
         run.start_resources(res_flow, cfg.model.path, version=0)
         run.start_resources(res, cfg.model.path, version=0, engine=res_flow.engine, pool=res_flow.pool)
         machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
-        stage_runner.run_stage(root, 0, Stage.EVAL)  # a warm-up of the engine and the pool, untimed
+        stage_runner.run_stage(root, 0, Table.EVAL)  # a warm-up of the engine and the pool, untimed
         progress(f"{steps} steps of each run, interleaved: through Prefect (coba-bench-steps) and as plain calls")
         pairs = bench_steps_flow(str(flow_root), str(root), steps)
         flow, plain = (_step_figures(pairs, side) for side in ("flow", "plain"))
@@ -439,7 +436,7 @@ def format_stages(result: dict) -> str:
         f"2. One step through Prefect vs the same stages as plain function calls (mean of {result['steps']} steps)",
         f"  {'':<34}{'flow':>10}{'plain':>10}",
     ]
-    for name in STAGE_NAMES:
+    for name in Stage:
         lines.append(f"  {'stage ' + name:<34}{_fmt_s(flow['stage_s'][name]):>10}{_fmt_s(plain['stage_s'][name]):>10}")
     outside_flow = flow["step_s"] - sum(flow["stage_s"].values())
     lines += [

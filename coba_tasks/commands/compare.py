@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from coba_tasks.commands.args import add_command
-from coba_tasks.pipeline.fileio import atomic_write
+from coba_tasks.engines.fileio import atomic_write
 
 # strategy name -> config overrides (on top of the config file)
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -181,7 +181,7 @@ def _class_of(rate: float) -> str:
 def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
     """The comparison's tables (see the module docstring) from finished or partial runs."""
     from coba_tasks.pipeline import stages
-    from coba_tasks.pipeline.store import Stage
+    from coba_tasks.pipeline.store import Stage, Table
     from coba_tasks.pipeline.summary import eval_figures, load_run
 
     results, steps_rows, budget_rows, transitions = [], [], [], []
@@ -199,8 +199,8 @@ def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
         visits: dict[str, list[tuple[int, float]]] = {}
         for step in t.steps:
             done = t.done[step]
-            if Stage.EVAL in done:
-                ev = eval_figures(t.table(step, Stage.EVAL))
+            if Table.EVAL in done:
+                ev = eval_figures(t.table(step, Table.EVAL))
                 row = {**key, "step": step, "accuracy": ev["accuracy"], "accuracy_greedy": ev["greedy"]}
                 row |= {"answered": ev["answered"], "boxed": ev["boxed"]}
                 for lv, acc in ev["by_difficulty"].items():

@@ -39,7 +39,7 @@ import pandas as pd
 from coba_tasks.commands.inspection_views import (
     DEFAULT_LIMIT,
     FORMATS,
-    STAGE_NAMES,
+    TABLE_NAMES,
     format_summary,
     open_run,
     render,
@@ -62,7 +62,7 @@ _STEP_DIR_SQL_RE = r"/([0-9]+)/[^/]*$"  # the step directory in .../steps/000007
 def run_sql(run_dir: str | os.PathLike[str], query: str) -> pd.DataFrame:
     """Run one read-only SELECT over the run's tables with DuckDB and return the result.
 
-    Views: one per stage in ``STAGE_NAMES`` (the union of that table over every step where it is
+    Views: one per stage in ``TABLE_NAMES`` (the union of that table over every step where it is
     done, columns united by name, with an integer ``step`` column first: the step directory the
     row comes from, replacing the table's own ``step`` column where it has one) and ``prompts``
     (the run-level prompts table). A stage with no done table yet is a view with only the ``step``
@@ -85,7 +85,7 @@ def run_sql(run_dir: str | os.PathLike[str], query: str) -> pd.DataFrame:
     files = _done_files(store)
     prompts = [store.root / "prompts.parquet"] if store.has_run_table("prompts") else []
     allowed = [_abs(p) for paths in files.values() for _, p in paths] + [_abs(p) for p in prompts]
-    empty = [name for name in STAGE_NAMES if not files[name]] + (["prompts"] if not prompts else [])
+    empty = [name for name in TABLE_NAMES if not files[name]] + (["prompts"] if not prompts else [])
 
     con = duckdb.connect(
         ":memory:",
@@ -101,7 +101,7 @@ def run_sql(run_dir: str | os.PathLike[str], query: str) -> pd.DataFrame:
             con.execute("SET temp_directory = ''")  # never spill (the working directory may be the run)
             con.execute("SET allowed_paths = $1", [allowed])  # must come before disabling external access
             con.execute("SET enable_external_access = false")
-            for name in STAGE_NAMES:
+            for name in TABLE_NAMES:
                 con.execute(_view_sql(con, name, [_abs(p) for _, p in files[name]]))
             if prompts:
                 con.execute(f"CREATE VIEW prompts AS SELECT * FROM read_parquet({_sql_str(_abs(prompts[0]))})")
@@ -160,7 +160,7 @@ def _view_sql(con: Any, name: str, paths: list[str]) -> str:
 
 def _done_files(store: RunStore) -> dict[str, list[tuple[int, Path]]]:
     """stage -> [(step, path)] of its done tables, from the manifests."""
-    files: dict[str, list[tuple[int, Path]]] = {name: [] for name in STAGE_NAMES}
+    files: dict[str, list[tuple[int, Path]]] = {name: [] for name in TABLE_NAMES}
     for step, names in load_run(store.root).done.items():
         for name in names:
             if name in files:
@@ -218,7 +218,7 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", required=True, help="the run directory (e.g. runs/demo)")
     parser.add_argument("--json", action="store_true", help="print as JSON (the summary, or the same as --format json)")
     parser.add_argument("--step", type=_non_negative, default=None, help="step directory to show (with --stage)")
-    parser.add_argument("--stage", choices=STAGE_NAMES, default=None, help="stage table to show (with --step)")
+    parser.add_argument("--stage", choices=TABLE_NAMES, default=None, help="stage table to show (with --step)")
     parser.add_argument(
         "--limit",
         type=_non_negative,

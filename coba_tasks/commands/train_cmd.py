@@ -135,7 +135,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if rc:
             return rc
     elif args.bootstrap_if_missing:
-        from coba_tasks.pipeline.bootstrap import stale_bootstrap_note
+        from coba_tasks.engines.bootstrap import stale_bootstrap_note
 
         note = stale_bootstrap_note(Path(cfg.model.path))
         if note:

@@ -505,9 +505,7 @@ class VerifyConfig(_Section):
         "your reward instead of the built-in verifiers: path/to/file.py[:function] with veRL's compute_score "
         "signature (docs/operations.md); empty = the built-in verifiers",
     )
-    pass_threshold: Number = _key(
-        1.0, "a reward_function score >= this counts as solved (the pass rates CoBA-RL uses)"
-    )
+    pass_threshold: Number = _key(1.0, "a reward_function score >= this counts as solved (the pass rates CoBA-RL uses)")
 
     @model_validator(mode="after")
     def _reward_function(self) -> VerifyConfig:

@@ -46,6 +46,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from coba_tasks.engines.fileio import atomic_write
 from coba_tasks.pipeline.data_problems import (
     DatasetError,
     OnBadRows,
@@ -62,7 +63,6 @@ from coba_tasks.pipeline.data_rows import (
     read_verl_row,
     rows_to_frame,
 )
-from coba_tasks.pipeline.fileio import atomic_write
 
 VERL_REQUIRED = ("data_source", "prompt", "reward_model")
 FLAT_REQUIRED = ("prompt", "answer")

@@ -36,7 +36,7 @@ from typing import Any
 
 import pandas as pd
 
-from coba_tasks.pipeline.fileio import atomic_write
+from coba_tasks.engines.fileio import atomic_write
 from coba_tasks.pipeline.report_plots import (
     pick_scatter_steps,
     plot_accuracy,

@@ -24,19 +24,19 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage, StoreError
+from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
-RERUNNABLE = (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.UPDATE, Stage.EVAL)
+RERUNNABLE = (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.UPDATE, Table.EVAL)
 
 
 def _order(step_dir: int, name: str) -> tuple[int, int]:
     """Position of table ``name`` in ``steps/<step_dir>/`` in the order outputs are computed."""
     if name == Stage.BUDGET:  # budget(t + 1) comes after capability(t), before update(t)
         return (step_dir - 1, 3) if step_dir > 0 else (-1, 9)
-    if name == Stage.EVAL:  # eval(t + 1) measures the weights after update(t)
+    if name == Table.EVAL:  # eval(t + 1) measures the weights after update(t)
         return (step_dir - 1, 5)
-    rank = {Stage.ROLLOUTS: 0, Stage.REWARDS: 1, Stage.CAPABILITY: 2, Stage.HISTORY: 2, Stage.UPDATE: 4}
+    rank = {Stage.ROLLOUTS: 0, Stage.REWARDS: 1, Stage.CAPABILITY: 2, Table.HISTORY: 2, Stage.UPDATE: 4}
     if name not in rank:
         raise ValueError(f"unknown stage {name!r}; choose one of {', '.join(RERUNNABLE)}")
     return (step_dir, rank[name])
@@ -75,14 +75,14 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if require_done and not store.is_done(step, stage):
-        done = [n for n in (*STEP_STAGES, Stage.EVAL) if store.is_done(step, n)]
+        done = [n for n in (*Stage, Table.EVAL) if store.is_done(step, n)]
         raise ValueError(
             f"{stage} is not done at step {step} (done there: {', '.join(done) or 'nothing'}); "
             "`coba resume` computes what is missing"
         )
     start = _order(step, stage)
     plan = RerunPlan(step=step, stage=stage)
-    if stage == Stage.EVAL:  # nothing reads a held-out evaluation: it invalidates only itself
+    if stage == Table.EVAL:  # nothing reads a held-out evaluation: it invalidates only itself
         plan.tables.append((step, stage))
     else:
         for s in store.steps():
@@ -125,7 +125,7 @@ def plan_repair(store: RunStore) -> RerunPlan | None:
     if not damaged:
         return None
     step, name, _ = damaged[0]
-    stage = Stage.CAPABILITY if name == Stage.HISTORY else name
+    stage = Stage.CAPABILITY if name == Table.HISTORY else name
     return plan_rerun(store, step, stage, require_done=False)
 
 

@@ -8,7 +8,7 @@ imports Prefect's flow machinery.
     res = open_run(root, cfg, continuing)            # datasets checked, run directory created
     write_first_budget(res)                          # stage_runner: step 0, uniform budgets
     start_resources(res, cfg.model.path, version=0)  # engine, verifier pool, trainer
-    for stage in STEP_STAGES:
+    for stage in Stage:
         run_stage(str(root), 0, stage)               # stage_runner: skip if done, compute, write, time
     close_run(res)
 
@@ -228,7 +228,7 @@ REREAD_INPUTS = ("data.test", "model.path")
 def run_inputs(cfg: Config) -> dict[str, dict[str, str]]:
     """Config key -> {path, sha256} of the files a run reads by path (``content_sha256``: a model directory's
     files too), recorded in run.json at the start."""
-    from coba_tasks.pipeline.fileio import content_sha256
+    from coba_tasks.engines.fileio import content_sha256
 
     return {key: {"path": path, "sha256": content_sha256(path)} for key, path in _input_paths(cfg).items()}
 
@@ -241,7 +241,7 @@ def _input_paths(cfg: Config) -> dict[str, str]:
 def check_inputs(store: RunStore, cfg: Config, allow_changed: bool, warn: Callable[[str], None]) -> None:
     """Refuse to continue a run whose ``data.test`` or ``model.path`` is not what it started with (a resume
     would evaluate other prompts or train another model), unless ``allow_changed`` (then a warning)."""
-    from coba_tasks.pipeline.fileio import content_sha256
+    from coba_tasks.engines.fileio import content_sha256
 
     recorded = store.run_info.get("inputs")
     if not isinstance(recorded, dict):

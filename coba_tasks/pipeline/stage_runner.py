@@ -1,10 +1,11 @@
 """How each stage of a training step runs in an open run: the stage recipes, ``run_stage``, the fault hooks.
 
-Each stage is one function ``(res, step) -> table`` in ``STAGE_STEPS``; ``run_stage`` wraps it with
-what every stage does: skip it when its table is in the step's manifest, else compute, pass the fault
-hooks, write the table (atomically, recorded in the manifest) and add its seconds to the run's
-timing. The budget stage of step t writes the budget of step t + 1; the update stage writes the next
-checkpoint, and after it (done or not) the rollout engine is given that checkpoint's weights.
+Each stage is one recipe in ``RECIPES``: a function ``(res, step) -> table`` and its figures;
+``run_stage`` wraps it with what every stage does: skip it when its table is in the step's manifest,
+else compute, pass the fault hooks, write the table (atomically, recorded in the manifest) and add its
+seconds to the run's timing. The budget stage of step t writes the budget of step t + 1; the update
+stage writes the next checkpoint, and after it (done or not) the rollout engine is given that
+checkpoint's weights.
 
 ``resume_point`` writes the first budget and starts an opened run's resources on the weights of its
 first step not done; ``plain_step`` runs one whole step as plain calls (no Prefect). The run's
@@ -40,7 +41,7 @@ from coba_tasks.pipeline.run import (
     start_resources,
     update_settings,
 )
-from coba_tasks.pipeline.store import STEP_STAGES, Stage
+from coba_tasks.pipeline.store import Stage, Table
 from coba_tasks.pipeline.summary import eval_figures
 
 ROLLOUT_WEIGHTS_DIR = "rollout_weights"  # LoRA: the merged policy the engine reads (one copy, rewritten)
@@ -102,9 +103,9 @@ def _capability(res: RunResources, step: int) -> pd.DataFrame:
     table, _ = stages.capability_table(step, rewards, tracker_before(res, step))
     # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
     # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
-    previous = res.store.read_table(step - 1, Stage.HISTORY) if step > 0 else stages.empty_history()
+    previous = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else stages.empty_history()
     history = stages.update_history(previous, rewards, step, res.cfg.allocation.pass_rate_window)
-    res.store.write_table(step, Stage.HISTORY, history)
+    res.store.write_table(step, Table.HISTORY, history)
     res.store.write_run_table("history", history)
     return table
 
@@ -121,7 +122,7 @@ def budget_for(res: RunResources, step: int, history: pd.DataFrame, tracker: Cap
 def _budget(res: RunResources, step: int) -> pd.DataFrame:
     """The allocation at the end of step t: the budget of step t + 1."""
     tracker = stages.tracker_from_capability(res.store.read_table(step, Stage.CAPABILITY))
-    return budget_for(res, step + 1, res.store.read_table(step, Stage.HISTORY), tracker)
+    return budget_for(res, step + 1, res.store.read_table(step, Table.HISTORY), tracker)
 
 
 def write_first_budget(res: RunResources) -> None:
@@ -210,69 +211,71 @@ def eval_plan(res: RunResources) -> str:
     return f"{' + '.join(str(int(n)) for n in sizes)} held-out prompts x ({kinds})"
 
 
+def _capability_figures(table: pd.DataFrame) -> dict[str, float]:
+    return {k: float(table.iloc[0][k]) for k in ("S", "F", "alpha", "beta", "zero_variance_groups")}
+
+
+def _budget_figures(table: pd.DataFrame) -> dict[str, float]:
+    b = table["budget"]
+    return {"min": int(b.min()), "max": int(b.max()), "mean": float(b.mean()), "total": int(b.sum())}
+
+
+def _update_figures(table: pd.DataFrame) -> dict[str, float]:
+    return {k: float(table.iloc[0][k]) for k in ("loss", "clip_frac", "grad_norm", "entropy", "tokens")}
+
+
 @dataclass(frozen=True)
-class StageStep:
-    """How a stage runs: its table from (res, step), and what follows it whether it ran or was done."""
+class Recipe:
+    """How a stage runs: its table from (res, step), the few figures of that table a step's progress line
+    and artifacts show, and what follows it whether it ran or was done."""
 
     compute: Callable[[RunResources, int], pd.DataFrame]
+    figures: Callable[[pd.DataFrame], dict[str, Any]]
     after: Callable[[RunResources, int], None] | None = None
     fault_hooks: bool = True
 
 
-STAGE_STEPS: dict[Stage, StageStep] = {
-    Stage.ROLLOUTS: StageStep(_rollouts),
-    Stage.REWARDS: StageStep(_rewards),
-    Stage.CAPABILITY: StageStep(_capability),
-    Stage.BUDGET: StageStep(_budget),
-    Stage.UPDATE: StageStep(_update, after=_reload_policy),
-    Stage.EVAL: StageStep(_evaluate, fault_hooks=False),  # held-out accuracy of the weights after `step` updates
+RECIPES: dict[Table, Recipe] = {  # the five stages of a step, and the held-out evaluation of a run
+    Table.ROLLOUTS: Recipe(_rollouts, lambda t: {"rollouts": len(t)}),
+    Table.REWARDS: Recipe(_rewards, lambda t: count_verdicts(t["verdict"])),
+    Table.CAPABILITY: Recipe(_capability, _capability_figures),
+    Table.BUDGET: Recipe(_budget, _budget_figures),
+    Table.UPDATE: Recipe(_update, _update_figures, after=_reload_policy),
+    Table.EVAL: Recipe(_evaluate, eval_figures, fault_hooks=False),  # the weights after `step` updates
 }
 
 
-def run_stage(run_dir: str | Path, step: int, stage: Stage) -> pd.DataFrame:
-    """Stage ``stage`` of step ``step`` in the open run at ``run_dir``; returns the stage's table.
+def run_stage(run_dir: str | Path, step: int, stage: Stage | Table) -> pd.DataFrame:
+    """Stage ``stage`` of step ``step`` (or the held-out evaluation, ``Table.EVAL``) in the open run at
+    ``run_dir``; returns the stage's table.
 
-    Skipped when its table is in the manifest of its step directory (``stage.output_step(step)``), else
+    Skipped when its table is in the manifest of its step directory (``output_step(step)``), else
     computed, passed through the fault hooks and written; then the stage's follow-up (the update's
     weight reload) runs. The seconds spent are added to the run's ``stage_seconds``.
     """
     res, t0 = resources(run_dir), time.perf_counter()
-    how, where = STAGE_STEPS[stage], stage.output_step(step)
-    if not res.store.is_done(where, stage):
+    table_name = Table(stage)
+    how, where = RECIPES[table_name], table_name.output_step(step)
+    if not res.store.is_done(where, table_name):
         table = how.compute(res, step)
         if how.fault_hooks:
-            fault_point(step, stage)
-        res.store.write_table(where, stage, table)
+            fault_point(step, table_name)
+        res.store.write_table(where, table_name, table)
     if how.after is not None:
         how.after(res, step)
-    res.timed(stage, time.perf_counter() - t0)
-    return res.store.read_table(where, stage)
+    res.timed(table_name, time.perf_counter() - t0)
+    return res.store.read_table(where, table_name)
 
 
-def stage_figures(stage: Stage, table: pd.DataFrame) -> dict[str, Any]:
+def stage_figures(stage: Stage | Table, table: pd.DataFrame) -> dict[str, Any]:
     """The few figures of a stage's table that a step's progress line and artifacts show."""
-    if stage is Stage.ROLLOUTS:
-        return {"rollouts": len(table)}
-    if stage is Stage.REWARDS:
-        return count_verdicts(table["verdict"])
-    if stage is Stage.CAPABILITY:
-        row = table.iloc[0]
-        return {k: float(row[k]) for k in ("S", "F", "alpha", "beta", "zero_variance_groups")}
-    if stage is Stage.BUDGET:
-        b = table["budget"]
-        return {"min": int(b.min()), "max": int(b.max()), "mean": float(b.mean()), "total": int(b.sum())}
-    if stage is Stage.UPDATE:
-        row = table.iloc[0]
-        return {k: float(row[k]) for k in ("loss", "clip_frac", "grad_norm", "entropy", "tokens")}
-    if stage is Stage.EVAL:
-        return eval_figures(table)
-    raise ValueError(f"no figures for stage {stage!r}")
+    return RECIPES[Table(stage)].figures(table)
 
 
 def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, float]) -> dict[str, float]:
     """steps/<step>/timing.json: wall seconds per stage of this step (not a stage output: not in the
     manifest); returns them."""
-    seconds = {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Stage.EVAL}
+    seconds = {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Table.EVAL}
     res.store.write_json(f"steps/{step:06d}/timing.json", seconds)
     return seconds
 
@@ -281,7 +284,7 @@ def plain_step(run_dir: str | Path, step: int) -> None:
     """One training step as plain calls: the five stages in order, and timing.json (no Prefect)."""
     res = resources(run_dir)
     before = dict(res.stage_seconds)
-    for stage in STEP_STAGES:
+    for stage in Stage:
         run_stage(run_dir, step, stage)
     write_step_timing(res, step, before)
 

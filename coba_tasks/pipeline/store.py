@@ -35,12 +35,13 @@ The rules, and how this module keeps them:
    bytes and the hash of the config that produced them. Tables are written without pandas
    metadata or index, so equal frames give equal bytes and a rerun's sha256 can be compared.
 
-Steps and stages. ``Stage`` lists the five stages of one step in pipeline order. A table is
+Steps, stages and tables. ``Stage`` lists the five stages of one step in pipeline order, ``Table`` the
+tables of a step directory (the five the stages write, ``history`` and ``eval``). A table is
 addressed by ``(step, name)``, the step whose directory holds it, *not* the step that computed
 it: the allocation stage (``Stage.BUDGET``) runs at the end of step ``t`` and writes the budget
 that step ``t + 1`` consumes, so it writes ``(t + 1, "budget")``; ``Stage.output_step`` gives the
 directory a stage run during step ``t`` writes to. The first step's (uniform) budget is written
-before the first step runs. Consequently ``steps_done(STAGES)`` asks "are all five files of this
+before the first step runs. Consequently ``steps_done()`` (the five stages' tables) asks "are all five files of this
 directory there", i.e. step ``t`` ran *and* its budget was allocated beforehand; whether the
 allocation *for* the next step finished is ``is_done(t + 1, "budget")``.
 
@@ -72,7 +73,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from coba_tasks.pipeline.fileio import atomic_write, remove_stale_temporaries, sha256_file
+from coba_tasks.engines.fileio import atomic_write, remove_stale_temporaries, sha256_file
 
 SCHEMA_VERSION = 1
 
@@ -95,34 +96,55 @@ _STEP_DIR_RE = re.compile(rf"\d{{{STEP_DIGITS},}}")
 _REPAIR_HINT = "run `coba resume --repair` to recompute it"
 
 
-class Stage(StrEnum):
-    """The tables of a step directory; the value is the table's name (the one list of stage names).
+class Table(StrEnum):
+    """The tables of a step directory, in the order a step writes them; the value is the file's name.
 
-    The first five are the stages of one training step, in pipeline order (``STEP_STAGES``);
-    ``history`` is the per-prompt pass-rate memory the capability stage writes beside its table, and
-    ``eval`` the held-out evaluation of the weights after that many updates.
+    ``budget`` comes first: the allocation at the end of step t - 1 writes it into step t's directory
+    before step t runs. ``history`` is the per-prompt pass-rate memory the capability stage writes beside
+    its table, and ``eval`` the held-out evaluation of the weights after that many updates.
 
-    >>> [s.value for s in STEP_STAGES]
-    ['rollouts', 'rewards', 'capability', 'budget', 'update']
-    >>> Stage.REWARDS.output_step(7), Stage.BUDGET.output_step(7)
+    >>> [t.value for t in Table]
+    ['budget', 'rollouts', 'rewards', 'capability', 'update', 'history', 'eval']
+    >>> Table.REWARDS.output_step(7), Table.BUDGET.output_step(7)
     (7, 8)
     """
 
+    BUDGET = "budget"
     ROLLOUTS = "rollouts"
     REWARDS = "rewards"
     CAPABILITY = "capability"
-    BUDGET = "budget"  # allocation: computed at the end of step t, written to step t + 1
     UPDATE = "update"
     HISTORY = "history"
     EVAL = "eval"
 
     def output_step(self, step: int) -> int:
+        """The step directory this table is written to when it is computed during ``step``."""
+        return step + 1 if self is Table.BUDGET else step
+
+
+class Stage(StrEnum):
+    """The five stages of a training step, in the order they run; each writes the table of its name
+    (a ``Stage`` equals its ``Table`` and its name as a string, so any of the three reads a table).
+
+    >>> [s.value for s in Stage]
+    ['rollouts', 'rewards', 'capability', 'budget', 'update']
+    >>> Stage.BUDGET.table.output_step(7)
+    8
+    """
+
+    ROLLOUTS = "rollouts"
+    REWARDS = "rewards"
+    CAPABILITY = "capability"
+    BUDGET = "budget"  # the allocation: computed at the end of step t, written to step t + 1
+    UPDATE = "update"
+
+    @property
+    def table(self) -> Table:
+        return Table(self.value)
+
+    def output_step(self, step: int) -> int:
         """The step directory this stage writes to when it runs during ``step``."""
-        return step + 1 if self is Stage.BUDGET else step
-
-
-STEP_STAGES: tuple[Stage, ...] = (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.BUDGET, Stage.UPDATE)
-STAGES: tuple[str, ...] = tuple(s.value for s in STEP_STAGES)
+        return self.table.output_step(step)
 
 
 class StoreError(ValueError):
@@ -134,7 +156,7 @@ class RunStore:
 
     ``RunStore(root)`` only remembers the path; ``create`` makes a new run there and ``open``
     checks that one exists and was written by this schema version. Table names may be given as a
-    ``Stage`` or a plain string (``"rollouts"``).
+    ``Table``, a ``Stage`` or a plain string (``"rollouts"``).
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -285,14 +307,14 @@ class RunStore:
         """``report/``, for plots and the HTML summary (not created here)."""
         return self.root / REPORT_DIR
 
-    def table_path(self, step: int, name: str | Stage) -> Path:
+    def table_path(self, step: int, name: str) -> Path:
         """``steps/000007/<name>.parquet``; the file may not exist."""
         return self.step_dir(step) / f"{_check_name(name)}.parquet"
 
     # -----------------------------------------------------------------------------------------
     # Step tables
 
-    def write_table(self, step: int, name: str | Stage, df: pd.DataFrame) -> Path:
+    def write_table(self, step: int, name: str, df: pd.DataFrame) -> Path:
         """Write ``df`` as ``steps/<step>/<name>.parquet`` atomically, then record it in the step's manifest.
 
         ``(step, name)`` is the directory the table lives in: the budget allocated at the end of
@@ -304,7 +326,7 @@ class RunStore:
         """
         return _write_tracked(self.step_dir(step), _check_name(name), df, self.config_hash)
 
-    def read_table(self, step: int, name: str | Stage, verify: bool = True) -> pd.DataFrame:
+    def read_table(self, step: int, name: str, verify: bool = True) -> pd.DataFrame:
         """Read a done table; with ``verify``, check its size and sha256 against the manifest first.
 
         Raises:
@@ -312,7 +334,7 @@ class RunStore:
         """
         return _read_tracked(self.step_dir(step), _check_name(name), verify)
 
-    def damage(self, step: int, name: str | Stage) -> str | None:
+    def damage(self, step: int, name: str) -> str | None:
         """Why a table listed in the step's manifest is unusable (missing, truncated, altered,
         unreadable, other schema version), or None when it is intact. Reads and hashes the file."""
         try:
@@ -321,7 +343,7 @@ class RunStore:
             return str(e)
         return None
 
-    def is_done(self, step: int, name: str | Stage) -> bool:
+    def is_done(self, step: int, name: str) -> bool:
         """Whether the table has a manifest entry and its file exists (no hashing)."""
         return _is_tracked(self.step_dir(step), _check_name(name))
 
@@ -330,7 +352,7 @@ class RunStore:
         written_at}; empty when nothing is done."""
         return _read_manifest(self.step_dir(step))
 
-    def invalidate(self, step: int, name: str | Stage) -> None:
+    def invalidate(self, step: int, name: str) -> None:
         """Forget a table: remove its manifest entry first, then its file. Missing ones are fine."""
         _untrack(self.step_dir(step), _check_name(name))
 
@@ -341,7 +363,7 @@ class RunStore:
             return []
         return sorted(int(p.name) for p in base.iterdir() if p.is_dir() and _STEP_DIR_RE.fullmatch(p.name))
 
-    def steps_done(self, names: Iterable[str | Stage] = STAGES) -> list[int]:
+    def steps_done(self, names: Iterable[str] = tuple(Stage)) -> list[int]:
         """The steps, ascending, whose directory holds every table of ``names`` as done.
 
         Tables are looked up in the step's own directory (see the module docstring: budget of step
@@ -541,9 +563,9 @@ def _step_name(step: int) -> str:
     return f"{value:0{STEP_DIGITS}d}"
 
 
-def _check_name(name: str | Stage) -> str:
+def _check_name(name: str) -> str:
     """A table name as a plain string; one path component, no extension."""
-    text = name.value if isinstance(name, Stage) else name
+    text = str(name) if isinstance(name, StrEnum) else name
     if not isinstance(text, str) or not _NAME_RE.fullmatch(text):
         raise StoreError(
             f"table name {name!r}: use letters, digits, '_' and '-', starting with a letter or digit, without "

@@ -25,17 +25,12 @@ import pandas as pd
 
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
 from coba_tasks.pipeline.config import MAIN_TEST_SET
-from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, StoreError
+from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, StoreError, Table
 
 if TYPE_CHECKING:  # annotations only: run.py pulls in the engines (torch), which inspect and report do not need
     from coba_tasks.pipeline.run import RunResources
 
-# The per-step tables in the order a step produces them (budget first: it is written into the step's
-# directory before the step runs), then the history snapshot and the held-out evaluation.
-TABLE_ORDER: tuple[str, ...] = tuple(
-    s.value
-    for s in (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.UPDATE, Stage.HISTORY, Stage.EVAL)
-)
+TABLE_ORDER: tuple[str, ...] = tuple(t.value for t in Table)  # the order a step produces them
 VERDICTS = tuple(kind.value for kind in VerdictKind)
 CAPABILITY_FIELDS = ("F", "S", "alpha_used", "beta_used", "alpha", "beta")
 UPDATE_FIELDS = (
@@ -228,16 +223,16 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
     steps_done = t.steps_with(Stage.UPDATE)
 
     heldout = []
-    for s in t.steps_with(Stage.EVAL):
-        ev = split_test_sets(t.table(s, Stage.EVAL))[MAIN_TEST_SET]
+    for s in t.steps_with(Table.EVAL):
+        ev = split_test_sets(t.table(s, Table.EVAL))[MAIN_TEST_SET]
         item: dict[str, Any] = {"step": s, "accuracy": _mean(ev, "accuracy"), "prompts": len(ev)}
         if "difficulty" in ev.columns and "accuracy" in ev.columns:
             item["by_difficulty"] = _group_means(ev, "difficulty", "accuracy")
         heldout.append(item)
-    evals = t.steps_with(Stage.EVAL)
-    before = eval_figures(t.table(0, Stage.EVAL)) if 0 in evals else None
-    after = eval_figures(t.table(evals[-1], Stage.EVAL)) | {"step": evals[-1]} if evals and evals[-1] > 0 else None
-    gains = heldout_gains(t.table(0, Stage.EVAL), t.table(evals[-1], Stage.EVAL)) if before and after else {}
+    evals = t.steps_with(Table.EVAL)
+    before = eval_figures(t.table(0, Table.EVAL)) if 0 in evals else None
+    after = eval_figures(t.table(evals[-1], Table.EVAL)) | {"step": evals[-1]} if evals and evals[-1] > 0 else None
+    gains = heldout_gains(t.table(0, Table.EVAL), t.table(evals[-1], Table.EVAL)) if before and after else {}
 
     cap_steps = t.steps_with(Stage.CAPABILITY)
     capability: dict[str, Any] = {"first": None, "latest": None}

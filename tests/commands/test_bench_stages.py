@@ -9,7 +9,8 @@ import statistics
 
 import pytest
 
-from coba_tasks.commands.bench_stages import GOALS, STAGE_NAMES, STEP_TABLES, add_bench_stages_parser, format_stages
+from coba_tasks.commands.bench_stages import GOALS, STEP_TABLES, add_bench_stages_parser, format_stages
+from coba_tasks.pipeline.store import Stage
 
 
 def _numbers(obj, path=""):
@@ -66,7 +67,7 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
     assert math.isclose(pq["read_s"], sum(t["read_s"] for t in pq["tables"].values()))
     # the plain run did the flow's work: the same tables, byte for byte
     assert st["same_tables"] and st["tables_differ"] == []
-    assert set(st["flow"]["stage_s"]) == set(st["plain"]["stage_s"]) == set(STAGE_NAMES)
+    assert set(st["flow"]["stage_s"]) == set(st["plain"]["stage_s"]) == set(Stage)
     # the two runs were interleaved, the order alternating; the means are the pairs' means
     pairs = st["pairs"]
     assert [p["step"] for p in pairs] == [0, 1] and [p["first"] for p in pairs] == ["flow", "plain"]
@@ -77,7 +78,7 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
         for p in pairs:
             assert set(p[side]) >= {"wall_s", "inside_s", "stage_s"}
             timing = json.loads((tmp_path / side / "steps" / f"{p['step']:06d}" / "timing.json").read_text())
-            assert p[side]["stage_s"] == {k: timing[k] for k in STAGE_NAMES}
+            assert p[side]["stage_s"] == {k: timing[k] for k in Stage}
     each = [p["flow"]["wall_s"] / p["plain"]["wall_s"] for p in pairs]
     pr = result["ratios"]["flow_over_plain_pairs"]
     assert pr["each"] == each and pr["min"] == min(each) and pr["max"] == max(each)
@@ -124,7 +125,7 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
     ):
         assert snippet in text, snippet
     assert text.count("NOT met") == sum(not g["met"] for g in result["goals"].values()) * 2
-    for name in (*STAGE_NAMES, *STEP_TABLES):
+    for name in (*Stage, *STEP_TABLES):
         assert name in text
 
 

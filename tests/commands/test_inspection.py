@@ -14,7 +14,7 @@ import pytest
 
 from coba_tasks.commands import inspection
 from coba_tasks.commands.inspection import add_inspect_parser, run_sql
-from coba_tasks.commands.inspection_views import STAGE_NAMES, format_summary, render, show_table
+from coba_tasks.commands.inspection_views import TABLE_NAMES, format_summary, render, show_table
 from coba_tasks.pipeline.store import RunStore
 from coba_tasks.pipeline.summary import run_summary
 
@@ -602,4 +602,4 @@ def test_cli_help_has_examples():
     sub = add_inspect_parser(parser.add_subparsers())
     text = sub.format_help()
     assert "examples:" in text and "--sql" in text and "coba inspect --run-dir" in text
-    assert all(name in text for name in STAGE_NAMES)
+    assert all(name in text for name in TABLE_NAMES)

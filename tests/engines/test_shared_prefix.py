@@ -147,4 +147,3 @@ def test_gradients_are_bit_identical_when_repeated_on_two_threads():
         torch.set_num_threads(before)
     differing = [sorted(n for n in grads[0] if not torch.equal(grads[0][n], other[n])) for other in grads[1:]]
     assert not any(differing), differing
-

@@ -37,7 +37,7 @@ from prefect_procs import (
     wait_healthy,
 )
 
-from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage
+from coba_tasks.pipeline.store import RunStore, Stage, Table
 
 DEPLOYMENTS = ("coba-train/coba-train", "coba-bootstrap/coba-bootstrap", "coba-eval/coba-eval")
 
@@ -133,14 +133,14 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                 m, g = cfg["data"]["prompts_per_step"], cfg["allocation"]["group_size"]
                 for step in range(2):
                     manifest = store.manifest(step)
-                    for name in (*STEP_STAGES, Stage.HISTORY):
+                    for name in (*Stage, Table.HISTORY):
                         assert name in manifest, (step, name)
                         assert (run_dir / "steps" / f"{step:06d}" / f"{name}.parquet").is_file()
                         assert manifest[name]["rows"] == len(store.read_table(step, name))
                     budget = store.read_table(step, Stage.BUDGET)
                     assert len(budget) == m and int(budget["budget"].sum()) == m * g
                     assert len(store.read_table(step, Stage.ROLLOUTS)) == m * g
-                assert store.is_done(0, Stage.EVAL) and store.is_done(2, Stage.EVAL)  # held-out, before and after
+                assert store.is_done(0, Table.EVAL) and store.is_done(2, Table.EVAL)  # held-out, before and after
                 assert (run_dir / "summary.json").is_file()
                 assert (store.checkpoint_dir(2) / "config.json").is_file()
                 assert not (PROJECT / "runs" / "deploy-test").exists()

@@ -16,18 +16,18 @@ def _flat(path, prompts, answers=None, source="arith"):
 
 
 def _evaluate(model, test, **changes):
-    from flows.eval import evaluate_model
+    from coba_tasks.pipeline.heldout import evaluate_model
 
     settings = eval_settings(test_path=str(test), backend="transformers", **changes)
-    return evaluate_model.fn(str(model), settings)  # the task's body, without Prefect
+    return evaluate_model(str(model), settings)  # the task's body, without Prefect
 
 
 def test_an_over_long_prompt_is_refused_before_the_engine_starts(tmp_path, random_checkpoints, monkeypatch):
-    import flows.eval
+    from coba_tasks.pipeline import heldout
 
     model, _ = random_checkpoints
     started = []
-    monkeypatch.setattr(flows.eval, "make_backend", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(heldout, "make_backend", lambda *a, **k: started.append(a))
     test = _flat(tmp_path / "t.parquet", ["1+1=", "9" * 900])
     with pytest.raises(DatasetError) as info:
         _evaluate(model, test)
@@ -41,10 +41,10 @@ def test_an_over_long_prompt_is_refused_before_the_engine_starts(tmp_path, rando
 
 
 def test_ground_truths_and_sources_are_checked_before_the_engine_starts(tmp_path, random_checkpoints, monkeypatch):
-    import flows.eval
+    from coba_tasks.pipeline import heldout
 
     model, _ = random_checkpoints
-    monkeypatch.setattr(flows.eval, "make_backend", lambda *a, **k: pytest.fail("the engine started"))
+    monkeypatch.setattr(heldout, "make_backend", lambda *a, **k: pytest.fail("the engine started"))
     bad = _flat(tmp_path / "bad.parquet", ["1+1=", "2+2="], answers=["2", "four"])
     with pytest.raises(DatasetError, match=r"row 1, column answer: arith: ground truth 'four' is not an integer"):
         _evaluate(model, bad)

@@ -40,7 +40,7 @@ from coba_tasks.pipeline.config import (
     load_config,
 )
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
-from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage, StoreError
+from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -309,7 +309,7 @@ def test_fsdp_run_resumed_between_its_updates_equals_the_single_process_run(runs
     from transformers import AutoModelForCausalLM
 
     for step in range(STEPS):
-        for name in (*STEP_STAGES, Stage.HISTORY):
+        for name in (*Stage, Table.HISTORY):
             assert fsdp.is_done(step, name), (step, name)
         # step 1's rollouts are sampled from step 0's update: the same tokens in both runs
         for name in (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY):
@@ -387,9 +387,10 @@ class _SleepyEngine:
 
 
 @pytest.mark.slow
-def test_update_task_sleeps_the_engine_around_the_job_and_needs_the_previous_checkpoint(runs, tmp_path, monkeypatch):
+def test_the_update_stage_sleeps_the_engine_around_the_job_and_needs_the_previous_checkpoint(
+    runs, tmp_path, monkeypatch
+):
     """The update stage alone on a copy of the FSDP run, the job replaced by a recording fake."""
-    import flows.train as train
     from coba_tasks.pipeline import run, stage_runner
 
     stores, _, _ = runs
@@ -411,7 +412,7 @@ def test_update_task_sleeps_the_engine_around_the_job_and_needs_the_previous_che
     cfg = apply_overrides(config_from_dict(store.read_config()), ["rollout.sleep_during_update=true"])
     res = run.RunResources(cfg=cfg, store=store, prompts=store.read_run_table("prompts"), test=None, engine=engine)
     monkeypatch.setitem(run._RUNS, str(root), res)
-    train.update_task.fn(str(root), step)
+    stage_runner.run_stage(str(root), step, Stage.UPDATE)
     job = ("job", True, 2, store.checkpoint_dir(step))
     assert engine.events == ["sleep", job, "wake", ("load", f"{step + 1:06d}", step + 1)]
     assert json.loads((root / f"steps/{step:06d}/engine_sleep.json").read_text())["sleep_s"] >= 0
@@ -423,5 +424,5 @@ def test_update_task_sleeps_the_engine_around_the_job_and_needs_the_previous_che
     shutil.rmtree(store.checkpoint_dir(step))
     engine.events.clear()
     with pytest.raises(StoreError, match=rf"checkpoints/{step:06d} is missing: step {step} continues from it"):
-        train.update_task.fn(str(root), step)
+        stage_runner.run_stage(str(root), step, Stage.UPDATE)
     assert engine.events == [] and not store.is_done(step, Stage.UPDATE)

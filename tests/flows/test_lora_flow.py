@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from coba_tasks.commands.cli import main as cli_main
 from coba_tasks.engines.lora import ADAPTER_FILE, is_adapter_checkpoint
 from coba_tasks.pipeline.config import ConfigError, config_to_dict, load_config
-from coba_tasks.pipeline.store import RunStore, Stage
+from coba_tasks.pipeline.store import RunStore, Stage, Table
 
 STEPS = 3
 
@@ -47,8 +47,8 @@ def test_a_lora_run_trains_adapters_resumes_and_evaluates(
     tmp_path, prefect_harness, random_checkpoints, first_char_data
 ):
     from coba_tasks.pipeline.eval_settings import eval_settings
+    from coba_tasks.pipeline.heldout import evaluate_model
     from coba_tasks.pipeline.stage_runner import FAIL_FILE_ENV, ROLLOUT_WEIGHTS_DIR
-    from flows.eval import evaluate_model
     from flows.train import train_flow
 
     model, _ = random_checkpoints
@@ -96,9 +96,9 @@ def test_a_lora_run_trains_adapters_resumes_and_evaluates(
 
     # coba-eval of a LoRA checkpoint: the adapter merged into its base for the engine
     settings = eval_settings(test_path=str(first_char_data[1]), max_tokens=8, backend="transformers", eval_prompts=10)
-    table = evaluate_model.fn(str(ref.checkpoint_dir(STEPS)), settings)
+    table = evaluate_model(str(ref.checkpoint_dir(STEPS)), settings)
     assert len(table) == 10 and (table["weight_version"] == STEPS).all()
-    final = ref.read_table(STEPS, Stage.EVAL)
+    final = ref.read_table(STEPS, Table.EVAL)
     assert sorted(table["prompt_id"]) == sorted(final["prompt_id"])
 
 

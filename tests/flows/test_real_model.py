@@ -23,7 +23,7 @@ from coba_tasks.engines.verify import Verdict, VerdictKind, register_verifier, r
 from coba_tasks.pipeline.config import config_to_dict, load_config
 from coba_tasks.pipeline.data import load_dataset
 from coba_tasks.pipeline.data_prompts import render_prompts
-from coba_tasks.pipeline.store import RunStore, Stage
+from coba_tasks.pipeline.store import RunStore, Stage, Table
 
 pytestmark = pytest.mark.slow
 
@@ -192,5 +192,5 @@ def test_smollm2_run_with_chat_template_resume_rerun_inspect_report_and_eval(
     settings = {"test_path": str(test_file), "max_tokens": 12, "max_model_len": 256, "eval_prompts": 4}
     figures = eval_flow(str(store.checkpoint_dir(2)), settings)  # a dict, as a deployment passes it
     assert figures["prompts"] == 4 and 0.0 <= figures["accuracy"] <= 1.0
-    eval_table = store.read_table(2, Stage.EVAL)
+    eval_table = store.read_table(2, Table.EVAL)
     assert json.loads(json.dumps(figures))["accuracy"] == pytest.approx(float(eval_table["accuracy"].mean()))

@@ -28,11 +28,11 @@ from safetensors.torch import load_file
 from coba_tasks.commands.cli import main as cli_main
 from coba_tasks.pipeline.config import config_to_dict, load_config
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
-from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage
+from coba_tasks.pipeline.store import RunStore, Stage, Table
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
-TABLES = (*STEP_STAGES, Stage.HISTORY, Stage.EVAL)
+TABLES = (*Stage, Table.HISTORY, Table.EVAL)
 
 
 def _overrides(model: Path, data: tuple[Path, Path]) -> list[str]:
@@ -172,10 +172,10 @@ def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, random_che
 
     args = ["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "rewards"]
     assert cli_main([*args, "--yes", "--no-resume"]) == 0
-    assert store.is_done(1, Stage.ROLLOUTS) and store.is_done(1, Stage.BUDGET) and store.is_done(1, Stage.EVAL)
+    assert store.is_done(1, Stage.ROLLOUTS) and store.is_done(1, Stage.BUDGET) and store.is_done(1, Table.EVAL)
     assert not store.is_done(1, Stage.REWARDS) and not store.is_done(2, Stage.BUDGET)
     assert not store.checkpoint_dir(2).exists() and store.checkpoint_dir(1).exists()
-    assert not store.is_done(2, Stage.EVAL)
+    assert not store.is_done(2, Table.EVAL)
     assert not (run_dir / "summary.json").exists()
 
     train_flow(run_dir=str(run_dir), resume=True)
@@ -282,13 +282,13 @@ def _fake_run(root: Path, steps: int = 3) -> RunStore:
     store.create({"run": {"steps": steps}}, "h", {})
     df = pd.DataFrame({"x": [1]})
     store.write_table(0, Stage.BUDGET, df)
-    store.write_table(0, Stage.EVAL, df)
+    store.write_table(0, Table.EVAL, df)
     for t in range(steps):
-        for name in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.HISTORY, Stage.UPDATE):
+        for name in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Table.HISTORY, Stage.UPDATE):
             store.write_table(t, name, df)
         store.write_table(t + 1, Stage.BUDGET, df)
         store.checkpoint_dir(t + 1).mkdir(parents=True)
-    store.write_table(steps, Stage.EVAL, df)
+    store.write_table(steps, Table.EVAL, df)
     store.write_json("summary.json", {"steps": steps})
     return store
 
@@ -318,14 +318,14 @@ def test_plan_rerun_orders_outputs_as_computed(tmp_path):
     plan = plan_rerun(store, 0, Stage.BUDGET)
     assert (0, "eval") not in plan.tables and (0, "rollouts") in plan.tables and len(plan.checkpoints) == 3
     # a held-out evaluation is read by nothing
-    assert plan_rerun(store, 3, Stage.EVAL).tables == [(3, "eval")]
+    assert plan_rerun(store, 3, Table.EVAL).tables == [(3, "eval")]
 
 
 def test_apply_rerun_removes_exactly_the_plan(tmp_path):
     store = _fake_run(tmp_path / "r")
     plan = plan_rerun(store, 2, Stage.UPDATE)
     apply_rerun(store, plan)
-    assert not store.is_done(2, Stage.UPDATE) and not store.is_done(3, Stage.EVAL)
+    assert not store.is_done(2, Stage.UPDATE) and not store.is_done(3, Table.EVAL)
     assert store.is_done(2, Stage.CAPABILITY) and store.is_done(3, Stage.BUDGET)  # budget(3) precedes update(2)
     assert not store.checkpoint_dir(3).exists() and store.checkpoint_dir(2).exists()
     assert not (store.root / "summary.json").exists()
@@ -406,7 +406,7 @@ def test_damaged_tables_are_found_and_repair_plans_from_the_first(tmp_path, caps
     assert damaged_tables(store) == [] and plan_repair(store) is None
     path = store.table_path(2, Stage.REWARDS)
     path.write_bytes(path.read_bytes()[:-7])  # truncated
-    altered = store.table_path(1, Stage.HISTORY)
+    altered = store.table_path(1, Table.HISTORY)
     data = bytearray(altered.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one byte flipped, same size
     altered.write_bytes(bytes(data))

@@ -17,7 +17,7 @@ from helpers_reward import TEST_PROMPTS
 
 from coba_tasks.pipeline.config import load_config
 from coba_tasks.pipeline.data import write_verl_parquet
-from coba_tasks.pipeline.store import RunStore, Stage
+from coba_tasks.pipeline.store import RunStore, Stage, Table
 
 REWARD_FILE = textwrap.dedent(
     """\
@@ -117,7 +117,7 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
                 assert pd.isna(row.acc) and pd.isna(row.first)
         # the pass rates CoBA-RL allocates with: the share of scores >= 0.5 (verdict correct), per prompt
         rates = (rewards["verdict"] == "correct").groupby(rewards["prompt_id"]).mean()
-        history = store.read_table(step, Stage.HISTORY).set_index("prompt_id")["pass_rates"]
+        history = store.read_table(step, Table.HISTORY).set_index("prompt_id")["pass_rates"]
         assert all(history[pid][-1] == pytest.approx(rate) for pid, rate in rates.items())
         assert store.read_table(step, Stage.CAPABILITY)["S"].iloc[0] == pytest.approx(rates.mean())
         assert float(store.read_table(step, Stage.UPDATE)["grad_norm"].iloc[0]) > 0  # raw-score advantages

@@ -13,7 +13,7 @@ import pytest
 from helpers_reward import TEST_PROMPTS, assert_updates_moved, data_overrides, write_flat
 
 from coba_tasks.pipeline.config import config_to_dict, load_config
-from coba_tasks.pipeline.store import MANIFEST_FILE, STEP_STAGES, RunStore, Stage
+from coba_tasks.pipeline.store import MANIFEST_FILE, RunStore, Stage, Table
 
 
 @pytest.mark.slow
@@ -31,7 +31,7 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     store = RunStore.open(run_dir)
     m, g = cfg.data.prompts_per_step, cfg.allocation.group_size
     for step in range(3):
-        for name in (*STEP_STAGES, Stage.HISTORY):
+        for name in (*Stage, Table.HISTORY):
             assert store.is_done(step, name), (step, name)
             entry = store.manifest(step)[name]
             assert entry["rows"] == len(store.read_table(step, name)) and len(entry["sha256"]) == 64
@@ -97,7 +97,7 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     timings = [saved["wall_seconds"], saved["step_seconds_mean"], saved["prefect_overhead_seconds_per_step"]]
     for seconds in [*timings, *saved["stage_seconds"].values()]:
         assert isinstance(seconds, float) and math.isfinite(seconds) and seconds >= 0, saved
-    both = store.read_table(3, Stage.EVAL)
+    both = store.read_table(3, Table.EVAL)
     assert both["test_set"].value_counts().to_dict() == {
         "test": cfg.data.eval_prompts,
         "reworded": cfg.data.eval_prompts,
@@ -110,7 +110,7 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     assert other["prompt_id"].str.startswith("reworded/").all() and not set(other["prompt_id"]) & set(ev["prompt_id"])
     extra = saved["heldout_test_sets"]["reworded"]
     assert extra["after"]["accuracy"] == pytest.approx(other["accuracy"].mean()) and extra["before"]["prompts"] == 10
-    before = store.read_table(0, Stage.EVAL)
+    before = store.read_table(0, Table.EVAL)
     for name, rows in (("test", ev), ("reworded", other)):
         was = before[before["test_set"] == name].set_index("prompt_id")["accuracy"]
         diff = rows.set_index("prompt_id")["accuracy"] - was
@@ -266,8 +266,8 @@ def test_a_continuing_run_refuses_inputs_that_changed(tmp_path, random_checkpoin
     again and refuses to go on when they changed, unless allowed (then it warns)."""
     import shutil
 
+    from coba_tasks.engines.fileio import content_sha256
     from coba_tasks.pipeline import run
-    from coba_tasks.pipeline.fileio import content_sha256
     from coba_tasks.pipeline.store import StoreError
 
     model = tmp_path / "model"

@@ -51,7 +51,7 @@ from prefect_procs import (
     wait_healthy,
 )
 
-from coba_tasks.pipeline.store import STEP_STAGES, RunStore, Stage
+from coba_tasks.pipeline.store import RunStore, Stage
 
 pytestmark = pytest.mark.slow
 
@@ -203,7 +203,7 @@ def assert_same_run(run_dir: Path, reference: Path, base_model: Path) -> None:
             assert a.damage(step, name) is None, (run_dir.name, step, name, a.damage(step, name))
             pd.testing.assert_frame_equal(a.read_table(step, name), b.read_table(step, name), obj=f"{step}/{name}")
     for step in range(STEPS):
-        assert set(STEP_STAGES) <= set(a.manifest(step)) | {Stage.BUDGET}, (step, sorted(a.manifest(step)))
+        assert set(Stage) <= set(a.manifest(step)) | {Stage.BUDGET}, (step, sorted(a.manifest(step)))
     for name in ("prompts", "history"):
         pd.testing.assert_frame_equal(a.read_run_table(name), b.read_run_table(name), obj=name)
     for step in range(1, STEPS + 1):  # every checkpoint bit for bit: weights, AdamW state, trainer state

@@ -23,8 +23,8 @@ import test_resume
 from char_prompts import char_ids
 from helpers_reward import assert_updates_moved
 
+from coba_tasks.engines import fileio
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
-from coba_tasks.pipeline import fileio
 from coba_tasks.pipeline import store as store_module
 from coba_tasks.pipeline.store import RunStore, Stage
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coba_tasks.pipeline import store as store_module
-from coba_tasks.pipeline.store import MANIFEST_FILE, SCHEMA_VERSION, STAGES, RunStore, Stage, StoreError
+from coba_tasks.pipeline.store import MANIFEST_FILE, SCHEMA_VERSION, RunStore, Stage, StoreError, Table
 
 CONFIG = {"run": {"seed": 7, "steps": 3}, "allocation": {"strategy": "coba", "mode": "paper"}, "lr": 1e-6}
 VERSIONS = {"coba-rl": "0.1.0", "pandas": pd.__version__}
@@ -185,9 +185,11 @@ def test_json_path_through_a_symlink_out_of_the_run_is_refused(run: RunStore, tm
 
 
 def test_stage_enum_is_in_pipeline_order_and_budget_goes_to_the_next_step() -> None:
-    assert STAGES == ("rollouts", "rewards", "capability", "budget", "update")
-    assert tuple(Stage)[:5] == tuple(Stage(s) for s in STAGES) and [s.value for s in Stage][5:] == ["history", "eval"]
-    assert [s.output_step(4) for s in Stage] == [4, 4, 4, 5, 4, 4, 4]
+    assert [s.value for s in Stage] == ["rollouts", "rewards", "capability", "budget", "update"]
+    assert set(Table) == {*(s.table for s in Stage), Table.HISTORY, Table.EVAL} and len(Table) == 7
+    assert all(name == Stage.REWARDS for name in (Table.REWARDS, "rewards"))  # any of the three names a table
+    assert [s.output_step(4) for s in Stage] == [4, 4, 4, 5, 4]
+    assert [t.output_step(4) for t in Table] == [5, 4, 4, 4, 4, 4, 4]  # budget first: written for the next step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,18 +404,18 @@ def test_steps_done_checks_every_named_table_in_each_step_directory(run: RunStor
     run.write_table(2, Stage.ROLLOUTS, one_row)  # step 2 stopped after its rollouts
     (run.root / "steps" / "notes").mkdir()  # not a step directory: ignored
     assert run.steps() == [0, 1, 2]
-    assert run.steps_done(STAGES) == [0, 1]
+    assert run.steps_done() == [0, 1]
     assert run.steps_done() == [0, 1]
     assert run.steps_done([Stage.ROLLOUTS, Stage.BUDGET]) == [0, 1, 2]
     assert run.steps_done(["update"]) == [0, 1]
     assert run.steps_done([]) == [0, 1, 2]
     run.invalidate(1, Stage.REWARDS)
-    assert run.steps_done(STAGES) == [0]
+    assert run.steps_done() == [0]
 
 
 def test_steps_done_of_a_fresh_run_is_empty(run: RunStore) -> None:
     assert run.steps() == []
-    assert run.steps_done(STAGES) == []
+    assert run.steps_done() == []
 
 
 # ---------------------------------------------------------------------------------------------

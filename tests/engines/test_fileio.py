@@ -1,4 +1,4 @@
-"""Output directories built by a command (coba_tasks/pipeline/fileio.py): refused, replaced, never emptied."""
+"""Output directories built by a command (coba_tasks/engines/fileio.py): refused, replaced, never emptied."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coba_tasks.pipeline.fileio import OutputDirError, check_output_dir, files_of, new_temporary_dir, publish_dir
+from coba_tasks.engines.fileio import OutputDirError, check_output_dir, files_of, new_temporary_dir, publish_dir
 
 RECORD = "built.json"
 

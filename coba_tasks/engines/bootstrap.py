@@ -34,9 +34,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
-from coba_tasks.engines.update_batch import pad_sequences
-from coba_tasks.pipeline.fileio import (
+from coba_tasks.engines.fileio import (
     OutputDirError,
     atomic_write,
     check_output_dir,
@@ -44,6 +42,8 @@ from coba_tasks.pipeline.fileio import (
     new_temporary_dir,
     publish_dir,
 )
+from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
+from coba_tasks.engines.update_batch import pad_sequences
 
 Log = Callable[[str], None]
 METRICS_FILE = "bootstrap.json"

@@ -10,8 +10,7 @@ import pandas as pd
 import pytest
 from safetensors.numpy import load_file
 
-from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer
-from coba_tasks.pipeline.bootstrap import (
+from coba_tasks.engines.bootstrap import (
     GAVE_UP,
     GIVE_UP,
     NEAR_MISSES,
@@ -27,8 +26,9 @@ from coba_tasks.pipeline.bootstrap import (
     stale_bootstrap_note,
     train_sft,
 )
+from coba_tasks.engines.fileio import OutputDirError
+from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer
 from coba_tasks.pipeline.data import load_dataset
-from coba_tasks.pipeline.fileio import OutputDirError
 
 SMALL = BootstrapConfig(
     spec=TinyLlamaSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1),

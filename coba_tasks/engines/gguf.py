@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.pipeline.fileio import (
+from coba_tasks.engines.fileio import (
     OutputDirError,
     check_output_dir,
     files_of,

@@ -1,4 +1,4 @@
-"""Tests for coba_tasks/pipeline/gguf.py and `coba convert-gguf`.
+"""Tests for coba_tasks/engines/gguf.py and `coba convert-gguf`.
 
 The fast tests swap the model-building step for a stub that writes two small files, so the
 checks, the record and the atomic swap are tested without a model. The slow ones use the
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from coba_tasks.commands.cli import main
-from coba_tasks.pipeline import gguf
-from coba_tasks.pipeline.gguf import RECORD, GGUFError, convert_gguf, packaged_gguf, read_record
+from coba_tasks.engines import gguf
+from coba_tasks.engines.gguf import RECORD, GGUFError, convert_gguf, packaged_gguf, read_record
 
 PACKAGED_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_FILES = (
