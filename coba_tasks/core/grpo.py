@@ -25,6 +25,17 @@ How this deviates from PPO:
   per sequence then over sequences (which favours short responses);
 - no KL term by default (``kl_penalty`` exists for a configurable coefficient); no entropy bonus.
 
+Rollout correction (truncated importance sampling, off by default; docs/method.md): the tokens were
+sampled by the rollout engine, whose log-probabilities ``logp_samp`` differ slightly from the
+trainer's ``logp_old`` of the same weights (bf16 kernels, another attention implementation). With
+``rollout_correction_weights`` each token's loss ``L_ijt`` is multiplied by a detached weight
+
+    token:     w_ijt = min(exp(logp_old_ijt - logp_samp_ijt), C)
+    sequence:  w_ijt = min(exp(sum_t' (logp_old_ijt' - logp_samp_ijt')), C)   the same for every t
+
+and, with a mask threshold tau > 1, tokens (token level) or whole sequences (sequence level) whose
+ratio lies outside [1/tau, tau] get weight 0. The normaliser stays sum_{i,j} T_ij.
+
 Micro-batches (gradient accumulation): ``policy_loss`` takes ``token_count``, the normaliser.
 Pass the token count of the *whole* batch to each micro-batch and the micro-batch losses sum to
 the full-batch loss, so their accumulated gradients equal the full-batch gradient.
@@ -34,6 +45,7 @@ Shapes: B sequences, T tokens (padded), V vocabulary. Everything is torch in, to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from enum import StrEnum
 
@@ -233,6 +245,99 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, k
     return torch.where(mask.bool(), kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
 
 
+class RolloutCorrection(StrEnum):
+    """The level of the truncated importance-sampling correction between the sampler and the trainer."""
+
+    NONE = "none"  # no weight (the default)
+    TOKEN = "token"  # per-token ratio pi_old(token) / pi_sampler(token)
+    SEQUENCE = "sequence"  # the product of a completion's token ratios, one weight per sequence
+
+
+def rollout_correction_weights(
+    logp_old: torch.Tensor,
+    logp_sampler: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+    cap: float = 2.0,
+    mask_threshold: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Truncated importance-sampling weights of the sampled tokens, (B, T) -> (weights, ratio, dropped).
+
+    Args:
+        logp_old: (B, T) the trainer's log-probs of the sampled tokens under the behaviour policy
+            (the weights before the update: ``policy_loss``'s ``logp_old``); constant.
+        logp_sampler: (B, T) the rollout engine's log-probs of the same tokens; constant.
+        mask: (B, T) 1 on the completion tokens.
+        level: ``"token"`` (one ratio per token) or ``"sequence"`` (exp of the row's summed log-ratio,
+            the same for each of its tokens). ``"none"`` is refused: call nothing then.
+        cap: C, the weight is min(ratio, C); must be > 0.
+        mask_threshold: tau; 0 = no masking, else > 1: a token (token level) or a row (sequence
+            level) whose ratio is outside [1/tau, tau] gets weight 0.
+
+    Returns:
+        ``weights`` (B, T) min(ratio, C), 0 where dropped and off the mask; ``ratio`` (B, T) the ratio
+        before truncation (at sequence level the row's ratio on each of its tokens), 1 off the mask;
+        ``dropped`` (B, T) bool, the masked-out completion tokens. All without gradients.
+
+    The log-ratio (a token's, or a row's sum) is clamped to +/- LOG_RATIO_MAX before ``exp``.
+    """
+    kind = RolloutCorrection(level)
+    if kind is RolloutCorrection.NONE:
+        raise ValueError("rollout_correction_weights needs level token or sequence, got none")
+    if logp_old.shape != logp_sampler.shape or logp_old.shape != mask.shape or logp_old.ndim != 2:
+        raise ValueError(
+            f"logp_old, logp_sampler and mask must all be (B, T), got {tuple(logp_old.shape)}, "
+            f"{tuple(logp_sampler.shape)}, {tuple(mask.shape)}"
+        )
+    if not cap > 0:
+        raise ValueError(f"the rollout correction's cap must be > 0, got {cap}")
+    if not (mask_threshold == 0 or mask_threshold > 1):
+        raise ValueError(f"the rollout correction's mask threshold must be 0 (none) or > 1, got {mask_threshold}")
+    with torch.no_grad():
+        m = mask.bool()
+        zero = torch.zeros((), dtype=logp_old.dtype, device=logp_old.device)
+        log_ratio = torch.where(m, logp_old.detach() - logp_sampler.detach().to(logp_old.dtype), zero)  # (B, T)
+        if kind is RolloutCorrection.SEQUENCE:
+            log_ratio = torch.where(m, log_ratio.sum(dim=-1, keepdim=True), zero)  # (B, T) the row's sum
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX))  # (B, T), 1 off the mask
+        dropped = torch.zeros_like(m)
+        if mask_threshold > 0:
+            dropped = m & ((ratio > mask_threshold) | (ratio < 1.0 / mask_threshold))
+        weights = torch.where(m & ~dropped, ratio.clamp(max=cap), zero)
+    return weights, ratio, dropped
+
+
+def rollout_correction_stats(
+    ratio: torch.Tensor, dropped: torch.Tensor, mask: torch.Tensor, cap: float | None
+) -> dict[str, float]:
+    """The update's ratio statistics over the completion tokens (``rollout_correction_weights``' outputs).
+
+    ``is_ratio_mean`` and ``is_ratio_max`` of the ratio before truncation (at sequence level each token
+    carries its row's ratio, so a long row weighs more), ``is_clipped_frac`` the share of tokens kept
+    with a ratio above ``cap`` (their weight is C), ``is_masked_frac`` the share dropped. ``cap`` None
+    (no correction applied): clipped and masked shares 0. NaN ratios and 0 shares without tokens.
+    Sums are exact (``math.fsum``), so the figures do not depend on how the rows were batched.
+    """
+    m = mask.bool()
+    n = int(m.sum())
+    if n == 0:
+        return {
+            "is_ratio_mean": float("nan"),
+            "is_ratio_max": float("nan"),
+            "is_clipped_frac": 0.0,
+            "is_masked_frac": 0.0,
+        }
+    r = ratio.detach()[m].double().cpu()
+    d = dropped.bool()[m].cpu()
+    clipped = 0 if cap is None else int(((r > cap) & ~d).sum())
+    return {
+        "is_ratio_mean": math.fsum(r.tolist()) / n,
+        "is_ratio_max": float(r.max()),
+        "is_clipped_frac": clipped / n,
+        "is_masked_frac": 0.0 if cap is None else int(d.sum()) / n,
+    }
+
+
 def policy_loss(
     logp_new: torch.Tensor,
     logp_old: torch.Tensor,
@@ -241,6 +346,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     token_count: float | int | torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-surrogate GRPO loss with clip-higher and token-mean aggregation.
 
@@ -257,6 +363,9 @@ def policy_loss(
             unmasked-token count of the *whole* batch (all micro-batches; in data-parallel
             training, of all ranks) to every micro-batch: the micro-batch losses then sum to the
             full-batch loss, and their accumulated gradients equal the full-batch gradient.
+        weights: (B, T) or None; per-token weights that multiply ``L_t`` (detached): the rollout
+            correction's (``rollout_correction_weights``). A weight-0 token adds nothing to the loss
+            but still counts in ``token_count``. None = no weight (the same numbers as without it).
 
     Returns:
         ``(loss, stats)``: ``loss`` a scalar tensor, ``sum_t L_t / token_count`` over unmasked
@@ -287,6 +396,10 @@ def policy_loss(
     surr = -adv * ratio  # (B, T)
     surr_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
     per_token = torch.maximum(surr, surr_clipped)  # (B, T) pessimistic bound
+    if weights is not None:
+        if weights.shape != per_token.shape:
+            raise ValueError(f"weights must be (B, T) = {tuple(per_token.shape)}, got {tuple(weights.shape)}")
+        per_token = per_token * weights.detach().to(per_token.dtype)  # truncated importance sampling
     loss = masked_mean(per_token, mask, token_count)
 
     with torch.no_grad():

@@ -14,6 +14,10 @@ mini-batches: the rollouts are shuffled, seeded by the update count, and cut int
    optimizer step the ratio to logp_old moves away from 1 and the clip starts to act.
 3. Optional KL to the reference (the starting model) when ``kl_coef > 0``; entropy is measured,
    not optimised (coefficient 0).
+4. Optional rollout correction (``rollout_correction`` token or sequence, off by default): each
+   token's loss is weighted by min(pi_old / pi_sampler, C) from logp_old and the sampler's
+   log-probabilities (``coba_tasks.core.grpo.rollout_correction_weights``); the update reports the
+   ratio's statistics (``is_*``) whether or not the weight is applied.
 
 Precision: the training model keeps float32 weights and AdamW state whatever ``dtype`` says; with
 ``dtype`` bfloat16 or float16 the forward and backward passes run under ``torch.autocast`` in that
@@ -46,7 +50,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from coba_tasks.core.grpo import entropy_from_logits, kl_penalty, masked_mean, policy_loss, token_logprobs
+from coba_tasks.core.grpo import (
+    RolloutCorrection,
+    entropy_from_logits,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    rollout_correction_weights,
+    token_logprobs,
+)
 from coba_tasks.engines.checkpoint import (
     load_adapter_weights,
     load_optimizer_state,
@@ -59,8 +71,10 @@ from coba_tasks.engines.update_batch import (
     DataShard,
     pad_sequences,
     padded_rows,
+    rollout_ratio_stats,
     sampler_gap,
     sampler_gap_rows,
+    sampler_padded,
 )
 
 
@@ -95,12 +109,31 @@ class UpdateSettings:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_target_modules: str | tuple[str, ...] = "all-linear"
+    # rollout correction (truncated importance sampling, coba_tasks.core.grpo.rollout_correction_weights):
+    # none | token | sequence; the cap C of the weight; tau > 1 drops ratios outside [1/tau, tau], 0 = none
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0
+    rollout_mask_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(
                 f"the update's temperature must be > 0 (the rollouts' sampling temperature), got {self.temperature}"
             )
+        if self.rollout_correction not in {k.value for k in RolloutCorrection}:
+            raise ValueError(
+                f"rollout_correction must be one of {[k.value for k in RolloutCorrection]}, "
+                f"got {self.rollout_correction!r}"
+            )
+        if not self.rollout_correction_cap > 0:
+            raise ValueError(f"rollout_correction_cap must be > 0, got {self.rollout_correction_cap}")
+        if not (self.rollout_mask_threshold == 0 or self.rollout_mask_threshold > 1):
+            raise ValueError(f"rollout_mask_threshold must be 0 (none) or > 1, got {self.rollout_mask_threshold}")
+
+    @property
+    def corrects_rollouts(self) -> bool:
+        """Whether the loss is weighted by the rollout correction."""
+        return self.rollout_correction != RolloutCorrection.NONE
 
 
 def warmup_lr(lr: float, warmup_steps: int, update: int) -> float:
@@ -235,6 +268,33 @@ class PolicyTrainer:
             return "data-parallel (FSDP) processes run the full-sequence update in step with each other"
         return supports_shared_prefix(self.model)
 
+    def _sampler_needed(self, sampler_logprobs: Sequence[Sequence[float]] | None) -> None:
+        """The rollout correction weighs by the sampler's log-probabilities: refuse an update without them."""
+        if self.settings.corrects_rollouts and sampler_logprobs is None:
+            raise ValueError(
+                f"optim.rollout_correction = {self.settings.rollout_correction} needs the sampler's logprobs, "
+                "but these rollouts have none (rollouts.parquet without a logprobs column); "
+                "set optim.rollout_correction=none or sample the rollouts again"
+            )
+
+    def _ratio_stats(
+        self, old_rows: Sequence[torch.Tensor | None], sampler_logprobs: Sequence[Sequence[float]] | None
+    ) -> dict[str, float]:
+        s = self.settings
+        return rollout_ratio_stats(
+            old_rows, sampler_logprobs, s.rollout_correction, s.rollout_correction_cap, s.rollout_mask_threshold
+        )
+
+    def _correction_weights(self, logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor):
+        """The rollout correction's (B, T) loss weights, or None when it is off."""
+        s = self.settings
+        if not s.corrects_rollouts:
+            return None
+        weights, _, _ = rollout_correction_weights(
+            logp_old, logp_sampler, mask, s.rollout_correction, s.rollout_correction_cap, s.rollout_mask_threshold
+        )
+        return weights
+
     def _begin_update(self) -> dict[str, float]:
         """Sets this update's learning rate and train mode; returns the metric sums to fill."""
         for group in self.optimizer.param_groups:  # the warm-up follows the update count, so a resume agrees
@@ -298,6 +358,7 @@ class PolicyTrainer:
         gap: tuple[float, float],
         trained: torch.Tensor,
         lengths: Sequence[int],
+        is_stats: dict[str, float],
     ) -> dict[str, float]:
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)  # free the gradients' memory until the next update
@@ -322,7 +383,8 @@ class PolicyTrainer:
             "logprob_diff_max": gap[1],
             "skipped_rows": int(n - sum(kept)),  # advantage 0, left out of the forward and backward passes
             "skipped_tokens": int(sum(length for length, k in zip(lengths, kept, strict=True) if not k)),
-            "diagnostic_rows": int(sum(kept)),  # the rows entropy and logprob_diff_* cover
+            "diagnostic_rows": int(sum(kept)),  # the rows entropy, logprob_diff_* and is_* cover
+            **is_stats,  # the rollout correction's ratio statistics (measured when it is off too)
         }
 
     def _time(self, what: str, since: float) -> None:
@@ -356,6 +418,12 @@ class PolicyTrainer:
             raise ValueError("GRPO update: no completion tokens in the batch")
         parts = max(1, min(s.mini_batches, n))
         one_step = parts == 1 and s.update_epochs == 1
+        self._sampler_needed(sampler_logprobs)
+        sampler_rows = (
+            [torch.tensor(list(map(float, lp)), dtype=torch.float64) for lp in sampler_logprobs]
+            if s.corrects_rollouts
+            else None
+        )
         self.timings = {}
         trained = self._trained_rows(adv)
         kept_rows = torch.nonzero(trained).flatten().tolist()
@@ -378,7 +446,13 @@ class PolicyTrainer:
                 else:
                     old = padded_rows([old_rows[r] for r in idx.tolist()], logp)
                 weights = mask.to(logp.dtype)
-                loss, stats = policy_loss(logp, old, adv[idx], weights, s.clip_low, s.clip_high, token_count=mb_tokens)
+                rc = None
+                if sampler_rows is not None:  # the rollout correction's weights, from logp_old and the sampler's
+                    theirs = padded_rows([sampler_rows[r] for r in idx.tolist()], logp)
+                    rc = self._correction_weights(old, theirs, mask)
+                loss, stats = policy_loss(
+                    logp, old, adv[idx], weights, s.clip_low, s.clip_high, token_count=mb_tokens, weights=rc
+                )
                 if self.ref_model is not None:
                     ref = padded_rows([ref_rows[r] for r in idx.tolist()], logp)
                     kl = masked_mean(kl_penalty(logp, ref, weights), weights, mb_tokens)
@@ -414,7 +488,11 @@ class PolicyTrainer:
             None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_rows],
             [completion_ids[r] for r in kept_rows],
         )
-        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths)
+        is_stats = self._ratio_stats(
+            [old_rows[r] for r in kept_rows],
+            None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_rows],
+        )
+        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths, is_stats)
 
     def _grouped_logprobs(
         self,
@@ -463,6 +541,7 @@ class PolicyTrainer:
             raise ValueError("GRPO update: no completion tokens in the batch")
         n = ids.shape[0]
         parts = max(1, min(s.mini_batches, n))
+        self._sampler_needed(sampler_logprobs)
         trained = self._trained_rows(adv)
         kept = torch.nonzero(trained).flatten()
         with torch.no_grad():
@@ -478,6 +557,14 @@ class PolicyTrainer:
             None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_list],
             [completion_ids[r] for r in kept_list],
         )
+        kept_mask = mask[kept].bool()
+        is_stats = self._ratio_stats(
+            [row[m] for row, m in zip(logp_old[kept], kept_mask, strict=True)],
+            None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_list],
+        )
+        rc_weights = None  # (B, T-1), fixed for the whole update: logp_old is the behaviour policy's
+        if s.corrects_rollouts:
+            rc_weights = self._correction_weights(logp_old, sampler_padded(sampler_logprobs, mask, logp_old), mask)
 
         totals = self._begin_update()
 
@@ -492,7 +579,14 @@ class PolicyTrainer:
                 logp, ent = self._logprobs(self.model, ids[idx], attn[idx], with_entropy=True)
                 self._time("forward", t0)
                 loss, stats = policy_loss(
-                    logp, logp_old[idx], adv[idx], mask[idx], s.clip_low, s.clip_high, token_count=mb_tokens
+                    logp,
+                    logp_old[idx],
+                    adv[idx],
+                    mask[idx],
+                    s.clip_low,
+                    s.clip_high,
+                    token_count=mb_tokens,
+                    weights=None if rc_weights is None else rc_weights[idx],
                 )
                 if ref_logp is not None:
                     kl = masked_mean(kl_penalty(logp, ref_logp[idx], mask[idx]), mask[idx], mb_tokens)
@@ -512,7 +606,7 @@ class PolicyTrainer:
             n, parts, lambda rows: float(mask[rows.to(self.device)].sum()), mini_batch, totals, trained
         )
         lengths = [len(c) for c in completion_ids]
-        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths)
+        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths, is_stats)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str | Path, extra_state: dict[str, Any] | None = None) -> Path:

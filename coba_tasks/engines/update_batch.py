@@ -5,7 +5,9 @@ Helpers of ``coba_tasks.engines.trainer.PolicyTrainer.update`` that need no mode
 update benchmark), ``DataShard`` (which rows this process computes and how its sums meet the other
 processes'; ``coba_tasks.engines.fsdp_update.DistributedShard`` is its data-parallel subclass) and
 ``sampler_gap`` / ``sampler_gap_rows`` (how far the rollout engine's log-probabilities of the sampled
-tokens are from the trainer's: the update's ``logprob_diff_mean`` and ``logprob_diff_max``).
+tokens are from the trainer's: the update's ``logprob_diff_mean`` and ``logprob_diff_max``), and
+``sampler_padded`` / ``rollout_ratio_stats`` (those figures laid out for the rollout correction, and
+its ``is_*`` statistics).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+
+from coba_tasks.core.grpo import RolloutCorrection, rollout_correction_stats, rollout_correction_weights
 
 
 def pad_sequences(
@@ -119,3 +123,47 @@ def padded_rows(rows: Sequence[torch.Tensor | None], like: torch.Tensor) -> torc
         if t is not None:
             out[i, : len(t)] = t.to(out.dtype)
     return out.detach()
+
+
+def sampler_padded(sampler_logprobs: Sequence[Sequence[float]], mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The sampler's log-probabilities laid out like the trainer's (``like``, (B, T-1)): the entries of
+    ``sampler_logprobs[b]`` in order at the positions where ``mask[b]`` is 1, zeros elsewhere."""
+    m = mask.bool()
+    counts = m.sum(dim=1).tolist()
+    for b, (lp, c) in enumerate(zip(sampler_logprobs, counts, strict=True)):
+        if len(lp) != int(c):
+            raise ValueError(f"rollout {b}: {len(lp)} sampler logprobs for {int(c)} completion tokens")
+    out = torch.zeros_like(like)
+    flat = [x for lp in sampler_logprobs for x in lp]
+    out[m] = torch.tensor(flat, dtype=torch.float64).to(dtype=out.dtype, device=out.device)  # row-major
+    return out.detach()
+
+
+def rollout_ratio_stats(
+    trainer_rows: Sequence[torch.Tensor | None],
+    sampler_logprobs: Sequence[Sequence[float]] | None,
+    level: str,
+    cap: float,
+    mask_threshold: float,
+) -> dict[str, float]:
+    """The update's ``is_ratio_mean``, ``is_ratio_max``, ``is_clipped_frac`` and ``is_masked_frac``
+    (``coba_tasks.core.grpo.rollout_correction_stats``) from one 1-D tensor per row of the trainer's
+    completion-token log-probabilities before the update and the sampler's figures of the same rows.
+
+    ``level`` none (no correction): the token-level ratio, nothing clipped or masked. NaN ratios (and 0
+    shares) without sampler figures or without tokens."""
+    rows = [t.double().cpu() if t is not None else torch.zeros(0, dtype=torch.float64) for t in trainer_rows]
+    width = max((len(t) for t in rows), default=0)
+    if sampler_logprobs is None or width == 0:
+        nan = float("nan")
+        return {"is_ratio_mean": nan, "is_ratio_max": nan, "is_clipped_frac": 0.0, "is_masked_frac": 0.0}
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, t in enumerate(rows):
+        mask[i, : len(t)] = True
+    old = padded_rows(rows, mask.double())
+    theirs = padded_rows([torch.tensor(list(lp), dtype=torch.float64) for lp in sampler_logprobs], mask.double())
+    applied = RolloutCorrection(level) is not RolloutCorrection.NONE
+    _, ratio, dropped = rollout_correction_weights(
+        old, theirs, mask, level if applied else "token", cap, mask_threshold if applied else 0.0
+    )
+    return rollout_correction_stats(ratio, dropped, mask, cap if applied else None)

@@ -64,6 +64,8 @@ PromptFormat = Literal["auto", "chat", "raw"]  # data.prompt_format (coba_tasks.
 UnknownSources = Literal["error", "math"]  # verify.unknown_sources (coba_tasks.pipeline.data_run)
 Schedule = Literal["adaptive", "reversed", "fixed"]  # allocation.schedule: the paper's ablations reverse or fix it
 ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocators.Mode
+# optim.rollout_correction: coba_tasks.core.grpo.RolloutCorrection's values (not imported here: it pulls in torch)
+RolloutCorrectionLevel = Literal["none", "token", "sequence"]
 DTYPES = get_args(Dtype)
 assert set(get_args(ModeName)) == {m.value for m in Mode}, "allocation.mode's words are Mode's values"
 
@@ -89,6 +91,9 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("data", "difficulties"): [],
     ("verify", "reward_function"): "",
     ("verify", "pass_threshold"): 1.0,
+    ("optim", "rollout_correction"): "none",
+    ("optim", "rollout_correction_cap"): 2.0,
+    ("optim", "rollout_mask_threshold"): 0.0,
 }
 MAIN_TEST_SET = "test"  # the eval table's test_set of data.test; an extra test's is its file name without .parquet
 
@@ -485,6 +490,40 @@ class OptimConfig(_Section):
     skip_zero_advantage: StrictBool = _key(
         True, "leave advantage-0 rows out of the passes when kl_coef is 0 (same gradients)"
     )
+    rollout_correction: RolloutCorrectionLevel = _key(
+        "none",
+        "truncated importance sampling pi_trainer / pi_sampler on the loss (veRL's rollout_is, TRL's "
+        "vllm_importance_sampling_correction): none, token (a ratio per token) or sequence (one per completion)",
+        "must be none (no correction), token (weight each token by min(pi_old / pi_sampler, cap)) or sequence "
+        "(weight each completion by min(product of its token ratios, cap))",
+    )
+    rollout_correction_cap: Number = _key(
+        2.0,
+        "the truncation C: the weight is min(ratio, C) (veRL's rollout_is_threshold, TRL's "
+        "vllm_importance_sampling_cap)",
+        gt=0,
+    )
+    rollout_mask_threshold: Number = _key(
+        0.0,
+        "tau > 1: tokens (token level) or completions (sequence level) whose ratio is outside [1/tau, tau] are "
+        "left out of the loss (veRL's rollout_rs_threshold); 0 = no masking",
+        ge=0,
+    )
+
+    @model_validator(mode="after")
+    def _rollout_correction(self) -> OptimConfig:
+        if self.rollout_mask_threshold != 0 and not self.rollout_mask_threshold > 1:
+            self._fail(
+                "rollout_mask_threshold",
+                "masks ratios outside [1/tau, tau], so it must be > 1; set it above 1 (e.g. 5) or to 0 for no masking",
+            )
+        if self.rollout_mask_threshold > 0 and self.rollout_correction == "none":
+            self._fail(
+                "rollout_mask_threshold",
+                "masks at the level of optim.rollout_correction, which is none; set optim.rollout_correction=token "
+                "(or sequence) or leave optim.rollout_mask_threshold at 0",
+            )
+        return self
 
 
 class VerifyConfig(_Section):

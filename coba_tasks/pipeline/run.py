@@ -359,6 +359,9 @@ def update_settings(cfg: Config) -> UpdateSettings:
         lora_rank=cfg.model.lora_rank,
         lora_alpha=cfg.model.lora_alpha,
         lora_target_modules=cfg.model.lora_target_modules,
+        rollout_correction=o.rollout_correction,
+        rollout_correction_cap=o.rollout_correction_cap,
+        rollout_mask_threshold=o.rollout_mask_threshold,
     )
 
 

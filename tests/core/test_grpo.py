@@ -1,5 +1,6 @@
 """GRPO math: ragged-group advantages, clip-higher token-mean loss, KL."""
 
+import itertools
 import math
 
 import pytest
@@ -13,6 +14,8 @@ from coba_tasks.core.grpo import (
     kl_penalty,
     masked_mean,
     policy_loss,
+    rollout_correction_stats,
+    rollout_correction_weights,
     token_logprobs,
     zero_variance_share,
 )
@@ -379,3 +382,148 @@ def test_kl_estimators():
 
     with pytest.raises(ValueError, match=r"k1.*k2.*k3"):
         kl_penalty(logp, ref, mask, "k9")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout correction (truncated importance sampling)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rollout_correction_weights_token_sequence_cap_and_mask():
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    samp = old - torch.tensor([[math.log(3.0), math.log(0.5), 9.0], [math.log(1.5), 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    w, r, d = rollout_correction_weights(old, samp, mask, "token", cap=2.0)
+    assert r.flatten().tolist() == pytest.approx(
+        list(itertools.chain.from_iterable([[3.0, 0.5, 1.0], [1.5, 1.0, 1.0]]))
+    )  # 1 off the mask
+    assert w.flatten().tolist() == pytest.approx(
+        list(itertools.chain.from_iterable([[2.0, 0.5, 0.0], [1.5, 0.0, 0.0]]))
+    )  # min(ratio, C), 0 off the mask
+    assert not d.any()
+    w, r, d = rollout_correction_weights(old, samp, mask, "sequence", cap=2.0)
+    assert r.flatten().tolist() == pytest.approx(
+        list(itertools.chain.from_iterable([[1.5, 1.5, 1.0], [1.5, 1.0, 1.0]]))
+    )  # 3 * 0.5 on each token of row 0
+    assert w.flatten().tolist() == pytest.approx(
+        list(itertools.chain.from_iterable([[1.5, 1.5, 0.0], [1.5, 0.0, 0.0]]))
+    )
+    # tau = 2.5: ratios outside [0.4, 2.5] are dropped (3.0 at token level), not truncated
+    w, r, d = rollout_correction_weights(old, samp, mask, "token", cap=2.0, mask_threshold=2.5)
+    assert d.tolist() == [[True, False, False], [False, False, False]]
+    assert w.flatten().tolist() == pytest.approx(
+        list(itertools.chain.from_iterable([[0.0, 0.5, 0.0], [1.5, 0.0, 0.0]]))
+    )
+    st_ = rollout_correction_stats(r, d, mask, cap=2.0)
+    assert st_["is_ratio_mean"] == pytest.approx(5.0 / 3) and st_["is_ratio_max"] == pytest.approx(3.0)
+    assert st_["is_clipped_frac"] == 0.0 and st_["is_masked_frac"] == pytest.approx(1 / 3)
+    w, r, d = rollout_correction_weights(old, samp, mask, "sequence", cap=2.0, mask_threshold=1.2)
+    assert d.tolist() == [[True, True, False], [True, False, False]] and not w.any()
+    none = rollout_correction_stats(r, d, mask, cap=None)  # not applied: nothing clipped or masked
+    assert none["is_clipped_frac"] == 0.0 and none["is_masked_frac"] == 0.0
+    for bad in ({"level": "none"}, {"cap": 0.0}, {"mask_threshold": 1.0}, {"level": "tokens"}):
+        with pytest.raises(ValueError):
+            rollout_correction_weights(old, samp, mask, **({"level": "token"} | bad))
+
+
+def test_rollout_correction_weight_none_and_one_leave_the_loss_bit_identical():
+    g = torch.Generator().manual_seed(0)
+    new = torch.randn(3, 4, generator=g, dtype=torch.float64).requires_grad_()
+    old = new.detach() + 0.1 * torch.randn(3, 4, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.0, 0.0, -0.5], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    grads = []
+    for kwargs in ({}, {"weights": None}, {"weights": rollout_correction_weights(old, old, mask, "token")[0]}):
+        loss, _ = policy_loss(new, old, adv, mask, token_count=9.0, **kwargs)
+        (g_,) = torch.autograd.grad(loss, new)
+        grads.append((loss.detach(), g_))
+    assert all(torch.equal(grads[0][0], x) and torch.equal(grads[0][1], y) for x, y in grads[1:])
+    # a row with advantage 0 contributes exactly nothing, whatever its weight
+    heavy = torch.full((3, 4), 2.0, dtype=torch.float64)
+    loss, _ = policy_loss(new, old, adv, mask, token_count=9.0, weights=heavy)
+    (g_,) = torch.autograd.grad(loss, new)
+    assert torch.all(g_[1] == 0)
+
+
+def _enumerated_batch(q1, q2, n):
+    """Every pair (a, b) of a 2-token completion, repeated n * q1[a] * q2[b] times: the exact expectation
+    under the sampler q = q1 x q2 as a batch."""
+    rows = []
+    for a, qa in enumerate(q1):
+        for b, qb in enumerate(q2):
+            rows += [(a, b)] * round(n * qa * qb)
+    assert len(rows) == n
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_corrected_gradient_is_the_on_policy_gradient(level):
+    """Tokens sampled from q (the sampler), trained with p (the trainer's policy, softmax of theta per position).
+
+    The on-policy policy gradient is g* = sum_x p(x) A(x) grad log p(x). The sampled batch (an exact
+    enumeration of q) with weights w = p/q gives it exactly: for a single token (token level), and for a
+    sequence with one advantage when the weight is the sequence's ratio (sequence level). Without the weight
+    it is q's expectation, which differs."""
+    q1, q2 = [0.125, 0.25, 0.625], [0.5, 0.25, 0.25]  # the sampler: exact binary fractions, n = 32 rows
+    theta = torch.tensor([[0.3, -0.2, 0.5], [-0.4, 0.1, 0.6]], dtype=torch.float64, requires_grad=True)
+    logq = torch.log(torch.tensor([q1, q2], dtype=torch.float64))
+    xs = _enumerated_batch(q1, q2, 32)  # (32, 2)
+    reward = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0], [2.0, 0.0, -0.5]], dtype=torch.float64)
+    cols = torch.arange(2)
+    if level == "token":
+        xs = xs[:, :1]  # one token per completion: position 0 only
+        cols = cols[:1]
+
+    def adv_of(x):  # a sequence-level advantage, any function of the completion
+        return reward[x[:, 0], x[:, 1]] if x.shape[1] == 2 else reward[x[:, 0], 0]
+
+    def logp_of(th, x):  # (B, T) log p of each token
+        return torch.log_softmax(th, dim=-1)[cols, x]
+
+    # exact on-policy gradient: enumerate p
+    vocab = range(3)
+    completions = torch.tensor(list(itertools.product(vocab, repeat=len(cols))))
+    lp = logp_of(theta, completions).sum(-1)  # (K,) log p(x)
+    objective = (lp.detach().exp() * adv_of(completions) * lp).sum()  # grad = sum p A grad log p
+    (g_star,) = torch.autograd.grad(objective, theta)
+
+    logp = logp_of(theta, xs)  # (32, T) with gradient; first step: logp_old = logp
+    old = logp.detach()
+    samp = logq[cols, xs]
+    mask = torch.ones_like(old)
+    adv = adv_of(xs)
+    per_seq_tokens = float(len(cols))
+
+    def gradient(weights):
+        loss, _ = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, weights=weights)
+        (g,) = torch.autograd.grad(loss, theta, retain_graph=True)
+        return -g * per_seq_tokens  # loss = -(1/(n T)) sum A w rho: undo the token mean and the sign
+
+    w, ratio, _ = rollout_correction_weights(old, samp, mask, level, cap=1e6)
+    corrected, plain = gradient(w), gradient(None)
+    assert torch.allclose(corrected, g_star, rtol=1e-10, atol=1e-12)
+    assert float((plain - g_star).norm()) > 0.1 * float(g_star.norm())  # the uncorrected gradient is q's
+    # a cap below the largest ratio truncates: the weight is min(ratio, C), no longer unbiased
+    cap = float(ratio.max()) * 0.5
+    w_cap, _, _ = rollout_correction_weights(old, samp, mask, level, cap=cap)
+    assert torch.equal(w_cap, ratio.clamp(max=cap))
+    assert not torch.allclose(gradient(w_cap), g_star, rtol=1e-6)
+
+
+def test_token_level_weights_are_biased_for_a_sequence_advantage():
+    """With a completion of two tokens, the per-token ratio corrects each token's marginal only: its gradient
+    differs from the on-policy one, which the sequence-level ratio recovers (the test above)."""
+    q1, q2 = [0.125, 0.25, 0.625], [0.5, 0.25, 0.25]
+    theta = torch.tensor([[0.3, -0.2, 0.5], [-0.4, 0.1, 0.6]], dtype=torch.float64, requires_grad=True)
+    logq = torch.log(torch.tensor([q1, q2], dtype=torch.float64))
+    xs = _enumerated_batch(q1, q2, 32)
+    reward = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0], [2.0, 0.0, -0.5]], dtype=torch.float64)
+    cols = torch.arange(2)
+    logp = torch.log_softmax(theta, dim=-1)[cols, xs]
+    old, samp, mask, adv = logp.detach(), logq[cols, xs], torch.ones(32, 2), reward[xs[:, 0], xs[:, 1]]
+    grads = {}
+    for level in ("token", "sequence"):
+        w, _, _ = rollout_correction_weights(old, samp, mask, level, cap=1e6)
+        loss, _ = policy_loss(logp, old, adv, mask, weights=w)
+        (grads[level],) = torch.autograd.grad(loss, theta, retain_graph=True)
+    assert not torch.allclose(grads["token"], grads["sequence"], rtol=1e-3)

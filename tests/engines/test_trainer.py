@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -500,3 +501,101 @@ def test_an_update_whose_every_row_is_skipped_steps_with_a_zero_gradient(random_
     assert full["loss"] == pytest.approx(0.0, abs=1e-12) and full["skipped_rows"] == 0
     assert any(not torch.equal(before[k], w_skip[k]) for k in before)  # momentum and weight decay moved them
     assert all(torch.allclose(w_full[k], w_skip[k], rtol=1e-5, atol=1e-7) for k in w_full)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout correction (truncated importance sampling between the sampler and the trainer)
+# ---------------------------------------------------------------------------------------------
+
+
+def trainer_logprobs(trainer: PolicyTrainer, prompts, completions) -> list[list[float]]:
+    """The trainer's own log p of each completion token, one list per row (what an exact sampler records)."""
+    ids, attn, comp = pad_sequences(prompts, completions, trainer.pad_id)
+    with torch.no_grad():
+        logp, _ = trainer._logprobs(trainer.model, ids, attn)
+    m = comp[:, 1:].bool()
+    return [logp[i][m[i]].double().tolist() for i in range(len(prompts))]
+
+
+def first_step(a, settings: UpdateSettings, prompts, completions, adv, sampler):
+    trainer = PolicyTrainer(a, settings)
+    grads = grads_at_optimizer_step(trainer)
+    metrics = trainer.update(prompts, completions, adv, sampler)
+    n = sum(1 for p in trainer.model.parameters() if p.requires_grad)
+    return torch.cat([g.flatten() for g in grads[:n]]).double(), metrics
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_rollout_correction_off_ignores_the_sampler_figures(random_checkpoints, shared_prefix):
+    """Off (the default), the sampler's log-probabilities change no weight: the same parameters bit for bit
+    with and without them, and the ratio statistics are measured (nothing clipped or masked)."""
+    a, _ = random_checkpoints
+    s = UpdateSettings(lr=1e-2, micro_batch_size=3, shared_prefix=shared_prefix)
+    assert s.rollout_correction == "none"
+    probe = PolicyTrainer(a, s)
+    shifted = [[x - 0.5 for x in row] for row in trainer_logprobs(probe, PROMPTS, COMPLETIONS)]
+    runs = []
+    for sampler in (None, shifted):
+        trainer = PolicyTrainer(a, s)
+        m = trainer.update(PROMPTS, COMPLETIONS, ADV, sampler)
+        runs.append((params(trainer), m))
+    (p0, m0), (p1, m1) = runs
+    assert all(torch.equal(p0[k], p1[k]) for k in p0) and m0["loss"] == m1["loss"]
+    assert math.isnan(m0["is_ratio_mean"]) and m0["is_clipped_frac"] == 0.0 and m0["is_masked_frac"] == 0.0
+    assert m1["is_ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    assert m1["is_clipped_frac"] == 0.0 and m1["is_masked_frac"] == 0.0
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_rollout_correction_weights_the_gradient_by_the_ratio(random_checkpoints, shared_prefix):
+    """A sampler whose log p is off by a known amount: at the first step (rho = 1) the loss is linear in the
+    weights, so the corrected gradient is the uncorrected one times the weight. Token level: every token
+    log-ratio 0.3, weight e^0.3. Sequence level: each row's tokens sum to log 1.5, weight 1.5. The cap
+    truncates (C = 1.2); a mask threshold below the ratio drops every token (zero gradient). Rows with
+    advantage 0 skipped or not: the same gradient."""
+    a, _ = random_checkpoints
+    base = {"lr": 1e-2, "micro_batch_size": 4, "max_grad_norm": 1e9, "shared_prefix": shared_prefix}
+    probe = PolicyTrainer(a, UpdateSettings(**base))
+    exact = trainer_logprobs(probe, RAGGED_PROMPTS, RAGGED_COMPLETIONS)
+    per_token = [[x - 0.3 for x in row] for row in exact]
+    per_row = [[x - math.log(1.5) / len(row) for x in row] for row in exact]
+    batch = (RAGGED_PROMPTS, RAGGED_COMPLETIONS, RAGGED_ADV)
+    plain, m_plain = first_step(a, UpdateSettings(**base), *batch, per_token)
+    assert m_plain["is_ratio_mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
+    cases = [
+        ("token", 2.0, 0.0, per_token, math.exp(0.3)),
+        ("token", 1.2, 0.0, per_token, 1.2),
+        ("sequence", 2.0, 0.0, per_row, 1.5),
+        ("sequence", 1.2, 0.0, per_row, 1.2),
+        ("token", 2.0, 1.2, per_token, 0.0),
+        ("sequence", 2.0, 1.4, per_row, 0.0),
+    ]
+    for level, cap, tau, sampler, factor in cases:
+        for skip in (True, False):
+            s = UpdateSettings(
+                **base,
+                rollout_correction=level,
+                rollout_correction_cap=cap,
+                rollout_mask_threshold=tau,
+                skip_zero_advantage=skip,
+            )
+            g, m = first_step(a, s, *batch, sampler)
+            case = (level, cap, tau, skip)
+            assert float((g - factor * plain).norm()) <= 1e-4 * float(plain.norm()), case
+            assert m["loss"] == pytest.approx(factor * m_plain["loss"], rel=1e-4, abs=1e-9), case
+            ratio = math.exp(0.3) if level == "token" else 1.5
+            assert m["is_ratio_mean"] == pytest.approx(ratio, rel=1e-4), case
+            assert m["is_ratio_max"] == pytest.approx(ratio, rel=1e-4), case
+            assert m["is_clipped_frac"] == (1.0 if cap < ratio and tau == 0 else 0.0), case
+            assert m["is_masked_frac"] == (1.0 if tau else 0.0), case
+            assert m["tokens"] == m_plain["tokens"], case  # masked tokens stay in the token-mean normaliser
+
+
+def test_rollout_correction_needs_the_sampler_figures(random_checkpoints):
+    a, _ = random_checkpoints
+    trainer = PolicyTrainer(a, UpdateSettings(rollout_correction="token"))
+    with pytest.raises(ValueError, match=r"optim\.rollout_correction = token needs the sampler's logprobs"):
+        trainer.update(PROMPTS, COMPLETIONS, ADV)
+    for bad in ({"rollout_correction": "tokens"}, {"rollout_correction_cap": 0.0}, {"rollout_mask_threshold": 0.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            UpdateSettings(**bad)

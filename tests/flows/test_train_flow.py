@@ -421,3 +421,25 @@ def test_released_mode_runs_through_a_run(tmp_path, prefect_harness, random_chec
             assert set(b["group"]) <= {"very_hard", "explore", "very_easy"} and "all" not in set(b["group"]), step
     assert revisited >= 1
     assert_updates_moved(store, model, 3)
+
+
+@pytest.mark.slow
+def test_a_run_with_the_rollout_correction_reports_its_ratios(
+    tmp_path, prefect_harness, random_checkpoints, first_char_data
+):
+    """optim.rollout_correction=token with a mask threshold: the run trains and its update table has the ratio
+    statistics; on CPU in float32 the sampler and the trainer agree to ~1e-5, so every ratio is ~1."""
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=2", *data_overrides(first_char_data)]
+    extra = ["optim.rollout_correction=token", "optim.rollout_correction_cap=2.0", "optim.rollout_mask_threshold=5"]
+    cfg = load_config("configs/tiny-test.yaml", [*overrides, *extra])
+    run_dir = tmp_path / "run"
+    train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    store = RunStore.open(run_dir)
+    for step in range(2):
+        update = store.read_table(step, Stage.UPDATE).iloc[0]
+        assert abs(update["is_ratio_mean"] - 1) < 1e-3 and update["is_ratio_max"] < 1.01, step
+        assert update["is_clipped_frac"] == 0.0 and update["is_masked_frac"] == 0.0, step
+        assert math.isfinite(update["loss"]) and update["grad_norm"] > 0, step
