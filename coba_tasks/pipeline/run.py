@@ -156,6 +156,7 @@ def resolve_run(
     config from the run directory itself.
     """
     from coba_tasks.pipeline.config import apply_overrides, check_paths, config_hash, load_config
+    from coba_tasks.pipeline.trackers import check_installed
 
     if resume:
         if not run_dir:
@@ -166,6 +167,7 @@ def resolve_run(
             raise StoreError(f"{run_dir}: config.yaml does not match the config hash in run.json (edited by hand?)")
         check_platform(cfg)
         check_remote_code(cfg)
+        check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra
         return cfg, Path(run_dir).resolve(), True
     if config is None:
         cfg = load_config(config_path, overrides or [])
@@ -177,6 +179,7 @@ def resolve_run(
     root = Path(run_dir) if run_dir else Path("runs") / cfg.run.name
     check_paths(cfg)
     check_platform(cfg)  # e.g. sleep mode asked for on a machine without CUDA: refused before anything is written
+    check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra
     check_remote_code(cfg)  # a config from the flow's parameters does not turn on a model's own code by itself
     if (root / "run.json").exists():
         existing = RunStore.open(root).config_hash

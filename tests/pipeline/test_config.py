@@ -696,3 +696,23 @@ def test_reward_function_and_pass_threshold(tmp_path):
         with pytest.raises(ConfigError, match=pattern) as info:
             load_config(TINY_DEMO, overrides)
         assert "\n" not in str(info.value)
+
+
+def test_run_trackers_take_a_list_or_comma_separated_names_and_refuse_unknown_ones():
+    """run.trackers: a list, or names separated by commas from --set; a name not among the known trackers
+    (or one given twice) is a one-line error naming the key; at its default (none) the hash is as before."""
+    assert load_config(TINY_DEMO).run.trackers == ()
+    assert ("run", "trackers") in HASH_NEUTRAL_DEFAULTS
+    for text, names in (
+        ("tensorboard,mlflow", ("tensorboard", "mlflow")),
+        ("[tensorboard]", ("tensorboard",)),
+        ("wandb", ("wandb",)),
+        ("", ()),
+        ("[]", ()),
+    ):
+        assert load_config(TINY_DEMO, [f"run.trackers={text}"]).run.trackers == names, text
+    assert config_hash(load_config(TINY_DEMO, ["run.trackers=[]"])) == config_hash(load_config(TINY_DEMO))
+    assert config_hash(load_config(TINY_DEMO, ["run.trackers=mlflow"])) != config_hash(load_config(TINY_DEMO))
+    for bad in ("tensorbord", "[mlflow, mlflow]", "tensorboard,comet"):
+        with pytest.raises(ConfigError, match=r"^run\.trackers = .*: must be a list of distinct tracker names among "):
+            load_config(TINY_DEMO, [f"run.trackers={bad}"])

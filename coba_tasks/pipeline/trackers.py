@@ -1,0 +1,371 @@
+"""Experiment trackers (``run.trackers``): each step's figures logged to TensorBoard, MLflow and Weights & Biases.
+
+Everything is logged *from the run directory's tables* once a step is complete (its update table done,
+and its held-out evaluation when one is scheduled after it), so a resumed or rerun step logs what is on
+disk. A tracker's step is the number of updates done: step 0 holds the evaluation before training,
+step k the figures of training step k - 1 (the tables in ``steps/<k-1>``) and the evaluation of the
+weights after k updates (``steps/<k>/eval.parquet``) when there is one.
+
+Offline, under the run directory::
+
+    trackers/state.json       per tracker: the last step logged and its run id (a resume continues them)
+    trackers/tensorboard/     TensorBoard event files (torch.utils.tensorboard)
+    trackers/mlflow/          an MLflow store: mlflow.db (SQLite) and artifacts/
+    trackers/wandb/           Weights & Biases offline runs (`wandb sync` uploads them)
+
+A resumed run continues the same tracker run and logs only the steps not logged yet (TensorBoard also
+purges anything after the last step recorded, left by a crash between logging and recording it).
+One adapter per library behind ``_Tracker``; the flow calls ``open_trackers``, ``Trackers.log_new``
+after each step and evaluation, and ``Trackers.close``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from coba_tasks.pipeline.config import TRACKERS, Config, ConfigError, config_to_dict
+from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.pipeline.summary import RunTables, eval_figures, load_run
+
+TRACKERS_DIR = "trackers"
+STATE_FILE = f"{TRACKERS_DIR}/state.json"
+SAMPLES = 4  # sample completions logged per step
+SAMPLE_CHARS = 400  # a sample completion is cut to this many characters
+# the module each tracker imports, and the pip extra of pyproject.toml that installs it
+_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def check_installed(names: Iterable[str]) -> None:
+    """Raise a one-line ConfigError naming the pip extra when a tracker's library is not installed."""
+    for name in names:
+        if importlib.util.find_spec(_MODULES[name]) is None:
+            raise ConfigError(
+                f"run.trackers: {name} is not installed; install it with pip install -e '.[{name}]' "
+                f"(or '.[trackers]' for all three), or take {name} out of run.trackers"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# The figures of a tracker step, from the tables
+
+
+def eval_due(k: int, steps: int, every: int) -> bool:
+    """Whether the flow evaluates the weights after ``k`` updates (before training, every ``every``, at the end).
+
+    >>> [k for k in range(7) if eval_due(k, 6, 4)]
+    [0, 4, 6]
+    """
+    return k == 0 or k == steps or bool(every and k % every == 0 and k < steps)
+
+
+def step_complete(t: RunTables, k: int, steps: int, every: int) -> bool:
+    """Whether tracker step ``k`` has all its tables: the update of step k - 1, and the evaluation when due."""
+    if k > steps:
+        return False
+    trained = k == 0 or Stage.UPDATE in t.done.get(k - 1, set())
+    evaluated = not eval_due(k, steps, every) or Table.EVAL in t.done.get(k, set())
+    return trained and evaluated
+
+
+def step_metrics(t: RunTables, k: int) -> dict[str, float]:
+    """The figures of tracker step ``k`` (finite numbers only), by name ``group/figure``."""
+    out: dict[str, Any] = {"progress/updates": k}
+    s = k - 1
+    done = t.done.get(s, set()) if k > 0 else set()
+    if Stage.CAPABILITY in done:
+        cap = t.table(s, Stage.CAPABILITY).iloc[0]
+        out |= {"train/pass_rate": cap.get("S"), "train/F": cap.get("F")}
+        out |= {f"capability/{c}": cap.get(c) for c in ("alpha", "beta", "alpha_used", "beta_used")}
+        out["budget/zero_variance_share"] = cap.get("zero_variance_groups")
+    if Stage.REWARDS in done:
+        rewards = t.table(s, Stage.REWARDS)
+        out["train/reward_mean"] = rewards["reward"].astype(float).mean()
+        out["train/rollouts"] = len(rewards)
+    if Stage.BUDGET in done:
+        b = t.table(s, Stage.BUDGET)["budget"].astype(float)
+        out |= {"budget/min": b.min(), "budget/max": b.max(), "budget/mean": b.mean(), "budget/total": b.sum()}
+    if Stage.UPDATE in done:
+        upd = t.table(s, Stage.UPDATE).iloc[0]
+        for c in ("loss", "grad_norm", "clip_frac", "entropy", "kl", "lr", "tokens"):
+            out[f"update/{c}"] = upd.get(c)
+        out["update/sampler_trainer_gap"] = upd.get("logprob_diff_mean")
+        out["update/sampler_trainer_gap_max"] = upd.get("logprob_diff_max")
+    timing = t.store.root / "steps" / f"{s:06d}" / "timing.json"
+    if k > 0 and timing.is_file():
+        try:
+            seconds = json.loads(timing.read_text())
+        except ValueError:
+            seconds = {}
+        out |= {f"time/{stage}_seconds": v for stage, v in seconds.items()}
+        out["time/step_seconds"] = sum(v for v in seconds.values() if isinstance(v, int | float))
+    if Table.EVAL in t.done.get(k, set()):
+        ev = eval_figures(t.table(k, Table.EVAL))
+        out |= {f"heldout/{c}": ev.get(c) for c in ("accuracy", "greedy", "answered", "boxed")}
+        out |= {f"heldout/accuracy_L{level}": v for level, v in ev["by_difficulty"].items()}
+        for name, figures in (ev.get("test_sets") or {}).items():
+            out[f"heldout/{name}/accuracy"] = figures["accuracy"]
+    return {key: float(v) for key, v in out.items() if _finite(v)}
+
+
+def step_samples(t: RunTables, k: int, n: int = SAMPLES) -> pd.DataFrame | None:
+    """A few sample completions of training step k - 1 with their rewards (the first ``n`` prompts' first
+    completion), or None at step 0 or when the tables are not done."""
+    s = k - 1
+    if k == 0 or not {Stage.ROLLOUTS, Stage.REWARDS} <= t.done.get(s, set()):
+        return None
+    rollouts = t.table(s, Stage.ROLLOUTS)[["prompt_id", "sample_idx", "completion"]]
+    rewards = t.table(s, Stage.REWARDS)[["prompt_id", "sample_idx", "reward", "verdict"]]
+    rows = rollouts.merge(rewards, on=["prompt_id", "sample_idx"], how="inner")
+    rows = rows.sort_values(["prompt_id", "sample_idx"], kind="stable").drop_duplicates("prompt_id").head(n)
+    prompts = t.prompts()
+    if prompts is not None and {"prompt_id", "prompt"} <= set(prompts.columns):
+        text = prompts.drop_duplicates("prompt_id").set_index("prompt_id")["prompt"].astype(str)
+        rows = rows.assign(prompt=rows["prompt_id"].map(text).fillna("").str.slice(0, SAMPLE_CHARS))
+    rows = rows.assign(
+        step=s,
+        completion=rows["completion"].astype(str).str.slice(0, SAMPLE_CHARS),
+        reward=rows["reward"].astype(float),
+        sample_idx=rows["sample_idx"].astype(int),
+    )
+    cols = ["step", "prompt_id", *(["prompt"] if "prompt" in rows else []), "completion", "reward", "verdict"]
+    return rows[cols].reset_index(drop=True)
+
+
+def flat_config(cfg: Config) -> dict[str, Any]:
+    """The config as hyper-parameters: ``section.key`` -> value (lists as text)."""
+    return {
+        f"{section}.{key}": (v if isinstance(v, bool | int | float | str) else json.dumps(v))
+        for section, body in config_to_dict(cfg).items()
+        for key, v in body.items()
+    }
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return v is not None and not isinstance(v, str) and math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters: one per library
+
+
+class _Tracker:
+    """The common interface: ``start`` (open or continue the tracker run; returns its id), ``log`` (one
+    tracker step's figures and samples), ``close``; ``logged_through`` is the last step the library itself
+    holds (``-1`` when unknown)."""
+
+    name = ""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def start(self, run_id: str | None, last: int, run_name: str, params: dict[str, Any]) -> str | None:
+        raise NotImplementedError
+
+    def logged_through(self) -> int:
+        return -1
+
+    def log(self, step: int, metrics: Mapping[str, float], samples: pd.DataFrame | None) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _TensorBoard(_Tracker):
+    name = "tensorboard"
+
+    def start(self, run_id: str | None, last: int, run_name: str, params: dict[str, Any]) -> str | None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # a resumed run: events of steps after the last recorded one (a crash mid-log) are purged
+        self.writer = SummaryWriter(str(self.directory), purge_step=last + 1 if last >= 0 else None)
+        if last < 0:
+            rows = "".join(f"| {k} | {_md(v)} |\n" for k, v in params.items())
+            self.writer.add_text("config", f"run {run_name}\n\n| key | value |\n|---|---|\n{rows}", 0)
+        return None
+
+    def log(self, step: int, metrics: Mapping[str, float], samples: pd.DataFrame | None) -> None:
+        for key, v in metrics.items():
+            self.writer.add_scalar(key, v, step)
+        if samples is not None and len(samples):
+            self.writer.add_text("samples", _markdown_table(samples), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _MLflow(_Tracker):
+    name = "mlflow"
+
+    def start(self, run_id: str | None, last: int, run_name: str, params: dict[str, Any]) -> str | None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # offline: nothing leaves the machine
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=store_uri(self.directory))
+        if run_id is None:
+            exp = self.client.get_experiment_by_name(run_name)
+            eid = (
+                exp.experiment_id
+                if exp
+                else self.client.create_experiment(run_name, artifact_location=(self.directory / "artifacts").as_uri())
+            )
+            run_id = self.client.create_run(eid, run_name=run_name).info.run_id
+            items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(run_id, params=items[i : i + 100])
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+        return run_id
+
+    def logged_through(self) -> int:
+        updates = self.client.get_run(self.run_id).data.metrics.get("progress/updates")
+        return -1 if updates is None else int(updates)
+
+    def log(self, step: int, metrics: Mapping[str, float], samples: pd.DataFrame | None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+        if samples is not None and len(samples):
+            self.client.log_table(self.run_id, data=samples, artifact_file=f"samples/step_{step:06d}.json")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class _WandB(_Tracker):
+    name = "wandb"
+
+    def start(self, run_id: str | None, last: int, run_name: str, params: dict[str, Any]) -> str | None:
+        import wandb
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "coba-rl"),
+            name=run_name,
+            id=run_id or uuid.uuid4().hex[:8],
+            resume="allow",
+            mode="offline",
+            dir=str(self.directory.parent),  # wandb writes <dir>/wandb/
+            config=params,
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        )
+        return self.run.id
+
+    def log(self, step: int, metrics: Mapping[str, float], samples: pd.DataFrame | None) -> None:
+        data: dict[str, Any] = dict(metrics)
+        if samples is not None and len(samples):
+            data["samples"] = self.wandb.Table(dataframe=samples)
+        self.run.log(data, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+_ADAPTERS: dict[str, type[_Tracker]] = {"tensorboard": _TensorBoard, "mlflow": _MLflow, "wandb": _WandB}
+assert tuple(_ADAPTERS) == TRACKERS
+
+
+def store_uri(directory: Path) -> str:
+    """The MLflow tracking URI of a run's store (``mlflow ui --backend-store-uri`` takes it)."""
+    return f"sqlite:///{(directory / 'mlflow.db').resolve()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The trackers of a run
+
+
+class Trackers:
+    """The open trackers of one run directory and what each has logged (trackers/state.json)."""
+
+    def __init__(self, root: str | os.PathLike[str], cfg: Config, warn: Callable[[str], None] = print) -> None:
+        self.store, self.cfg, self.warn = RunStore(root), cfg, warn
+        path = self.store.root / STATE_FILE
+        self.state: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.is_file() else {}
+        self.open: dict[str, _Tracker] = {}
+        params = flat_config(cfg)
+        for name in cfg.run.trackers:
+            entry = self.state.setdefault(name, {"last_step": -1, "run_id": None})
+            tracker = _ADAPTERS[name](self.store.root / TRACKERS_DIR / name)
+            entry["run_id"] = tracker.start(entry["run_id"], entry["last_step"], cfg.run.name, params)
+            # a crash after the library took a step and before state.json recorded it: not logged twice
+            entry["last_step"] = max(entry["last_step"], tracker.logged_through())
+            self.open[name] = tracker
+        if self.open:
+            self._save()
+
+    def log_new(self) -> list[int]:
+        """Log every complete tracker step not logged yet, in order, to each open tracker; the steps logged.
+
+        A tracker that fails is warned about and closed for the rest of the run (its state keeps the last
+        step it logged, so a resume catches it up)."""
+        if not self.open:
+            return []
+        t = load_run(self.store.root)
+        steps, every = self.cfg.run.steps, self.cfg.run.eval_every
+        logged: set[int] = set()
+        for name, tracker in list(self.open.items()):
+            entry = self.state[name]
+            try:
+                k = entry["last_step"] + 1
+                while step_complete(t, k, steps, every):
+                    tracker.log(k, step_metrics(t, k), step_samples(t, k))
+                    entry["last_step"] = k
+                    logged.add(k)
+                    k += 1
+            except Exception as exc:  # a tracker never stops training
+                self.warn(f"tracker {name} failed ({type(exc).__name__}: {exc}); it logs nothing more in this run")
+                self.open.pop(name)
+                _quietly(tracker.close)
+            finally:
+                self._save()
+        return sorted(logged)
+
+    def close(self) -> None:
+        for tracker in self.open.values():
+            _quietly(tracker.close)
+        self.open = {}
+
+    def _save(self) -> None:
+        self.store.write_json(STATE_FILE, self.state)
+
+
+def open_trackers(root: str | os.PathLike[str], cfg: Config, warn: Callable[[str], None] = print) -> Trackers:
+    """The run's trackers, each continuing its run of an earlier start (none open when run.trackers is
+    empty: then nothing is written and ``log_new`` does nothing)."""
+    check_installed(cfg.run.trackers)
+    return Trackers(root, cfg, warn)
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    with contextlib.suppress(Exception):
+        fn()
+
+
+def _md(v: Any) -> str:
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _markdown_table(df: pd.DataFrame) -> str:
+    head = "| " + " | ".join(df.columns) + " |\n|" + "---|" * len(df.columns) + "\n"
+    return head + "".join("| " + " | ".join(_md(v) for v in row) + " |\n" for row in df.itertuples(index=False))
