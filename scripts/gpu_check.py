@@ -209,7 +209,7 @@ def build_model(out: Path, seed: int, arch: str = "qwen2-tied", sharpen: float =
 
 
 def write_config(path: Path, model_dir: Path, dtype: str = "bfloat16") -> Path:
-    """The check's run config: every key not written takes its default (coba_tasks/pipeline/config.py)."""
+    """The check's run config: every key not written takes its default (coba_tasks/pipeline/config_sections.py)."""
     import yaml
 
     config = {

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
 
-from coba_tasks.pipeline.config import OnBadRows  # data.on_bad_rows: refuse a file with bad rows, or drop them
+from coba_tasks.pipeline.config_sections import OnBadRows
 
 MAX_REPORTED = 5  # bad rows listed in a DatasetError message; the rest are counted
 

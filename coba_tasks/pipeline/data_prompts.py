@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 import pandas as pd
 
-from coba_tasks.pipeline.config import PromptFormat  # data.prompt_format (render_prompts)
+from coba_tasks.pipeline.config_sections import PromptFormat
 from coba_tasks.pipeline.data_problems import OnBadRows, Problem, check_on_bad_rows, error_reason, refuse_or_skip
 
 
@@ -141,7 +141,7 @@ def model_context(model_path: str, trust_remote_code: bool, max_model_len: int) 
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from coba_tasks.pipeline.config import ConfigError
+    from coba_tasks.pipeline.config_fields import ConfigError
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)

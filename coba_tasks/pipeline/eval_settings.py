@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coba_tasks.engines.rollout import backends
-from coba_tasks.pipeline.config import (
-    Config,
+from coba_tasks.pipeline.config import Config
+from coba_tasks.pipeline.config_sections import (
     DataConfig,
     Dtype,
     ModelConfig,

@@ -23,7 +23,7 @@ from coba_tasks.engines.lora import is_adapter_checkpoint, merge_adapter_checkpo
 from coba_tasks.engines.rollout import make_backend
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
-from coba_tasks.pipeline.config import VerifyConfig
+from coba_tasks.pipeline.config_sections import VerifyConfig
 from coba_tasks.pipeline.data import load_dataset
 from coba_tasks.pipeline.data_problems import DatasetError
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts

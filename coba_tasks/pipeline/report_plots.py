@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from coba_tasks.engines.fileio import atomic_write
-from coba_tasks.pipeline.config import MAIN_TEST_SET
+from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.store import SUMMARY_FILE
 from coba_tasks.pipeline.summary import VERDICTS, split_test_sets
 

@@ -37,7 +37,8 @@ from coba_tasks.engines.rollout import make_backend
 from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
-from coba_tasks.pipeline.config import MAIN_TEST_SET, Config, check_platform, config_from_dict
+from coba_tasks.pipeline.config import Config, check_platform, config_from_dict
+from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.runlock import LOCK_FILE
 from coba_tasks.pipeline.store import RUN_FILE, RunStore, Stage, StoreError
 
@@ -123,7 +124,7 @@ def check_remote_code(cfg: Config) -> None:
     whoever starts the worker). ``coba run`` allows it for the config its user gives on the command line,
     and ``coba resume`` with ``--trust-remote-code``."""
     if cfg.model.trust_remote_code and os.environ.get(REMOTE_CODE_ENV) != "1":
-        from coba_tasks.pipeline.config import ConfigError
+        from coba_tasks.pipeline.config_fields import ConfigError
 
         raise ConfigError(
             "model.trust_remote_code = true: this process does not run a model's own code unless its environment "
@@ -215,7 +216,7 @@ def check_new_run_dir(root: Path) -> None:
 
 def read_run_config(store: RunStore) -> Config:
     """The run's config from its config.yaml; a damaged or invalid one is one line naming the file."""
-    from coba_tasks.pipeline.config import ConfigError
+    from coba_tasks.pipeline.config_fields import ConfigError
 
     try:
         return config_from_dict(store.read_config())

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
-from coba_tasks.pipeline.config import MAIN_TEST_SET
+from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, StoreError, Table
 
 if TYPE_CHECKING:  # annotations only: run.py pulls in the engines (torch), which inspect and report do not need

@@ -34,7 +34,9 @@ from typing import Any
 
 import pandas as pd
 
-from coba_tasks.pipeline.config import TRACKERS, Config, ConfigError, config_to_dict
+from coba_tasks.pipeline.config import Config, config_to_dict
+from coba_tasks.pipeline.config_fields import ConfigError
+from coba_tasks.pipeline.config_sections import TRACKERS
 from coba_tasks.pipeline.store import RunStore, Stage, Table
 from coba_tasks.pipeline.summary import RunTables, eval_figures, load_run
 

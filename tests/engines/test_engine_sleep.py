@@ -22,7 +22,8 @@ from coba_tasks.engines.rollout.hf_backend import TransformersBackend
 from coba_tasks.engines.rollout.vllm_backend import VLLMBackend
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
-from coba_tasks.pipeline.config import ConfigError, check_platform, config_to_dict, load_config
+from coba_tasks.pipeline.config import check_platform, config_to_dict, load_config
+from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, backends, make_backend, rollout_seed
 from coba_tasks.engines.rollout.ray_backend import shard_by_budget, shard_indices
-from coba_tasks.pipeline.config import HASH_NEUTRAL_DEFAULTS, ConfigError, apply_overrides, config_hash, load_config
+from coba_tasks.pipeline.config import HASH_NEUTRAL_DEFAULTS, apply_overrides, config_hash, load_config
+from coba_tasks.pipeline.config_fields import ConfigError
 
 
 def reqs(budgets: list[int], step: int = 0) -> list[RolloutRequest]:

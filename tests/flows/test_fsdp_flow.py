@@ -31,7 +31,6 @@ from coba_tasks.engines.rollout import make_backend
 from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import (
     HASH_NEUTRAL_DEFAULTS,
-    ConfigError,
     apply_overrides,
     check_platform,
     config_from_dict,
@@ -39,6 +38,7 @@ from coba_tasks.pipeline.config import (
     config_to_dict,
     load_config,
 )
+from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
 from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table
 

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from coba_tasks.commands.cli import main as cli_main
 from coba_tasks.engines.lora import ADAPTER_FILE, is_adapter_checkpoint
-from coba_tasks.pipeline.config import ConfigError, config_to_dict, load_config
+from coba_tasks.pipeline.config import config_to_dict, load_config
+from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.store import RunStore, Stage, Table
 
 STEPS = 3

@@ -347,7 +347,7 @@ def test_remote_code_needs_the_permission_of_the_process_that_runs_it(
     it; `coba resume` of a run whose config sets it asks for --trust-remote-code."""
     from coba_tasks.commands.cli import main
     from coba_tasks.pipeline import run
-    from coba_tasks.pipeline.config import ConfigError
+    from coba_tasks.pipeline.config_fields import ConfigError
 
     model, _ = random_checkpoints
     monkeypatch.delenv(run.REMOTE_CODE_ENV, raising=False)

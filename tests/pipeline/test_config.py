@@ -19,20 +19,17 @@ from coba_tasks.pipeline.config import (
     DEFAULT_CONFIG_PATH,
     HASH_NEUTRAL_DEFAULTS,
     PROJECT_ROOT,
-    SECTIONS,
-    AllocationConfig,
     Config,
-    ConfigError,
-    OptimConfig,
-    RunConfig,
     apply_overrides,
     check_paths,
     config_from_dict,
     config_hash,
-    config_reference,
     config_to_dict,
     load_config,
 )
+from coba_tasks.pipeline.config_docs import config_reference
+from coba_tasks.pipeline.config_fields import SECTIONS, ConfigError
+from coba_tasks.pipeline.config_sections import AllocationConfig, OptimConfig, RunConfig
 from coba_tasks.pipeline.store import RunStore
 
 CONFIGS = PROJECT_ROOT / "configs"
@@ -642,7 +639,7 @@ def test_hashes_of_overridden_defaults_are_pinned(variant):
 
 def test_docs_config_md_is_up_to_date():
     """docs/config.md is generated from the fields' descriptions: after changing one, run
-    `python -m coba_tasks.pipeline.config` to write it again."""
+    `python -m coba_tasks.pipeline.config_docs` to write it again."""
     assert (PROJECT_ROOT / "docs" / "config.md").read_text(encoding="utf-8") == config_reference()
     readme = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
     assert "docs/config.md" in readme

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coba_tasks.pipeline.config import ConfigError, apply_overrides, load_config
+from coba_tasks.pipeline.config import apply_overrides, load_config
+from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.data import load_dataset, read_dataset, write_verl_parquet
 from coba_tasks.pipeline.data_problems import DatasetError
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, render_prompts

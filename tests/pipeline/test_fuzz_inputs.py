@@ -24,14 +24,13 @@ from hypothesis import strategies as st
 
 from coba_tasks.pipeline.config import (
     DEFAULT_CONFIG_PATH,
-    SECTIONS,
     Config,
-    ConfigError,
     config_from_dict,
     config_hash,
     config_to_dict,
     load_config,
 )
+from coba_tasks.pipeline.config_fields import SECTIONS, ConfigError
 from coba_tasks.pipeline.data import MESSAGE_TYPE, read_dataset
 from coba_tasks.pipeline.data_problems import DatasetError
 from coba_tasks.pipeline.data_rows import LOADED_COLUMNS

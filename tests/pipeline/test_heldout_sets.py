@@ -7,7 +7,8 @@ import math
 import pandas as pd
 import pytest
 
-from coba_tasks.pipeline.config import ConfigError, check_paths, config_hash, load_config
+from coba_tasks.pipeline.config import check_paths, config_hash, load_config
+from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.run import heldout_prompts
 from coba_tasks.pipeline.summary import eval_figures, heldout_gains, paired_gain, split_test_sets
 

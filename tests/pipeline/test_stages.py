@@ -88,7 +88,7 @@ def test_advantages_follow_rollout_order_and_groups():
 
 def test_schedule_shape_adaptive_reversed_fixed():
     from coba_tasks.core.capability import CapabilityTracker
-    from coba_tasks.pipeline.config import AllocationConfig
+    from coba_tasks.pipeline.config_sections import AllocationConfig
     from coba_tasks.pipeline.stages import schedule_shape
 
     tracker = CapabilityTracker(kappa=11.0, window=1, gamma=10.0)

@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 from coba_tasks.pipeline import trackers
-from coba_tasks.pipeline.config import Config, ConfigError, apply_overrides, config_hash, config_to_dict
+from coba_tasks.pipeline.config import Config, apply_overrides, config_hash, config_to_dict
+from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.store import RunStore, Stage, Table
 
 STEPS = 4

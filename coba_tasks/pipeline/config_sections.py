@@ -1,0 +1,459 @@
+"""The sections of the run configuration (``run``, ``data``, ``model``, ``rollout``, ``allocation``,
+``optim``, ``verify``): one pydantic model each, whose fields carry their defaults, bounds, word lists
+(``Literal``) and descriptions, and whose model validators check what spans keys of the section.
+``coba_tasks.pipeline.config`` puts them together as ``Config`` and reads them from YAML.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, get_args
+
+from pydantic import BeforeValidator, StrictBool, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from coba_tasks.core.allocators import Mode, strategies
+from coba_tasks.core.solvers import coba_solvers
+from coba_tasks.engines.rollout import backends
+from coba_tasks.pipeline.config_fields import (
+    ConfigError,
+    NonBlank,
+    Number,
+    Section,
+    Text,
+    a_list,
+    config_key,
+    name_list,
+    registered,
+    rule,
+)
+
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit seed
+
+# The word-valued keys: each Literal is the one list of its words (readers take typing.get_args of it)
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]  # model.dtype
+OnBadRows = Literal["error", "skip"]  # data.on_bad_rows (coba_tasks.pipeline.data_problems)
+PromptFormat = Literal["auto", "chat", "raw"]  # data.prompt_format (coba_tasks.pipeline.data_prompts.render_prompts)
+UnknownSources = Literal["error", "math"]  # verify.unknown_sources (coba_tasks.pipeline.data_run)
+Schedule = Literal["adaptive", "reversed", "fixed"]  # allocation.schedule: the paper's ablations reverse or fix it
+ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocators.Mode
+# optim.rollout_correction: coba_tasks.core.grpo.RolloutCorrection's values (not imported here: it pulls in torch)
+RolloutCorrectionLevel = Literal["none", "token", "sequence"]
+DTYPES = get_args(Dtype)
+assert set(get_args(ModeName)) == {m.value for m in Mode}, "allocation.mode's words are Mode's values"
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")  # run.trackers: the experiment trackers a run can log to
+MAIN_TEST_SET = "test"  # the eval table's test_set of data.test; an extra test's is its file name without .parquet
+
+
+def test_set_name(path: str) -> str:
+    """The name an extra held-out set is reported under: its file name without the suffix.
+
+    >>> test_set_name("data/arith_chat_test_reworded.parquet")
+    'arith_chat_test_reworded'
+    """
+    return Path(path).name.removesuffix(".parquet")
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
+def _known_trackers(names: tuple[str, ...]) -> bool:
+    return all(n in TRACKERS for n in names) and len(set(names)) == len(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+class RunConfig(Section):
+    """The run as a whole: its name, seed, length and evaluation schedule."""
+
+    SECTION: ClassVar[str] = "run"
+
+    name: Annotated[Text, rule(lambda v: bool(_NAME_RE.fullmatch(v)) and len(v) <= 200, "not a run name")] = config_key(
+        "demo",
+        "run directory runs/<name>/: letters, digits, '-', '_', '.', not starting with '.'",
+        "must be one path component (at most 200 characters) of letters, digits, '-', '_' and '.', "
+        "not starting with '.' (e.g. coba-lr1e-4); it names the run directory runs/<name>/",
+    )
+    seed: StrictInt = config_key(
+        0,
+        "root of every seed (rollouts, shuffling, init): seeds derive from (seed, step, prompt id)",
+        ge=0,
+        le=MAX_SEED,
+    )
+    steps: StrictInt = config_key(
+        20, "training steps; one step takes M prompts through rollout, verify, allocate, update", ge=1
+    )
+    eval_every: StrictInt = config_key(
+        5, "evaluate on held-out prompts every this many steps; 0 = only before and after training", ge=0
+    )
+    eval_samples: StrictInt = config_key(
+        1, "samples per held-out prompt (avg@k at eval_temperature); 1 with temperature 0 = greedy", ge=1
+    )
+    eval_temperature: Number = config_key(0.0, "sampling temperature of evaluation; 0 = greedy", ge=0)
+    eval_top_p: Number = config_key(
+        1.0, "nucleus sampling mass of a sampled evaluation, in (0, 1] (paper: 0.9 at temperature 1.0)", gt=0, le=1
+    )
+    eval_greedy: StrictBool = config_key(
+        True, "with a sampled evaluation, also measure greedy accuracy (eval accuracy_greedy)"
+    )
+    keep_checkpoints: StrictInt = config_key(
+        0, "checkpoints kept on disk, the newest; 0 = all (a rerun of update t needs checkpoint t)", ge=0
+    )
+    trackers: Annotated[tuple[str, ...], BeforeValidator(name_list), rule(_known_trackers, "not known trackers")] = (
+        config_key(
+            (),
+            "experiment trackers each step's figures are logged to, offline under <run_dir>/trackers/ "
+            f"({', '.join(TRACKERS)}; see Experiment trackers in docs/operations.md); empty = none",
+            f"must be a list of distinct tracker names among {', '.join(TRACKERS)}, e.g. [tensorboard, mlflow] "
+            "or --set run.trackers=tensorboard,mlflow",
+        )
+    )
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self) -> RunConfig:
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            self._fail(
+                "eval_samples",
+                "more than one sample needs run.eval_temperature > 0 (greedy decoding repeats one completion); "
+                "set run.eval_samples=1 or run.eval_temperature=1.0",
+            )
+        return self
+
+
+def _distinct_test_sets(paths: tuple[str, ...]) -> bool:
+    names = [test_set_name(p) for p in paths]
+    return all(p.strip() for p in paths) and len(set(names)) == len(names) and MAIN_TEST_SET not in names
+
+
+class DataConfig(Section):
+    """Datasets: veRL-format (or flat prompt/answer) Parquet files."""
+
+    SECTION: ClassVar[str] = "data"
+
+    train: NonBlank = config_key(
+        "data/arith_train.parquet",
+        "training prompts (Parquet); relative paths are from the working directory",
+        "must name a Parquet file",
+    )
+    test: NonBlank = config_key(
+        "data/arith_test.parquet", "held-out prompts for evaluation (Parquet)", "must name a Parquet file"
+    )
+    extra_tests: Annotated[
+        tuple[str, ...], BeforeValidator(a_list), rule(_distinct_test_sets, "not distinct test sets")
+    ] = config_key(
+        (),
+        "more held-out sets, each evaluated beside data.test and reported under its file name (e.g. the same "
+        "problems worded differently); the same eval_prompts sample (positions) is taken of each",
+        f"must be Parquet files with distinct file names other than {MAIN_TEST_SET}.parquet "
+        "(each set is reported under its file name), e.g. [data/arith_chat_test_reworded.parquet]",
+    )
+    difficulties: Annotated[tuple[StrictInt, ...], BeforeValidator(a_list)] = config_key(
+        (),
+        "keep only the rows of these difficulty levels (extra_info.difficulty), in data.train, data.test and "
+        "data.extra_tests; empty = every row",
+    )
+    prompts_per_step: StrictInt = config_key(32, "M, prompts in each training step's batch", ge=1)
+    eval_prompts: StrictInt = config_key(
+        0, "held-out prompts used per evaluation (a seeded sample); 0 = all of data.test", ge=0
+    )
+    train_prompts: StrictInt = config_key(
+        0, "training pool: a seeded sample of this many prompts of data.train; 0 = all", ge=0
+    )
+    shuffle: StrictBool = config_key(
+        True, "shuffle the prompt order of each epoch (a pass over the training pool) with run.seed"
+    )
+    on_bad_rows: OnBadRows = config_key(
+        "error",
+        "a bad row (or over-long prompt): error = refuse the run; skip = drop it, list it",
+        "must be error (a bad row stops the run before it starts) or skip (bad rows are dropped and "
+        "listed in the run's bad_rows.parquet)",
+    )
+    prompt_format: PromptFormat = config_key(
+        "auto",
+        "chat: the tokenizer's chat template; raw: last user message as text; auto: chat if any",
+        "must be auto (the chat template when the tokenizer has one), chat (the tokenizer's chat template "
+        "over the whole message list) or raw (the last user message as plain text: base models)",
+    )
+
+
+class ModelConfig(Section):
+    """The policy: a Hugging Face causal LM checkpoint directory."""
+
+    SECTION: ClassVar[str] = "model"
+
+    path: NonBlank = config_key(
+        "models/arith-tiny",
+        "local HF checkpoint directory (config.json, weights, tokenizer)",
+        "must name a model directory",
+    )
+    dtype: Dtype = config_key("float32", "weights dtype for training and rollouts: float32, bfloat16, float16 or auto")
+    trust_remote_code: StrictBool = config_key(
+        False, "allow the checkpoint's own modelling code (only for checkpoints you trust)"
+    )
+    gradient_checkpointing: StrictBool = config_key(
+        False, "recompute activations in the backward pass: less memory, more time"
+    )
+    lora_rank: StrictInt = config_key(
+        0, "0 = full fine-tuning; r > 0 = train LoRA adapters of rank r (peft) on the target modules", ge=0
+    )
+    lora_alpha: Number = config_key(32.0, "LoRA scale alpha: the update is (alpha / r) * B @ A", gt=0)
+    lora_target_modules: Annotated[Text, rule(lambda v: bool(v.strip(", ")), "no modules")] = config_key(
+        "all-linear",
+        "all-linear (every linear layer but the output) or names, comma-separated",
+        "must be all-linear or module names separated by commas (e.g. q_proj,v_proj)",
+    )
+
+
+class RolloutConfig(Section):
+    """Rollout generation: the engine and how completions are sampled."""
+
+    SECTION: ClassVar[str] = "rollout"
+
+    backend: Annotated[Text, registered(backends)] = config_key(
+        "vllm", "rollout engine (coba_tasks.engines.rollout.backends()): vllm, vllm-ray, or transformers (fallback)"
+    )
+    temperature: Number = config_key(
+        1.0,
+        "sampling temperature of training rollouts (> 0); the update trains on log_softmax(z / T)",
+        "must be > 0: training rollouts are sampled (greedy ones would make every group's rewards equal); "
+        "1.0 is the paper's",
+        gt=0,
+    )
+    top_p: Number = config_key(
+        1.0,
+        "nucleus sampling of training rollouts: 1.0 only (docs/method.md says why)",
+        "must be 1.0: a nucleus-truncated sampler draws from a distribution the policy gradient does not see "
+        "(docs/method.md, 'Log-probabilities'); run.eval_top_p sets the evaluation's nucleus",
+        ge=1,
+        le=1,
+    )
+    max_tokens: StrictInt = config_key(12, "most tokens generated per completion", ge=1)
+    max_model_len: StrictInt = config_key(64, "engine context length (prompt + completion); 0 = the model's own", ge=0)
+    gpu_memory_utilization: Number = config_key(0.5, "share of GPU memory vLLM may take (ignored on CPU)", gt=0, le=1)
+    in_process: StrictBool | None = config_key(
+        None, "run the vLLM engine in this process; null = auto (yes on CPU, no on GPU)"
+    )
+    sleep_during_update: StrictBool = config_key(
+        False, "free the engine's GPU memory while the GRPO update runs (CUDA only)"
+    )
+    engines: StrictInt = config_key(
+        1, "vLLM engines (Ray actors) of the vllm-ray backend (docs/scale_out.md); 1 for the others", ge=1
+    )
+    tensor_parallel_size: StrictInt = config_key(
+        1, "GPUs each vLLM engine is split over (vLLM's tensor parallelism; CUDA only)", ge=1
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutConfig:
+        if self.max_model_len and self.max_model_len <= self.max_tokens:
+            self._fail(
+                "max_model_len",
+                f"must exceed rollout.max_tokens ({self.max_tokens}) to leave room for the prompt, "
+                "or be 0 for the model's own context length",
+            )
+        if self.engines != 1 and self.backend != "vllm-ray":
+            self._fail(
+                "engines",
+                f"must be 1 with rollout.backend={self.backend}: only the vllm-ray backend runs several engines",
+            )
+        if self.tensor_parallel_size != 1 and self.backend == "transformers":
+            self._fail(
+                "tensor_parallel_size",
+                "must be 1 with rollout.backend=transformers: only vLLM splits a model over GPUs",
+            )
+        if self.tensor_parallel_size != 1 and self.in_process is True:
+            self._fail(
+                "tensor_parallel_size",
+                "must be 1 with rollout.in_process=true (vLLM's in-process executor runs one worker); "
+                "set rollout.in_process=null",
+            )
+        return self
+
+
+_TAU = "must be 'adaptive' or a positive number (the saturation scale of eta, docs/method.md)"
+
+
+class AllocationConfig(Section):
+    """Rollout-budget allocation (docs/method.md)."""
+
+    SECTION: ClassVar[str] = "allocation"
+
+    strategy: Annotated[Text, registered(strategies)] = config_key(
+        "coba", "allocator (coba_tasks.core.allocators.strategies()): coba, knapsack or uniform"
+    )
+    mode: ModeName = config_key(
+        "paper", "coba variant: paper (heap over all prompts) or released (the authors' released code)"
+    )
+    solver: Annotated[Text, registered(coba_solvers)] = config_key(
+        "heap", "coba solver: heap (Algorithm 1), threshold (closed form) or dp (exact, slow)"
+    )
+    group_size: StrictInt = config_key(16, "G, the mean group size: B_total = M * G rollouts per step", ge=1)
+    min_budget: StrictInt = config_key(
+        2,
+        "B_low, fewest rollouts per prompt (>= 2: a group of one has no advantage)",
+        "must be >= 2: a GRPO group of one rollout has no advantage (set allocation.min_budget=2)",
+        ge=2,
+    )
+    max_budget: StrictInt = config_key(128, "B_up, most rollouts per prompt (>= allocation.min_budget)")
+    schedule: Schedule = config_key(
+        "adaptive", "(alpha, beta): adaptive (from F), reversed (explore then exploit) or fixed"
+    )
+    fixed_alpha: Number = config_key(5.5, "alpha of the Beta density when schedule is fixed", gt=0)
+    fixed_beta: Number = config_key(5.5, "beta of the Beta density when schedule is fixed", gt=0)
+    tau: Literal["adaptive"] | float = config_key(
+        "adaptive", "saturation scale of eta(B, p): adaptive (from the spread of pass rates) or a number > 0", _TAU
+    )
+    kappa: Number = config_key(
+        11.0,
+        "alpha + beta of the Beta density (> 2)",
+        "must be > 2 so that alpha and beta can both exceed 1 (paper: 11)",
+        gt=2,
+    )
+    gamma: Number = config_key(10.0, "steepness of the sigmoid applied to the failure rate when it is <= 0.5", gt=0)
+    capability_window: StrictInt = config_key(1, "steps in the moving average of the failure rate", ge=1)
+    pass_rate_window: StrictInt = config_key(1, "a prompt's last visits whose pass rates give its p_i", ge=1)
+
+    @field_validator("tau", mode="before")
+    @classmethod
+    def _tau(cls, value: Any) -> Any:
+        """'adaptive', or a positive number (a numeric string too)."""
+        if isinstance(value, bool):
+            raise PydanticCustomError("float_type", "a bool is not a number")
+        if value == "adaptive" or not isinstance(value, str | int | float):
+            return value  # 'adaptive'; None, a list: the union's type error
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):
+            raise PydanticCustomError("config", _TAU) from None
+        if number != number or number in (float("inf"), float("-inf")):
+            raise PydanticCustomError("finite_number", "expected a finite number")
+        if number <= 0:
+            raise PydanticCustomError("config", _TAU)
+        return number
+
+    @model_validator(mode="after")
+    def _budgets(self) -> AllocationConfig:
+        if self.max_budget < self.min_budget:
+            self._fail("max_budget", f"must be >= allocation.min_budget ({self.min_budget})")
+        return self
+
+
+class OptimConfig(Section):
+    """The GRPO update: AdamW and the clipped token-mean loss (docs/method.md)."""
+
+    SECTION: ClassVar[str] = "optim"
+
+    lr: Number = config_key(1e-4, "AdamW learning rate (the paper uses 1e-6 for 7B models)", gt=0)
+    weight_decay: Number = config_key(0.0, "AdamW decoupled weight decay", ge=0)
+    betas: Annotated[
+        tuple[Number, Number], BeforeValidator(a_list), rule(lambda v: all(0 <= b < 1 for b in v), "out of [0, 1)")
+    ] = config_key(
+        (0.9, 0.999), "AdamW (beta1, beta2), each in [0, 1)", "must be two numbers in [0, 1), e.g. [0.9, 0.999]"
+    )
+    eps: Number = config_key(1e-8, "AdamW denominator epsilon", gt=0)
+    max_grad_norm: Number = config_key(1.0, "clip the global gradient norm to this value", gt=0)
+    micro_batch_size: StrictInt = config_key(
+        64, "sequences per forward/backward pass: bounds memory whatever the budgets", ge=1
+    )
+    mini_batches: StrictInt = config_key(
+        1, "optimizer steps per epoch over a step's rollouts (veRL's PPO mini-batches)", ge=1
+    )
+    clip_low: Number = config_key(0.2, "ratio clipped below at 1 - clip_low", gt=0, lt=1)
+    clip_high: Number = config_key(0.28, 'ratio clipped above at 1 + clip_high ("clip-higher")', gt=0)
+    kl_coef: Number = config_key(
+        0.0, "coefficient of the KL penalty to the initial policy; 0 = none (the default)", ge=0
+    )
+    update_epochs: StrictInt = config_key(1, "optimiser passes over each step's rollouts", ge=1)
+    lr_warmup_steps: StrictInt = config_key(
+        0, "linear warm-up: training step k (from 0) updates at lr * min(1, (k + 1) / N); 0 = none", ge=0
+    )
+    fsdp_processes: StrictInt = config_key(
+        1, "1 = the update in the flow process; N > 1 = each update a torchrun job of N FSDP ranks", ge=1
+    )
+    shared_prefix: StrictBool = config_key(
+        True, "encode each group's prompt once in the update (same loss and gradients, faster)"
+    )
+    skip_zero_advantage: StrictBool = config_key(
+        True, "leave advantage-0 rows out of the passes when kl_coef is 0 (same gradients)"
+    )
+    rollout_correction: RolloutCorrectionLevel = config_key(
+        "none",
+        "truncated importance sampling pi_trainer / pi_sampler on the loss (veRL's rollout_is, TRL's "
+        "vllm_importance_sampling_correction): none, token (a ratio per token) or sequence (one per completion)",
+        "must be none (no correction), token (weight each token by min(pi_old / pi_sampler, cap)) or sequence "
+        "(weight each completion by min(product of its token ratios, cap))",
+    )
+    rollout_correction_cap: Number = config_key(
+        2.0,
+        "the truncation C: the weight is min(ratio, C) (veRL's rollout_is_threshold, TRL's "
+        "vllm_importance_sampling_cap)",
+        gt=0,
+    )
+    rollout_mask_threshold: Number = config_key(
+        0.0,
+        "tau > 1: tokens (token level) or completions (sequence level) whose ratio is outside [1/tau, tau] are "
+        "left out of the loss (veRL's rollout_rs_threshold); 0 = no masking",
+        ge=0,
+    )
+
+    @model_validator(mode="after")
+    def _rollout_correction(self) -> OptimConfig:
+        if self.rollout_mask_threshold != 0 and not self.rollout_mask_threshold > 1:
+            self._fail(
+                "rollout_mask_threshold",
+                "masks ratios outside [1/tau, tau], so it must be > 1; set it above 1 (e.g. 5) or to 0 for no masking",
+            )
+        if self.rollout_mask_threshold > 0 and self.rollout_correction == "none":
+            self._fail(
+                "rollout_mask_threshold",
+                "masks at the level of optim.rollout_correction, which is none; set optim.rollout_correction=token "
+                "(or sequence) or leave optim.rollout_mask_threshold at 0",
+            )
+        return self
+
+
+class VerifyConfig(Section):
+    """Reward verification in a process pool."""
+
+    SECTION: ClassVar[str] = "verify"
+
+    workers: StrictInt = config_key(2, "verifier processes", ge=1)
+    timeout_s: Number = config_key(
+        5.0, "hard wall-clock limit per completion, seconds; over it counts as a timeout", gt=0
+    )
+    unknown_sources: UnknownSources = config_key(
+        "error",
+        "a data_source without a verifier: error = refuse the run; math = math-verify",
+        "must be error (a data_source without a registered verifier stops the run before it starts) or math "
+        "(math-verify scores such rows)",
+    )
+    reward_function: Text = config_key(
+        "",
+        "your reward instead of the built-in verifiers: path/to/file.py[:function] with veRL's compute_score "
+        "signature (docs/operations.md); empty = the built-in verifiers",
+    )
+    pass_threshold: Number = config_key(
+        1.0, "a reward_function score >= this counts as solved (the pass rates CoBA-RL uses)"
+    )
+
+    @model_validator(mode="after")
+    def _reward_function(self) -> VerifyConfig:
+        if self.reward_function.strip():
+            from coba_tasks.engines.reward_file import split_spec
+
+            try:
+                split_spec(self.reward_function)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        elif self.pass_threshold != 1.0:
+            self._fail(
+                "pass_threshold",
+                "applies to verify.reward_function's scores only (the built-in verifiers score 1 = solved); "
+                "set verify.reward_function or leave verify.pass_threshold at 1.0",
+            )
+        return self
