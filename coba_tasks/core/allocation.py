@@ -35,49 +35,16 @@ DEFAULT_BETA = 2.0
 UNSEEN_PASS_RATE = 0.5
 
 
-def allocate(
-    pass_rates: np.ndarray | list[float],
-    total_budget: int,
-    *,
-    strategy: str = "coba",
-    min_budget: int = 2,
-    max_budget: int = 128,
-    alpha: float | None = None,
-    beta: float | None = None,
-    tau: str | float = "adaptive",
-    mode: str = "paper",
-    solver: str = "heap",
-) -> np.ndarray:
-    """Rollout budget per prompt, shape (M,) int64, summing to ``total_budget``.
-
-    Args:
-        pass_rates: (M,) pass rate of each prompt on its last visit, in [0, 1]; NaN = never seen.
-        total_budget: B_total, rollouts for the whole batch (M * min_budget <= B_total <= M * max_budget).
-        strategy: one of ``strategies()``: "coba", "knapsack", "uniform".
-        min_budget: B_low >= 2 (a GRPO group of one has no advantage).
-        max_budget: B_up.
-        alpha, beta: the Beta shape from ``CapabilityTracker`` (default: the pre-training (9, 2)).
-        tau: "adaptive" (from the spread of pass rates) or a positive number.
-        mode: "paper" (solver over all prompts) or "released" (the authors' released code).
-        solver: "heap" (Algorithm 1), "threshold" (closed form) or "dp" (exact DP).
+def allocate(pass_rates: np.ndarray | list[float], total_budget: int, **options: Any) -> np.ndarray:
+    """Rollout budget per prompt, shape (M,) int64, summing to ``total_budget``: the budgets of
+    ``plan_allocation`` (same arguments).
 
     >>> allocate([0.1, 0.5, 0.9, float("nan")], 16, strategy="uniform").tolist()
     [4, 4, 4, 4]
     >>> allocate([0.2, 0.5, 0.8], 12, alpha=9.0, beta=2.0).tolist()   # exploit: easy prompts first
     [2, 2, 8]
     """
-    return plan_allocation(
-        pass_rates,
-        total_budget,
-        strategy=strategy,
-        min_budget=min_budget,
-        max_budget=max_budget,
-        alpha=alpha,
-        beta=beta,
-        tau=tau,
-        mode=mode,
-        solver=solver,
-    ).budgets
+    return plan_allocation(pass_rates, total_budget, **options).budgets
 
 
 def plan_allocation(
@@ -93,7 +60,19 @@ def plan_allocation(
     mode: str = "paper",
     solver: str = "heap",
 ) -> Allocation:
-    """Like ``allocate`` but returns the full ``Allocation`` (values, gains, tau, groups)."""
+    """The full ``Allocation`` (budgets, values, gains, tau, groups) of a batch.
+
+    Args:
+        pass_rates: (M,) pass rate of each prompt on its last visit, in [0, 1]; NaN = never seen.
+        total_budget: B_total, rollouts for the whole batch (M * min_budget <= B_total <= M * max_budget).
+        strategy: one of ``strategies()``: "coba", "knapsack", "uniform".
+        min_budget: B_low >= 2 (a GRPO group of one has no advantage).
+        max_budget: B_up.
+        alpha, beta: the Beta shape from ``CapabilityTracker`` (default: the pre-training (9, 2)).
+        tau: "adaptive" (from the spread of pass rates) or a positive number.
+        mode: "paper" (solver over all prompts) or "released" (the authors' released code).
+        solver: "heap" (Algorithm 1), "threshold" (closed form) or "dp" (exact DP).
+    """
     request = _validate(pass_rates, total_budget, strategy, min_budget, max_budget, alpha, beta, tau, mode, solver)
     if not request.seen.any():
         plan = allocator(Strategy.UNIFORM.value)(request)

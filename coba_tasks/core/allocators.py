@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from coba_tasks.core.registry import Registry
 from coba_tasks.core.solvers import CobaProblem, Solver, coba_solve, greedy_extras, solve_mckp_dp
 from coba_tasks.core.values import adaptive_tau, coba_value, knapsack_value
 
@@ -108,29 +109,10 @@ class Allocation:
 
 
 AllocatorFn = Callable[[AllocationRequest], Allocation]
-_ALLOCATORS: dict[str, AllocatorFn] = {}
-
-
-def register_allocator(name: str) -> Callable[[AllocatorFn], AllocatorFn]:
-    """Decorator: register an allocation strategy under ``name``."""
-
-    def wrap(fn: AllocatorFn) -> AllocatorFn:
-        if name in _ALLOCATORS:
-            raise ValueError(f"allocator {name!r} is already registered")
-        _ALLOCATORS[name] = fn
-        return fn
-
-    return wrap
-
-
-def strategies() -> list[str]:
-    """Names of the registered strategies."""
-    return sorted(_ALLOCATORS)
-
-
-def allocator(name: str) -> AllocatorFn | None:
-    """The strategy registered under ``name``, or None."""
-    return _ALLOCATORS.get(name)
+_ALLOCATORS: Registry[AllocatorFn] = Registry("allocator")
+register_allocator = _ALLOCATORS.register  # decorator: register an allocation strategy under a name
+strategies = _ALLOCATORS.names  # the registered strategies' names, sorted
+allocator = _ALLOCATORS.get  # the strategy registered under a name, or None
 
 
 # ---------------------------------------------------------------------------------------------

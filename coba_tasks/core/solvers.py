@@ -26,6 +26,7 @@ from functools import cached_property
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from coba_tasks.core.registry import Registry
 from coba_tasks.core.values import clip_pass_rates, coba_value, log_beta_density
 
 
@@ -80,29 +81,10 @@ class CobaProblem:
 # A CoBA solver gets per-prompt log-gain parameters of the *extra* rollouts: the j-th extra
 # rollout (j = 0 .. cap-1) of prompt i has log-gain a0[i] - k[i] * j. It returns extras (M,).
 CobaSolverFn = Callable[[np.ndarray, np.ndarray, int, int, CobaProblem], np.ndarray]
-_COBA_SOLVERS: dict[str, CobaSolverFn] = {}
-
-
-def register_coba_solver(name: str) -> Callable[[CobaSolverFn], CobaSolverFn]:
-    """Decorator: register a solver for the CoBA objective under ``name``."""
-
-    def wrap(fn: CobaSolverFn) -> CobaSolverFn:
-        if name in _COBA_SOLVERS:
-            raise ValueError(f"CoBA solver {name!r} is already registered")
-        _COBA_SOLVERS[name] = fn
-        return fn
-
-    return wrap
-
-
-def coba_solvers() -> list[str]:
-    """Names of the registered CoBA solvers."""
-    return sorted(_COBA_SOLVERS)
-
-
-def coba_solver(name: str) -> CobaSolverFn | None:
-    """The CoBA solver registered under ``name``, or None."""
-    return _COBA_SOLVERS.get(name)
+_COBA_SOLVERS: Registry[CobaSolverFn] = Registry("CoBA solver")
+register_coba_solver = _COBA_SOLVERS.register  # decorator: register a solver for the CoBA objective under a name
+coba_solvers = _COBA_SOLVERS.names  # the registered CoBA solvers' names, sorted
+coba_solver = _COBA_SOLVERS.get  # the CoBA solver registered under a name, or None
 
 
 def coba_log_gains(problem: CobaProblem) -> tuple[np.ndarray, np.ndarray]:
