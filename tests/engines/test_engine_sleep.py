@@ -3,9 +3,7 @@ evaluation's top-p, and the checks of scripts/gpu_check.py on a CPU run director
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -13,6 +11,7 @@ from typing import Any, ClassVar
 import pandas as pd
 import pytest
 from char_prompts import char_ids, with_char_ids
+from scripts_loader import load_script
 
 from coba_tasks.engines import rollout
 from coba_tasks.engines.engine_sleep import engine_asleep
@@ -36,16 +35,6 @@ def memory_freed(record: dict[str, Any]) -> float | None:
     if not before or not asleep:
         return None
     return before["used"] - asleep["used"]
-
-
-def _gpu_check():
-    """scripts/gpu_check.py as a module (scripts/ is not a package)."""
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts/gpu_check.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = module  # before running it: its dataclass looks its module up
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_check"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +359,7 @@ def test_flow_sleeps_the_engine_for_the_update_and_wakes_it_before_the_reload(sl
 @pytest.mark.slow
 def test_gpu_check_checks_pass_on_a_cpu_run_and_catch_a_missing_step(sleepy_run):
     run_dir, _ = sleepy_run
-    gpu_check = _gpu_check()
+    gpu_check = load_script("scripts/gpu_check.py")
     checks = gpu_check.check_run(run_dir, STEPS, require_memory=False)
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
     names = {c.name for c in checks}
@@ -386,7 +375,7 @@ def test_gpu_check_checks_pass_on_a_cpu_run_and_catch_a_missing_step(sleepy_run)
 
 
 def test_gpu_check_memory_check_wants_memory_freed_and_taken_back():
-    gpu_check = _gpu_check()
+    gpu_check = load_script("scripts/gpu_check.py")
 
     def record(before, asleep, after, awake):
         return {
@@ -405,7 +394,7 @@ def test_gpu_check_memory_check_wants_memory_freed_and_taken_back():
 
 
 def test_gpu_check_config_is_valid_and_asks_for_sleep(tmp_path):
-    gpu_check = _gpu_check()
+    gpu_check = load_script("scripts/gpu_check.py")
     path = gpu_check.write_config(tmp_path / "c.yaml", tmp_path / "model")
     cfg = load_config(path)
     assert cfg.rollout.sleep_during_update and cfg.rollout.backend == "vllm" and cfg.run.steps == 3

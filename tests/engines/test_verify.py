@@ -86,27 +86,21 @@ def _kinds(verdicts: list[Verdict]) -> list[str]:
 # --------------------------------------------------------------------------- arith
 
 
-@pytest.mark.parametrize(
-    ("completion", "truth", "kind", "extracted"),
-    [
-        ("95", "95", CORRECT, "95"),
-        ("96", "95", WRONG, "96"),
-        ("95</s>", "95", CORRECT, "95"),  # end text after the number is ignored
-        ("  95\n37+1=38", "95", CORRECT, "95"),  # leading whitespace, then another problem
-        ("-12", "-12", CORRECT, "-12"),
-        ("12", "-12", WRONG, "12"),
-        ("-12", "12", WRONG, "-12"),
-        ("007", "7", CORRECT, "007"),
-        ("95.5", "95", WRONG, "95.5"),  # a fractional part is not an integer answer
-        ("", "95", NO_ANSWER, ""),
-        ("the answer is 95", "95", NO_ANSWER, ""),  # the integer must come first
-        ("- 95", "-95", NO_ANSWER, ""),
-    ],
-)
-def test_arith(completion: str, truth: str, kind: str, extracted: str) -> None:
-    v = score(completion, truth, "arith")
-    assert (v.verdict.value, v.extracted_answer) == (kind, extracted)
-    assert v.reward == (1.0 if kind == CORRECT else 0.0)
+# (completion, ground truth, verdict, extracted answer)
+ARITH_CASES = [
+    ("95", "95", CORRECT, "95"),
+    ("96", "95", WRONG, "96"),
+    ("95</s>", "95", CORRECT, "95"),  # end text after the number is ignored
+    ("  95\n37+1=38", "95", CORRECT, "95"),  # leading whitespace, then another problem
+    ("-12", "-12", CORRECT, "-12"),
+    ("12", "-12", WRONG, "12"),
+    ("-12", "12", WRONG, "-12"),
+    ("007", "7", CORRECT, "007"),
+    ("95.5", "95", WRONG, "95.5"),  # a fractional part is not an integer answer
+    ("", "95", NO_ANSWER, ""),
+    ("the answer is 95", "95", NO_ANSWER, ""),  # the integer must come first
+    ("- 95", "-95", NO_ANSWER, ""),
+]
 
 
 def test_arith_bad_ground_truth_is_an_error_not_wrong() -> None:
@@ -125,30 +119,33 @@ def test_arith_property(answer: int, delta: int, tail: str) -> None:
 # --------------------------------------------------------------------------- arith_chat
 
 
+ARITH_CHAT_CASES = [
+    ("\\boxed{2}", "2", CORRECT, "2"),
+    ("8-6 = \\boxed{ 2 }.", "2", CORRECT, "2"),
+    ("So 46-90 = -44.", "-44", CORRECT, "-44"),  # the last integer, sentence end and all
+    ("To compute 6+7, we add them: 6 + 7 = 13", "13", CORRECT, "13"),
+    ("the sum is 1,538 in all", "1538", CORRECT, "1,538"),
+    ("\\boxed{3} or rather \\boxed{2}", "2", CORRECT, "2"),  # the last box
+    ("\\boxed{2}, and then 7", "2", CORRECT, "2"),  # a box wins over later numbers
+    # the question written back is not its answer (math-verify evaluated it: 9-7 -> 2, correct)
+    ("9-7", "2", WRONG, "9"),
+    ("The answer is 9-7", "2", WRONG, "9"),
+    ("4-2", "2", WRONG, "4"),  # an echo whose last operand is the answer
+    ("4 - 2", "2", WRONG, "4"),
+    ("4 - 2 = 2", "2", CORRECT, "2"),
+    ("\\boxed{9-7}", "2", WRONG, "9-7"),
+    ("8-6 = 3", "2", WRONG, "3"),
+    ("2.5", "2", NO_ANSWER, ""),  # no integer
+    ("I cannot say.", "2", NO_ANSWER, ""),
+]
+
+
 @pytest.mark.parametrize(
-    ("completion", "truth", "kind", "extracted"),
-    [
-        ("\\boxed{2}", "2", CORRECT, "2"),
-        ("8-6 = \\boxed{ 2 }.", "2", CORRECT, "2"),
-        ("So 46-90 = -44.", "-44", CORRECT, "-44"),  # the last integer, sentence end and all
-        ("To compute 6+7, we add them: 6 + 7 = 13", "13", CORRECT, "13"),
-        ("the sum is 1,538 in all", "1538", CORRECT, "1,538"),
-        ("\\boxed{3} or rather \\boxed{2}", "2", CORRECT, "2"),  # the last box
-        ("\\boxed{2}, and then 7", "2", CORRECT, "2"),  # a box wins over later numbers
-        # the question written back is not its answer (math-verify evaluated it: 9-7 -> 2, correct)
-        ("9-7", "2", WRONG, "9"),
-        ("The answer is 9-7", "2", WRONG, "9"),
-        ("4-2", "2", WRONG, "4"),  # an echo whose last operand is the answer
-        ("4 - 2", "2", WRONG, "4"),
-        ("4 - 2 = 2", "2", CORRECT, "2"),
-        ("\\boxed{9-7}", "2", WRONG, "9-7"),
-        ("8-6 = 3", "2", WRONG, "3"),
-        ("2.5", "2", NO_ANSWER, ""),  # no integer
-        ("I cannot say.", "2", NO_ANSWER, ""),
-    ],
+    ("verifier", "completion", "truth", "kind", "extracted"),
+    [("arith", *case) for case in ARITH_CASES] + [("arith_chat", *case) for case in ARITH_CHAT_CASES],
 )
-def test_arith_chat(completion: str, truth: str, kind: str, extracted: str) -> None:
-    v = score(completion, truth, "arith_chat")
+def test_integer_verifiers(verifier: str, completion: str, truth: str, kind: str, extracted: str) -> None:
+    v = score(completion, truth, verifier)
     assert (v.verdict.value, v.extracted_answer) == (kind, extracted)
     assert v.reward == (1.0 if kind == CORRECT else 0.0)
 

@@ -195,18 +195,13 @@ def test_apply_overrides_gives_a_new_validated_config():
         apply_overrides(base, ["allocation.strategy=best"])
 
 
-@pytest.mark.parametrize(
-    ("override", "pattern"),
-    [
-        ("optim.lrr=1", r"unknown config key 'optim\.lrr'.*did you mean 'lr'.*valid keys of optim: lr, weight_decay"),
-        ("optimiser.lr=1", r"unknown config section 'optimiser'.*valid sections: run, data, model"),
-        ("lr=1", r"unknown config section 'lr'"),
-        ("optim.lr", r"must look like section\.key=value"),
-    ],
-)
-def test_unknown_override_keys_name_the_dotted_key(override, pattern):
-    with pytest.raises(ConfigError, match=pattern):
-        load_config(TINY_DEMO, [override])
+# (override, what its error says): a key or section that does not exist, or no "=" at all
+UNKNOWN_KEY_OVERRIDES = [
+    ("optim.lrr=1", r"unknown config key 'optim\.lrr'.*did you mean 'lr'.*valid keys of optim: lr, weight_decay"),
+    ("optimiser.lr=1", r"unknown config section 'optimiser'.*valid sections: run, data, model"),
+    ("lr=1", r"unknown config section 'lr'"),
+    ("optim.lr", r"must look like section\.key=value"),
+]
 
 
 def test_unknown_keys_in_a_file_name_the_file_and_key(tmp_path):
@@ -219,25 +214,26 @@ def test_unknown_keys_in_a_file_name_the_file_and_key(tmp_path):
         load_config(write(tmp_path, "trainer:\n  lr: 0.1\n"))
 
 
-@pytest.mark.parametrize(
-    ("override", "pattern"),
-    [
-        ("optim.lr=fast", r"optim\.lr: expected a number, got 'fast' \(str\)"),
-        ("optim.lr=true", r"optim\.lr: expected a number, got True \(bool\)"),
-        ("optim.lr=.nan", r"optim\.lr: expected a finite number"),
-        ("optim.lr=1e999", r"optim\.lr: expected a finite number"),
-        ("run.steps=2.5", r"run\.steps: expected an integer, got 2\.5 \(float\)"),
-        ("run.steps=true", r"run\.steps: expected an integer, got True \(bool\)"),
-        ("data.shuffle=1", r"data\.shuffle: expected true or false, got 1 \(int\)"),
-        ("optim.betas=0.9", r"optim\.betas: expected a list of 2 numbers, got 0\.9 \(float\)"),
-        ("optim.betas=[0.9, x]", r"optim\.betas\[1\]: expected a number, got 'x'"),
-        ("rollout.in_process=maybe", r"rollout\.in_process: expected true or false or null, got 'maybe'"),
-        ("allocation.tau=[1]", r"allocation\.tau: expected a string or a number, got \[1\]"),
-        ("allocation.tau=fast", r"allocation\.tau = 'fast': must be 'adaptive' or a positive number"),
-        ("optim.lr=[1, 2", r"--set optim\.lr:1:\d+: invalid YAML"),
-    ],
-)
-def test_wrong_types_name_key_expected_type_and_value(override, pattern):
+# (override, what its error says): a value of the wrong type names the key, the expected type and the value
+WRONG_TYPE_OVERRIDES = [
+    ("optim.lr=fast", r"optim\.lr: expected a number, got 'fast' \(str\)"),
+    ("optim.lr=true", r"optim\.lr: expected a number, got True \(bool\)"),
+    ("optim.lr=.nan", r"optim\.lr: expected a finite number"),
+    ("optim.lr=1e999", r"optim\.lr: expected a finite number"),
+    ("run.steps=2.5", r"run\.steps: expected an integer, got 2\.5 \(float\)"),
+    ("run.steps=true", r"run\.steps: expected an integer, got True \(bool\)"),
+    ("data.shuffle=1", r"data\.shuffle: expected true or false, got 1 \(int\)"),
+    ("optim.betas=0.9", r"optim\.betas: expected a list of 2 numbers, got 0\.9 \(float\)"),
+    ("optim.betas=[0.9, x]", r"optim\.betas\[1\]: expected a number, got 'x'"),
+    ("rollout.in_process=maybe", r"rollout\.in_process: expected true or false or null, got 'maybe'"),
+    ("allocation.tau=[1]", r"allocation\.tau: expected a string or a number, got \[1\]"),
+    ("allocation.tau=fast", r"allocation\.tau = 'fast': must be 'adaptive' or a positive number"),
+    ("optim.lr=[1, 2", r"--set optim\.lr:1:\d+: invalid YAML"),
+]
+
+
+@pytest.mark.parametrize(("override", "pattern"), UNKNOWN_KEY_OVERRIDES + WRONG_TYPE_OVERRIDES)
+def test_bad_override_names_the_dotted_key(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(TINY_DEMO, [override])
 

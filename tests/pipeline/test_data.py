@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import string
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pandas as pd
 import pyarrow as pa
@@ -14,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scripts_loader import load_script
 
 from coba_tasks.pipeline.config import apply_overrides, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
@@ -26,17 +24,7 @@ from coba_tasks.pipeline.data_run import BAD_ROWS_COLUMNS, load_run_datasets
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 
 
-def _load_make_arith() -> ModuleType:
-    """data/ is not a package: import the generator script from its path."""
-    spec = importlib.util.spec_from_file_location("make_arith", DATA_DIR / "make_arith.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-make_arith = _load_make_arith()
+make_arith = load_script("data/make_arith.py")
 
 
 def verl_rows(n: int = 3) -> list[dict]:
@@ -161,10 +149,18 @@ def test_empty_ground_truth_names_row_and_column(tmp_path: Path) -> None:
     )
 
 
-def test_empty_flat_answer_names_row_and_column(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        ({"prompt": ["1+1=", "2+2="], "answer": ["2", ""]}, "row 1, column answer: ground truth is empty"),
+        ({"prompt": ["1+1=", " "], "answer": ["2", "4"]}, "row 1, column prompt: prompt is empty"),
+    ],
+    ids=["answer", "prompt"],
+)
+def test_empty_flat_cell_names_row_and_column(tmp_path: Path, frame: dict, message: str) -> None:
     path = tmp_path / "flat.parquet"
-    pd.DataFrame({"prompt": ["1+1=", "2+2="], "answer": ["2", ""]}).to_parquet(path)
-    raises_dataset_error(path, "row 1, column answer: ground truth is empty")
+    pd.DataFrame(frame).to_parquet(path)
+    raises_dataset_error(path, message)
 
 
 def test_empty_prompt_names_row_and_column(tmp_path: Path) -> None:
@@ -177,12 +173,6 @@ def test_prompt_without_messages_names_row_and_column(tmp_path: Path) -> None:
     rows = verl_rows(2)
     rows[1]["prompt"] = []
     raises_dataset_error(write_rows(tmp_path / "x.parquet", rows), "row 1, column prompt: prompt has no messages")
-
-
-def test_empty_flat_prompt_names_row_and_column(tmp_path: Path) -> None:
-    path = tmp_path / "flat.parquet"
-    pd.DataFrame({"prompt": ["1+1=", " "], "answer": ["2", "4"]}).to_parquet(path)
-    raises_dataset_error(path, "row 1, column prompt: prompt is empty")
 
 
 def test_duplicated_id_names_both_rows(tmp_path: Path) -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import collections
-import importlib.util
 import re
 from pathlib import Path
-from types import ModuleType
 
 import pyarrow.parquet as pq
 import pytest
+from scripts_loader import load_script
 
 from coba_tasks.engines.verify import score, verifier_for
 from coba_tasks.pipeline.data import load_dataset, write_verl_parquet
@@ -17,16 +16,7 @@ from coba_tasks.pipeline.data import load_dataset, write_verl_parquet
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 
 
-def _load_script() -> ModuleType:
-    """data/ is not a package: import the script from its path."""
-    spec = importlib.util.spec_from_file_location("make_arith_chat", DATA_DIR / "make_arith_chat.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_arith_chat = _load_script()
+make_arith_chat = load_script("data/make_arith_chat.py")
 
 
 SHIPPED = ("train", "test", "test_reworded")

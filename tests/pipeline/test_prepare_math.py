@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from scripts_loader import load_script
 
 from coba_tasks.engines.verify import score
 from coba_tasks.pipeline.data import load_dataset
@@ -18,16 +17,7 @@ from coba_tasks.pipeline.data_rows import prompt_hash
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _prepare_math():
-    if "prepare_math" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("prepare_math", ROOT / "data/prepare_math.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["prepare_math"] = module  # before running it: its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules["prepare_math"]
-
-
-pm = _prepare_math()
+pm = load_script("data/prepare_math.py")
 
 # the hub's DAPO-Math-17K schema: message structs are {content, role}, ground truths are strings
 DAPO_SCHEMA = pa.schema(
