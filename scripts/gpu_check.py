@@ -37,7 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -165,38 +165,30 @@ def build_model(out: Path, seed: int, arch: str = "qwen2-tied", sharpen: float =
     weight from N(0, sharpen) so greedy decoding has clear winners (for output comparisons)."""
     import torch
 
-    from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
+    from coba_tasks.engines.model import (
+        TinyLlamaSpec,
+        build_char_tokenizer,
+        build_tiny_llama,
+        save_hf,
+        seeded_model,
+        tiny_config_kwargs,
+    )
 
     tok = build_char_tokenizer()
+    spec = TinyLlamaSpec(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
     if arch == "llama":
-        spec = TinyLlamaSpec(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            max_position_embeddings=256,
-        )
         model = build_tiny_llama(tok, spec, seed=seed)
     elif arch == "qwen2-tied":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        config = Qwen2Config(
-            vocab_size=len(tok),
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            tie_word_embeddings=True,  # as Qwen2.5-0.5B
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = Qwen2ForCausalLM(config)
-        model.generation_config.pad_token_id = tok.pad_token_id
+        tied = tiny_config_kwargs(tok, replace(spec, tie_word_embeddings=True))  # tied, as Qwen2.5-0.5B
+        model = seeded_model(Qwen2ForCausalLM, Qwen2Config(**{**tied, "num_key_value_heads": 2}), tok, seed)
     else:
         raise ValueError(f"unknown --arch {arch!r}: qwen2-tied or llama")
     if sharpen > 0:

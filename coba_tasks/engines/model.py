@@ -16,6 +16,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -50,9 +51,10 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_llama(tokenizer: PreTrainedTokenizerFast, spec: TinyLlamaSpec, seed: int) -> LlamaForCausalLM:
-    """A freshly initialised LlamaForCausalLM sized by ``spec``; the same seed gives the same weights."""
-    config = LlamaConfig(
+def tiny_config_kwargs(tokenizer: PreTrainedTokenizerFast, spec: TinyLlamaSpec) -> dict[str, Any]:
+    """The config arguments of a tiny causal LM shaped by ``spec`` over ``tokenizer``'s vocabulary and special
+    tokens (one key/value head per attention head); ``LlamaConfig(**...)``, or another architecture's config."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -66,11 +68,21 @@ def build_tiny_llama(tokenizer: PreTrainedTokenizerFast, spec: TinyLlamaSpec, se
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=spec.tie_word_embeddings,
     )
+
+
+def seeded_model(model_cls: Any, config: Any, tokenizer: PreTrainedTokenizerFast, seed: int) -> Any:
+    """``model_cls(config)`` initialised under ``seed`` (the global RNG left as it was), generating with
+    ``tokenizer``'s pad token: the same seed gives the same weights."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def build_tiny_llama(tokenizer: PreTrainedTokenizerFast, spec: TinyLlamaSpec, seed: int) -> LlamaForCausalLM:
+    """A freshly initialised LlamaForCausalLM sized by ``spec``; the same seed gives the same weights."""
+    return seeded_model(LlamaForCausalLM, LlamaConfig(**tiny_config_kwargs(tokenizer, spec)), tokenizer, seed)
 
 
 def save_hf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:
