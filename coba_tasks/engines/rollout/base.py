@@ -134,6 +134,11 @@ class RolloutBackend(ABC):
         """Why ``sleep`` cannot work on this machine, or None when it can (or is a harmless no-op)."""
         return None
 
+    @staticmethod
+    def check_requests(requests: Sequence[RolloutRequest]) -> None:
+        """What each backend's ``generate`` does first: ``check_requests`` (refuse an empty group or prompt)."""
+        check_requests(requests)
+
     def __enter__(self) -> RolloutBackend:
         return self
 

@@ -13,14 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.engines.rollout.base import (
-    Rollout,
-    RolloutBackend,
-    RolloutRequest,
-    SamplingConfig,
-    check_requests,
-    register_backend,
-)
+from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
 
 
 @register_backend("transformers")
@@ -59,7 +52,7 @@ class TransformersBackend(RolloutBackend):
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
         torch = self._torch
-        check_requests(requests)
+        self.check_requests(requests)
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         rows: list[Rollout] = []

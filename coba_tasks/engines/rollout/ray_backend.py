@@ -43,14 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.engines.rollout.base import (
-    Rollout,
-    RolloutBackend,
-    RolloutRequest,
-    SamplingConfig,
-    check_requests,
-    register_backend,
-)
+from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
 from coba_tasks.engines.rollout.vllm_backend import VLLMBackend
 
 logger = logging.getLogger(__name__)
@@ -200,7 +193,7 @@ class RayVLLMBackend(RolloutBackend):
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
         self._check_open()
-        check_requests(requests)
+        self.check_requests(requests)
         shards = shard_indices(requests, self.engines)
         calls = {k: ([requests[i] for i in idx], sampling, self.weight_version) for k, idx in enumerate(shards) if idx}
         results = self._call("generate", calls)

@@ -40,14 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.engines.rollout.base import (
-    Rollout,
-    RolloutBackend,
-    RolloutRequest,
-    SamplingConfig,
-    check_requests,
-    register_backend,
-)
+from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +154,7 @@ class VLLMBackend(RolloutBackend):
         flat: list[tuple[RolloutRequest, SamplingConfig]] = []
         spans: list[tuple[int, int]] = []
         for requests, sampling in batches:
-            check_requests(requests)
+            self.check_requests(requests)
             spans.append((len(flat), len(flat) + len(requests)))
             flat += [(r, sampling) for r in requests]
         if not flat:
