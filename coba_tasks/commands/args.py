@@ -1,6 +1,10 @@
-"""Argument types and machine facts the ``coba`` subcommands share.
+"""Argument types, the declaration of a subcommand and machine facts the ``coba`` subcommands share.
 
-parser.add_argument("--steps", type=positive_int, default=3)   # "0" -> "must be a positive integer, got 0"
+A subcommand is declared as data, its options a list of ``option(...)`` rows, and registered by ``add_command``:
+
+    add_command(sub, "demo", help=..., description=..., examples=["coba demo"], func=cmd_demo, options=[
+        option("--steps", type=positive_int, default=3),   # "0" -> "must be a positive integer, got 0"
+    ])
 """
 
 from __future__ import annotations
@@ -8,8 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 from argparse import ArgumentParser
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+Option = tuple[tuple[str, ...], dict[str, Any]]  # an argument: its flags (or name), the keywords of add_argument
 
 
 def positive_int(value: str) -> int:
@@ -35,13 +41,38 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def add_command(subparsers: Any, name: str, *, help: str, description: str, examples: Sequence[str]) -> ArgumentParser:
+def option(*flags: str, **keywords: Any) -> Option:
+    """One argument as data: ``parser.add_argument(*flags, **keywords)`` when ``add_options`` adds it."""
+    return flags, keywords
+
+
+def add_options(parser: Any, options: Iterable[Option]) -> None:
+    """Add each ``option(...)`` row to ``parser`` (an ``ArgumentParser`` or an argument group), in order."""
+    for flags, keywords in options:
+        parser.add_argument(*flags, **keywords)
+
+
+def add_command(
+    subparsers: Any,
+    name: str,
+    *,
+    help: str,
+    description: str,
+    examples: Sequence[str],
+    options: Iterable[Option] = (),
+    func: Callable[[argparse.Namespace], int] | None = None,
+) -> ArgumentParser:
     """Register subcommand ``name`` with its one-line ``help``, its ``description`` and an ``examples:`` epilog
-    (one command line an entry, printed as written); returns its parser."""
-    return subparsers.add_parser(
+    (one command line an entry, printed as written), then its ``options`` (``option(...)`` rows, in order) and
+    its handler ``func`` (``args.func``); returns its parser."""
+    parser = subparsers.add_parser(
         name,
         help=help,
         description=description,
         epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_options(parser, options)
+    if func is not None:
+        parser.set_defaults(func=func)
+    return parser

@@ -12,9 +12,11 @@ V(B, p) with math.exp / math.lgamma for every pop, as the reference for the opti
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,15 +61,34 @@ def plain_python_heap(
     return np.asarray(budgets, dtype=np.int64)
 
 
+def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """``fn(*args, **kwargs)`` and its wall time in seconds."""
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
+
+
+def print_progress(msg: str) -> None:
+    """A benchmark's progress line on stderr: ``[bench] msg ...``."""
+    print(f"[bench] {msg} ...", file=sys.stderr, flush=True)
+
+
+def print_figures(
+    result: dict[str, Any], as_json: bool, formatter: Callable[[Any], str], indent: int | None = 2
+) -> int:
+    """Print a benchmark's figures, as JSON (``--json``; ``indent=None``: one line) or worded by ``formatter``; 0."""
+    print(json.dumps(result, indent=indent) if as_json else formatter(result))
+    return 0
+
+
 def _median_time(fn: Callable[[], Any], repeats: int, warmup: bool = True) -> tuple[float, Any]:
     """Median wall time of ``repeats`` calls (after one untimed call when ``warmup``) and the last result."""
     if warmup:
         fn()  # imports, caches
     times, out = [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
+        out, seconds = timed(fn)
+        times.append(seconds)
     return statistics.median(times), out
 
 
@@ -259,15 +280,11 @@ def bench_rollout(
     }
     for name in backends:
         progress(f"{name}: start engine")
-        t0 = time.perf_counter()
-        engine = make_backend(name, model_path, dtype="float32")
-        start_s = time.perf_counter() - t0
+        engine, start_s = timed(make_backend, name, model_path, dtype="float32")
         try:
             engine.generate(requests[:2], sampling)  # warm-up
             progress(f"{name}: generate {len(requests) * group_size} completions")
-            t0 = time.perf_counter()
-            rows = engine.generate(requests, sampling)
-            gen_s = time.perf_counter() - t0
+            rows, gen_s = timed(engine.generate, requests, sampling)
         finally:
             engine.close()
         tokens = sum(r.n_tokens for r in rows)
@@ -323,14 +340,10 @@ def bench_verify(arith_items: int = 20_000, math_items: int = 300, workers: int 
         wrong = i % 3 == 0
         maths.append((comp.format(a=x + wrong, b=y), gold.format(a=x, b=y, a2=2 * x * x), "math"))
     with VerifierPool(workers=workers, timeout_s=10.0) as pool:
-        t0 = time.perf_counter()
-        va = pool.score(arith)
-        arith_s = time.perf_counter() - t0
+        va, arith_s = timed(pool.score, arith)
         pool.start()
         pool.score(maths[:4])  # warm the workers' caches
-        t0 = time.perf_counter()
-        vm = pool.score(maths)
-        math_s = time.perf_counter() - t0
+        vm, math_s = timed(pool.score, maths)
     return {
         "benchmark": "verify",
         "workers": workers,

@@ -12,12 +12,12 @@ the group, these three, then those.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import add_command, positive_int
+from coba_tasks.commands.args import add_command, option, positive_int
+
+JSON_OPTION = option("--json", action="store_true", help="print the figures as JSON")
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     bench_sub.required = True
 
-    alloc = add_command(
+    add_command(
         bench_sub,
         "allocate",
         help="heap vs threshold vs DP allocation, and a scale sweep",
@@ -46,40 +46,44 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(B_total = 16 M). The heap and the DP run where their time, predicted from the last size measured, "
         "is under 60 s.",
         examples=["coba bench allocate", "coba bench allocate --quick --json"],
+        options=[
+            JSON_OPTION,
+            option("--quick", action="store_true", help="fewer repeats, sweep only to M = 65536"),
+            option("--seed", type=int, default=0, help="seed of the random pass rates (default 0)"),
+        ],
+        func=cmd_bench_allocate,
     )
-    _add_json_flag(alloc)
-    alloc.add_argument("--quick", action="store_true", help="fewer repeats, sweep only to M = 65536")
-    alloc.add_argument("--seed", type=int, default=0, help="seed of the random pass rates (default 0)")
-
-    roll = add_command(
+    add_command(
         bench_sub,
         "rollout",
         help="tokens per second of the vLLM and transformers rollout backends",
         description="Generate the same prompts, group sizes and seeds with each backend and print tokens per second.",
         examples=["coba bench rollout", "coba bench rollout --backends vllm --prompts 200 --n 16"],
+        options=[
+            option("--model", default="models/arith-tiny", help="HF model directory (default models/arith-tiny)"),
+            option("--test", default="data/arith_test.parquet", help="prompts to use (veRL Parquet)"),
+            option("--prompts", type=positive_int, default=100, help="number of prompts (default 100)"),
+            option("--n", type=positive_int, default=8, help="samples per prompt (default 8)"),
+            option("--max-tokens", type=positive_int, default=12, help="max new tokens (default 12)"),
+            option("--backends", default="vllm,transformers", help="comma-separated (default vllm,transformers)"),
+            JSON_OPTION,
+        ],
+        func=cmd_bench_rollout,
     )
-    roll.add_argument("--model", default="models/arith-tiny", help="HF model directory (default models/arith-tiny)")
-    roll.add_argument("--test", default="data/arith_test.parquet", help="prompts to use (veRL Parquet)")
-    roll.add_argument("--prompts", type=positive_int, default=100, help="number of prompts (default 100)")
-    roll.add_argument("--n", type=positive_int, default=8, help="samples per prompt (default 8)")
-    roll.add_argument("--max-tokens", type=positive_int, default=12, help="max new tokens (default 12)")
-    roll.add_argument("--backends", default="vllm,transformers", help="comma-separated (default vllm,transformers)")
-    _add_json_flag(roll)
-
-    ver = add_command(
+    add_command(
         bench_sub,
         "verify",
         help="verifier items per second (arith in-process, math-verify in worker processes)",
         description="Score synthetic arith and math items through the verifier pool and print items per second.",
         examples=["coba bench verify", "coba bench verify --math 1000 --workers 2 --json"],
+        options=[
+            option("--arith", type=positive_int, default=20_000, help="arith items (default 20000)"),
+            option("--math", type=positive_int, default=300, help="math items (default 300)"),
+            option("--workers", type=positive_int, default=2, help="worker processes (default 2)"),
+            JSON_OPTION,
+        ],
+        func=cmd_bench_verify,
     )
-    ver.add_argument("--arith", type=positive_int, default=20_000, help="arith items (default 20000)")
-    ver.add_argument("--math", type=positive_int, default=300, help="math items (default 300)")
-    ver.add_argument("--workers", type=positive_int, default=2, help="worker processes (default 2)")
-    _add_json_flag(ver)
-
-    for parser, handler in ((alloc, cmd_bench_allocate), (roll, cmd_bench_rollout), (ver, cmd_bench_verify)):
-        parser.set_defaults(func=handler)
     add_bench_update_parser(bench_sub)
     add_bench_stages_parser(bench_sub)
     add_bench_eval_parser(bench_sub)
@@ -87,25 +91,17 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     return bench
 
 
-def _add_json_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-
-
 def cmd_bench_allocate(args: argparse.Namespace) -> int:
     """Run ``coba bench allocate``: progress on stderr, the figures (text or JSON) on stdout."""
-    from coba_tasks.commands.bench import bench_allocate, format_allocate
+    from coba_tasks.commands.bench import bench_allocate, format_allocate, print_figures, print_progress
 
-    def progress(msg: str) -> None:
-        print(f"[bench] {msg} ...", file=sys.stderr, flush=True)
-
-    result = bench_allocate(seed=args.seed, quick=args.quick, progress=progress)
-    print(json.dumps(result, indent=2) if args.json else format_allocate(result))
-    return 0
+    result = bench_allocate(seed=args.seed, quick=args.quick, progress=print_progress)
+    return print_figures(result, args.json, format_allocate)
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
     """Run ``coba bench rollout`` on --model (which must exist)."""
-    from coba_tasks.commands.bench import bench_rollout, format_rollout
+    from coba_tasks.commands.bench import bench_rollout, format_rollout, print_figures, print_progress
 
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"model {args.model} not found: run `coba bootstrap` first or pass --model DIR")
@@ -116,16 +112,14 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
         group_size=args.n,
         max_tokens=args.max_tokens,
         backends=tuple(args.backends.split(",")),
-        progress=lambda m: print(f"[bench] {m} ...", file=sys.stderr),
+        progress=print_progress,
     )
-    print(json.dumps(result, indent=2) if args.json else format_rollout(result))
-    return 0
+    return print_figures(result, args.json, format_rollout)
 
 
 def cmd_bench_verify(args: argparse.Namespace) -> int:
     """Run ``coba bench verify``."""
-    from coba_tasks.commands.bench import bench_verify, format_verify
+    from coba_tasks.commands.bench import bench_verify, format_verify, print_figures
 
     result = bench_verify(arith_items=args.arith, math_items=args.math, workers=args.workers)
-    print(json.dumps(result, indent=2) if args.json else format_verify(result))
-    return 0
+    return print_figures(result, args.json, format_verify)

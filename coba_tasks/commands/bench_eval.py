@@ -17,16 +17,15 @@ too: what the greedy pass adds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
 
-from coba_tasks.commands.args import add_command
+from coba_tasks.commands.args import add_command, option
+from coba_tasks.commands.bench import print_figures, print_progress
 
 
 def bench_eval(
@@ -136,7 +135,7 @@ def format_eval(r: dict[str, Any]) -> str:
 
 def add_bench_eval_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Register ``eval`` under the ``bench`` subcommand group; returns its parser."""
-    p = add_command(
+    return add_command(
         bench_subparsers,
         "eval",
         help="a held-out evaluation now (one call, sort-free top-p) against before (separate calls, vLLM's top-p)",
@@ -145,20 +144,18 @@ def add_bench_eval_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
             "coba bench eval --config configs/smollm2-arith.yaml",
             "coba bench eval --config configs/tiny-test.yaml --set run.eval_samples=4 --set run.eval_temperature=1.0",
         ],
+        options=[
+            option("--config", default="configs/smollm2-arith.yaml", help="YAML config (default: the SmolLM2 one)"),
+            option("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"),
+            option("--repeats", type=int, default=2, help="timed evaluations of each kind (default 2)"),
+            option("--json", action="store_true", help="print the figures as one JSON line"),
+        ],
+        func=cmd_bench_eval,
     )
-    p.add_argument("--config", default="configs/smollm2-arith.yaml", help="YAML config (default: the SmolLM2 one)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    p.add_argument("--repeats", type=int, default=2, help="timed evaluations of each kind (default 2)")
-    p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
-    p.set_defaults(func=cmd_bench_eval)
-    return p
 
 
 def cmd_bench_eval(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    result = bench_eval(
-        args.config, args.set, args.repeats, progress=lambda m: print(f"[bench] {m} ...", file=sys.stderr, flush=True)
-    )
-    print(json.dumps(result) if args.json else format_eval(result))
-    return 0
+    result = bench_eval(args.config, args.set, args.repeats, progress=print_progress)
+    return print_figures(result, args.json, format_eval, indent=None)

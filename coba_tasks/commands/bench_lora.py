@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import add_command
+from coba_tasks.commands.args import add_command, option
+from coba_tasks.commands.bench import print_figures, print_progress, timed
 
 
 def bench_lora(
@@ -87,12 +86,9 @@ def bench_lora(
         engine = make_backend("vllm", base, dtype="float32", max_model_len=512, seed=0)
         try:
             engine.generate(requests[:2], sampling)  # warm-up
-            t0 = time.perf_counter()
-            engine.load_weights(trainer.write_rollout_weights(work / "merged"), version=1)
-            update_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            rows = engine.generate(requests, sampling)
-            gen_s = time.perf_counter() - t0
+            # the merged weights are written inside the timed call: a LoRA update's reload includes them
+            _, update_s = timed(lambda: engine.load_weights(trainer.write_rollout_weights(work / "merged"), version=1))
+            rows, gen_s = timed(engine.generate, requests, sampling)
         finally:
             engine.close()
         tokens = sum(r.n_tokens for r in rows)
@@ -113,14 +109,12 @@ def bench_lora(
             ]
             token_prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests]
             llm.generate(token_prompts[:2], params[:2], use_tqdm=False)  # warm-up without the adapter
-            t0 = time.perf_counter()
-            llm.llm_engine.add_lora(LoRARequest("policy-1", 1, checkpoint))
-            update_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            outputs = llm.generate(
-                token_prompts, params, use_tqdm=False, lora_request=LoRARequest("policy-1", 1, checkpoint)
+            _, update_s = timed(lambda: llm.llm_engine.add_lora(LoRARequest("policy-1", 1, checkpoint)))
+            outputs, gen_s = timed(
+                lambda: llm.generate(
+                    token_prompts, params, use_tqdm=False, lora_request=LoRARequest("policy-1", 1, checkpoint)
+                )
             )
-            gen_s = time.perf_counter() - t0
         finally:
             engine.close()
         lora_rows = [
@@ -154,23 +148,24 @@ def format_lora(r: dict[str, Any]) -> str:
 
 
 def add_bench_lora_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    p = add_command(
+    return add_command(
         bench_subparsers,
         "lora",
         help="sampling a LoRA policy: merged weights against vLLM's LoRA adapters (speed, exactness)",
         description=__doc__.split("\n\n")[1],
         examples=["coba bench lora", "coba bench lora --checkpoint runs/x/checkpoints/000002 --json"],
+        options=[
+            option("--checkpoint", default=None, help="a LoRA checkpoint (default: one update on synthetic groups)"),
+            option("--model", default="models/smollm2-135m-instruct", help="base model without --checkpoint"),
+            option("--test", default="data/arith_chat_test.parquet", help="prompts (veRL Parquet)"),
+            option("--prompts", type=int, default=32),
+            option("--n", type=int, default=8, help="samples per prompt"),
+            option("--max-tokens", type=int, default=48),
+            option("--lora-rank", type=int, default=16, help="rank without --checkpoint"),
+            option("--json", action="store_true", help="print the figures as one JSON line"),
+        ],
+        func=cmd_bench_lora,
     )
-    p.add_argument("--checkpoint", default=None, help="a LoRA checkpoint (default: one update on synthetic groups)")
-    p.add_argument("--model", default="models/smollm2-135m-instruct", help="base model without --checkpoint")
-    p.add_argument("--test", default="data/arith_chat_test.parquet", help="prompts (veRL Parquet)")
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--n", type=int, default=8, help="samples per prompt")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--lora-rank", type=int, default=16, help="rank without --checkpoint")
-    p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
-    p.set_defaults(func=cmd_bench_lora)
-    return p
 
 
 def cmd_bench_lora(args: argparse.Namespace) -> int:
@@ -182,7 +177,6 @@ def cmd_bench_lora(args: argparse.Namespace) -> int:
         args.n,
         args.max_tokens,
         args.lora_rank,
-        progress=lambda m: print(f"[bench] {m} ...", file=sys.stderr, flush=True),
+        progress=print_progress,
     )
-    print(json.dumps(result) if args.json else format_lora(result))
-    return 0
+    return print_figures(result, args.json, format_lora, indent=None)

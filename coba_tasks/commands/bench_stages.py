@@ -32,20 +32,19 @@ printed with whether this run met them.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import add_command, available_cpus, positive_int
+from coba_tasks.commands.args import add_command, available_cpus, option, positive_int
 from coba_tasks.commands.bench import _median_time as bench_median_time
+from coba_tasks.commands.bench import print_figures, print_progress
 from coba_tasks.pipeline.store import Stage, Table
 
 GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
@@ -483,7 +482,7 @@ def format_stages(result: dict) -> str:
 
 def add_bench_stages_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Register ``stages`` under the ``bench`` subcommand group; returns its parser."""
-    p = add_command(
+    return add_command(
         bench_subparsers,
         "stages",
         help="where a training step's time goes: rollout stage vs bare vLLM, Prefect vs plain calls, Parquet, "
@@ -498,23 +497,24 @@ def add_bench_stages_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
             "coba bench stages --steps 5 --json > stages.json",
             "coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
         ],
+        options=[
+            option(
+                "--config",
+                default="configs/demo-tiny.yaml",
+                help="YAML config (default: the tiny model, configs/demo-tiny.yaml)",
+            ),
+            option(
+                "--set",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
+            ),
+            option("--steps", type=positive_int, default=3, help="training steps in each run (default 3)"),
+            option("--json", action="store_true", help="print the figures as JSON"),
+        ],
+        func=cmd_bench_stages,
     )
-    p.add_argument(
-        "--config",
-        default="configs/demo-tiny.yaml",
-        help="YAML config (default: the tiny model, configs/demo-tiny.yaml)",
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
-    )
-    p.add_argument("--steps", type=positive_int, default=3, help="training steps in each run (default 3)")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.set_defaults(func=cmd_bench_stages)
-    return p
 
 
 def cmd_bench_stages(args: argparse.Namespace) -> int:
@@ -526,7 +526,6 @@ def cmd_bench_stages(args: argparse.Namespace) -> int:
         args.config,
         list(args.set or []),
         steps=args.steps,
-        progress=lambda msg: print(f"[bench] {msg} ...", file=sys.stderr, flush=True),
+        progress=print_progress,
     )
-    print(json.dumps(result, indent=2) if args.json else format_stages(result))
-    return 0
+    return print_figures(result, args.json, format_stages)

@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -49,7 +47,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from coba_tasks.commands.args import add_command, available_cpus, positive_int
+from coba_tasks.commands.args import add_command, available_cpus, option, positive_int
+from coba_tasks.commands.bench import print_figures, print_progress, timed
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 DEFAULT_GROUPS = (2, 4, 6, 8, 10, 14, 20)  # 64 completions: CoBA's budgets are uneven
@@ -219,17 +218,12 @@ def bench_update(
     metrics: dict[str, Any] = {}
     for _ in range(repeats):
         trainer.model.train()
-        t0 = time.perf_counter()
-        plain.step(prompts, completions, adv)
-        plain_s.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        metrics = trainer.update(prompts, completions, adv)
-        ours_s.append(time.perf_counter() - t0)
+        plain_s.append(timed(plain.step, prompts, completions, adv)[1])
+        metrics, seconds = timed(trainer.update, prompts, completions, adv)
+        ours_s.append(seconds)
         breakdowns.append(dict(trainer.timings))
         if lora is not None:
-            t0 = time.perf_counter()
-            lora.update(prompts, completions, adv)
-            lora_s.append(time.perf_counter() - t0)
+            lora_s.append(timed(lora.update, prompts, completions, adv)[1])
             lora_breakdowns.append(dict(lora.timings))
     with tempfile.TemporaryDirectory(prefix="coba-bench-update-") as tmp:
         progress("checkpoint save")
@@ -304,9 +298,7 @@ def _save_and_reload(
 ) -> tuple[float, float, float | None]:
     """(checkpoint save seconds, its size in MB, weight reload seconds or None): with LoRA the reload
     includes writing the merged weights the engine reads."""
-    t0 = time.perf_counter()
-    ckpt = trainer.save_checkpoint(out)
-    save_s = time.perf_counter() - t0
+    ckpt, save_s = timed(trainer.save_checkpoint, out)
     size_mb = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) / 1e6
     reload_s = None
     if reload:
@@ -383,7 +375,7 @@ def _sizes(value: str) -> list[int]:
 
 def add_bench_update_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Register ``update`` under the ``bench`` subcommand group; returns its parser."""
-    p = add_command(
+    return add_command(
         bench_subparsers,
         "update",
         help="the GRPO update against a plain transformers loop on the same rollouts (speed and agreement)",
@@ -393,25 +385,26 @@ def add_bench_update_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
             "coba bench update --model models/arith-tiny --json",
             "coba bench update --run-dir runs/smollm2-arith --step 3 --reload",
         ],
+        options=[
+            option("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})"),
+            option("--run-dir", default=None, help="take the rollouts of a run's step instead of synthetic ones"),
+            option("--step", type=int, default=0, help="the run's step (with --run-dir; default 0)"),
+            option("--groups", type=_sizes, default=list(DEFAULT_GROUPS), help="synthetic group sizes (2,4,...)"),
+            option("--prompt-tokens", type=positive_int, default=46, help="synthetic prompt length (default 46)"),
+            option(
+                "--completion-tokens", type=positive_int, default=32, help="synthetic completion length (default 32)"
+            ),
+            option("--micro-batch", type=positive_int, default=16, help="sequences per forward/backward (default 16)"),
+            option("--repeats", type=positive_int, default=2, help="timed updates of each kind (default 2)"),
+            option("--reload", action="store_true", help="also time the weight reload into a vLLM engine"),
+            option("--threads", type=int, default=0, help="torch threads (default 0: every core, as a run has)"),
+            option(
+                "--lora-rank", type=int, default=16, help="rank of the LoRA update timed beside (default 16; 0: none)"
+            ),
+            option("--json", action="store_true", help="print the figures as JSON"),
+        ],
+        func=cmd_bench_update,
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})")
-    p.add_argument("--run-dir", default=None, help="take the rollouts of a run's step instead of synthetic ones")
-    p.add_argument("--step", type=int, default=0, help="the run's step (with --run-dir; default 0)")
-    p.add_argument("--groups", type=_sizes, default=list(DEFAULT_GROUPS), help="synthetic group sizes (2,4,...)")
-    p.add_argument("--prompt-tokens", type=positive_int, default=46, help="synthetic prompt length (default 46)")
-    p.add_argument(
-        "--completion-tokens", type=positive_int, default=32, help="synthetic completion length (default 32)"
-    )
-    p.add_argument("--micro-batch", type=positive_int, default=16, help="sequences per forward/backward (default 16)")
-    p.add_argument("--repeats", type=positive_int, default=2, help="timed updates of each kind (default 2)")
-    p.add_argument("--reload", action="store_true", help="also time the weight reload into a vLLM engine")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core, as a run has)")
-    p.add_argument(
-        "--lora-rank", type=int, default=16, help="rank of the LoRA update timed beside (default 16; 0: none)"
-    )
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.set_defaults(func=cmd_bench_update)
-    return p
 
 
 def cmd_bench_update(args: argparse.Namespace) -> int:
@@ -428,7 +421,6 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
         reload=args.reload,
         threads=args.threads,
         lora_rank=args.lora_rank,
-        progress=lambda msg: print(f"[bench] {msg} ...", file=sys.stderr, flush=True),
+        progress=print_progress,
     )
-    print(json.dumps(result) if args.json else format_update(result))  # --json: one line
-    return 0
+    return print_figures(result, args.json, format_update, indent=None)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from coba_tasks.commands.args import add_command
+from coba_tasks.commands.args import add_command, option
 from coba_tasks.engines.fileio import atomic_write
 
 # strategy name -> config overrides (on top of the config file)
@@ -408,18 +408,20 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"ones resumed, so the command continues where it stopped. Strategies: {', '.join(PRESETS)} "
         "(coba-reversed: explore then exploit; coba-fixed: allocation.fixed_alpha/fixed_beta at every step).",
         examples=EXAMPLES,
+        options=[
+            option("--config", default=None, help="YAML config (default configs/demo.yaml)"),
+            option("--strategies", default="uniform,knapsack,coba,coba-released", help="comma-separated"),
+            option("--seeds", type=int, default=3, help="seeds 0..N-1 per strategy (default 3)"),
+            option("--steps", type=int, default=24, help="training steps per run (default 24)"),
+            option("--eval-samples", type=int, default=4, help="k of avg@k at temperature 1 (default 4)"),
+            option("--eval-every", type=int, default=6, help="evaluate every N steps (default 6)"),
+            option("--out", default="runs/compare", help="directory of the runs and tables (default runs/compare)"),
+            option("--set", action="append", metavar="KEY=VALUE", help="override a config value for every run"),
+            option("--collect-only", action="store_true", help="do not train: tables and plot from the runs in --out"),
+        ],
+        func=cmd_compare,
     )
-    p.add_argument("--config", default=None, help="YAML config (default configs/demo.yaml)")
-    p.add_argument("--strategies", default="uniform,knapsack,coba,coba-released", help="comma-separated")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per strategy (default 3)")
-    p.add_argument("--steps", type=int, default=24, help="training steps per run (default 24)")
-    p.add_argument("--eval-samples", type=int, default=4, help="k of avg@k at temperature 1 (default 4)")
-    p.add_argument("--eval-every", type=int, default=6, help="evaluate every N steps (default 6)")
-    p.add_argument("--out", default="runs/compare", help="directory of the runs and tables (default runs/compare)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value for every run")
-    p.add_argument("--collect-only", action="store_true", help="do not train: tables and plot from the runs in --out")
     add_verbose_flag(p)
-    p.set_defaults(func=cmd_compare)
     return p
 
 

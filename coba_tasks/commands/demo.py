@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from coba_tasks.commands.args import add_command, positive_int
+from coba_tasks.commands.args import add_command, option, positive_int
 from coba_tasks.core.allocation import plan_allocation
 from coba_tasks.core.capability import CapabilityTracker, beta_mode
 
@@ -109,20 +109,21 @@ def simulate(cfg: DemoConfig, emit: Callable[[str], None] = print) -> dict:
 
 def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``coba demo``; sets ``func=cmd_demo``."""
-    demo = add_command(
+    return add_command(
         subparsers,
         "demo",
         help="allocation demo on a simulated training run",
         description="Show CoBA-RL's budget schedule on a simulated run: how (alpha, beta) follow the failure rate "
         "and how the rollout budget moves from easy prompts (exploit) to hard ones (explore).",
         examples=["coba demo", "coba demo --steps 20 --prompts 200 --group-size 8"],
+        options=[
+            option("--steps", type=positive_int, default=12, help="training steps to simulate (default 12)"),
+            option("--prompts", type=positive_int, default=100, help="prompts per batch, M (default 100)"),
+            option("--group-size", type=positive_int, default=16, help="mean group size G; B_total = M * G"),
+            option("--seed", type=int, default=0, help="random seed (default 0)"),
+        ],
+        func=cmd_demo,
     )
-    demo.add_argument("--steps", type=positive_int, default=12, help="training steps to simulate (default 12)")
-    demo.add_argument("--prompts", type=positive_int, default=100, help="prompts per batch, M (default 100)")
-    demo.add_argument("--group-size", type=positive_int, default=16, help="mean group size G; B_total = M * G")
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.set_defaults(func=cmd_demo)
-    return demo
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from coba_tasks.commands.args import add_command
+from coba_tasks.commands.args import add_command, option
 
 AUTOMATION_NAME = "coba: crash unresponsive flow runs"
 DEFAULT_POOL = "coba-process"
@@ -123,7 +123,7 @@ def _cmd_setup_server(args: argparse.Namespace) -> int:
 
 
 def add_setup_server_parser(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
+    add_command(
         sub,
         "setup-server",
         help="prepare a Prefect server for workers: the work pool and crash detection",
@@ -134,14 +134,16 @@ def add_setup_server_parser(sub: argparse._SubParsersAction) -> None:
             "PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 prefect worker start --pool coba-process   # then, per worker",
             "coba setup-server --api-url http://127.0.0.1:4200/api --crash-after 120          # with 30 s heartbeats",
         ],
+        options=[
+            option("--api-url", default=None, help="the server's API URL (default: $PREFECT_API_URL)"),
+            option("--pool", default=DEFAULT_POOL, help=f"process work pool to create (default {DEFAULT_POOL})"),
+            option(
+                "--crash-after",
+                type=int,
+                default=3 * HEARTBEAT_DEFAULT_S,
+                help="seconds without a heartbeat before a running flow run is set to Crashed "
+                f"(default {3 * HEARTBEAT_DEFAULT_S}: three of Prefect's default {HEARTBEAT_DEFAULT_S} s heartbeats)",
+            ),
+        ],
+        func=_cmd_setup_server,
     )
-    p.add_argument("--api-url", default=None, help="the server's API URL (default: $PREFECT_API_URL)")
-    p.add_argument("--pool", default=DEFAULT_POOL, help=f"process work pool to create (default {DEFAULT_POOL})")
-    p.add_argument(
-        "--crash-after",
-        type=int,
-        default=3 * HEARTBEAT_DEFAULT_S,
-        help="seconds without a heartbeat before a running flow run is set to Crashed "
-        f"(default {3 * HEARTBEAT_DEFAULT_S}: three of Prefect's default {HEARTBEAT_DEFAULT_S} s heartbeats)",
-    )
-    p.set_defaults(func=_cmd_setup_server)

@@ -14,10 +14,11 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import add_command, positive_int
+from coba_tasks.commands.args import Option, add_command, option, positive_int
 from coba_tasks.commands.console import add_verbose_flag
 from coba_tasks.commands.model_cmd import cmd_bootstrap
 
@@ -38,14 +39,19 @@ def add_train_parsers(subparsers: Any) -> None:
             "coba run --steps 5 --set allocation.strategy=uniform --run-dir runs/uniform",
             "coba run --config configs/tiny-test.yaml --run-dir runs/tiny --set optim.lr=3e-5",
         ],
-    )
-    run.add_argument("--config", default=None, help="YAML config (default configs/demo.yaml)")
-    run.add_argument("--run-dir", default=None, help="run directory (default runs/<run.name>); must not exist")
-    run.add_argument("--dataset", default=None, help="training Parquet (veRL or prompt/answer); sets data.train")
-    run.add_argument("--steps", type=positive_int, default=None, help="training steps; sets run.steps")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. optim.lr=3e-5")
-    run.add_argument(
-        "--bootstrap-if-missing", action="store_true", help="build the default model first when model.path is missing"
+        options=[
+            option("--config", default=None, help="YAML config (default configs/demo.yaml)"),
+            option("--run-dir", default=None, help="run directory (default runs/<run.name>); must not exist"),
+            option("--dataset", default=None, help="training Parquet (veRL or prompt/answer); sets data.train"),
+            option("--steps", type=positive_int, default=None, help="training steps; sets run.steps"),
+            option("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. optim.lr=3e-5"),
+            option(
+                "--bootstrap-if-missing",
+                action="store_true",
+                help="build the default model first when model.path is missing",
+            ),
+        ],
+        func=cmd_run,
     )
 
     resume = _add_run_dir_command(
@@ -57,22 +63,27 @@ def add_train_parsers(subparsers: Any) -> None:
         "step's _manifest.json) are not recomputed, so the finished run equals an uninterrupted one. A run written "
         "by another schema version is refused.",
         examples=["coba resume --run-dir runs/demo", "coba resume --run-dir runs/demo --repair"],
-    )
-    resume.add_argument(
-        "--repair",
-        action="store_true",
-        help="recompute from the first table that is missing, truncated or altered (checked against the manifests)",
-    )
-    resume.add_argument(
-        "--allow-changed-inputs",
-        action="store_true",
-        help="continue although data.test or model.path changed since the run started (their sha256 is in "
-        "run.json; refused otherwise)",
-    )
-    resume.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow the model's own code when the run's config sets model.trust_remote_code (refused otherwise)",
+        options=[
+            option(
+                "--repair",
+                action="store_true",
+                help="recompute from the first table that is missing, truncated or altered (checked against the "
+                "manifests)",
+            ),
+            option(
+                "--allow-changed-inputs",
+                action="store_true",
+                help="continue although data.test or model.path changed since the run started (their sha256 is in "
+                "run.json; refused otherwise)",
+            ),
+            option(
+                "--trust-remote-code",
+                action="store_true",
+                help="allow the model's own code when the run's config sets model.trust_remote_code (refused "
+                "otherwise)",
+            ),
+        ],
+        func=cmd_resume,
     )
 
     rerun = _add_run_dir_command(
@@ -89,22 +100,25 @@ def add_train_parsers(subparsers: Any) -> None:
             "coba rerun --run-dir runs/demo --step 5 --stage rewards --yes",
             "coba rerun --run-dir runs/demo --step 12 --stage eval --yes --no-resume",
         ],
+        options=[
+            option("--step", type=int, required=True, help="the step (0-based, as in steps/NNNNNN/)"),
+            option("--stage", required=True, choices=RERUNNABLE, help="the stage to recompute"),
+            option("--yes", action="store_true", help="remove the invalidated outputs (default: only list them)"),
+            option("--no-resume", action="store_true", help="with --yes: remove, but do not resume the run"),
+        ],
+        func=cmd_rerun,
     )
-    rerun.add_argument("--step", type=int, required=True, help="the step (0-based, as in steps/NNNNNN/)")
-    rerun.add_argument("--stage", required=True, choices=RERUNNABLE, help="the stage to recompute")
-    rerun.add_argument("--yes", action="store_true", help="remove the invalidated outputs (default: only list them)")
-    rerun.add_argument("--no-resume", action="store_true", help="with --yes: remove, but do not resume the run")
-
-    for parser, handler in ((run, cmd_run), (resume, cmd_resume), (rerun, cmd_rerun)):
+    for parser in (run, resume, rerun):
         add_verbose_flag(parser)  # each starts the engines; last, after the command's own arguments
-        parser.set_defaults(func=handler)
 
 
-def _add_run_dir_command(subparsers: Any, name: str, run_dir_help: str, **texts: Any) -> argparse.ArgumentParser:
-    """A subcommand (``add_command``'s ``texts``) on an existing run: its first argument, ``--run-dir``, is required."""
-    parser = add_command(subparsers, name, **texts)
-    parser.add_argument("--run-dir", required=True, help=run_dir_help)
-    return parser
+def _add_run_dir_command(
+    subparsers: Any, name: str, run_dir_help: str, options: Sequence[Option], **texts: Any
+) -> argparse.ArgumentParser:
+    """A subcommand (``add_command``'s ``texts``) on an existing run: its first argument, ``--run-dir``, is required,
+    then its ``options``."""
+    run_dir = option("--run-dir", required=True, help=run_dir_help)
+    return add_command(subparsers, name, options=[run_dir, *options], **texts)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
