@@ -103,26 +103,11 @@ def exact_reward(completions: list[str], ground_truth: list[str], **_) -> list[f
 
 
 def greedy_accuracy(model, tokenizer, test, max_new_tokens: int, batch_size: int) -> dict:
-    """Greedy held-out accuracy, overall and by difficulty (left-padded batches, as coba's bootstrap eval)."""
-    import torch
+    """Greedy held-out accuracy, overall and by difficulty (coba's bootstrap eval: its left-padded batches)."""
+    from coba_tasks.engines.bootstrap import greedy_answers
 
     model.eval()
-    tokenizer.padding_side = "left"
-    prompts = test["prompt"].tolist()
-    answers: list[str] = []
-    with torch.no_grad():
-        for start in range(0, len(prompts), batch_size):
-            enc = tokenizer(
-                prompts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
-            )
-            gen = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            answers += tokenizer.batch_decode(gen[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+    answers = greedy_answers(model, tokenizer, test["prompt"].tolist(), max_new_tokens, batch_size)
     correct = [float(a.strip() == g.strip()) for a, g in zip(answers, test["ground_truth"], strict=True)]
     df = test.assign(correct=correct)
     by = df.groupby("difficulty")["correct"].mean()

@@ -25,6 +25,7 @@ import pandas as pd
 import torch
 
 from coba_tasks.core.allocation import plan_allocation
+from coba_tasks.core.allocators import Allocation
 from coba_tasks.core.capability import CapabilityTracker
 from coba_tasks.core.grpo import group_advantages, zero_variance_share
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
@@ -291,14 +292,12 @@ def schedule_shape(tracker: CapabilityTracker, alloc: Any) -> tuple[float, float
     return tracker.alpha, tracker.beta
 
 
-def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: CapabilityTracker, alloc: Any) -> pd.DataFrame:
-    """Budgets for ``batch`` from each prompt's recent pass rate (NaN if never seen) and (alpha, beta)."""
-    known = {pid: float(np.mean(r)) for pid, r in zip(history["prompt_id"], history["pass_rates"], strict=True)}
-    est = np.array([known.get(pid, np.nan) for pid in batch], dtype=np.float64)
-    alpha, beta = schedule_shape(tracker, alloc)
-    plan = plan_allocation(
+def section_allocation(est: np.ndarray, alloc: Any, alpha: float, beta: float) -> Allocation:
+    """The allocation of a batch with pass rates ``est`` (NaN: never seen) and shape (alpha, beta) under the
+    config's ``allocation`` section: B_total = len(est) * group_size, its bounds, strategy, tau, mode and solver."""
+    return plan_allocation(
         est,
-        len(batch) * alloc.group_size,
+        len(est) * alloc.group_size,
         strategy=alloc.strategy,
         min_budget=alloc.min_budget,
         max_budget=alloc.max_budget,
@@ -308,6 +307,14 @@ def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: Capabilit
         mode=alloc.mode,
         solver=alloc.solver,
     )
+
+
+def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: CapabilityTracker, alloc: Any) -> pd.DataFrame:
+    """Budgets for ``batch`` from each prompt's recent pass rate (NaN if never seen) and (alpha, beta)."""
+    known = {pid: float(np.mean(r)) for pid, r in zip(history["prompt_id"], history["pass_rates"], strict=True)}
+    est = np.array([known.get(pid, np.nan) for pid in batch], dtype=np.float64)
+    alpha, beta = schedule_shape(tracker, alloc)
+    plan = section_allocation(est, alloc, alpha, beta)
     return pd.DataFrame(
         {
             "prompt_id": list(batch),

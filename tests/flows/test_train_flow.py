@@ -387,7 +387,7 @@ def test_released_mode_runs_through_a_run(tmp_path, prefect_harness, random_chec
     rates and (alpha, beta), with the released prompt groups."""
     import numpy as np
 
-    from coba_tasks.core.allocation import plan_allocation
+    from coba_tasks.pipeline.stages import section_allocation
     from flows.train import train_flow
 
     model, _ = random_checkpoints
@@ -398,22 +398,12 @@ def test_released_mode_runs_through_a_run(tmp_path, prefect_harness, random_chec
     store = RunStore.open(run_dir)
     assert store.read_config()["allocation"]["mode"] == "released"
     a = cfg.allocation
+    assert a.mode == "released"
     revisited = 0
     for step in range(4):
         b = store.read_table(step, Stage.BUDGET)
         est = b["pass_rate_est"].to_numpy(dtype=np.float64)
-        plan = plan_allocation(
-            est,
-            len(b) * a.group_size,
-            strategy=a.strategy,
-            min_budget=a.min_budget,
-            max_budget=a.max_budget,
-            alpha=float(b["alpha"].iloc[0]),
-            beta=float(b["beta"].iloc[0]),
-            tau=a.tau,
-            mode="released",
-            solver=a.solver,
-        )
+        plan = section_allocation(est, a, alpha=float(b["alpha"].iloc[0]), beta=float(b["beta"].iloc[0]))
         assert b["budget"].tolist() == plan.budgets.tolist(), step
         assert int(b["budget"].sum()) == len(b) * a.group_size
         if not np.isnan(est).all():  # a step with pass rates: the released code's groups, not the paper's "all"
