@@ -1,10 +1,12 @@
 """Argument types, the declaration of a subcommand and machine facts the ``coba`` subcommands share.
 
-A subcommand is declared as data, its options a list of ``option(...)`` rows, and registered by ``add_command``:
+A subcommand is declared as data, its options a list of ``option(...)`` rows; ``Command.add_to`` (or
+``add_command`` with the same arguments) registers it:
 
-    add_command(sub, "demo", help=..., description=..., examples=["coba demo"], func=cmd_demo, options=[
+    COMMAND = Command("demo", help=..., description=..., examples=["coba demo"], func=cmd_demo, options=[
         option("--steps", type=positive_int, default=3),   # "0" -> "must be a positive integer, got 0"
     ])
+    COMMAND.add_to(subparsers)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import os
 from argparse import ArgumentParser
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 Option = tuple[tuple[str, ...], dict[str, Any]]  # an argument: its flags (or name), the keywords of add_argument
@@ -76,3 +79,19 @@ def add_command(
     if func is not None:
         parser.set_defaults(func=func)
     return parser
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand as data: ``add_command``'s arguments, registered by ``add_to``."""
+
+    name: str
+    help: str
+    description: str
+    examples: Sequence[str]
+    options: Sequence[Option] = ()
+    func: Callable[[argparse.Namespace], int] | None = None
+
+    def add_to(self, subparsers: Any) -> ArgumentParser:
+        """Register this subcommand on ``subparsers`` (an ``add_subparsers()`` object); returns its parser."""
+        return add_command(subparsers, **vars(self))

@@ -5,8 +5,8 @@
     coba bench verify   [--json]
 
 The measurements are in ``coba_tasks.commands.bench``. The other benchmarks (``update``, ``stages``,
-``eval``, ``lora``) register their own subcommands from their modules; ``add_bench_parser`` registers
-the group, these three, then those.
+``eval``, ``lora``) declare their own subcommands in their modules (``COMMAND``); ``add_bench_parser``
+registers the group, these three, then those.
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ JSON_OPTION = option("--json", action="store_true", help="print the figures as J
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``coba bench`` and every benchmark under it; returns the group's parser."""
-    from coba_tasks.commands.bench_eval import add_bench_eval_parser
-    from coba_tasks.commands.bench_lora import add_bench_lora_parser
-    from coba_tasks.commands.bench_stages import add_bench_stages_parser
-    from coba_tasks.commands.bench_update import add_bench_update_parser
+    from coba_tasks.commands import bench_eval, bench_lora, bench_stages, bench_update
 
     bench = add_command(
         subparsers,
@@ -84,10 +81,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         ],
         func=cmd_bench_verify,
     )
-    add_bench_update_parser(bench_sub)
-    add_bench_stages_parser(bench_sub)
-    add_bench_eval_parser(bench_sub)
-    add_bench_lora_parser(bench_sub)
+    for module in (bench_update, bench_stages, bench_eval, bench_lora):
+        module.COMMAND.add_to(bench_sub)
     return bench
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from coba_tasks.commands.args import add_command, option
+from coba_tasks.commands.args import Command, option
 from coba_tasks.commands.bench import print_figures, print_progress
 
 
@@ -133,29 +133,26 @@ def format_eval(r: dict[str, Any]) -> str:
     )
 
 
-def add_bench_eval_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``eval`` under the ``bench`` subcommand group; returns its parser."""
-    return add_command(
-        bench_subparsers,
-        "eval",
-        help="a held-out evaluation now (one call, sort-free top-p) against before (separate calls, vLLM's top-p)",
-        description=__doc__.split("\n\n")[1],
-        examples=[
-            "coba bench eval --config configs/smollm2-arith.yaml",
-            "coba bench eval --config configs/tiny-test.yaml --set run.eval_samples=4 --set run.eval_temperature=1.0",
-        ],
-        options=[
-            option("--config", default="configs/smollm2-arith.yaml", help="YAML config (default: the SmolLM2 one)"),
-            option("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"),
-            option("--repeats", type=int, default=2, help="timed evaluations of each kind (default 2)"),
-            option("--json", action="store_true", help="print the figures as one JSON line"),
-        ],
-        func=cmd_bench_eval,
-    )
-
-
 def cmd_bench_eval(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     result = bench_eval(args.config, args.set, args.repeats, progress=print_progress)
     return print_figures(result, args.json, format_eval, indent=None)
+
+
+COMMAND = Command(
+    "eval",
+    help="a held-out evaluation now (one call, sort-free top-p) against before (separate calls, vLLM's top-p)",
+    description=__doc__.split("\n\n")[1],
+    examples=[
+        "coba bench eval --config configs/smollm2-arith.yaml",
+        "coba bench eval --config configs/tiny-test.yaml --set run.eval_samples=4 --set run.eval_temperature=1.0",
+    ],
+    options=[
+        option("--config", default="configs/smollm2-arith.yaml", help="YAML config (default: the SmolLM2 one)"),
+        option("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"),
+        option("--repeats", type=int, default=2, help="timed evaluations of each kind (default 2)"),
+        option("--json", action="store_true", help="print the figures as one JSON line"),
+    ],
+    func=cmd_bench_eval,
+)

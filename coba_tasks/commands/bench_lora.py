@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import add_command, option
+from coba_tasks.commands.args import Command, option
 from coba_tasks.commands.bench import print_figures, print_progress, timed
 
 
@@ -147,27 +147,6 @@ def format_lora(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_bench_lora_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    return add_command(
-        bench_subparsers,
-        "lora",
-        help="sampling a LoRA policy: merged weights against vLLM's LoRA adapters (speed, exactness)",
-        description=__doc__.split("\n\n")[1],
-        examples=["coba bench lora", "coba bench lora --checkpoint runs/x/checkpoints/000002 --json"],
-        options=[
-            option("--checkpoint", default=None, help="a LoRA checkpoint (default: one update on synthetic groups)"),
-            option("--model", default="models/smollm2-135m-instruct", help="base model without --checkpoint"),
-            option("--test", default="data/arith_chat_test.parquet", help="prompts (veRL Parquet)"),
-            option("--prompts", type=int, default=32),
-            option("--n", type=int, default=8, help="samples per prompt"),
-            option("--max-tokens", type=int, default=48),
-            option("--lora-rank", type=int, default=16, help="rank without --checkpoint"),
-            option("--json", action="store_true", help="print the figures as one JSON line"),
-        ],
-        func=cmd_bench_lora,
-    )
-
-
 def cmd_bench_lora(args: argparse.Namespace) -> int:
     result = bench_lora(
         args.checkpoint,
@@ -180,3 +159,22 @@ def cmd_bench_lora(args: argparse.Namespace) -> int:
         progress=print_progress,
     )
     return print_figures(result, args.json, format_lora, indent=None)
+
+
+COMMAND = Command(
+    "lora",
+    help="sampling a LoRA policy: merged weights against vLLM's LoRA adapters (speed, exactness)",
+    description=__doc__.split("\n\n")[1],
+    examples=["coba bench lora", "coba bench lora --checkpoint runs/x/checkpoints/000002 --json"],
+    options=[
+        option("--checkpoint", default=None, help="a LoRA checkpoint (default: one update on synthetic groups)"),
+        option("--model", default="models/smollm2-135m-instruct", help="base model without --checkpoint"),
+        option("--test", default="data/arith_chat_test.parquet", help="prompts (veRL Parquet)"),
+        option("--prompts", type=int, default=32),
+        option("--n", type=int, default=8, help="samples per prompt"),
+        option("--max-tokens", type=int, default=48),
+        option("--lora-rank", type=int, default=16, help="rank without --checkpoint"),
+        option("--json", action="store_true", help="print the figures as one JSON line"),
+    ],
+    func=cmd_bench_lora,
+)

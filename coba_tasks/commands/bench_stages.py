@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import add_command, available_cpus, option, positive_int
+from coba_tasks.commands.args import Command, available_cpus, option, positive_int
 from coba_tasks.commands.bench import _median_time as bench_median_time
 from coba_tasks.commands.bench import print_figures, print_progress
 from coba_tasks.pipeline.store import Stage, Table
@@ -480,43 +480,6 @@ def format_stages(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def add_bench_stages_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``stages`` under the ``bench`` subcommand group; returns its parser."""
-    return add_command(
-        bench_subparsers,
-        "stages",
-        help="where a training step's time goes: rollout stage vs bare vLLM, Prefect vs plain calls, Parquet, "
-        "verifier, update",
-        description="Run a few training steps through the Prefect flow and the same steps as plain function calls "
-        "on temporary run directories, then time the rollout stage against a bare vllm.LLM.generate with the same "
-        "prompts, budgets and seeds, the Parquet write and read of each of the step's tables, the verifier and the "
-        "GRPO update. Prints the figures and the ratios with their goals (rollout stage / bare vLLM <= 1.10, "
-        "orchestration <= 10% of a step); asserts nothing.",
-        examples=[
-            "coba bench stages",
-            "coba bench stages --steps 5 --json > stages.json",
-            "coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
-        ],
-        options=[
-            option(
-                "--config",
-                default="configs/demo-tiny.yaml",
-                help="YAML config (default: the tiny model, configs/demo-tiny.yaml)",
-            ),
-            option(
-                "--set",
-                action="append",
-                default=[],
-                metavar="KEY=VALUE",
-                help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
-            ),
-            option("--steps", type=positive_int, default=3, help="training steps in each run (default 3)"),
-            option("--json", action="store_true", help="print the figures as JSON"),
-        ],
-        func=cmd_bench_stages,
-    )
-
-
 def cmd_bench_stages(args: argparse.Namespace) -> int:
     """``coba bench stages``: run the benchmark, print the report (or JSON); 0."""
     from coba_tasks.pipeline.prefect_env import configure_prefect
@@ -529,3 +492,37 @@ def cmd_bench_stages(args: argparse.Namespace) -> int:
         progress=print_progress,
     )
     return print_figures(result, args.json, format_stages)
+
+
+COMMAND = Command(
+    "stages",
+    help="where a training step's time goes: rollout stage vs bare vLLM, Prefect vs plain calls, Parquet, "
+    "verifier, update",
+    description="Run a few training steps through the Prefect flow and the same steps as plain function calls "
+    "on temporary run directories, then time the rollout stage against a bare vllm.LLM.generate with the same "
+    "prompts, budgets and seeds, the Parquet write and read of each of the step's tables, the verifier and the "
+    "GRPO update. Prints the figures and the ratios with their goals (rollout stage / bare vLLM <= 1.10, "
+    "orchestration <= 10% of a step); asserts nothing.",
+    examples=[
+        "coba bench stages",
+        "coba bench stages --steps 5 --json > stages.json",
+        "coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
+    ],
+    options=[
+        option(
+            "--config",
+            default="configs/demo-tiny.yaml",
+            help="YAML config (default: the tiny model, configs/demo-tiny.yaml)",
+        ),
+        option(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
+        ),
+        option("--steps", type=positive_int, default=3, help="training steps in each run (default 3)"),
+        option("--json", action="store_true", help="print the figures as JSON"),
+    ],
+    func=cmd_bench_stages,
+)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from coba_tasks.commands.args import add_command, available_cpus, option, positive_int
+from coba_tasks.commands.args import Command, available_cpus, option, positive_int
 from coba_tasks.commands.bench import print_figures, print_progress, timed
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
@@ -373,40 +373,6 @@ def _sizes(value: str) -> list[int]:
     return sizes
 
 
-def add_bench_update_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``update`` under the ``bench`` subcommand group; returns its parser."""
-    return add_command(
-        bench_subparsers,
-        "update",
-        help="the GRPO update against a plain transformers loop on the same rollouts (speed and agreement)",
-        description=__doc__.split("\n\n")[1],
-        examples=[
-            "coba bench update",
-            "coba bench update --model models/arith-tiny --json",
-            "coba bench update --run-dir runs/smollm2-arith --step 3 --reload",
-        ],
-        options=[
-            option("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})"),
-            option("--run-dir", default=None, help="take the rollouts of a run's step instead of synthetic ones"),
-            option("--step", type=int, default=0, help="the run's step (with --run-dir; default 0)"),
-            option("--groups", type=_sizes, default=list(DEFAULT_GROUPS), help="synthetic group sizes (2,4,...)"),
-            option("--prompt-tokens", type=positive_int, default=46, help="synthetic prompt length (default 46)"),
-            option(
-                "--completion-tokens", type=positive_int, default=32, help="synthetic completion length (default 32)"
-            ),
-            option("--micro-batch", type=positive_int, default=16, help="sequences per forward/backward (default 16)"),
-            option("--repeats", type=positive_int, default=2, help="timed updates of each kind (default 2)"),
-            option("--reload", action="store_true", help="also time the weight reload into a vLLM engine"),
-            option("--threads", type=int, default=0, help="torch threads (default 0: every core, as a run has)"),
-            option(
-                "--lora-rank", type=int, default=16, help="rank of the LoRA update timed beside (default 16; 0: none)"
-            ),
-            option("--json", action="store_true", help="print the figures as JSON"),
-        ],
-        func=cmd_bench_update,
-    )
-
-
 def cmd_bench_update(args: argparse.Namespace) -> int:
     """``coba bench update``: run the benchmark, print the figures (or JSON); 0."""
     result = bench_update(
@@ -424,3 +390,30 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
         progress=print_progress,
     )
     return print_figures(result, args.json, format_update, indent=None)
+
+
+COMMAND = Command(
+    "update",
+    help="the GRPO update against a plain transformers loop on the same rollouts (speed and agreement)",
+    description=__doc__.split("\n\n")[1],
+    examples=[
+        "coba bench update",
+        "coba bench update --model models/arith-tiny --json",
+        "coba bench update --run-dir runs/smollm2-arith --step 3 --reload",
+    ],
+    options=[
+        option("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})"),
+        option("--run-dir", default=None, help="take the rollouts of a run's step instead of synthetic ones"),
+        option("--step", type=int, default=0, help="the run's step (with --run-dir; default 0)"),
+        option("--groups", type=_sizes, default=list(DEFAULT_GROUPS), help="synthetic group sizes (2,4,...)"),
+        option("--prompt-tokens", type=positive_int, default=46, help="synthetic prompt length (default 46)"),
+        option("--completion-tokens", type=positive_int, default=32, help="synthetic completion length (default 32)"),
+        option("--micro-batch", type=positive_int, default=16, help="sequences per forward/backward (default 16)"),
+        option("--repeats", type=positive_int, default=2, help="timed updates of each kind (default 2)"),
+        option("--reload", action="store_true", help="also time the weight reload into a vLLM engine"),
+        option("--threads", type=int, default=0, help="torch threads (default 0: every core, as a run has)"),
+        option("--lora-rank", type=int, default=16, help="rank of the LoRA update timed beside (default 16; 0: none)"),
+        option("--json", action="store_true", help="print the figures as JSON"),
+    ],
+    func=cmd_bench_update,
+)

@@ -18,9 +18,10 @@
     coba bench eval     [--json]   a held-out evaluation now against before (one call, sort-free top-p)
     coba bench lora     [--json]   sampling a LoRA policy: merged weights against vLLM's LoRA adapters
 
-Each subcommand has ``--help`` with examples. Each command module registers its own subcommands and handlers
-(``add_..._parser``; ``demo``, ``train_cmd``, ``model_cmd``, ``inspection``, ``report``, ``compare``, ``bench_cmd``,
-``server_setup``); this module builds the top-level parser from them and runs the chosen handler (``main``).
+Each subcommand has ``--help`` with examples. Each command module declares its own subcommands and handlers
+(a ``Command``, ``coba_tasks.commands.args``: ``demo``, ``model_cmd``, ``compare``, ``server_setup``; or
+``add_..._parser``: ``train_cmd``, ``model_cmd``, ``inspection``, ``report``, ``bench_cmd``); this module builds the
+top-level parser from them and runs the chosen handler (``main``).
 """
 
 from __future__ import annotations
@@ -50,13 +51,11 @@ EPILOG = """examples:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``coba`` parser: each command module registers its subcommand (its arguments and ``func``)."""
+    from coba_tasks.commands import compare, demo, server_setup
     from coba_tasks.commands.bench_cmd import add_bench_parser
-    from coba_tasks.commands.compare import add_compare_parser
-    from coba_tasks.commands.demo import add_demo_parser
     from coba_tasks.commands.inspection import add_inspect_parser
-    from coba_tasks.commands.model_cmd import add_bootstrap_parser, add_convert_gguf_parser
+    from coba_tasks.commands.model_cmd import BOOTSTRAP_COMMAND, add_convert_gguf_parser
     from coba_tasks.commands.report import add_report_parser
-    from coba_tasks.commands.server_setup import add_setup_server_parser
     from coba_tasks.commands.train_cmd import add_train_parsers
 
     parser = argparse.ArgumentParser(
@@ -67,15 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    add_demo_parser(sub)
+    demo.COMMAND.add_to(sub)
     add_train_parsers(sub)
-    add_bootstrap_parser(sub)
+    BOOTSTRAP_COMMAND.add_to(sub)
     add_convert_gguf_parser(sub)
     add_inspect_parser(sub)
     add_report_parser(sub)
-    add_compare_parser(sub)
+    compare.COMMAND.add_to(sub)
     add_bench_parser(sub)
-    add_setup_server_parser(sub)
+    server_setup.COMMAND.add_to(sub)
     return parser
 
 

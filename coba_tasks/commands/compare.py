@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from coba_tasks.commands.args import add_command, option
+from coba_tasks.commands.args import Command, option
+from coba_tasks.commands.console import VERBOSE_OPTION
 from coba_tasks.engines.fileio import atomic_write
 
 # strategy name -> config overrides (on top of the config file)
@@ -394,37 +395,6 @@ EXAMPLES = [
 ]
 
 
-def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``coba compare``."""
-    from coba_tasks.commands.console import add_verbose_flag
-
-    p = add_command(
-        subparsers,
-        "compare",
-        help="uniform vs knapsack vs CoBA-RL (and ablations) on the same rollout budget",
-        description="Train one run per (strategy, seed) from the same config (same model start, data, rollouts per "
-        "step, steps and seeds; only the allocation differs), then write results.parquet, steps.parquet, "
-        "budget_by_level.parquet, transitions.parquet and compare.png into --out. Finished runs are kept and stopped "
-        f"ones resumed, so the command continues where it stopped. Strategies: {', '.join(PRESETS)} "
-        "(coba-reversed: explore then exploit; coba-fixed: allocation.fixed_alpha/fixed_beta at every step).",
-        examples=EXAMPLES,
-        options=[
-            option("--config", default=None, help="YAML config (default configs/demo.yaml)"),
-            option("--strategies", default="uniform,knapsack,coba,coba-released", help="comma-separated"),
-            option("--seeds", type=int, default=3, help="seeds 0..N-1 per strategy (default 3)"),
-            option("--steps", type=int, default=24, help="training steps per run (default 24)"),
-            option("--eval-samples", type=int, default=4, help="k of avg@k at temperature 1 (default 4)"),
-            option("--eval-every", type=int, default=6, help="evaluate every N steps (default 6)"),
-            option("--out", default="runs/compare", help="directory of the runs and tables (default runs/compare)"),
-            option("--set", action="append", metavar="KEY=VALUE", help="override a config value for every run"),
-            option("--collect-only", action="store_true", help="do not train: tables and plot from the runs in --out"),
-        ],
-        func=cmd_compare,
-    )
-    add_verbose_flag(p)
-    return p
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     """Run (or continue) the comparison, then write its tables and plot and print the summary."""
     strategies = parse_strategies(args.strategies)
@@ -464,3 +434,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     print(f"tables: {out}/results.parquet steps.parquet budget_by_level.parquet transitions.parquet; plot: {png}")
     return 0
+
+
+COMMAND = Command(
+    "compare",
+    help="uniform vs knapsack vs CoBA-RL (and ablations) on the same rollout budget",
+    description="Train one run per (strategy, seed) from the same config (same model start, data, rollouts per "
+    "step, steps and seeds; only the allocation differs), then write results.parquet, steps.parquet, "
+    "budget_by_level.parquet, transitions.parquet and compare.png into --out. Finished runs are kept and stopped "
+    f"ones resumed, so the command continues where it stopped. Strategies: {', '.join(PRESETS)} "
+    "(coba-reversed: explore then exploit; coba-fixed: allocation.fixed_alpha/fixed_beta at every step).",
+    examples=EXAMPLES,
+    options=[
+        option("--config", default=None, help="YAML config (default configs/demo.yaml)"),
+        option("--strategies", default="uniform,knapsack,coba,coba-released", help="comma-separated"),
+        option("--seeds", type=int, default=3, help="seeds 0..N-1 per strategy (default 3)"),
+        option("--steps", type=int, default=24, help="training steps per run (default 24)"),
+        option("--eval-samples", type=int, default=4, help="k of avg@k at temperature 1 (default 4)"),
+        option("--eval-every", type=int, default=6, help="evaluate every N steps (default 6)"),
+        option("--out", default="runs/compare", help="directory of the runs and tables (default runs/compare)"),
+        option("--set", action="append", metavar="KEY=VALUE", help="override a config value for every run"),
+        option("--collect-only", action="store_true", help="do not train: tables and plot from the runs in --out"),
+        VERBOSE_OPTION,
+    ],
+    func=cmd_compare,
+)

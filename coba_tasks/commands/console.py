@@ -12,12 +12,13 @@ library at its own level, and a variable the user set (``VLLM_LOGGING_LEVEL=INFO
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import warnings
 from collections.abc import Iterator
+
+from coba_tasks.commands.args import option
 
 VERBOSE_ENV = "COBA_VERBOSE"
 QUIET_ENV = {
@@ -60,10 +61,8 @@ def quiet_libraries(enabled: bool = True) -> Iterator[dict[str, str]]:
         vllm_logger.setLevel(level)
 
 
-def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
-    """``--verbose`` on a command that starts the engines."""
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show the libraries' own logs (vLLM, torch, transformers, Prefect's per-task lines); also COBA_VERBOSE=1",
-    )
+VERBOSE_OPTION = option(
+    "--verbose",
+    action="store_true",
+    help="show the libraries' own logs (vLLM, torch, transformers, Prefect's per-task lines); also COBA_VERBOSE=1",
+)  # on a command that starts the engines

@@ -9,7 +9,7 @@ and they get the rollouts (exploit); as the policy improves the peak moves to ha
 (explore). Knapsack-RL and uniform budgets on the same pass rates are shown beside it.
 
 Run it with ``coba demo`` (or ``make demo-allocation``); ``--steps``, ``--prompts``, ``--group-size``.
-The command's parser and handler are here too (``add_demo_parser``, ``cmd_demo``).
+The command's declaration and handler are here too (``COMMAND``, ``cmd_demo``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from coba_tasks.commands.args import add_command, option, positive_int
+from coba_tasks.commands.args import Command, option, positive_int
 from coba_tasks.core.allocation import plan_allocation
 from coba_tasks.core.capability import CapabilityTracker, beta_mode
 
@@ -107,25 +106,6 @@ def simulate(cfg: DemoConfig, emit: Callable[[str], None] = print) -> dict:
     return {"steps": rows}
 
 
-def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``coba demo``; sets ``func=cmd_demo``."""
-    return add_command(
-        subparsers,
-        "demo",
-        help="allocation demo on a simulated training run",
-        description="Show CoBA-RL's budget schedule on a simulated run: how (alpha, beta) follow the failure rate "
-        "and how the rollout budget moves from easy prompts (exploit) to hard ones (explore).",
-        examples=["coba demo", "coba demo --steps 20 --prompts 200 --group-size 8"],
-        options=[
-            option("--steps", type=positive_int, default=12, help="training steps to simulate (default 12)"),
-            option("--prompts", type=positive_int, default=100, help="prompts per batch, M (default 100)"),
-            option("--group-size", type=positive_int, default=16, help="mean group size G; B_total = M * G"),
-            option("--seed", type=int, default=0, help="random seed (default 0)"),
-        ],
-        func=cmd_demo,
-    )
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run ``coba demo``: the simulation's table, printed."""
     simulate(
@@ -133,3 +113,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         emit=print,
     )
     return 0
+
+
+COMMAND = Command(
+    "demo",
+    help="allocation demo on a simulated training run",
+    description="Show CoBA-RL's budget schedule on a simulated run: how (alpha, beta) follow the failure rate "
+    "and how the rollout budget moves from easy prompts (exploit) to hard ones (explore).",
+    examples=["coba demo", "coba demo --steps 20 --prompts 200 --group-size 8"],
+    options=[
+        option("--steps", type=positive_int, default=12, help="training steps to simulate (default 12)"),
+        option("--prompts", type=positive_int, default=100, help="prompts per batch, M (default 100)"),
+        option("--group-size", type=positive_int, default=16, help="mean group size G; B_total = M * G"),
+        option("--seed", type=int, default=0, help="random seed (default 0)"),
+    ],
+    func=cmd_demo,
+)

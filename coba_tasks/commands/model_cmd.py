@@ -14,58 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import add_command, option, positive_int
-
-
-def add_bootstrap_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``coba bootstrap``; sets ``func=cmd_bootstrap``."""
-    return add_command(
-        subparsers,
-        "bootstrap",
-        help="build and warm up the default tiny model (Prefect flow)",
-        description="Build a tiny Llama-architecture causal LM with a character tokenizer and warm it up by "
-        "supervised training on the arithmetic train split, then measure greedy held-out accuracy by difficulty. "
-        "Saved in Hugging Face layout (safetensors) with bootstrap.json beside it. Runs as the Prefect flow "
-        "'coba-bootstrap' (embedded server unless PREFECT_API_URL is set).",
-        examples=[
-            "coba bootstrap",
-            "coba bootstrap --out models/arith-tiny-s1 --seed 1 --force",
-            "coba bootstrap --out models/arith-clean --give-up 0   # a teacher that always answers",
-        ],
-        options=[
-            option("--out", default="models/arith-tiny", help="model directory (default models/arith-tiny)"),
-            option("--train", default="data/arith_train.parquet", help="training split (veRL Parquet)"),
-            option("--test", default="data/arith_test.parquet", help="held-out split (veRL Parquet)"),
-            option("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)"),
-            option("--steps", type=positive_int, default=None, help="optimizer steps (default: BootstrapConfig)"),
-            option(
-                "--threads",
-                type=int,
-                default=None,
-                help="torch CPU threads (default 0: every core; the same seed and thread count give the same model)",
-            ),
-            option(
-                "--label-noise",
-                type=float,
-                default=None,
-                help="probability that a drawn example's answer is a near miss (off by 1 or 10); default 0",
-            ),
-            option(
-                "--give-up",
-                type=float,
-                default=None,
-                help="probability that a drawn problem is taught with no answer ('?'), so the model learns to "
-                "give up sometimes; default 0.25 (0 = a teacher that always answers)",
-            ),
-            option(
-                "--force",
-                action="store_true",
-                help="rebuild an earlier bootstrap at --out (only the files it wrote are replaced; a directory holding "
-                "anything else is always refused)",
-            ),
-        ],
-        func=cmd_bootstrap,
-    )
+from coba_tasks.commands.args import Command, add_command, option, positive_int
 
 
 def add_convert_gguf_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -143,3 +92,51 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
     )
     print(f"model in {out} (from {source})")
     return 0
+
+
+BOOTSTRAP_COMMAND = Command(
+    "bootstrap",
+    help="build and warm up the default tiny model (Prefect flow)",
+    description="Build a tiny Llama-architecture causal LM with a character tokenizer and warm it up by "
+    "supervised training on the arithmetic train split, then measure greedy held-out accuracy by difficulty. "
+    "Saved in Hugging Face layout (safetensors) with bootstrap.json beside it. Runs as the Prefect flow "
+    "'coba-bootstrap' (embedded server unless PREFECT_API_URL is set).",
+    examples=[
+        "coba bootstrap",
+        "coba bootstrap --out models/arith-tiny-s1 --seed 1 --force",
+        "coba bootstrap --out models/arith-clean --give-up 0   # a teacher that always answers",
+    ],
+    options=[
+        option("--out", default="models/arith-tiny", help="model directory (default models/arith-tiny)"),
+        option("--train", default="data/arith_train.parquet", help="training split (veRL Parquet)"),
+        option("--test", default="data/arith_test.parquet", help="held-out split (veRL Parquet)"),
+        option("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)"),
+        option("--steps", type=positive_int, default=None, help="optimizer steps (default: BootstrapConfig)"),
+        option(
+            "--threads",
+            type=int,
+            default=None,
+            help="torch CPU threads (default 0: every core; the same seed and thread count give the same model)",
+        ),
+        option(
+            "--label-noise",
+            type=float,
+            default=None,
+            help="probability that a drawn example's answer is a near miss (off by 1 or 10); default 0",
+        ),
+        option(
+            "--give-up",
+            type=float,
+            default=None,
+            help="probability that a drawn problem is taught with no answer ('?'), so the model learns to "
+            "give up sometimes; default 0.25 (0 = a teacher that always answers)",
+        ),
+        option(
+            "--force",
+            action="store_true",
+            help="rebuild an earlier bootstrap at --out (only the files it wrote are replaced; a directory holding "
+            "anything else is always refused)",
+        ),
+    ],
+    func=cmd_bootstrap,
+)

@@ -24,7 +24,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from coba_tasks.commands.args import add_command, option
+from coba_tasks.commands.args import Command, option
 
 AUTOMATION_NAME = "coba: crash unresponsive flow runs"
 DEFAULT_POOL = "coba-process"
@@ -122,28 +122,26 @@ def _cmd_setup_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_setup_server_parser(sub: argparse._SubParsersAction) -> None:
-    add_command(
-        sub,
-        "setup-server",
-        help="prepare a Prefect server for workers: the work pool and crash detection",
-        description="Create the process work pool of prefect.yaml's deployments and an automation that sets a flow "
-        "run Crashed when its process stops sending heartbeats (a killed worker, a lost machine). Idempotent.",
-        examples=[
-            "coba setup-server --api-url http://127.0.0.1:4200/api",
-            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 prefect worker start --pool coba-process   # then, per worker",
-            "coba setup-server --api-url http://127.0.0.1:4200/api --crash-after 120          # with 30 s heartbeats",
-        ],
-        options=[
-            option("--api-url", default=None, help="the server's API URL (default: $PREFECT_API_URL)"),
-            option("--pool", default=DEFAULT_POOL, help=f"process work pool to create (default {DEFAULT_POOL})"),
-            option(
-                "--crash-after",
-                type=int,
-                default=3 * HEARTBEAT_DEFAULT_S,
-                help="seconds without a heartbeat before a running flow run is set to Crashed "
-                f"(default {3 * HEARTBEAT_DEFAULT_S}: three of Prefect's default {HEARTBEAT_DEFAULT_S} s heartbeats)",
-            ),
-        ],
-        func=_cmd_setup_server,
-    )
+COMMAND = Command(
+    "setup-server",
+    help="prepare a Prefect server for workers: the work pool and crash detection",
+    description="Create the process work pool of prefect.yaml's deployments and an automation that sets a flow "
+    "run Crashed when its process stops sending heartbeats (a killed worker, a lost machine). Idempotent.",
+    examples=[
+        "coba setup-server --api-url http://127.0.0.1:4200/api",
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 prefect worker start --pool coba-process   # then, per worker",
+        "coba setup-server --api-url http://127.0.0.1:4200/api --crash-after 120          # with 30 s heartbeats",
+    ],
+    options=[
+        option("--api-url", default=None, help="the server's API URL (default: $PREFECT_API_URL)"),
+        option("--pool", default=DEFAULT_POOL, help=f"process work pool to create (default {DEFAULT_POOL})"),
+        option(
+            "--crash-after",
+            type=int,
+            default=3 * HEARTBEAT_DEFAULT_S,
+            help="seconds without a heartbeat before a running flow run is set to Crashed "
+            f"(default {3 * HEARTBEAT_DEFAULT_S}: three of Prefect's default {HEARTBEAT_DEFAULT_S} s heartbeats)",
+        ),
+    ],
+    func=_cmd_setup_server,
+)

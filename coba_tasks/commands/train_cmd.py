@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from coba_tasks.commands.args import Option, add_command, option, positive_int
-from coba_tasks.commands.console import add_verbose_flag
+from coba_tasks.commands.console import VERBOSE_OPTION
 from coba_tasks.commands.model_cmd import cmd_bootstrap
 
 
@@ -27,7 +27,7 @@ def add_train_parsers(subparsers: Any) -> None:
     """Register ``coba run``, ``coba resume`` and ``coba rerun``, in this order; each sets its ``func``."""
     from coba_tasks.pipeline.rerun import RERUNNABLE
 
-    run = add_command(
+    add_command(
         subparsers,
         "run",
         help="train a model with CoBA-RL budgets (Prefect flow over Parquet)",
@@ -50,11 +50,12 @@ def add_train_parsers(subparsers: Any) -> None:
                 action="store_true",
                 help="build the default model first when model.path is missing",
             ),
+            VERBOSE_OPTION,
         ],
         func=cmd_run,
     )
 
-    resume = _add_run_dir_command(
+    _add_run_dir_command(
         subparsers,
         "resume",
         "the run directory to continue",
@@ -82,11 +83,12 @@ def add_train_parsers(subparsers: Any) -> None:
                 help="allow the model's own code when the run's config sets model.trust_remote_code (refused "
                 "otherwise)",
             ),
+            VERBOSE_OPTION,
         ],
         func=cmd_resume,
     )
 
-    rerun = _add_run_dir_command(
+    _add_run_dir_command(
         subparsers,
         "rerun",
         "the run directory",
@@ -105,11 +107,10 @@ def add_train_parsers(subparsers: Any) -> None:
             option("--stage", required=True, choices=RERUNNABLE, help="the stage to recompute"),
             option("--yes", action="store_true", help="remove the invalidated outputs (default: only list them)"),
             option("--no-resume", action="store_true", help="with --yes: remove, but do not resume the run"),
+            VERBOSE_OPTION,  # each of the three starts the engines: last, after the command's own arguments
         ],
         func=cmd_rerun,
     )
-    for parser in (run, resume, rerun):
-        add_verbose_flag(parser)  # each starts the engines; last, after the command's own arguments
 
 
 def _add_run_dir_command(

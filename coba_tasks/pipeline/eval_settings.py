@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from coba_tasks.engines.rollout import backends
 from coba_tasks.pipeline.config import Config
+from coba_tasks.pipeline.config_fields import Section
 from coba_tasks.pipeline.config_sections import (
     DataConfig,
     Dtype,
@@ -27,10 +28,34 @@ from coba_tasks.pipeline.config_sections import (
     VerifyConfig,
 )
 
+# each setting's key in a run's config (section, key): its default there, and where from_config reads it
+CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
+    "test_path": (DataConfig, "test"),
+    "samples": (RunConfig, "eval_samples"),
+    "temperature": (RunConfig, "eval_temperature"),
+    "top_p": (RunConfig, "eval_top_p"),
+    "max_tokens": (RolloutConfig, "max_tokens"),
+    "backend": (RolloutConfig, "backend"),
+    "eval_prompts": (DataConfig, "eval_prompts"),
+    "seed": (RunConfig, "seed"),
+    "dtype": (ModelConfig, "dtype"),
+    "max_model_len": (RolloutConfig, "max_model_len"),
+    "prompt_format": (DataConfig, "prompt_format"),
+    "unknown_sources": (VerifyConfig, "unknown_sources"),
+}
 
-def _default(section: type, key: str) -> Any:
-    """The run config's default of ``section.key``: the one place the defaults are written."""
+
+def _default(setting: str) -> Any:
+    """The run config's default of ``setting``'s key: the one place the defaults are written."""
+    section, key = CONFIG_KEYS[setting]
     return section.model_fields[key].default
+
+
+def _setting(name: str, description: str, **constraints: Any) -> Any:
+    """The field of setting ``name``: its run-config default, ``description`` ending in its config key, and
+    ``constraints`` (``ge=1``, ...)."""
+    section, key = CONFIG_KEYS[name]
+    return Field(_default(name), description=f"{description} ({section.SECTION}.{key})", **constraints)
 
 
 class EvalSettings(BaseModel):
@@ -38,44 +63,19 @@ class EvalSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    test_path: str = Field(_default(DataConfig, "test"), description="held-out prompts (Parquet; a run's data.test)")
-    samples: int = Field(
-        _default(RunConfig, "eval_samples"), ge=1, description="completions per prompt, avg@k (run.eval_samples)"
-    )
-    temperature: float = Field(
-        _default(RunConfig, "eval_temperature"),
-        ge=0,
-        description="sampling temperature; 0 = greedy (run.eval_temperature)",
-    )
-    top_p: float = Field(
-        _default(RunConfig, "eval_top_p"),
-        gt=0,
-        le=1,
-        description="nucleus of a sampled evaluation; 1.0 = none (run.eval_top_p)",
-    )
-    max_tokens: int = Field(
-        _default(RolloutConfig, "max_tokens"), ge=1, description="most tokens a completion has (rollout.max_tokens)"
-    )
-    backend: str = Field(
-        _default(RolloutConfig, "backend"), description="rollout engine: vllm or transformers (rollout.backend)"
-    )
-    eval_prompts: int = Field(
-        _default(DataConfig, "eval_prompts"),
-        ge=0,
-        description="a seeded sample of this many prompts; 0 = all (data.eval_prompts)",
-    )
-    seed: int = Field(_default(RunConfig, "seed"), description="seed of the prompt sample and of sampling (run.seed)")
-    dtype: Dtype = Field(_default(ModelConfig, "dtype"), description="weights dtype (model.dtype)")
-    max_model_len: int = Field(
-        _default(RolloutConfig, "max_model_len"),
-        ge=0,
-        description="engine context; 0 = the model's own (rollout.max_model_len)",
-    )
-    prompt_format: PromptFormat = Field(
-        _default(DataConfig, "prompt_format"), description="prompt rendering (data.prompt_format)"
-    )
+    test_path: str = Field(_default("test_path"), description="held-out prompts (Parquet; a run's data.test)")
+    samples: int = _setting("samples", "completions per prompt, avg@k", ge=1)
+    temperature: float = _setting("temperature", "sampling temperature; 0 = greedy", ge=0)
+    top_p: float = _setting("top_p", "nucleus of a sampled evaluation; 1.0 = none", gt=0, le=1)
+    max_tokens: int = _setting("max_tokens", "most tokens a completion has", ge=1)
+    backend: str = _setting("backend", "rollout engine: vllm or transformers")
+    eval_prompts: int = _setting("eval_prompts", "a seeded sample of this many prompts; 0 = all", ge=0)
+    seed: int = _setting("seed", "seed of the prompt sample and of sampling")
+    dtype: Dtype = _setting("dtype", "weights dtype")
+    max_model_len: int = _setting("max_model_len", "engine context; 0 = the model's own", ge=0)
+    prompt_format: PromptFormat = _setting("prompt_format", "prompt rendering")
     unknown_sources: UnknownSources = Field(
-        _default(VerifyConfig, "unknown_sources"),
+        _default("unknown_sources"),
         description="a data_source without a verifier: refuse it, or score it with math-verify",
     )
 
@@ -101,18 +101,7 @@ class EvalSettings(BaseModel):
     def from_config(cls, cfg: Config) -> EvalSettings:
         """The settings of a training run's held-out evaluations (its data.test, run.eval_*, rollout, model)."""
         return cls(
-            test_path=cfg.data.test,
-            samples=cfg.run.eval_samples,
-            temperature=cfg.run.eval_temperature,
-            top_p=cfg.run.eval_top_p,
-            max_tokens=cfg.rollout.max_tokens,
-            backend=cfg.rollout.backend,
-            eval_prompts=cfg.data.eval_prompts,
-            seed=cfg.run.seed,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len,
-            prompt_format=cfg.data.prompt_format,
-            unknown_sources=cfg.verify.unknown_sources,
+            **{name: getattr(getattr(cfg, section.SECTION), key) for name, (section, key) in CONFIG_KEYS.items()}
         )
 
 

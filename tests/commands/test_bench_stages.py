@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from coba_tasks.commands.bench_stages import GOALS, STEP_TABLES, add_bench_stages_parser, format_stages
+from coba_tasks.commands.bench_stages import COMMAND, GOALS, STEP_TABLES, format_stages
 from coba_tasks.pipeline.store import Stage
 
 
@@ -133,7 +133,7 @@ def test_bench_stages_parser():
     parser = argparse.ArgumentParser(prog="coba")
     sub = parser.add_subparsers(dest="command")
     bench = sub.add_parser("bench")
-    p = add_bench_stages_parser(bench.add_subparsers(dest="bench"))
+    p = COMMAND.add_to(bench.add_subparsers(dest="bench"))
     args = parser.parse_args(["bench", "stages"])
     assert (args.config, args.set, args.steps, args.json) == ("configs/demo-tiny.yaml", [], 3, False)
     args = parser.parse_args(["bench", "stages", "--steps", "2", "--set", "a.b=1", "--set", "c.d=2", "--json"])
