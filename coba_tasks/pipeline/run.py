@@ -34,7 +34,8 @@ import pandas as pd
 
 from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.rollout import make_backend
-from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+from coba_tasks.engines.trainer import PolicyTrainer
+from coba_tasks.engines.update_settings import UpdateSettings
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import Config, check_platform, config_from_dict
