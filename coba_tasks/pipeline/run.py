@@ -371,12 +371,16 @@ def update_settings(cfg: Config) -> UpdateSettings:
 
 
 def verifier_pool(cfg: Config) -> VerifierPool:
-    """The run's verifier pool (not started): verify.workers processes, verify.timeout_s per item, and the
-    reward file of verify.reward_function when set (imported here first: a bad file fails in one line)."""
+    """The run's verifier pool (not started): verify.workers processes, verify.timeout_s per item,
+    verify.gsm8k_answer, and the reward file of verify.reward_function when set (imported here first: a bad
+    file fails in one line)."""
     from coba_tasks.pipeline.data_run import reward_function
 
     return VerifierPool(
-        workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s, reward_function=reward_function(cfg)
+        workers=cfg.verify.workers,
+        timeout_s=cfg.verify.timeout_s,
+        reward_function=reward_function(cfg),
+        gsm8k_answer=cfg.verify.gsm8k_answer,
     )
 
 
