@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coba_tasks.engines.rollout import backends
+from coba_tasks.engines.verify import Gsm8kAnswer
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.config_sections import (
     DataConfig,
@@ -78,6 +79,10 @@ class EvalSettings(BaseModel):
         _default(VerifyConfig, "unknown_sources"),
         description="a data_source without a verifier: refuse it, or score it with math-verify",
     )
+    gsm8k_answer: Gsm8kAnswer = Field(
+        _default(VerifyConfig, "gsm8k_answer"),
+        description="how GSM8K rows are scored: math-verify, or veRL's strict or flexible scorer (verify.gsm8k_answer)",
+    )
 
     @field_validator("backend")
     @classmethod
@@ -113,6 +118,7 @@ class EvalSettings(BaseModel):
             max_model_len=cfg.rollout.max_model_len,
             prompt_format=cfg.data.prompt_format,
             unknown_sources=cfg.verify.unknown_sources,
+            gsm8k_answer=cfg.verify.gsm8k_answer,
         )
 
 
