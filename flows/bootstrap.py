@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from coba_tasks.engines.bootstrap import BootstrapConfig, build_area, publish, write_metrics
+from coba_tasks.pipeline.summary import figure_table
 from coba_tasks.pipeline.tasks import build_model_task, sft_eval_task, warm_up_task
 
 
@@ -47,11 +48,14 @@ def bootstrap_flow(
     log.info(f"bootstrap done: held-out greedy accuracy {figures['accuracy']:.3f} ({by_level}) -> {out}")
     create_markdown_artifact(
         key="coba-bootstrap",
-        markdown=(
-            f"# Bootstrap of {out}\n\n| figure | value |\n|---|---|\n"
-            f"| held-out greedy accuracy | {figures['accuracy']:.3f} |\n"
-            + "".join(f"| accuracy, level {k} | {v:.2f} |\n" for k, v in figures["accuracy_by_difficulty"].items())
-            + f"| training time | {figures['train_seconds']:.0f} s |\n| final loss | {figures['final_loss']:.3f} |\n"
+        markdown=figure_table(
+            f"# Bootstrap of {out}",
+            [
+                ("held-out greedy accuracy", f"{figures['accuracy']:.3f}"),
+                *((f"accuracy, level {k}", f"{v:.2f}") for k, v in figures["accuracy_by_difficulty"].items()),
+                ("training time", f"{figures['train_seconds']:.0f} s"),
+                ("final loss", f"{figures['final_loss']:.3f}"),
+            ],
         ),
         description="held-out accuracy of the warmed-up default model",
     )

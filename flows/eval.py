@@ -24,6 +24,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from coba_tasks.pipeline.eval_settings import EvalSettings, eval_settings
 from coba_tasks.pipeline.heldout import check_eval_inputs
+from coba_tasks.pipeline.summary import figure_table
 from coba_tasks.pipeline.tasks import evaluate_model_task, write_eval_table_task
 
 
@@ -75,13 +76,16 @@ def eval_flow(
     )
     create_markdown_artifact(
         key=artifact_key(model_path),
-        markdown=(
-            f"# Held-out evaluation of {model_path}\n\n| figure | value |\n|---|---|\n"
-            f"| test set | {test_path} |\n| prompts | {len(table)} |\n"
-            f"| samples per prompt | {s.samples} (temperature {s.temperature}, top-p {s.top_p}) |\n"
-            f"| accuracy | {figures['accuracy']:.3f} |\n"
-            + "".join(f"| accuracy, level {k} | {v:.2f} |\n" for k, v in figures["by_difficulty"].items())
-            + (f"| per-prompt table | {written} |\n" if written else "")
+        markdown=figure_table(
+            f"# Held-out evaluation of {model_path}",
+            [
+                ("test set", test_path),
+                ("prompts", len(table)),
+                ("samples per prompt", f"{s.samples} (temperature {s.temperature}, top-p {s.top_p})"),
+                ("accuracy", f"{figures['accuracy']:.3f}"),
+                *((f"accuracy, level {k}", f"{v:.2f}") for k, v in figures["by_difficulty"].items()),
+                *([("per-prompt table", written)] if written else []),
+            ],
         ),
         description=f"held-out accuracy of {model_path}",
     )

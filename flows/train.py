@@ -25,7 +25,7 @@ from coba_tasks.pipeline import run, stage_runner, trackers
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.store import Stage, Table
-from coba_tasks.pipeline.summary import run_summary_json
+from coba_tasks.pipeline.summary import figure_table, run_summary_json
 from coba_tasks.pipeline.tasks import stage_task
 
 
@@ -92,10 +92,9 @@ def _post_step_artifacts(res: run.RunResources, step: int, n_rollouts: int, verd
     )
     create_markdown_artifact(
         key=f"step-{step:06d}",
-        markdown=(
-            f"# Step {step}\n\n| figure | value |\n|---|---|\n| rollouts | {n_rollouts} |\n"
-            + "".join(f"| {k} | {v} |\n" for k, v in verdicts.items())
-            + "".join(f"| {k} | {v:.4f} |\n" for k, v in figures.items())
+        markdown=figure_table(
+            f"# Step {step}",
+            [("rollouts", n_rollouts), *verdicts.items(), *((k, f"{v:.4f}") for k, v in figures.items())],
         ),
         description=f"summary of training step {step}",
     )

@@ -45,8 +45,9 @@ def bench_lora(
 
     from coba_tasks.engines.lora import base_model_of
     from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
-    from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+    from coba_tasks.engines.trainer import PolicyTrainer
     from coba_tasks.engines.update_batch import sampler_gap_rows
+    from coba_tasks.engines.update_settings import UpdateSettings
     from coba_tasks.pipeline.data import load_dataset
     from coba_tasks.pipeline.data_prompts import render_prompts
 

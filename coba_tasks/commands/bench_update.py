@@ -189,7 +189,8 @@ def bench_update(
     """The figures (see the module docstring), as a dict."""
     from transformers import AutoConfig
 
-    from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+    from coba_tasks.engines.trainer import PolicyTrainer
+    from coba_tasks.engines.update_settings import UpdateSettings
 
     if not (Path(model_path) / "config.json").is_file():
         raise ValueError(f"{model_path} is not a Hugging Face model directory (make smollm2 builds the default one)")

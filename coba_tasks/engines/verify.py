@@ -43,6 +43,11 @@ How to use::
 A user's reward file with veRL's ``compute_score`` signature (``verify.reward_function``) replaces
 these verifiers for a run: ``coba_tasks.engines.reward_file``.
 
+- ``openai/gsm8k`` and ``gsm8k`` under ``verify.gsm8k_answer=strict`` or ``flexible`` (default ``math``:
+  math-verify as above): veRL's GSM8K scorer. ``strict`` reads the number after the last ``#### `` in the
+  last 300 characters (commas removed), ``flexible`` the last number there; either compares it with the
+  ground truth as text. ``verifier_for(source, gsm8k_answer=...)`` picks them; they run in-process.
+
 Custom verifiers: ``@register_verifier("my_source")`` on a module-level function
 ``(completion: str, ground_truth: str) -> Verdict``. Pool workers receive the function by reference
 (pickle), so it must live in an importable module. ``in_process=True`` marks a verifier that is
@@ -64,7 +69,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal, get_args
 
 
 class VerdictKind(StrEnum):
@@ -175,6 +180,10 @@ class Verifier:
 
 _REGISTRY: dict[str, Verifier] = {}
 FALLBACK_SOURCE = "math"
+# verify.gsm8k_answer: how a GSM8K completion's answer is read. math: math-verify over the whole text (the
+# registered verifier); strict / flexible: veRL's GSM8K scorer in that mode (see gsm8k_strict_verifier)
+Gsm8kAnswer = Literal["math", "strict", "flexible"]
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")  # the data_source values verify.gsm8k_answer applies to
 
 
 def register_verifier(
@@ -209,8 +218,15 @@ def registered_verifiers() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def verifier_for(data_source: str, *, fallback: bool = True) -> Verifier:
-    """The verifier for ``data_source``; unknown sources get the ``math`` verifier unless ``fallback=False``."""
+def verifier_for(data_source: str, *, fallback: bool = True, gsm8k_answer: Gsm8kAnswer = "math") -> Verifier:
+    """The verifier for ``data_source``; unknown sources get the ``math`` verifier unless ``fallback=False``.
+
+    ``gsm8k_answer`` (the config's ``verify.gsm8k_answer``) picks the verifier of the GSM8K sources
+    (``GSM8K_SOURCES``): ``math`` (default) the registered one, math-verify; ``strict`` or ``flexible``
+    veRL's GSM8K scorer in that mode (``gsm8k_strict_verifier``, ``gsm8k_flexible_verifier``).
+    """
+    if gsm8k_answer != "math" and data_source in GSM8K_SOURCES:
+        return gsm8k_verifier(gsm8k_answer)
     entry = _REGISTRY.get(data_source)
     if entry is not None:
         return entry
@@ -424,3 +440,51 @@ def math_verifier(completion: str, ground_truth: str) -> Verdict:
     if not any(_is_math(a) for a in answer):
         return Verdict.of(VerdictKind.NO_ANSWER, extracted, detail="answer text found but not parsed")
     return Verdict.of(VerdictKind.WRONG, extracted)
+
+
+# --------------------------------------------------------------------------- veRL's GSM8K scorer
+
+# veRL reads only the last 300 characters of a completion (a speed-up that also decides which answers it sees)
+GSM8K_TAIL_CHARS = 300
+_GSM8K_STRICT = re.compile(r"#### (-?[0-9.,]+)")  # "#### " then a number: digits, '.' and ',' in any order
+_GSM8K_NUMBER = re.compile(r"-?[0-9.,]+")
+
+
+def _gsm8k_verdict(answer: str | None, ground_truth: str, missing: str) -> Verdict:
+    """veRL's comparison: the extracted text equal to the ground truth, character for character."""
+    if answer is None:
+        return Verdict.of(VerdictKind.NO_ANSWER, detail=missing)
+    return Verdict.of(VerdictKind.CORRECT if answer == ground_truth else VerdictKind.WRONG, answer)
+
+
+def gsm8k_strict_verifier(completion: str, ground_truth: str) -> Verdict:
+    """veRL's GSM8K scorer, strict mode (its default): in the last 300 characters of the completion, the
+    number after the last ``#### `` (one space), commas removed, compared with the ground
+    truth as text (``72.0`` is not ``72``). No ``#### <number>`` there is ``no_answer``."""
+    found = _GSM8K_STRICT.findall(completion[-GSM8K_TAIL_CHARS:])
+    answer = found[-1].replace(",", "") if found else None
+    return _gsm8k_verdict(answer, ground_truth, 'no "#### <number>" in the last 300 characters')
+
+
+def gsm8k_flexible_verifier(completion: str, ground_truth: str) -> Verdict:
+    """veRL's GSM8K scorer, flexible mode: the last run of digits, ``.`` and ``,`` (optional ``-``) in the
+    last 300 characters that is not just ``.``, compared with the ground truth as text, commas and a
+    final full stop kept as veRL keeps them (``1,000`` and ``72.`` are ``wrong`` against ``1000`` and
+    ``72``). No number there is ``no_answer``."""
+    found = [n for n in _GSM8K_NUMBER.findall(completion[-GSM8K_TAIL_CHARS:]) if n not in ("", ".")]
+    return _gsm8k_verdict(found[-1] if found else None, ground_truth, "no number in the last 300 characters")
+
+
+_GSM8K_VERIFIERS = {
+    "strict": Verifier("gsm8k_strict", gsm8k_strict_verifier, in_process=True, check=math_truth),
+    "flexible": Verifier("gsm8k_flexible", gsm8k_flexible_verifier, in_process=True, check=math_truth),
+}
+
+
+def gsm8k_verifier(mode: Gsm8kAnswer) -> Verifier:
+    """The verifier of the GSM8K sources under ``verify.gsm8k_answer=mode``; ValueError for an unknown mode."""
+    if mode == "math":
+        return _REGISTRY["openai/gsm8k"]
+    if mode not in _GSM8K_VERIFIERS:
+        raise ValueError(f"verify.gsm8k_answer must be one of {', '.join(get_args(Gsm8kAnswer))}, got {mode!r}")
+    return _GSM8K_VERIFIERS[mode]

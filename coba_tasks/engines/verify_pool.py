@@ -62,10 +62,12 @@ from typing import Any
 from coba_tasks.engines.reward_file import RewardFileError, RewardFunction, reward_verdict
 from coba_tasks.engines.verify import (
     FALLBACK_SOURCE,
+    Gsm8kAnswer,
     TruthCheck,
     Verdict,
     VerdictKind,
     Verifier,
+    gsm8k_verifier,
     qualified_name,
     run_verifier,
     score,
@@ -177,8 +179,10 @@ class VerifierPool:
     longer than this is scored ``error`` at once, never sent to a worker (``None``: no limit;
     verifiers registered ``in_process`` are never limited). ``reward_function``: a user's reward file
     (``coba_tasks.engines.reward_file``) that scores every item instead of the built-in verifiers, in
-    the workers, under the same limit; the workers then skip the math-verify warm-up. Not thread-safe:
-    one caller. Workers start on the first batch that needs them and stop at ``close()`` / the end of ``with``.
+    the workers, under the same limit; the workers then skip the math-verify warm-up. ``gsm8k_answer``:
+    the config's ``verify.gsm8k_answer``, the verifier of the GSM8K sources (``verify.verifier_for``).
+    Not thread-safe: one caller. Workers start on the first batch that needs them and stop at ``close()`` /
+    the end of ``with``.
     """
 
     def __init__(
@@ -191,6 +195,7 @@ class VerifierPool:
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         max_chars: int | None = DEFAULT_MAX_CHARS,
         reward_function: RewardFunction | None = None,
+        gsm8k_answer: Gsm8kAnswer = "math",
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -203,6 +208,8 @@ class VerifierPool:
         self.n_workers = workers
         self.timeout_s = float(timeout_s)
         self.reward_function = reward_function
+        gsm8k_verifier(gsm8k_answer)  # ValueError for an unknown mode, before any batch
+        self.gsm8k_answer = gsm8k_answer
         self.warmup = warmup and reward_function is None  # a reward file scores every item: no math-verify
         self.startup_timeout_s = startup_timeout_s
         self.max_chars = max_chars
@@ -252,7 +259,7 @@ class VerifierPool:
                 )
             completion, ground_truth, source = item[:3]
             if rf is None:
-                entries.append((verifier_for(source), completion, ground_truth))
+                entries.append((verifier_for(source, gsm8k_answer=self.gsm8k_answer), completion, ground_truth))
                 continue
             extra_info = item[3] if len(item) == 4 else None
             fn = partial(reward_verdict, rf, str(source), extra_info if isinstance(extra_info, dict) else None)
@@ -266,7 +273,7 @@ class VerifierPool:
         unique = list(dict.fromkeys((str(gt), str(src)) for gt, src in items))
         entries, index = [], {}
         for gt, src in unique:
-            verifier = verifier_for(src)
+            verifier = verifier_for(src, gsm8k_answer=self.gsm8k_answer)
             if verifier.check is None:
                 continue
             index[(gt, src)] = len(entries)

@@ -84,6 +84,7 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("optim", "rollout_correction_cap"): 2.0,
     ("optim", "rollout_mask_threshold"): 0.0,
     ("run", "trackers"): [],
+    ("verify", "gsm8k_answer"): "math",
 }
 
 

@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 from coba_tasks.core.allocators import Mode, strategies
 from coba_tasks.core.solvers import coba_solvers
 from coba_tasks.engines.rollout import backends
+from coba_tasks.engines.verify import Gsm8kAnswer
 from coba_tasks.pipeline.config_fields import (
     ConfigError,
     NonBlank,
@@ -431,6 +432,14 @@ class VerifyConfig(Section):
         "a data_source without a verifier: error = refuse the run; math = math-verify",
         "must be error (a data_source without a registered verifier stops the run before it starts) or math "
         "(math-verify scores such rows)",
+    )
+    gsm8k_answer: Gsm8kAnswer = config_key(
+        "math",
+        "how an openai/gsm8k or gsm8k completion is scored: math = math-verify over the whole text; strict = veRL's "
+        'GSM8K scorer (the number after the last "#### ", compared as text); flexible = veRL\'s flexible mode '
+        '(the last number in the text); docs/design.md, "veRL datasets"',
+        "must be math (math-verify, the default), strict (veRL's default GSM8K scorer: the number after the last "
+        '"#### ") or flexible (veRL\'s flexible GSM8K scorer: the last number)',
     )
     reward_function: Text = config_key(
         "",

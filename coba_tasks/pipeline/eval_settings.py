@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coba_tasks.engines.rollout import backends
+from coba_tasks.engines.verify import Gsm8kAnswer
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.config_fields import Section
 from coba_tasks.pipeline.config_sections import (
@@ -42,6 +43,7 @@ CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
     "max_model_len": (RolloutConfig, "max_model_len"),
     "prompt_format": (DataConfig, "prompt_format"),
     "unknown_sources": (VerifyConfig, "unknown_sources"),
+    "gsm8k_answer": (VerifyConfig, "gsm8k_answer"),
 }
 
 
@@ -77,6 +79,9 @@ class EvalSettings(BaseModel):
     unknown_sources: UnknownSources = Field(
         _default("unknown_sources"),
         description="a data_source without a verifier: refuse it, or score it with math-verify",
+    )
+    gsm8k_answer: Gsm8kAnswer = _setting(
+        "gsm8k_answer", "how GSM8K rows are scored: math-verify, or veRL's strict or flexible scorer"
     )
 
     @field_validator("backend")

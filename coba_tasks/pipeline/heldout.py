@@ -88,7 +88,7 @@ def evaluate_model(model_path: str, settings: EvalSettings) -> pd.DataFrame:
         pool = None
         try:
             engine.weight_version = checkpoint_version(model_path)
-            pool = VerifierPool(workers=VERIFY.workers, timeout_s=VERIFY.timeout_s)
+            pool = VerifierPool(workers=VERIFY.workers, timeout_s=VERIFY.timeout_s, gsm8k_answer=s.gsm8k_answer)
             return stages.evaluate(test, engine, pool, s.samples, s.temperature, s.max_tokens, s.seed, top_p=s.top_p)
         finally:
             if pool is not None:

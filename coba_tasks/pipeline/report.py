@@ -49,7 +49,7 @@ from coba_tasks.pipeline.report_plots import (
     stage_timing,
 )
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage
-from coba_tasks.pipeline.summary import load_run, run_summary
+from coba_tasks.pipeline.summary import figure_table, load_run, run_summary
 
 # Table names (the same strings as coba_tasks.pipeline.stages, which is not imported: it pulls in torch).
 BUDGET, CAPABILITY, REWARDS = Stage.BUDGET.value, Stage.CAPABILITY.value, Stage.REWARDS.value
@@ -344,11 +344,9 @@ def report_artifacts_markdown(run_dir: str | os.PathLike[str]) -> str:
     """
     data = _load(run_dir)
     head = _headline(data)
-    lines = [f"### coba-rl report: `{data.store.root}`", "", "| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in head.rows()]
+    lines = [figure_table(f"### coba-rl report: `{data.store.root}`", list(head.rows()))]
     report = data.store.report_dir()
     pngs = [report / n for n in PLOT_FILES if (report / n).is_file()]
-    lines.append("")
     if pngs:
         lines.append("Plots:")
         lines += [f"- `{p}`" for p in pngs]

@@ -34,7 +34,8 @@ import pandas as pd
 
 from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.rollout import make_backend
-from coba_tasks.engines.trainer import PolicyTrainer, UpdateSettings
+from coba_tasks.engines.trainer import PolicyTrainer
+from coba_tasks.engines.update_settings import UpdateSettings
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import Config, check_platform, config_from_dict
@@ -370,12 +371,16 @@ def update_settings(cfg: Config) -> UpdateSettings:
 
 
 def verifier_pool(cfg: Config) -> VerifierPool:
-    """The run's verifier pool (not started): verify.workers processes, verify.timeout_s per item, and the
-    reward file of verify.reward_function when set (imported here first: a bad file fails in one line)."""
+    """The run's verifier pool (not started): verify.workers processes, verify.timeout_s per item,
+    verify.gsm8k_answer, and the reward file of verify.reward_function when set (imported here first: a bad
+    file fails in one line)."""
     from coba_tasks.pipeline.data_run import reward_function
 
     return VerifierPool(
-        workers=cfg.verify.workers, timeout_s=cfg.verify.timeout_s, reward_function=reward_function(cfg)
+        workers=cfg.verify.workers,
+        timeout_s=cfg.verify.timeout_s,
+        reward_function=reward_function(cfg),
+        gsm8k_answer=cfg.verify.gsm8k_answer,
     )
 
 

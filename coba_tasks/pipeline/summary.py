@@ -370,6 +370,21 @@ def _group_means(df: pd.DataFrame, by: str, col: str) -> dict[str, float]:
     return {str(plain(k)): float(v) for k, v in means.items()}
 
 
+def figure_table(title: str, rows: list[tuple[str, Any]]) -> str:
+    """A markdown page of ``rows`` as a two-column table under ``title``: what the flows' artifacts and
+    the report's Prefect summary show.
+
+    >>> print(figure_table("# Step 0", [("rollouts", 128), ("loss", "-0.0123")]), end="")
+    # Step 0
+    <BLANKLINE>
+    | figure | value |
+    |---|---|
+    | rollouts | 128 |
+    | loss | -0.0123 |
+    """
+    return "\n".join([title, "", "| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]) + "\n"
+
+
 def plain(value: Any) -> Any:
     """``value`` as plain JSON-able Python: numpy/pandas scalars and arrays unwrapped, NaN -> None.
 

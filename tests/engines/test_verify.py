@@ -541,3 +541,71 @@ def test_score_math_through_the_pool_never_raises(pool: VerifierPool, completion
     verdicts = pool.score([(completion, truth, "math"), ("$\\boxed{2}$", "2", "math")])
     _check_verdict(verdicts[0])
     assert verdicts[1].verdict is VerdictKind.CORRECT
+
+
+# --------------------------------------------------------------------------- veRL datasets (tests/verl_files.py)
+
+GSM8K_CASES = [  # completion, ground truth, verdict under math / strict / flexible
+    ("3 + 4 = 7 apples.\n#### 7", "7", ("correct", "correct", "correct")),
+    ("The total is 7.", "7", ("correct", "no_answer", "wrong")),  # flexible reads "7." (veRL keeps the '.')
+    ("So he has 7 apples", "7", ("correct", "no_answer", "correct")),
+    ("#### 8", "7", ("wrong", "wrong", "wrong")),
+    ("#### 1,200", "1200", ("correct", "correct", "wrong")),  # flexible keeps the comma
+    ("#### 5\nno, wait: #### 7", "7", ("correct", "correct", "correct")),  # the last "####"
+    ("####7", "7", ("no_answer", "no_answer", "correct")),  # strict wants one space after "####"
+    ("no idea", "7", ("no_answer", "no_answer", "no_answer")),
+]
+
+
+@pytest.mark.parametrize(("completion", "truth", "want"), GSM8K_CASES)
+def test_gsm8k_answer_modes_score_as_documented(completion, truth, want):
+    from coba_tasks.engines.verify import run_verifier, verifier_for
+
+    got = tuple(
+        run_verifier(verifier_for("openai/gsm8k", gsm8k_answer=mode), completion, truth).verdict.value
+        for mode in ("math", "strict", "flexible")
+    )
+    assert got == want
+
+
+def test_strict_gsm8k_reads_only_the_last_300_characters_as_verl_does():
+    from coba_tasks.engines.verify import gsm8k_strict_verifier
+
+    assert gsm8k_strict_verifier("#### 7" + " pad" * 80, "7").verdict is VerdictKind.NO_ANSWER
+    assert gsm8k_strict_verifier(" pad" * 80 + "#### 7", "7").verdict is VerdictKind.CORRECT
+
+
+def test_gsm8k_answer_applies_to_gsm8k_sources_only():
+    from coba_tasks.engines.verify import verifier_for
+
+    assert verifier_for("gsm8k", gsm8k_answer="strict").name == "gsm8k_strict"
+    assert verifier_for("lighteval/MATH", gsm8k_answer="strict").name == "math"
+    assert verifier_for("openai/gsm8k").name == "math"
+    with pytest.raises(ValueError, match=r"verify\.gsm8k_answer must be one of math, strict, flexible"):
+        VerifierPool(gsm8k_answer="loose")  # type: ignore[arg-type]
+
+
+def test_verl_files_load_and_score_in_the_pool(tmp_path):
+    from verl_files import write_verl_gsm8k, write_verl_math
+
+    from coba_tasks.pipeline.data import load_dataset
+
+    gsm = load_dataset(write_verl_gsm8k(tmp_path / "g.parquet", [("Q1?", "7"), ("Q2?", "1200")]))
+    math_df = load_dataset(write_verl_math(tmp_path / "m.parquet", [("P1?", "\\frac{3}{4}"), ("P2?", "8")]))
+    (g7, s7), (g1200, s1200) = zip(gsm["ground_truth"], gsm["data_source"], strict=True)
+    (m34, ms), (m8, _) = zip(math_df["ground_truth"], math_df["data_source"], strict=True)
+    gsm_items = [
+        ("#### 7", g7, s7),
+        ("the answer is 7", g7, s7),
+        ("#### 1,200", g1200, s1200),
+        ("#### 12", g1200, s1200),
+    ]
+    math_items = [("so \\boxed{\\frac{3}{4}}", m34, ms), ("\\boxed{0.75}", m34, ms), ("\\boxed{9}", m8, ms)]
+    with VerifierPool(workers=1, timeout_s=20.0, gsm8k_answer="strict") as pool:
+        strict = [v.verdict.value for v in pool.score(gsm_items)]
+        assert pool.worker_pids == []  # veRL's GSM8K scorer runs in this process
+        maths = [v.verdict.value for v in pool.score(math_items)]
+    assert strict == ["correct", "no_answer", "correct", "wrong"]
+    assert maths == ["correct", "correct", "wrong"]
+    with VerifierPool(workers=1, timeout_s=20.0, gsm8k_answer="flexible") as pool:
+        assert [v.verdict.value for v in pool.score(gsm_items)] == ["correct", "correct", "wrong", "wrong"]

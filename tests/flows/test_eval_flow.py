@@ -96,3 +96,35 @@ def test_a_run_config_gives_the_settings_of_its_evaluations():
         cfg.data.eval_prompts,
         cfg.data.prompt_format,
     )
+
+
+def test_coba_eval_scores_gsm8k_rows_as_the_run_config_says(tmp_path, random_checkpoints, monkeypatch):
+    """verify.gsm8k_answer reaches the evaluation's verifier pool (veRL's strict scorer when asked)."""
+    from coba_tasks.pipeline import heldout
+    from coba_tasks.pipeline.config import load_config
+
+    model, _ = random_checkpoints
+    pools = []
+
+    class Stop(Exception):
+        pass
+
+    class Engine:
+        def close(self):
+            pass
+
+    def pool(**kwargs):
+        pools.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(heldout, "make_backend", lambda *a, **k: Engine())
+    monkeypatch.setattr(heldout, "VerifierPool", pool)
+    test = _flat(tmp_path / "g.parquet", ["1+1=", "2+2="], answers=["2", "4"], source="openai/gsm8k")
+    cfg = load_config(None, ["verify.gsm8k_answer=strict", f"data.test={test}"])
+    settings = EvalSettings.from_config(cfg).model_copy(update={"backend": "transformers", "max_model_len": 0})
+    assert settings.gsm8k_answer == "strict"
+    with pytest.raises(Stop):
+        heldout.evaluate_model(str(model), settings)
+    with pytest.raises(Stop):
+        _evaluate(model, test)  # the default: math-verify, as a run's default
+    assert [p["gsm8k_answer"] for p in pools] == ["strict", "math"]

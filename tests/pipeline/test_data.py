@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -726,3 +727,38 @@ def test_chat_format_without_a_template_is_refused_and_a_failing_template_names_
     assert df["prompt_id"].tolist() == ["b"]
     assert [(p.row, p.column) for p in problems] == [(0, "prompt")]
     assert "the chat template cannot render this prompt" in problems[0].message and "no system" in problems[0].message
+
+
+# ---------------------------------------------------------------------------------------------
+# Files as veRL's own preprocessing writes them (tests/verl_files.py)
+
+
+def test_a_verl_gsm8k_file_loads_as_it_is(tmp_path: Path) -> None:
+    from verl_files import GSM8K_INSTRUCTION, write_verl_gsm8k
+
+    path = write_verl_gsm8k(
+        tmp_path / "train.parquet", [("Tom has 3 apples and buys 4. How many?", "7"), ("Q2?", "1200")]
+    )
+    assert pq.read_schema(path).metadata and b"huggingface" in pq.read_schema(path).metadata
+    df = load_dataset(path)
+    assert df["prompt_id"].tolist() == ["0", "1"]
+    assert set(df["data_source"]) == {"openai/gsm8k"} and set(df["ability"]) == {"math"}
+    assert df["ground_truth"].tolist() == ["7", "1200"]
+    assert df["prompt_text"][0] == f"Tom has 3 apples and buys 4. How many? {GSM8K_INSTRUCTION}"
+    assert df["messages"][0] == [{"role": "user", "content": df["prompt_text"][0]}]
+    extra = json.loads(df["extra_info"][1])
+    assert extra == {"split": "train", "index": 1, "answer": "Work it out.\n#### 1200", "question": "Q2?"}
+    assert df["difficulty"].tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("source", ["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval"])
+def test_a_verl_math_file_loads_as_it_is_with_its_leftover_columns(tmp_path: Path, source: str) -> None:
+    from verl_files import MATH_INSTRUCTION, write_verl_math
+
+    path = write_verl_math(tmp_path / "test.parquet", [("What is $1/2+1/4$?", "\\frac{3}{4}"), ("2^3?", "8")], source)
+    assert pq.read_schema(path).names[:2] == ["level", "type"]  # MATH-lighteval's columns veRL leaves in
+    df = load_dataset(path)
+    assert df["data_source"].tolist() == [source, source]
+    assert df["ground_truth"].tolist() == ["\\frac{3}{4}", "8"]
+    assert df["prompt_text"][0].endswith(" " + MATH_INSTRUCTION)
+    assert json.loads(df["extra_info"][0]) == {"split": "train", "index": 0}
