@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from coba_tasks.pipeline.store import RunStore
-from coba_tasks.pipeline.summary import TABLE_ORDER, UPDATE_FIELDS, load_run, ordered, plain
+from coba_tasks.pipeline.summary import TABLE_ORDER, UPDATE_FIELDS, load_run, ordered, plain, step_ranges
 
 # The per-step tables, in the order a step produces them (budget first: it is written into the
 # step's directory before the step runs). ``history`` is the per-step snapshot of the pass-rate
@@ -194,7 +194,7 @@ def show_table(
     limit = _check_limit(limit)
     steps = store.steps()
     if step not in steps:
-        where = f"steps there: {_ranges(steps)}" if steps else "no step has a directory yet"
+        where = f"steps there: {step_ranges(steps)}" if steps else "no step has a directory yet"
         raise ValueError(f"step {step} has no directory in {store.root} ({where})")
     done = load_run(store.root).done[step]
     if stage not in done:
@@ -349,21 +349,3 @@ def _check_limit(limit: Any) -> int | None:
     if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0:
         raise ValueError(f"limit must be a non-negative integer or None, got {limit!r}")
     return int(limit)
-
-
-def _ranges(steps: list[int]) -> str:
-    """'0-5, 8, 10-12' for [0, 1, 2, 3, 4, 5, 8, 10, 11, 12].
-
-    >>> _ranges([0, 1, 2, 3, 4, 5, 8, 10, 11, 12])
-    '0-5, 8, 10-12'
-    """
-    parts: list[str] = []
-    start = prev = None
-    for s in [*steps, None]:
-        if start is not None and (s is None or s != prev + 1):
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if s is not None and start is None:
-            start = s
-        prev = s
-    return ", ".join(parts)

@@ -21,7 +21,7 @@ import pandas as pd
 from coba_tasks.engines.fileio import atomic_write
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.store import SUMMARY_FILE
-from coba_tasks.pipeline.summary import VERDICTS, split_test_sets
+from coba_tasks.pipeline.summary import VERDICTS, split_test_sets, step_ranges
 
 if TYPE_CHECKING:  # annotations only: report.py imports this module
     from coba_tasks.pipeline.report import RunData
@@ -167,27 +167,13 @@ def pick_scatter_steps(data: RunData, requested: Sequence[int] | None) -> list[i
         if missing:
             raise ValueError(
                 f"step(s) {', '.join(map(str, missing))} have no budget table "
-                f"(steps with one: {_ranges(available) or 'none'})"
+                f"(steps with one: {step_ranges(available) or 'none'})"
             )
         return sorted(set(int(t) for t in requested))
     if len(available) <= SCATTER_STEPS_DEFAULT:
         return available
     idx = np.linspace(0, len(available) - 1, SCATTER_STEPS_DEFAULT).round().astype(int)
     return [available[i] for i in sorted(set(idx.tolist()))]
-
-
-def _ranges(steps: Sequence[int]) -> str:
-    """'0-5, 8, 10-12' for a sorted list of step numbers."""
-    out: list[str] = []
-    steps = list(steps)
-    i = 0
-    while i < len(steps):
-        j = i
-        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
-            j += 1
-        out.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 def _marker_sizes(x: pd.Series, y: pd.Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -330,7 +316,7 @@ def plot_verdicts(data: RunData, path: Path) -> Path:
     ax.set_ylabel("rollouts")
     title = "Verdicts of each step's rollouts"
     if data.verdicts_from_rewards:
-        title += f"\n(step {_ranges(data.verdicts_from_rewards)}: capability not written yet, counted from rewards)"
+        title += f"\n(step {step_ranges(data.verdicts_from_rewards)}: capability not written yet, counted from rewards)"
     ax.set_title(title)
     return _save(fig, path)
 

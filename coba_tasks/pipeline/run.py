@@ -40,6 +40,7 @@ from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import Config, check_platform, config_from_dict
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
+from coba_tasks.pipeline.faults import FaultHooks
 from coba_tasks.pipeline.runlock import LOCK_FILE
 from coba_tasks.pipeline.store import RUN_FILE, RunStore, Stage, StoreError
 
@@ -57,6 +58,7 @@ class RunResources:
     trainer: Any = None  # PolicyTrainer; None with optim.fsdp_processes > 1 (the update runs in a torchrun job)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     step_walls: list[tuple[float, float]] = field(default_factory=list)  # (step wall, orchestration) seconds
+    faults: FaultHooks = field(default_factory=FaultHooks.from_env)  # tests' crash and failure points
 
     def timed(self, stage: str, seconds: float) -> None:
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds

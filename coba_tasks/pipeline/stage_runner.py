@@ -14,8 +14,6 @@ resources come from ``coba_tasks.pipeline.run`` (``resources(run_dir)``).
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -51,30 +49,6 @@ def sampling(cfg: Config) -> SamplingConfig:
     """How training rollouts are sampled (the config's rollout section)."""
     r = cfg.rollout
     return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fault hooks (tests): both fire inside a stage after its work is computed and before its table is
-# recorded. COBA_KILL_AT="<step>:<stage>" makes the process SIGKILL itself (a crash at the worst
-# moment); COBA_FAIL_FILE=<path> raises an error while that file exists and holds "<step>:<stage>"
-# (a failure that goes away, for task retries and `prefect flow-run retry`).
-
-KILL_ENV = "COBA_KILL_AT"
-FAIL_FILE_ENV = "COBA_FAIL_FILE"
-
-
-class InjectedFailure(RuntimeError):
-    """The failure COBA_FAIL_FILE asks for."""
-
-
-def fault_point(step: int, stage: str) -> None:
-    """Kill the process or raise, when the environment asks for it at ``step``:``stage``."""
-    where = f"{step}:{stage}"
-    if os.environ.get(KILL_ENV) == where:
-        os.kill(os.getpid(), signal.SIGKILL)
-    fail_file = os.environ.get(FAIL_FILE_ENV)
-    if fail_file and os.path.isfile(fail_file) and Path(fail_file).read_text().strip() == where:
-        raise InjectedFailure(f"injected failure in {stage} at step {step} ({FAIL_FILE_ENV}={fail_file})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +233,7 @@ def run_stage(run_dir: str | Path, step: int, stage: Stage | Table) -> pd.DataFr
     if not res.store.is_done(where, table_name):
         table = how.compute(res, step)
         if how.fault_hooks:
-            fault_point(step, table_name)
+            res.faults.at(step, table_name)
         res.store.write_table(where, table_name, table)
     if how.after is not None:
         how.after(res, step)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from pathlib import Path
@@ -368,6 +369,24 @@ def _first(df: pd.DataFrame, col: str) -> Any:
 def _group_means(df: pd.DataFrame, by: str, col: str) -> dict[str, float]:
     means = df.groupby(by, sort=True)[col].mean()
     return {str(plain(k)): float(v) for k, v in means.items()}
+
+
+def step_ranges(steps: Sequence[int]) -> str:
+    """'0-5, 8, 10-12' for sorted step numbers.
+
+    >>> step_ranges([0, 1, 2, 3, 4, 5, 8, 10, 11, 12]), step_ranges([])
+    ('0-5, 8, 10-12', '')
+    """
+    out: list[str] = []
+    steps = list(steps)
+    i = 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        out.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 def figure_table(title: str, rows: list[tuple[str, Any]]) -> str:

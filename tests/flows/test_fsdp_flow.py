@@ -250,7 +250,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
     """The same 2-step run with optim.fsdp_processes 2 and 1; the FSDP run stopped by a failure at step 1's
     rollouts and resumed (so its second update is a resumed run's); the FSDP run's ``fsdp_update`` calls."""
     import flows.train as train
-    from coba_tasks.pipeline import run, stage_runner
+    from coba_tasks.pipeline import faults, run, stage_runner
 
     model, _ = random_checkpoints
     root = tmp_path_factory.mktemp("fsdp-flow")
@@ -279,7 +279,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
         fsdp = root / "fsdp2"
         fail = root / "fail-at"
         fail.write_text("1:rollouts")  # after step 0's update (one torchrun job), before step 1's rollouts
-        mp.setenv(stage_runner.FAIL_FILE_ENV, str(fail))
+        mp.setenv(faults.FAIL_FILE_ENV, str(fail))
         cfg = _tiny(model, *data, "optim.fsdp_processes=2")
         state = train.train_flow(run_dir=str(fsdp), config=config_to_dict(cfg), return_state=True)
         assert state.is_failed() and len(calls) == 1

@@ -48,8 +48,9 @@ def test_a_lora_run_trains_adapters_resumes_and_evaluates(
     tmp_path, prefect_harness, random_checkpoints, first_char_data
 ):
     from coba_tasks.pipeline.eval_settings import eval_settings
+    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
     from coba_tasks.pipeline.heldout import evaluate_model
-    from coba_tasks.pipeline.stage_runner import FAIL_FILE_ENV, ROLLOUT_WEIGHTS_DIR
+    from coba_tasks.pipeline.stage_runner import ROLLOUT_WEIGHTS_DIR
     from flows.train import train_flow
 
     model, _ = random_checkpoints

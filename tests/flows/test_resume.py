@@ -234,7 +234,7 @@ def test_a_run_stopped_at_an_epoch_boundary_resumes_the_remaining_steps(
     equal to an uninterrupted run (a resume that lost its place in the epoch would run no step, or others)."""
     from helpers_reward import TRAIN_PROMPTS, write_flat
 
-    from coba_tasks.pipeline.stage_runner import FAIL_FILE_ENV
+    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
     from flows.train import train_flow
 
     model, _ = random_checkpoints
@@ -360,7 +360,7 @@ def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    from coba_tasks.pipeline.stage_runner import FAIL_FILE_ENV
+    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
     from flows.train import train_flow
 
     model, _ = random_checkpoints

@@ -23,7 +23,7 @@ def test_a_resumed_run_continues_its_tracker_runs_without_logging_a_step_twice(
     pytest.importorskip("mlflow")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from coba_tasks.pipeline.stage_runner import FAIL_FILE_ENV
+    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
     from flows.train import train_flow
 
     model, _ = random_checkpoints
