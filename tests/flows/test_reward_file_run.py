@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
+import numpy as np
 import pandas as pd
 import pytest
 from helpers_reward import TEST_PROMPTS
@@ -122,5 +123,15 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
         assert store.read_table(step, Stage.CAPABILITY)["S"].iloc[0] == pytest.approx(rates.mean())
         assert float(store.read_table(step, Stage.UPDATE)["grad_norm"].iloc[0]) > 0  # raw-score advantages
     assert {"correct", "wrong", "error", "timeout"} <= seen  # the run went on past raises and timeouts
+
+    # `coba bench update --run-dir` times what the update of a step trained on: its rows and raw-score advantages
+    from coba_tasks.commands.bench_update import run_batch
+
+    prompt_ids, completion_ids, adv = run_batch(str(root), 1)
+    rollouts, rewards = store.read_table(1, Stage.ROLLOUTS), store.read_table(1, Stage.REWARDS)
+    assert len(prompt_ids) == len(completion_ids) == len(adv) == len(rollouts)
+    assert completion_ids == [list(t) for t in rollouts["token_ids"]]
+    np.testing.assert_array_equal(adv, stages.advantages_for(rollouts, rewards))
+    assert np.any(adv != 0) and np.all(np.isfinite(adv))
     # held-out accuracy: the share of completions at or above the threshold
     assert held_out["accuracy"].isin([0.0, 1.0]).all()
