@@ -87,7 +87,7 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
     else:
         for s in store.steps():
             for name in store.manifest(s):
-                if name in tuple(Stage) and _order(s, name) >= start:
+                if name in tuple(Table) and _order(s, name) >= start:
                     plan.tables.append((s, name))
     plan.tables.sort(key=lambda t: _order(*t))
     updates = [s for s, name in plan.tables if name == Stage.UPDATE]
@@ -112,7 +112,7 @@ def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:
             reason = store.damage(s, name)
             if reason is not None:
                 out.append((s, name, reason))
-    known = tuple(Stage)
+    known = tuple(Table)
     return sorted(out, key=lambda t: _order(t[0], t[1]) if t[1] in known else (10**9, 0))
 
 

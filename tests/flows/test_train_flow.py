@@ -125,12 +125,18 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     assert (report / "index.html").is_file() and (report / "accuracy.png").stat().st_size > 5000
     assert not [c for c in store.read_table(0, Stage.REWARDS).columns if c.endswith("_ms")]  # no timings in tables
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, ArtifactFilterType
+    from prefect.client.schemas.sorting import ArtifactSort
 
     with get_client(sync_client=True) as client:
         keys = ["coba-report", "coba-report-page", "step-000002", "budget-step-000003"]
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
-        images = [a for a in client.read_artifacts() if a.type == "image" and str(report) in str(a.data)]
+        # the newest images (the session's server holds every earlier test's artifacts: read them all and
+        # the default page may end before this run's)
+        newest = client.read_artifacts(
+            artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["image"])), sort=ArtifactSort.CREATED_DESC
+        )
+        images = [a for a in newest if str(report) in str(a.data)]
     assert {a.key for a in found} == set(keys)
     assert len(images) >= 5
 
