@@ -433,12 +433,15 @@ def test_second_run_on_one_run_name_is_refused(cluster: Cluster) -> None:
     run_dir = cluster.root / name
     with cluster.client() as client:
         first = cluster.submit(client, name)
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (run_dir / ".lock").exists():  # the first holds the run
-            assert time.monotonic() < deadline, client.read_flow_run(first).state
-            time.sleep(0.05)
-        second = cluster.submit(client, name)
-        refused = cluster.wait(client, second)
+        # the first is held inside a step (SIGSTOP: alive, holding the run's lock) for as long as the second
+        # takes to start: a short run could otherwise end before the second's process is up
+        _, pid = _stop_in_a_step(client, {name: (first, run_dir)})[name]
+        assert (run_dir / ".lock").exists()
+        try:
+            second = cluster.submit(client, name)
+            refused = cluster.wait(client, second)
+        finally:
+            os.kill(pid, signal.SIGCONT)
         assert refused.state.is_failed(), f"the second run ended {refused.state_name}"
         logs = flow_run_logs(client, second, expect=f"{run_dir} is in use by process")
         assert f"{run_dir} is in use by process" in logs, logs
