@@ -38,7 +38,7 @@ import pandas as pd
 
 from coba_tasks.commands.args import Command, option
 from coba_tasks.commands.console import VERBOSE_OPTION
-from coba_tasks.engines.fileio import atomic_write
+from coba_tasks.engines.fileio import atomic_write, write_parquet
 
 # strategy name -> config overrides (on top of the config file)
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -282,10 +282,7 @@ def final_table(results: pd.DataFrame) -> pd.DataFrame:
 def write_tables(out: Path, tables: dict[str, pd.DataFrame]) -> None:
     """Each table as ``<out>/<name>.parquet`` (atomic)."""
     for name, df in tables.items():
-        buf = io.BytesIO()
-        df.to_parquet(buf, index=False)
-        data = buf.getvalue()
-        atomic_write(out / f"{name}.parquet", lambda f, data=data: f.write(data))
+        write_parquet(df, out / f"{name}.parquet")
 
 
 def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:

@@ -18,7 +18,11 @@ import re
 import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
 
 _TMP_HEX = 8  # hex digits of the random part of a temporary's name
 
@@ -49,6 +53,23 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
         raise
     fsync_dir(path.parent)
     return path
+
+
+def write_parquet(data: pd.DataFrame | pa.Table, path: str | os.PathLike[str]) -> Path:
+    """Write a pandas DataFrame (without its index) or a pyarrow Table as zstd Parquet, atomically.
+
+    The one Parquet writer of the package: run tables, datasets, evaluation and comparison tables and
+    the update batch all go through it. The parent directory is created; schema metadata (pandas'
+    index description, versions) is dropped, so equal tables give equal bytes.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = data if isinstance(data, pa.Table) else pa.Table.from_pandas(data, preserve_index=False)
+    table = table.replace_schema_metadata(None)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"))
 
 
 def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:

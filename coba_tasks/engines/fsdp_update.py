@@ -237,7 +237,8 @@ def write_batch(
     """One step's update batch as Parquet: prompt_ids, completion_ids (lists of int64), advantage (float64),
     and the sampler's per-token logprobs (lists of float64) when given."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    from coba_tasks.engines.fileio import write_parquet
 
     adv = np.asarray(advantages, dtype=np.float64)
     if not len(prompt_ids) == len(completion_ids) == len(adv):
@@ -253,8 +254,7 @@ def write_batch(
         table = table.append_column(
             "sampler_logprobs", pa.array([list(map(float, x)) for x in sampler_logprobs], type=pa.list_(pa.float64()))
         )
-    pq.write_table(table, str(path))
-    return Path(path)
+    return write_parquet(table, path)
 
 
 def read_batch(path: str | Path) -> tuple[list[list[int]], list[list[int]], np.ndarray, list[list[float]] | None]:

@@ -44,7 +44,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -75,6 +75,15 @@ from coba_tasks.engines.update_batch import (
     sampler_padded,
 )
 from coba_tasks.engines.update_settings import UpdateSettings, make_optimizer, warmup_lr
+
+
+class _Batch(NamedTuple):
+    """A step's rollouts as ``PolicyTrainer.update`` takes them."""
+
+    prompt_ids: Sequence[Sequence[int]]
+    completion_ids: Sequence[Sequence[int]]
+    advantages: np.ndarray | torch.Tensor
+    sampler_logprobs: Sequence[Sequence[float]] | None
 
 
 class PolicyTrainer:
@@ -173,9 +182,10 @@ class PolicyTrainer:
         """
         if len(prompt_ids) == 0:
             raise ValueError("GRPO update on an empty batch")
+        batch = _Batch(prompt_ids, completion_ids, advantages, sampler_logprobs)
         if self.shared_prefix_unavailable() is None:
-            return self._update_shared_prefix(prompt_ids, completion_ids, advantages, sampler_logprobs)
-        return self._update_full_sequences(prompt_ids, completion_ids, advantages, sampler_logprobs)
+            return self._update_shared_prefix(batch)
+        return self._update_full_sequences(batch)
 
     def shared_prefix_unavailable(self) -> str | None:
         """Why this trainer updates on full sequences; None when it encodes each group's prompt once."""
@@ -314,18 +324,13 @@ class PolicyTrainer:
         self.optimizer.step()
         self._time("optimizer", t0)
 
-    def _update_shared_prefix(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        completion_ids: Sequence[Sequence[int]],
-        advantages: np.ndarray | torch.Tensor,
-        sampler_logprobs: Sequence[Sequence[float]] | None,
-    ) -> dict[str, float]:
+    def _update_shared_prefix(self, batch: _Batch) -> dict[str, float]:
         """``update`` with each group's prompt encoded once and the output projection only at completion
         tokens (``coba_tasks.engines.shared_prefix``). The same loss and gradients as the full-sequence
         update, within float rounding. With one optimizer step (``mini_batches`` 1, ``update_epochs`` 1)
         logp_old is the same forward's log-probabilities, detached: the weights have not moved yet, so a
         separate pass would compute the same numbers again."""
+        prompt_ids, completion_ids, advantages, sampler_logprobs = batch
         s = self.settings
         n = len(prompt_ids)
         adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32), device=self.device)
@@ -439,14 +444,9 @@ class PolicyTrainer:
                 temperature=self.settings.temperature,
             )
 
-    def _update_full_sequences(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        completion_ids: Sequence[Sequence[int]],
-        advantages: np.ndarray | torch.Tensor,
-        sampler_logprobs: Sequence[Sequence[float]] | None,
-    ) -> dict[str, float]:
+    def _update_full_sequences(self, batch: _Batch) -> dict[str, float]:
         """``update`` on padded ``prompt + completion`` sequences: the reference, and what FSDP ranks run."""
+        prompt_ids, completion_ids, advantages, sampler_logprobs = batch
         s = self.settings
         self.timings = {}
         ids, attn, comp = pad_sequences(prompt_ids, completion_ids, self.pad_id)

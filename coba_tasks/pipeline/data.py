@@ -46,7 +46,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from coba_tasks.engines.fileio import atomic_write
+from coba_tasks.engines.fileio import write_parquet
 from coba_tasks.pipeline.data_problems import (
     DatasetError,
     OnBadRows,
@@ -145,19 +145,7 @@ def write_verl_parquet(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
             "extra_info": pa.array(df["extra_info"].tolist()),
         }
     )
-    return write_parquet_atomic(table, path)
-
-
-def write_parquet_atomic(table: pa.Table, path: str | os.PathLike[str]) -> Path:
-    """Write ``table`` to a temporary file beside ``path``, fsync it, then rename it into place.
-
-    A reader never sees a half-written file, and a crash leaves at most a ``.*.tmp`` file behind.
-    Schema metadata (pandas' index description, versions) is dropped so equal tables give equal bytes.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    clean = table.replace_schema_metadata(None)
-    return atomic_write(path, lambda f: pq.write_table(clean, f, compression="zstd"))
+    return write_parquet(table, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from coba_tasks.engines.checkpoint import CHECKPOINT_MANIFEST, verify_checkpoint
-from coba_tasks.engines.fileio import atomic_write
+from coba_tasks.engines.fileio import write_parquet
 from coba_tasks.engines.lora import is_adapter_checkpoint, merge_adapter_checkpoint
 from coba_tasks.engines.rollout import make_backend
 from coba_tasks.engines.verify_pool import VerifierPool
@@ -98,7 +98,4 @@ def evaluate_model(model_path: str, settings: EvalSettings) -> pd.DataFrame:
 
 def write_eval_table(table: pd.DataFrame, out_path: str) -> str:
     """Write the per-prompt table as Parquet, atomically (a reader never sees half a file)."""
-    path = Path(out_path).resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: table.to_parquet(f, index=False))
-    return str(path)
+    return str(write_parquet(table, Path(out_path).resolve()))

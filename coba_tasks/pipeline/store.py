@@ -73,7 +73,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from coba_tasks.engines.fileio import atomic_write, remove_stale_temporaries, sha256_file
+from coba_tasks.engines.fileio import atomic_write, remove_stale_temporaries, sha256_file, write_parquet
 
 SCHEMA_VERSION = 1
 
@@ -459,7 +459,7 @@ def _write_tracked(directory: Path, name: str, df: pd.DataFrame, config_hash: st
     # temporaries of this table and of the manifest left by a killed writer (one writer per run)
     remove_stale_temporaries(path)
     remove_stale_temporaries(directory / MANIFEST_FILE)
-    atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"))
+    write_parquet(table, path)
     entries[name] = {
         "file": path.name,
         "rows": table.num_rows,

@@ -70,3 +70,29 @@ def test_publish_into_nothing_and_a_clean_replace_leave_no_temporary(tmp_path: P
     assert publish_dir(_build(new_temporary_dir(out), "a"), out, RECORD) == []
     assert publish_dir(_build(new_temporary_dir(out), "b"), out, RECORD) == []
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "weights.bin").read_text() == "b"
+
+
+def test_write_parquet_takes_frames_and_tables_and_gives_equal_bytes_for_equal_tables(tmp_path: Path) -> None:
+    import pandas as pd
+    import pyarrow as pa
+
+    from coba_tasks.engines.fileio import write_parquet
+
+    df = pd.DataFrame({"a": [1, 2, 3], "b": ["x", "y", "z"]}, index=[7, 8, 9])
+    from_frame = write_parquet(df, tmp_path / "deep" / "frame.parquet")  # the parent is created
+    from_table = write_parquet(pa.Table.from_pandas(df, preserve_index=False), tmp_path / "table.parquet")
+    assert from_frame.read_bytes() == from_table.read_bytes()  # no pandas metadata, no index
+    pd.testing.assert_frame_equal(pd.read_parquet(from_frame), df.reset_index(drop=True))
+
+
+def test_write_parquet_leaves_the_old_file_when_the_table_cannot_be_written(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from coba_tasks.engines.fileio import write_parquet
+
+    path = write_parquet(pd.DataFrame({"a": [1]}), tmp_path / "t.parquet")
+    before = path.read_bytes()
+    with pytest.raises(Exception):  # noqa: B017, PT011 (pyarrow's error type for a mixed column varies)
+        write_parquet(pd.DataFrame({"a": [1, "two", 3.0 + 1j]}), path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"]
