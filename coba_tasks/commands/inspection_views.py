@@ -16,7 +16,6 @@ through ``RunStore.read_table`` (each file's sha256 checked against the manifest
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from coba_tasks.pipeline.store import RunStore
-from coba_tasks.pipeline.summary import TABLE_ORDER, UPDATE_FIELDS, load_run, ordered, plain, step_ranges
+from coba_tasks.pipeline.summary import TABLE_ORDER, load_run, ordered, plain, run_status, step_ranges, summary_rows
 
 # The per-step tables, in the order a step produces them (budget first: it is written into the
 # step's directory before the step runs). ``history`` is the per-step snapshot of the pass-rate
@@ -44,120 +43,8 @@ _CELL_WIDTH = 48  # characters a cell may take in the ``table`` format before it
 
 def format_summary(summary: dict[str, Any]) -> str:
     """``run_summary``'s dict (or the same read back from JSON) as aligned lines of text."""
-    s = summary
-    lines = []
-    planned = s.get("steps_planned")
-    done_text = f"{s.get('steps_done', 0)}/{planned if planned is not None else '?'} steps done"
-    if s.get("finished"):
-        wall = s.get("wall_seconds")
-        status = f"finished, {done_text}" + (f", {wall:.0f} s" if isinstance(wall, (int, float)) else "")
-    else:
-        status = f"not finished (running or stopped), {done_text}"
-    lines.append(f"run {s.get('run_dir')}: {status}, strategy {s.get('strategy') or '?'}")
-
-    latest = s.get("latest_step")
-    step_line = f"{s.get('step_dirs', 0)} directories, last done {_or_dash(s.get('last_step_done'))}"
-    step_line += f", {s.get('total_rollouts', 0):,} rollouts"
-    lines.append(_row("steps", step_line))
-    if latest is not None and not s.get("finished"):
-        tables = ", ".join(latest.get("tables") or []) or "nothing yet"
-        lines.append(_row("latest step", f"{latest['step']}: {tables}"))
-
-    heldout = s.get("heldout") or []
-    if heldout:
-        first, last = heldout[0], heldout[-1]
-        at = ", ".join(str(h["step"]) for h in heldout)
-        lines.append(
-            _row(
-                "held-out acc",
-                f"{_num(first.get('accuracy'), '.3f')} -> {_num(last.get('accuracy'), '.3f')}"
-                f"  (step {first['step']} -> step {last['step']}; evaluated at {at})",
-            )
-        )
-        a, b = first.get("by_difficulty") or {}, last.get("by_difficulty") or {}
-        levels = _sorted_levels(set(a) | set(b))
-        if levels:
-            cells = [f"L{k} {_num(a.get(k), '.2f')}->{_num(b.get(k), '.2f')}" for k in levels]
-            lines.append(_row("  by difficulty", "  ".join(cells)))
-    else:
-        lines.append(_row("held-out acc", "no eval yet"))
-
-    cap = s.get("capability") or {}
-    first, last = cap.get("first"), cap.get("latest")
-    if first and last:
-        lines.append(
-            _row(
-                "failure rate F",
-                f"{_num(first.get('F'), '.3f')} -> {_num(last.get('F'), '.3f')}"
-                f"  (step {first['step']} -> step {last['step']})",
-            )
-        )
-        start = (first.get("alpha_used"), first.get("beta_used"))
-        end = (last.get("alpha"), last.get("beta"))
-        lines.append(
-            _row(
-                "alpha, beta",
-                f"({_num(start[0], '.2f')}, {_num(start[1], '.2f')}) used at step {first['step']} -> "
-                f"({_num(end[0], '.2f')}, {_num(end[1], '.2f')}) after step {last['step']}",
-            )
-        )
-    else:
-        lines.append(_row("failure rate F", "no capability table yet"))
-
-    budget = s.get("budget")
-    if budget:
-        lines.append(
-            _row(
-                "budget",
-                f"min {_num(budget.get('min'), 'g')}  mean {_num(budget.get('mean'), '.2f')}  "
-                f"max {_num(budget.get('max'), 'g')}  over {budget.get('steps')} steps "
-                f"({budget.get('rows'):,} prompts)",
-            )
-        )
-        by_level = budget.get("mean_by_difficulty") or {}
-        if by_level:
-            cells = [f"L{k} {_num(by_level[k], '.1f')}" for k in _sorted_levels(by_level)]
-            lines.append(_row("  by difficulty", "  ".join(cells)))
-    else:
-        lines.append(_row("budget", "no done step yet"))
-
-    verdicts = s.get("verdicts") or {}
-    if verdicts:
-        total = sum(verdicts.values())
-        cells = [f"{k} {v:,} ({v / total:.0%})" if total else f"{k} {v:,}" for k, v in verdicts.items()]
-        lines.append(_row("verdicts", "  ".join(cells)))
-    upd = s.get("last_update")
-    if upd:
-        cells = [f"{k} {_num(upd[k], '.4g')}" for k in UPDATE_FIELDS if k in upd and k != "lr"]
-        lines.append(_row("last update", f"step {upd['step']}: " + "  ".join(cells)))
-    return "\n".join(lines)
-
-
-def _row(label: str, text: str) -> str:
-    return f"{label:<16} {text}"
-
-
-def _num(value: Any, spec: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return format(value, spec)
-
-
-def _or_dash(value: Any) -> str:
-    return "-" if value is None else str(value)
-
-
-def _sorted_levels(levels: Any) -> list[str]:
-    """Difficulty keys (strings, from JSON) in numeric order when they are numbers."""
-    return sorted(levels, key=lambda k: (0, float(k), "") if _is_number(k) else (1, 0.0, str(k)))
-
-
-def _is_number(text: Any) -> bool:
-    try:
-        float(text)
-    except (TypeError, ValueError):
-        return False
-    return True
+    lines = [f"run {summary.get('run_dir')}: {run_status(summary)}, strategy {summary.get('strategy') or '?'}"]
+    return "\n".join([*lines, *(f"{label:<16} {text}" for label, text in summary_rows(summary))])
 
 
 # ---------------------------------------------------------------------------------------------

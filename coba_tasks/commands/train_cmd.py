@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -259,53 +258,16 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
 
 def _print_summary(s: dict) -> None:
+    """The end of ``coba run`` and ``coba resume``: the run's figures as ``coba inspect`` shows them, then the
+    timings this process measured (``s`` is the flow's summary.json)."""
+    from coba_tasks.commands.inspection_views import format_summary
+    from coba_tasks.pipeline.summary import run_summary
+
     print()
-    print(
-        f"run {s['run_dir']}: {s['steps']} steps, strategy {s['strategy']}, {s['total_rollouts']} rollouts, "
-        f"{s['wall_seconds']:.0f} s"
-    )
-    gains = s.get("heldout_gain") or {}
-
-    def gain_text(name: str) -> str:  # the paired gain of avg@k and its standard error
-        g = gains.get(name)
-        return f"  (gain {g['gain']:+.3f} ± {g['se']:.3f} s.e.)" if g and math.isfinite(g["se"]) else ""
-
-    print(
-        f"held-out accuracy: before {s['heldout_accuracy_before']:.3f} -> after {s['heldout_accuracy_after']:.3f}"
-        + gain_text("test")
-    )
-    for name, figures in (s.get("heldout_test_sets") or {}).items():
-        b, a = figures.get("before") or {}, figures.get("after") or {}
-        if b and a:
-            print(f"  {name}: before {b['accuracy']:.3f} -> after {a['accuracy']:.3f}" + gain_text(name))
-    g0, g1 = s.get("heldout_greedy_before", float("nan")), s.get("heldout_greedy_after", float("nan"))
-    if g0 == g0 and g1 == g1 and (g0, g1) != (s["heldout_accuracy_before"], s["heldout_accuracy_after"]):
-        print(f"held-out greedy:   before {g0:.3f} -> after {g1:.3f}")
-    n0, n1 = s.get("heldout_answered_before", float("nan")), s.get("heldout_answered_after", float("nan"))
-    if n0 == n0 and n1 == n1 and n0 > 0 and n1 > 0:  # where the gain comes from: answering more, or better
-        a0, a1 = s["heldout_accuracy_before"] / n0, s["heldout_accuracy_after"] / n1
-        print(f"answers given:     before {n0:.3f} -> after {n1:.3f} (share of completions with an answer)")
-        print(f"correct if answered: before {a0:.3f} -> after {a1:.3f}")
-    b0, b1 = s.get("heldout_boxed_before", float("nan")), s.get("heldout_boxed_after", float("nan"))
-    if b0 == b0 and b1 == b1 and (b0 > 0 or b1 > 0):  # math prompts ask for \boxed{} answers
-        print(f"boxed answers:     before {b0:.3f} -> after {b1:.3f} (share of completions with \\boxed{{}})")
-    gap = s.get("logprob_gap_max")
-    if gap and gap == gap:
-        print(f"train/rollout log-prob gap: mean over steps {s['logprob_gap_mean']:.2e}, largest token {gap:.2e}")
-    levels = sorted(s["heldout_accuracy_by_difficulty_after"])
-    print("by difficulty:      " + "  ".join(f"L{k}" + " " * 8 for k in levels))
-    print("  before            " + "  ".join(f"{s['heldout_accuracy_by_difficulty_before'][k]:<10.2f}" for k in levels))
-    print("  after             " + "  ".join(f"{s['heldout_accuracy_by_difficulty_after'][k]:<10.2f}" for k in levels))
-    print(
-        "  mean budget       "
-        + "  ".join(f"{s['mean_budget_by_difficulty'].get(k, float('nan')):<10.1f}" for k in levels)
-    )
-    a0, a1 = s["alpha_beta_start"], s["alpha_beta_end"]
-    print(f"(alpha, beta): start ({a0[0]:.2f}, {a0[1]:.2f}) -> end ({a1[0]:.2f}, {a1[1]:.2f})")
+    print(format_summary(run_summary(s["run_dir"])))
     print("time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in s["stage_seconds"].items()))
     step_s, over_s = s.get("step_seconds_mean", float("nan")), s.get("prefect_overhead_seconds_per_step", float("nan"))
     print(f"per step: {step_s:.2f} s, of which Prefect orchestration {over_s:.2f} s ({over_s / step_s:.0%})")
-    print(f"run directory: {s['run_dir']}")
     report = Path(s["run_dir"]) / "report"
     if (report / "index.html").is_file():
         pictures = ", ".join(sorted(p.name for p in report.glob("*.png")))

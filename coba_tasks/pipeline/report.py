@@ -49,7 +49,7 @@ from coba_tasks.pipeline.report_plots import (
     stage_timing,
 )
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage
-from coba_tasks.pipeline.summary import figure_table, load_run, run_summary
+from coba_tasks.pipeline.summary import figure_table, load_run, run_status, run_summary, summary_rows
 
 # Table names (the same strings as coba_tasks.pipeline.stages, which is not imported: it pulls in torch).
 BUDGET, CAPABILITY, REWARDS = Stage.BUDGET.value, Stage.CAPABILITY.value, Stage.REWARDS.value
@@ -135,85 +135,10 @@ def _load(run_dir: str | os.PathLike[str]) -> RunData:
     )
 
 
-@dataclass(frozen=True)
-class Headline:
-    """The headline figures of a run (None where not known yet)."""
-
-    steps_done: int
-    steps_planned: int | None
-    accuracy_before: float | None
-    accuracy_before_step: int | None
-    accuracy_after: float | None
-    accuracy_after_step: int | None
-    total_rollouts: int
-    strategy: str
-    finished: bool
-    logprob_gap: tuple[int, float, float] | None = None  # (step, mean, max) of the last update that has one
-
-    def rows(self) -> list[tuple[str, str]]:
-        """(label, value) pairs for a table."""
-        planned = f" of {self.steps_planned}" if self.steps_planned is not None else ""
-        return [
-            ("steps done", f"{self.steps_done}{planned}" + ("" if self.finished else " (run not finished)")),
-            ("held-out accuracy before", _acc_text(self.accuracy_before, self.accuracy_before_step)),
-            ("held-out accuracy after", _acc_text(self.accuracy_after, self.accuracy_after_step)),
-            ("total rollouts", f"{self.total_rollouts:,}"),
-            ("strategy", self.strategy),
-            ("train/rollout log-prob gap", _gap_text(self.logprob_gap)),
-        ]
-
-
-def _gap_text(gap: tuple[int, float, float] | None) -> str:
-    if gap is None:
-        return "not recorded"
-    step, mean, largest = gap
-    return f"mean {mean:.2e}, max {largest:.2e} (step {step})"
-
-
-def _acc_text(value: float | None, step: int | None) -> str:
-    if value is None:
-        return "not evaluated yet"
-    return f"{value:.4f} (step {step})"
-
-
-def _headline(data: RunData) -> Headline:
-    summary = data.summary or {}
-    first, last = data.figures["heldout_before"], data.figures["heldout_after"]
-    before, before_step = (first["accuracy"], 0) if first else (None, None)
-    after, after_step = (last["accuracy"], last["step"]) if last else (None, None)
-    if before is None and isinstance(summary.get("heldout_accuracy_before"), int | float):
-        before, before_step = float(summary["heldout_accuracy_before"]), 0
-    if after is None and isinstance(summary.get("heldout_accuracy_after"), int | float):
-        after, after_step = float(summary["heldout_accuracy_after"]), summary.get("steps")
-
-    if isinstance(summary.get("total_rollouts"), int | float):
-        total = int(summary["total_rollouts"])
-    else:
-        total = int(pd.to_numeric(data.capability.get("rollouts"), errors="coerce").fillna(0).sum())
-
-    strategy = summary.get("strategy") or (data.config.get("allocation") or {}).get("strategy")
-    if not strategy:
-        col = [b["strategy"].iloc[0] for b in data.budgets.values() if "strategy" in b and len(b)]
-        strategy = str(col[-1]) if col else "unknown"
-    planned = (data.config.get("run") or {}).get("steps")
-    return Headline(
-        steps_done=len(data.steps_done),
-        steps_planned=int(planned) if isinstance(planned, int) else None,
-        accuracy_before=before,
-        accuracy_before_step=before_step,
-        accuracy_after=after,
-        accuracy_after_step=after_step,
-        total_rollouts=total,
-        strategy=str(strategy),
-        finished=data.summary is not None,
-        logprob_gap=_last_gap(data.figures["last_update"]),
-    )
-
-
-def _last_gap(update: dict[str, Any] | None) -> tuple[int, float, float] | None:
-    if not update or update.get("logprob_diff_mean") is None:
-        return None
-    return int(update["step"]), float(update["logprob_diff_mean"]), float(update["logprob_diff_max"])
+def _headline_rows(data: RunData) -> list[tuple[str, str]]:
+    """The report's headline table: the same rows as ``coba inspect`` (``summary.summary_rows``)."""
+    f = data.figures
+    return [("run", run_status(f)), ("strategy", str(f.get("strategy") or "unknown")), *summary_rows(f)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +179,7 @@ def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[in
         skipped[STAGE_TIME_PNG] = why
         (out / STAGE_TIME_PNG).unlink(missing_ok=True)  # a stale one would contradict the page
     pngs = [draw(out / name) for name, draw in plots]
-    page = _html(data, _headline(data), pngs, skipped, scatter_steps)
+    page = _html(data, _headline_rows(data), pngs, skipped, scatter_steps)
     html_path = atomic_write(out / INDEX_HTML, lambda f: f.write(page.encode("utf-8")))
     return ReportFiles(html=html_path, pngs=pngs, skipped=skipped)
 
@@ -273,16 +198,18 @@ def write_report(run_dir: str | os.PathLike[str], steps_for_scatter: list[int] |
     return build_report(run_dir, steps_for_scatter).html
 
 
-def _html(data: RunData, head: Headline, pngs: list[Path], skipped: dict[str, str], scatter: list[int]) -> str:
+def _html(
+    data: RunData, head: list[tuple[str, str]], pngs: list[Path], skipped: dict[str, str], scatter: list[int]
+) -> str:
     e = html.escape
     root = data.store.root
     name = root.resolve().name
-    rows = "\n".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in head.rows())
+    rows = "\n".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in head)
     paths = [("run directory", root.resolve()), ("report directory", data.store.report_dir().resolve())]
     path_rows = "\n".join(f"<tr><th>{e(k)}</th><td><code>{e(str(v))}</code></td></tr>" for k, v in paths)
     status = (
         f"finished ({SUMMARY_FILE} present)"
-        if head.finished
+        if data.figures.get("finished")
         else f"in progress or stopped: no {SUMMARY_FILE}; figures cover the tables done so far"
     )
     figures = []
@@ -343,8 +270,7 @@ def report_artifacts_markdown(run_dir: str | os.PathLike[str]) -> str:
         ValueError: not a run directory, or no step done yet.
     """
     data = _load(run_dir)
-    head = _headline(data)
-    lines = [figure_table(f"### coba-rl report: `{data.store.root}`", list(head.rows()))]
+    lines = [figure_table(f"### coba-rl report: `{data.store.root}`", _headline_rows(data))]
     report = data.store.report_dir()
     pngs = [report / n for n in PLOT_FILES if (report / n).is_file()]
     if pngs:

@@ -217,9 +217,9 @@ def test_finished_run_writes_every_png_and_the_page(finished_run):
 
     page = files.html.read_text(encoding="utf-8")
     assert sorted(_img_srcs(page)) == sorted(PLOT_FILES)  # relative src, one per PNG
-    assert f"{ACC_BEFORE:.4f}" in page and f"{ACC_AFTER:.4f}" in page  # 0.3125, 0.5312
-    assert "144" in page  # total rollouts: 3 steps x 12 prompts x 4
-    assert "coba" in page and "3 of 3" in page
+    assert f"{ACC_BEFORE:.3f} -&gt; {ACC_AFTER:.3f}" in page  # 0.312 -> 0.531: the rows of `coba inspect`
+    assert "144 rollouts" in page  # total rollouts: 3 steps x 12 prompts x 4
+    assert "coba" in page and "3/3 steps done" in page
     assert str(root.resolve()) in page
 
 
@@ -248,8 +248,8 @@ def test_without_summary_stage_time_is_skipped_and_the_page_says_why(tmp_path):
     for src in _img_srcs(page):
         _check_png(out / src)
     # The headline figures come from the tables when there is no summary.
-    assert f"{ACC_BEFORE:.4f} (step 0)" in page and f"{ACC_AFTER:.4f} (step 3)" in page
-    assert "run not finished" in page
+    assert f"{ACC_BEFORE:.3f} -&gt; {ACC_AFTER:.3f}  (step 0 -&gt; step 3" in page
+    assert "not finished (running or stopped)" in page
 
 
 @pytest.mark.parametrize("half_step", ["budget", "rewards"])
@@ -262,8 +262,8 @@ def test_half_finished_run_still_reports(tmp_path, half_step):
     for p in files.pngs:
         _check_png(p)
     page = files.html.read_text(encoding="utf-8")
-    assert "2 of 2" in page and f"{ACC_BEFORE:.4f} (step 0)" in page
-    assert "held-out accuracy after</th><td>not evaluated yet" in page  # only step 0 was evaluated
+    assert "2/2 steps done" in page and f"{ACC_BEFORE:.3f} -&gt; {ACC_BEFORE:.3f}" in page
+    assert "(step 0 -&gt; step 0; evaluated at 0)" in page  # only step 0 was evaluated
     verdict_steps = report._load(root).verdicts.index.tolist()
     assert verdict_steps == ([0, 1, 2] if half_step == "rewards" else [0, 1])  # verdicts from rewards.parquet
 
@@ -291,8 +291,8 @@ def test_a_run_without_finished_steps_raises(tmp_path):
 def test_markdown_lists_headline_figures_and_pngs(finished_run):
     root, files = finished_run
     md = report_artifacts_markdown(root)
-    assert "| held-out accuracy before | 0.3125 (step 0) |" in md
-    assert "| total rollouts | 144 |" in md
+    assert "| held-out acc | 0.312 -> 0.531  (step 0 -> step 3; evaluated at 0, 3) |" in md
+    assert "144 rollouts |" in md and "| run | finished, " in md
     for p in files.pngs:
         assert f"`{p}`" in md
 
