@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import pandas as pd
 import pytest
 
 from coba_tasks.commands import compare
+from coba_tasks.commands import compare_tables as ct
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
 from coba_tasks.pipeline.store import RunStore
 
@@ -53,10 +55,70 @@ def test_final_table_means_and_spread():
             {"strategy": "coba", "seed": seed, "step": 0, "accuracy": a0, "accuracy_greedy": 0.5},
             {"strategy": "coba", "seed": seed, "step": 4, "accuracy": a1, "accuracy_greedy": 0.5},
         ]
-    final = compare.final_table(pd.DataFrame(rows)).iloc[0]
+    final = ct.final_table(pd.DataFrame(rows)).iloc[0]
     assert final["avg_before"] == pytest.approx(0.4) and final["avg_after"] == pytest.approx(0.6)
     assert final["avg_gain"] == pytest.approx(0.2) and final["avg_gain_std"] == pytest.approx(math.sqrt(0.02))
     assert final["greedy_gain"] == 0.0 and final["seeds"] == 2 and final["step"] == 4
+
+
+def test_runs_go_seed_by_seed_so_a_stopped_comparison_is_paired():
+    assert compare.run_order(["uniform", "coba"], 2) == [("uniform", 0), ("coba", 0), ("uniform", 1), ("coba", 1)]
+
+
+def test_pass_rate_bins():
+    rates = [math.nan, 0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0]
+    assert [ct.pass_rate_bin(r) for r in rates] == [
+        "unseen", "0", "(0, 0.25]", "(0, 0.25]", "(0.25, 0.5]", "(0.25, 0.5]", "(0.5, 0.75]", "(0.5, 0.75]",
+        "(0.75, 1)", "1",
+    ]  # fmt: skip
+
+
+def test_paired_difference_interval_and_smallest_detectable_difference():
+    """Three pairs 0.1, 0.2, 0.3: mean 0.2, sd 0.1; t(0.975, 2) = 4.3027, t(0.8, 2) = 1.0607."""
+    d = ct.paired_difference([0.1, 0.2, 0.3])
+    se = 0.1 / math.sqrt(3)
+    assert d["pairs"] == 3 and d["mean"] == pytest.approx(0.2) and d["sd"] == pytest.approx(0.1)
+    assert (d["ci_low"], d["ci_high"]) == pytest.approx((0.2 - 4.302653 * se, 0.2 + 4.302653 * se))
+    assert d["mdd"] == pytest.approx((4.302653 + 1.060660) * se)
+    assert d["p"] == pytest.approx(0.0742, abs=1e-4)  # t = 3.46 on 2 degrees of freedom: the interval holds 0
+    assert d["ci_low"] < 0 < d["ci_high"]
+    one = ct.paired_difference([0.4])
+    assert one["mean"] == 0.4 and math.isnan(one["ci_low"]) and math.isnan(one["mdd"]) and math.isnan(one["p"])
+
+
+def test_paired_table_pairs_by_seed_and_uses_the_last_evaluation():
+    rows = []
+    for strategy, finals in (("uniform", [0.5, 0.6, 0.7]), ("coba", [0.6, 0.6, 0.9])):
+        for seed, acc in enumerate(finals):
+            rows.append({"strategy": strategy, "seed": seed, "step": 0, "accuracy": 0.2, "accuracy_greedy": 0.3})
+            rows.append({"strategy": strategy, "seed": seed, "step": 8, "accuracy": acc, "accuracy_greedy": acc})
+    rows.append({"strategy": "coba", "seed": 3, "step": 8, "accuracy": 0.0, "accuracy_greedy": 0.0})  # no pair
+    paired = ct.paired_table(pd.DataFrame(rows)).set_index("measure")
+    assert set(paired["strategy"]) == {"coba"} and paired.loc["avg", "pairs"] == 3
+    assert paired.loc["avg", "mean"] == pytest.approx(0.1) and paired.loc["avg", "seeds"] == "[0, 1, 2]"
+
+
+def _tables(strategy: str, seed: int, accuracy: float, config_hash: str = "h") -> dict[str, pd.DataFrame]:
+    key = {"strategy": strategy, "seed": seed}
+    tables = {name: pd.DataFrame([key]) for name in ct.TABLES}
+    tables["runs"] = pd.DataFrame([{**key, "config_hash": config_hash, "finished": True}])
+    tables["results"] = pd.DataFrame([{**key, "step": 4, "accuracy": accuracy}])
+    return tables
+
+
+def test_assemble_takes_this_sittings_runs_first_then_the_kept_finished_ones():
+    here = _tables("coba", 0, 0.7)
+    kept = {
+        n: pd.concat([a[n], b[n], c[n]], ignore_index=True)
+        for a, b, c in [(_tables("uniform", 0, 0.5), _tables("coba", 0, 0.1), _tables("uniform", 1, 0.6))]
+        for n in ct.TABLES
+    }
+    kept["runs"].loc[kept["runs"]["seed"] == 1, "finished"] = False  # a run that stopped in the earlier sitting
+    order = compare.run_order(["uniform", "coba"], 2)
+    merged = ct.assemble(order, here, kept)
+    got = merged["results"][["strategy", "seed", "accuracy"]].values.tolist()
+    assert got == [["uniform", 0, 0.5], ["coba", 0, 0.7]]  # coba from here, uniform seed 1 not finished
+    assert ct.finished_runs(kept) == {("uniform", 0): "h", ("coba", 0): "h"}
 
 
 @pytest.mark.slow
@@ -74,7 +136,7 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     args = tiny_compare_args(out, model, strategies="uniform,coba", steps=2, eval_samples=2, eval_every=1)
     assert compare.cmd_compare(args) == 0
     printed = capsys.readouterr().out
-    assert "uniform" in printed and "share of rollouts / groups with non-zero reward variance" in printed
+    assert "uniform" in printed and "non-zero advantage" in printed
     results = pd.read_parquet(out / "results.parquet")
     assert sorted(set(results["strategy"])) == ["coba", "uniform"] and sorted(set(results["step"])) == [0, 1, 2]
     assert results[["accuracy", "accuracy_greedy"]].notna().all().all()
@@ -108,6 +170,26 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     assert (out / "coba-seed0" / "summary.json").is_file()
     again = pd.read_parquet(out / "results.parquet")
     pd.testing.assert_frame_equal(results, again)
+    assert {"pairs", "ci_low", "ci_high", "mdd"} <= set(
+        pd.DataFrame(json.loads((out / "final.json").read_text())["paired"])
+    )
+    assert "paired difference to uniform on the same seed" in printed and "where the rollouts went" in printed
+    spent = results.set_index(["strategy", "step"])["rollouts_spent"]
+    assert spent.loc[("coba", 2)] == 2 * 4 * 4  # two steps of M * G rollouts trained on
+    by_bin = pd.read_parquet(out / "budget_by_pass_rate.parquet")
+    assert (by_bin.groupby("strategy")["rollouts"].sum() == 2 * 4 * 4).all()
+
+    # a later sitting in another directory: the finished runs come from the kept tables, none trains again
+    later = argparse.Namespace(**{**vars(args), "out": str(tmp_path / "later"), "kept": str(out)})
+    assert compare.cmd_compare(later) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("finished in an earlier sitting, kept") == 2
+    assert not (tmp_path / "later" / "uniform-seed0").exists()
+    pd.testing.assert_frame_equal(results, pd.read_parquet(tmp_path / "later" / "results.parquet"))
+    # ... unless the config differs from the one they were trained with
+    other = argparse.Namespace(**{**vars(later), "set": [*args.set, "optim.lr=0.5"]})
+    with pytest.raises(ValueError, match=r"uniform-seed0 in .* was trained with another config"):
+        compare.cmd_compare(other)
 
 
 def test_a_run_that_dies_stops_the_comparison_with_its_name(tmp_path, capsys):

@@ -1,0 +1,485 @@
+"""The tables, statistics and plot of a comparison (``coba compare``).
+
+``collect`` reads the run directories of a comparison into tables, one row per (strategy, seed) and
+what the row is about:
+
+    runs.parquet         strategy, seed, config_hash, finished, steps, rollouts, wall_seconds: the runs the
+                         tables hold (a later sitting checks its runs against these hashes)
+    results.parquet      strategy, seed, step, rollouts_spent (rollouts the model had trained on when it was
+                         evaluated), accuracy (avg@k), accuracy_greedy, answered, boxed, one column per level
+    steps.parquet        strategy, seed, step, S, F, alpha, beta, alloc_alpha, alloc_beta (the Beta the step's
+                         budgets were allocated with), rollouts, effective gradient ratio (share of groups
+                         with non-zero reward variance), effective rollout ratio (share of rollouts in such
+                         groups: the samples with a non-zero advantage) and first_solved (prompts with a
+                         correct rollout for the first time in the run)
+    budget_by_level.parquet      strategy, seed, step, difficulty, prompts, mean and total budget
+    budget_by_pass_rate.parquet  strategy, seed, pass_rate_bin, prompts, rollouts: where the rollouts went, by
+                         the pass-rate estimate each prompt was allocated with (``unseen``: no visit yet)
+    transitions.parquet  strategy, seed, from_class, to_class, prompts: how a prompt's class (all wrong /
+                         mixed / all right) changes from one visit to the next
+
+``merge_kept`` adds the rows of runs finished in an earlier sitting (the tables of its ``--kept``
+directory) for the runs that have no directory here. ``final_table`` (gain per strategy),
+``paired_table`` (the paired difference to a baseline with its 95 % interval and the smallest
+difference the design detects) and ``mechanism_table`` (where each strategy's rollouts went) are what
+``coba compare`` prints and writes to ``final.json``; ``plot`` draws ``compare.png``.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from coba_tasks.engines.fileio import atomic_write, write_parquet
+
+CLASSES = ("all_wrong", "mixed", "all_right")
+KEYS = ["strategy", "seed"]
+TABLES = ("runs", "results", "steps", "budget_by_level", "budget_by_pass_rate", "transitions")
+# the pass-rate estimate a prompt was allocated with, in bins (right-closed; exact 0 and 1 apart)
+PASS_RATE_BINS = ("unseen", "0", "(0, 0.25]", "(0.25, 0.5]", "(0.5, 0.75]", "(0.75, 1)", "1")
+POWER = 0.8  # the power at which the smallest detectable difference is given
+# the paper's capability schedule (its Fig. 5, Qwen2.5-7B-Instruct): alpha from about 8 down to about 3
+PAPER_ALPHA_RANGE = (3.0, 8.0)
+EXPLORE_ALPHA = 5.5  # alpha below this: the Beta puts its mass on prompts with pass rate above 0.5
+
+
+def pass_rate_bin(rate: float) -> str:
+    """The bin of ``PASS_RATE_BINS`` of one pass-rate estimate (NaN: never seen)."""
+    if not math.isfinite(rate):
+        return "unseen"
+    if rate <= 0.0:
+        return "0"
+    if rate >= 1.0:
+        return "1"
+    for edge, name in ((0.25, "(0, 0.25]"), (0.5, "(0.25, 0.5]"), (0.75, "(0.5, 0.75]")):
+        if rate <= edge:
+            return name
+    return "(0.75, 1)"
+
+
+def _class_of(rate: float) -> str:
+    return "all_wrong" if rate == 0.0 else ("all_right" if rate == 1.0 else "mixed")
+
+
+def _allocation_beta(t: Any, step: int) -> dict[str, float]:
+    """``alloc_alpha``, ``alloc_beta``: the Beta parameters in the step's budget table, NaN when absent."""
+    from coba_tasks.pipeline.store import Stage
+
+    if Stage.BUDGET in t.done[step]:
+        b = t.table(step, Stage.BUDGET)
+        if {"alpha", "beta"} <= set(b.columns) and len(b):
+            return {"alloc_alpha": float(b["alpha"].iloc[0]), "alloc_beta": float(b["beta"].iloc[0])}
+    return {"alloc_alpha": math.nan, "alloc_beta": math.nan}
+
+
+def run_key(run_dir: Path) -> dict[str, Any]:
+    """``{"strategy", "seed"}`` of a comparison's run directory ``<strategy>-seed<k>``."""
+    strategy, seed = run_dir.name.rsplit("-seed", 1)
+    return {"strategy": strategy, "seed": int(seed)}
+
+
+def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
+    """The comparison's tables (see the module docstring) from finished or partial runs."""
+    from coba_tasks.pipeline.summary import load_run
+
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
+    for run_dir in run_dirs:
+        if (run_dir / "run.json").is_file():
+            for name, table_rows in _collect_run(load_run(run_dir), run_key(run_dir)).items():
+                rows[name] += table_rows
+    return {name: pd.DataFrame(r) for name, r in rows.items()}
+
+
+def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline.store import Stage, Table
+    from coba_tasks.pipeline.summary import eval_figures
+
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
+    planned = t.config_value("run", "steps")
+    prompts = t.prompts()
+    level = prompts.set_index("prompt_id")["difficulty"] if prompts is not None and "difficulty" in prompts else None
+    visits: dict[str, list[tuple[int, float]]] = {}
+    solved: set[str] = set()
+    spent = 0  # rollouts of the steps before this one: what the model evaluated at this step trained on
+    by_bin: dict[str, list[int]] = {}
+    for step in t.steps:
+        done = t.done[step]
+        if Table.EVAL in done:
+            ev = eval_figures(t.table(step, Table.EVAL))
+            row = {**key, "step": step, "rollouts_spent": spent, "accuracy": ev["accuracy"]}
+            row |= {"accuracy_greedy": ev["greedy"], "answered": ev["answered"], "boxed": ev["boxed"]}
+            row |= {f"accuracy_level{lv}": acc for lv, acc in ev["by_difficulty"].items()}
+            out["results"].append(row)
+        if Stage.CAPABILITY in done and Stage.REWARDS in done:
+            cap = t.table(step, Stage.CAPABILITY).iloc[0]
+            rewards = t.table(step, Stage.REWARDS)
+            rates = stages.pass_rates(rewards)
+            sizes = rewards.groupby("prompt_id").size()
+            mixed = ((rates > 0) & (rates < 1)).reindex(sizes.index)
+            correct = rewards[rewards["verdict"] == "correct"]["prompt_id"].unique()
+            first = {str(p) for p in correct} - solved
+            solved |= first
+            out["steps"].append(
+                {
+                    **key,
+                    "step": step,
+                    **{k: float(cap[k]) for k in ("S", "F", "alpha_used", "beta_used", "alpha", "beta")},
+                    # the Beta parameters the step's budgets were allocated with (fixed and reversed
+                    # schedules differ from the tracker's alpha, beta); NaN for strategies without them
+                    **_allocation_beta(t, step),
+                    "rollouts": int(sizes.sum()),
+                    "effective_gradient_ratio": 1.0 - float(cap["zero_variance_groups"]),
+                    # share of the step's rollouts in groups with non-zero reward variance (non-zero advantage)
+                    "effective_rollout_ratio": float(sizes[mixed].sum() / sizes.sum()),
+                    "first_solved": len(first),
+                }
+            )
+            spent += int(sizes.sum())
+            for pid, rate in rates.items():
+                visits.setdefault(pid, []).append((step, float(rate)))
+        if step < planned and Stage.BUDGET in done:
+            b = t.table(step, Stage.BUDGET)
+            for est, budget in zip(b["pass_rate_est"], b["budget"], strict=True):
+                cell = by_bin.setdefault(pass_rate_bin(float(est)), [0, 0])
+                cell[0] += 1
+                cell[1] += int(budget)
+            if level is not None:
+                b = b.assign(difficulty=level.reindex(b["prompt_id"]).to_numpy())
+                for lv, grp in b.groupby("difficulty"):
+                    out["budget_by_level"].append(
+                        {
+                            **key,
+                            "step": step,
+                            "difficulty": int(lv),
+                            "prompts": len(grp),
+                            "mean_budget": float(grp["budget"].mean()),
+                            "total_budget": int(grp["budget"].sum()),
+                        }
+                    )
+    for name in PASS_RATE_BINS:
+        prompts_n, rollouts_n = by_bin.get(name, [0, 0])
+        out["budget_by_pass_rate"].append({**key, "pass_rate_bin": name, "prompts": prompts_n, "rollouts": rollouts_n})
+    counts: dict[tuple[str, str], int] = {}
+    for seq in visits.values():
+        seq.sort()
+        for (_, a), (_, b) in itertools.pairwise(seq):
+            pair = (_class_of(a), _class_of(b))
+            counts[pair] = counts.get(pair, 0) + 1
+    for a in CLASSES:
+        for b in CLASSES:
+            out["transitions"].append({**key, "from_class": a, "to_class": b, "prompts": counts.get((a, b), 0)})
+    summary = t.summary_file() or {}
+    out["runs"].append(
+        {
+            **key,
+            "config_hash": t.store.config_hash,
+            "finished": bool(summary),
+            "steps": int(planned),
+            "rollouts": spent,
+            "wall_seconds": float(summary.get("wall_seconds", math.nan)),
+        }
+    )
+    return out
+
+
+def read_tables(directory: Path) -> dict[str, pd.DataFrame]:
+    """The tables a comparison wrote into ``directory`` (empty frames for the ones absent)."""
+    return {
+        name: pd.read_parquet(directory / f"{name}.parquet")
+        if (directory / f"{name}.parquet").is_file()
+        else pd.DataFrame()
+        for name in TABLES
+    }
+
+
+def finished_runs(tables: dict[str, pd.DataFrame]) -> dict[tuple[str, int], str]:
+    """(strategy, seed) -> config hash of every finished run in ``tables["runs"]``."""
+    runs = tables["runs"]
+    if runs.empty:
+        return {}
+    done = runs[runs["finished"]]
+    return {(str(r.strategy), int(r.seed)): str(r.config_hash) for r in done.itertuples()}
+
+
+def assemble(
+    order: Sequence[tuple[str, int]], here: dict[str, pd.DataFrame], kept: dict[str, pd.DataFrame]
+) -> dict[str, pd.DataFrame]:
+    """The tables of the runs ``order`` lists, in that order: each run's rows from ``here`` (the run
+    directories of this sitting) when it has rows there, else from ``kept`` (an earlier sitting's tables,
+    finished runs only)."""
+    present = set() if here["runs"].empty else set(zip(here["runs"]["strategy"], here["runs"]["seed"], strict=True))
+    done_before = finished_runs(kept)
+    merged = {}
+    for name in TABLES:
+        parts = []
+        for strategy, seed in order:
+            source = here if (strategy, seed) in present else (kept if (strategy, seed) in done_before else None)
+            frame = None if source is None else source[name]
+            if frame is not None and not frame.empty:
+                parts.append(frame[(frame["strategy"] == strategy) & (frame["seed"] == seed)])
+        merged[name] = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    return merged
+
+
+def write_tables(out: Path, tables: dict[str, pd.DataFrame]) -> None:
+    """Each table as ``<out>/<name>.parquet`` (atomic)."""
+    for name, df in tables.items():
+        write_parquet(df, out / f"{name}.parquet")
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def _first_last(results: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per (strategy, seed): the first and the last evaluation (index strategy, seed)."""
+    ordered = results.sort_values("step", kind="stable")
+    return ordered.groupby(KEYS).first(), ordered.groupby(KEYS).last()
+
+
+def final_table(results: pd.DataFrame, runs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per strategy: held-out accuracy before and after (mean and std over seeds), the gain, and the gain
+    per thousand rollouts trained on."""
+    if results.empty:
+        return pd.DataFrame()
+    first, last = _first_last(results)
+    rows = []
+    for strategy in dict.fromkeys(results["strategy"]):
+        f, la = first.loc[strategy], last.loc[strategy]
+        row: dict[str, Any] = {"strategy": strategy, "seeds": len(la), "step": int(la["step"].max())}
+        row["rollouts"] = float(la["rollouts_spent"].mean()) if "rollouts_spent" in la else math.nan
+        for col, name in (("accuracy", "avg"), ("accuracy_greedy", "greedy")):
+            gain = (la[col] - f[col]).to_numpy()
+            row[f"{name}_before"] = float(f[col].mean())
+            row[f"{name}_after"] = float(la[col].mean())
+            row[f"{name}_after_std"] = float(la[col].std(ddof=1)) if len(la) > 1 else math.nan
+            row[f"{name}_gain"] = float(np.mean(gain))
+            row[f"{name}_gain_std"] = float(np.std(gain, ddof=1)) if len(gain) > 1 else math.nan
+            spent = la["rollouts_spent"].to_numpy(dtype=float) if "rollouts_spent" in la else np.full(len(gain), np.nan)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                row[f"{name}_gain_per_1k_rollouts"] = float(np.mean(gain / (spent / 1000.0)))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def paired_difference(diffs: Sequence[float], power: float = POWER) -> dict[str, float]:
+    """Mean of paired differences, its 95 % t interval, and the smallest true difference a two-sided 5 %
+    paired t-test of this many pairs detects with probability ``power``, at the measured spread:
+    (t_{0.975, n-1} + t_{power, n-1}) * sd / sqrt(n). NaN where fewer than 2 pairs."""
+    from scipy import stats
+
+    d = np.asarray(diffs, dtype=float)
+    n = len(d)
+    mean = float(d.mean()) if n else math.nan
+    if n < 2:
+        nan = math.nan
+        return {"pairs": n, "mean": mean, "sd": nan, "ci_low": nan, "ci_high": nan, "mdd": nan, "p": nan}
+    sd = float(d.std(ddof=1))
+    se = sd / math.sqrt(n)
+    t975 = float(stats.t.ppf(0.975, n - 1))
+    mdd = (t975 + float(stats.t.ppf(power, n - 1))) * se
+    p = float(2 * stats.t.sf(abs(mean) / se, n - 1)) if se > 0 else (0.0 if mean else 1.0)
+    return {
+        "pairs": n,
+        "mean": mean,
+        "sd": sd,
+        "ci_low": mean - t975 * se,
+        "ci_high": mean + t975 * se,
+        "mdd": mdd,
+        "p": p,
+    }
+
+
+def paired_table(results: pd.DataFrame, baseline: str = "uniform") -> pd.DataFrame:
+    """Per strategy but ``baseline``, per measure (avg@k, greedy), over the seeds both finished: the final
+    held-out accuracy minus the baseline's on the same seed (the same pool, held-out sample and start),
+    with ``paired_difference``'s interval and smallest detectable difference."""
+    if results.empty or baseline not in set(results["strategy"]):
+        return pd.DataFrame()
+    _, last = _first_last(results)
+    base = last.loc[baseline]
+    rows = []
+    for strategy in dict.fromkeys(results["strategy"]):
+        if strategy == baseline:
+            continue
+        mine = last.loc[strategy]
+        seeds = sorted(set(mine.index) & set(base.index))
+        for col, measure in (("accuracy", "avg"), ("accuracy_greedy", "greedy")):
+            diffs = (mine.loc[seeds, col] - base.loc[seeds, col]).to_numpy()
+            stats_ = paired_difference(diffs)
+            rows.append({"strategy": strategy, "baseline": baseline, "measure": measure, "seeds": str(seeds), **stats_})
+    return pd.DataFrame(rows)
+
+
+def mechanism_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per strategy (means over seeds): share of rollouts with a non-zero advantage, prompts solved for the
+    first time per run, the share of rollouts by the pass-rate estimate they were allocated with, and
+    the steps on the explore side of the schedule (alloc_alpha below ``EXPLORE_ALPHA``)."""
+    steps, by_bin = tables["steps"], tables["budget_by_pass_rate"]
+    if steps.empty:
+        return pd.DataFrame()
+    rows = []
+    for strategy in dict.fromkeys(steps["strategy"]):
+        s = steps[steps["strategy"] == strategy]
+        per_seed = s.groupby("seed")
+        row: dict[str, Any] = {
+            "strategy": strategy,
+            "seeds": per_seed.ngroups,
+            "nonzero_advantage_share": float(per_seed["effective_rollout_ratio"].mean().mean()),
+            "first_solved_per_run": float(per_seed["first_solved"].sum().mean()),
+            "train_pass_rate_last": float(per_seed.apply(lambda g: g.sort_values("step")["S"].iloc[-1]).mean()),
+            "explore_steps_per_run": float(per_seed["alloc_alpha"].apply(lambda a: (a < EXPLORE_ALPHA).sum()).mean()),
+        }
+        if not by_bin.empty:
+            b = by_bin[by_bin["strategy"] == strategy].groupby("pass_rate_bin")["rollouts"].sum()
+            total = b.sum()
+            row |= {
+                f"rollouts_share {name}": float(b.get(name, 0) / total) if total else math.nan
+                for name in PASS_RATE_BINS
+            }
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataFrame) -> str:
+    """What ``coba compare`` prints: the gain per strategy, the paired differences, the mechanism."""
+    if final.empty:
+        return "no finished evaluations yet"
+    lines = [
+        f"{'strategy':<15} {'seeds':>5}  {'avg@k before -> after (std)':<30} {'gain (std)':<18} "
+        f"{'greedy before -> after (std)':<30} {'gain (std)':<18} {'avg@k gain / 1k rollouts':<10}"
+    ]
+    for r in final.itertuples():
+        lines.append(
+            f"{r.strategy:<15} {r.seeds:>5}  {r.avg_before:.3f} -> {r.avg_after:.3f} ({r.avg_after_std:.3f})"
+            f"{'':<7} {r.avg_gain:+.3f} ({r.avg_gain_std:.3f}){'':<3} "
+            f"{r.greedy_before:.3f} -> {r.greedy_after:.3f} ({r.greedy_after_std:.3f}){'':<7} "
+            f"{r.greedy_gain:+.3f} ({r.greedy_gain_std:.3f}){'':<3} {r.avg_gain_per_1k_rollouts:+.4f}"
+        )
+    if not paired.empty:
+        lines.append("")
+        lines.append(
+            f"paired difference to {paired['baseline'].iloc[0]} on the same seed (final accuracy): "
+            f"mean [95 % interval], smallest difference detectable with {POWER:.0%} power"
+        )
+        for r in paired.itertuples():
+            lines.append(
+                f"  {r.strategy:<15} {r.measure:<7} {r.pairs} seeds  {r.mean:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
+                f"  detectable {r.mdd:.3f}"
+            )
+    if not mechanism.empty:
+        lines.append("")
+        lines.append("where the rollouts went (means over seeds):")
+        for r in mechanism.to_dict("records"):
+            bins = "  ".join(
+                f"{name} {r[f'rollouts_share {name}']:.2f}" for name in PASS_RATE_BINS if f"rollouts_share {name}" in r
+            )
+            lines.append(
+                f"  {r['strategy']:<15} non-zero advantage {r['nonzero_advantage_share']:.3f}, first solved "
+                f"{r['first_solved_per_run']:.1f}/run, explore steps {r['explore_steps_per_run']:.1f}/run; "
+                f"by pass rate: {bins}"
+            )
+    return "\n".join(lines)
+
+
+def write_final(out: Path, final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataFrame) -> None:
+    """final.json: the three tables as lists of records."""
+    record = {
+        name: json.loads(frame.to_json(orient="records"))
+        for name, frame in (("final", final), ("paired", paired), ("mechanism", mechanism))
+    }
+    atomic_write(out / "final.json", lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+# ---------------------------------------------------------------------------------------------
+# The plot
+
+
+def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
+    """compare.png: avg@k and greedy accuracy against rollouts spent, the share of rollouts with reward
+    variance, budget by pass-rate estimate, the capability schedule (alpha, beta) against the paper's
+    range, and the answer-format rates per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, steps, by_bin = tables["results"], tables["steps"], tables["budget_by_pass_rate"]
+    fig, axes = plt.subplots(3, 2, figsize=(13, 13.5))
+    strategies = list(dict.fromkeys(results["strategy"])) if not results.empty else []
+    colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(strategies)}
+    x = "rollouts_spent" if "rollouts_spent" in results else "step"
+    for ax, col, title in (
+        (axes[0, 0], "accuracy", "held-out accuracy, avg@k at temperature 1"),
+        (axes[0, 1], "accuracy_greedy", "held-out accuracy, greedy"),
+    ):
+        for s in strategies:
+            g = results[results["strategy"] == s].groupby(x)[col]
+            mean, std = g.mean(), g.std(ddof=1).fillna(0.0)
+            ax.plot(mean.index, mean.to_numpy(), marker="o", color=colors[s], label=s)
+            ax.fill_between(mean.index, (mean - std).to_numpy(), (mean + std).to_numpy(), color=colors[s], alpha=0.15)
+        ax.set(
+            title=title,
+            xlabel="rollouts trained on" if x != "step" else "step",
+            ylabel="accuracy (mean +- std over seeds)",
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes[1, 0]
+    for s in strategies:
+        g = steps[steps["strategy"] == s].groupby("step")[["effective_rollout_ratio", "effective_gradient_ratio"]]
+        g = g.mean()
+        ax.plot(g.index, g["effective_rollout_ratio"].to_numpy(), color=colors[s], label=f"{s}: rollouts")
+        ax.plot(g.index, g["effective_gradient_ratio"].to_numpy(), color=colors[s], ls=":", label=f"{s}: groups")
+    ax.set(
+        title="share with non-zero reward variance: rollouts (solid), groups (dotted)", xlabel="step", ylim=(0, 1.02)
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax = axes[1, 1]
+    if not by_bin.empty:
+        share = by_bin.groupby(["strategy", "pass_rate_bin"])["rollouts"].sum().unstack("pass_rate_bin").fillna(0)
+        share = share.reindex(columns=[b for b in PASS_RATE_BINS if b in share.columns])
+        share = share.div(share.sum(axis=1), axis=0).reindex([s for s in strategies if s in share.index])
+        left = np.zeros(len(share))
+        for j, name in enumerate(share.columns):
+            color = plt.cm.viridis(j / max(1, len(share.columns) - 1))
+            ax.barh(share.index, share[name], left=left, color=color, label=name)
+            left += share[name].to_numpy()
+        ax.set(title="share of rollouts by the pass-rate estimate they were allocated with (all steps)", xlim=(0, 1))
+        ax.legend(fontsize=8, ncols=4, loc="lower center", bbox_to_anchor=(0.5, -0.3))
+    ax = axes[2, 0]
+    ax.axhspan(*PAPER_ALPHA_RANGE, color="0.85", label="the paper's alpha over training (about 8 -> 3)")
+    ax.axhline(EXPLORE_ALPHA, color="0.4", ls=":", lw=1, label=f"alpha {EXPLORE_ALPHA}: explore side below")
+    for s in strategies:
+        g = steps[steps["strategy"] == s].groupby("step")[["alloc_alpha", "alloc_beta"]].mean()
+        ax.plot(g.index, g["alloc_alpha"].to_numpy(), color=colors[s], label=f"{s}: alpha")
+        ax.plot(g.index, g["alloc_beta"].to_numpy(), color=colors[s], ls="--", label=f"{s}: beta")
+    ax.set(title="Beta(alpha, beta) the budgets were allocated with: alpha (solid), beta (dashed)", xlabel="step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncols=2)
+    ax = axes[2, 1]
+    for s in strategies:
+        g = results[results["strategy"] == s].groupby("step")
+        for col, ls, what in (("boxed", "-", "\\boxed{} answers"), ("answered", ":", "an answer at all")):
+            if col in results and results[col].notna().any():
+                ax.plot(g[col].mean().index, g[col].mean().to_numpy(), color=colors[s], ls=ls, label=f"{s}: {what}")
+    ax.set(title="held-out completions with \\boxed{} (solid), with any answer (dotted)", xlabel="step", ylim=(0, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    path = out / "compare.png"
+    atomic_write(path, lambda f: f.write(buf.getvalue()))
+    return path
