@@ -222,9 +222,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"no evaluated runs in {out} yet")
     ct.write_tables(out, tables)
     png = ct.plot(out, tables)
-    final = ct.final_table(tables["results"])
-    paired = ct.paired_table(tables["results"])
-    mechanism = ct.mechanism_table(tables)
+    done = ct.finished_only(tables)  # the statistics compare finished runs; the tables hold every run's rows
+    final = ct.final_table(done["results"])
+    paired = ct.paired_table(done["results"])
+    mechanism = ct.mechanism_table(done)
     ct.write_final(out, final, paired, mechanism)
     print(ct.format_report(final, paired, mechanism))
     names = " ".join(f"{n}.parquet" for n in ct.TABLES)

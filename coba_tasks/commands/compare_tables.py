@@ -230,6 +230,16 @@ def assemble(
     return merged
 
 
+def finished_only(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """The rows of the finished runs: what the statistics compare (a stopped run's last evaluation is not
+    its final one)."""
+    done = pd.MultiIndex.from_tuples(list(finished_runs(tables)), names=KEYS)
+    return {
+        name: frame[pd.MultiIndex.from_frame(frame[KEYS]).isin(done)] if not frame.empty else frame
+        for name, frame in tables.items()
+    }
+
+
 def write_tables(out: Path, tables: dict[str, pd.DataFrame]) -> None:
     """Each table as ``<out>/<name>.parquet`` (atomic)."""
     for name, df in tables.items():

@@ -119,6 +119,8 @@ def test_assemble_takes_this_sittings_runs_first_then_the_kept_finished_ones():
     got = merged["results"][["strategy", "seed", "accuracy"]].values.tolist()
     assert got == [["uniform", 0, 0.5], ["coba", 0, 0.7]]  # coba from here, uniform seed 1 not finished
     assert ct.finished_runs(kept) == {("uniform", 0): "h", ("coba", 0): "h"}
+    done = ct.finished_only(kept)  # the statistics leave out the stopped run's rows
+    assert done["results"][["strategy", "seed"]].values.tolist() == [["uniform", 0], ["coba", 0]]
 
 
 @pytest.mark.slow

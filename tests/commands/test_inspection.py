@@ -296,7 +296,9 @@ def test_format_summary(run: Path):
     by_level = [ln for ln in lines if ln.startswith("  by difficulty")]
     assert by_level == ["  by difficulty  L0 0.75->1.00  L1 0.12->0.25", "  by difficulty  L0 2.5  L1 8.0  L2 7.0"]
     gain = [ln[17:] for ln in lines if ln.startswith("  gain ")]
-    assert len(gain) == 1 and gain[0].startswith("test: 0.438 -> 0.625, +0.188 ± ") and gain[0].endswith("over 4 prompts")
+    assert (
+        len(gain) == 1 and gain[0].startswith("test: 0.438 -> 0.625, +0.188 ± ") and gain[0].endswith("over 4 prompts")
+    )
     assert all(ln[16] == " " for ln in lines[1:])  # the values start in one column
     assert format_summary(json.loads(json.dumps(run_summary(run)))) == text  # works on the JSON too
 
