@@ -469,7 +469,12 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("verdicts", "  ".join(cells)))
     gap = s.get("logprob_gap") or {}
     if gap.get("max") is not None:
-        rows.append(("log-prob gap", f"mean over steps {_num(gap.get('mean'), '.2e')}, largest token {gap['max']:.2e}"))
+        rows.append(
+            (
+                "train/rollout log-prob gap",
+                f"mean over steps {_num(gap.get('mean'), '.2e')}, largest token {gap['max']:.2e}",
+            )
+        )
     upd = s.get("last_update")
     if upd:
         cells = [f"{k} {_num(upd[k], '.4g')}" for k in UPDATE_FIELDS if k in upd and k != "lr"]

@@ -324,7 +324,7 @@ def test_disk_full_in_a_run_then_resume_equals_uninterrupted(
 
     run_dir = tmp_path / "run"
     target = run_dir / "steps" / "000001" / "rewards.parquet"
-    real = store_module.atomic_write
+    real = fileio.atomic_write
     attempts = []
 
     def full_disk(path, write):
@@ -333,7 +333,8 @@ def test_disk_full_in_a_run_then_resume_equals_uninterrupted(
             return real(path, lambda f: (f.write(b"PAR1" * 64), _raise_enospc()))
         return real(path, write)
 
-    monkeypatch.setattr(store_module, "atomic_write", full_disk)
+    # every Parquet table goes through fileio.write_parquet, which writes with fileio.atomic_write
+    monkeypatch.setattr(fileio, "atomic_write", full_disk)
     config = _short_config(random_checkpoints[0], first_char_data)
     state = train_flow(run_dir=str(run_dir), config=config, return_state=True)
     assert state.is_failed()

@@ -127,6 +127,8 @@ def _update(step: int) -> pd.DataFrame:
                 "lr": 1e-4,
                 "zero_variance_groups": 0.0,
                 "rollouts": 48,
+                "logprob_diff_mean": 1e-3 * (step + 1),
+                "logprob_diff_max": 0.0125 * (step + 1),
             }
         ]
     )
@@ -220,6 +222,8 @@ def test_finished_run_writes_every_png_and_the_page(finished_run):
     assert f"{ACC_BEFORE:.3f} -&gt; {ACC_AFTER:.3f}" in page  # 0.312 -> 0.531: the rows of `coba inspect`
     assert "144 rollouts" in page  # total rollouts: 3 steps x 12 prompts x 4
     assert "coba" in page and "3/3 steps done" in page
+    # the sampler/trainer gap of the update tables: mean 2e-3 over the 3 steps, largest token 0.0375
+    assert "train/rollout log-prob gap" in page and "mean over steps 2.00e-03, largest token 3.75e-02" in page
     assert str(root.resolve()) in page
 
 
