@@ -424,7 +424,7 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
     import matplotlib.pyplot as plt
 
     results, steps, by_bin = tables["results"], tables["steps"], tables["budget_by_pass_rate"]
-    fig, axes = plt.subplots(3, 2, figsize=(13, 13.5))
+    fig, axes = plt.subplots(3, 2, figsize=(13, 14.5))
     strategies = list(dict.fromkeys(results["strategy"])) if not results.empty else []
     colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(strategies)}
     x = "rollouts_spent" if "rollouts_spent" in results else "step"
@@ -465,7 +465,7 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
             color = plt.cm.viridis(j / max(1, len(share.columns) - 1))
             ax.barh(share.index, share[name], left=left, color=color, label=name)
             left += share[name].to_numpy()
-        ax.set(title="share of rollouts by the pass-rate estimate they were allocated with (all steps)", xlim=(0, 1))
+        ax.set(title="rollouts by the pass-rate estimate they were given with (all steps)", xlim=(0, 1))
         ax.legend(fontsize=8, ncols=4, loc="lower center", bbox_to_anchor=(0.5, -0.3))
     ax = axes[2, 0]
     ax.axhspan(*PAPER_ALPHA_RANGE, color="0.85", label="the paper's alpha over training (about 8 -> 3)")
@@ -474,9 +474,9 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
         g = steps[steps["strategy"] == s].groupby("step")[["alloc_alpha", "alloc_beta"]].mean()
         ax.plot(g.index, g["alloc_alpha"].to_numpy(), color=colors[s], label=f"{s}: alpha")
         ax.plot(g.index, g["alloc_beta"].to_numpy(), color=colors[s], ls="--", label=f"{s}: beta")
-    ax.set(title="Beta(alpha, beta) the budgets were allocated with: alpha (solid), beta (dashed)", xlabel="step")
+    ax.set(title="allocation Beta(alpha, beta): alpha solid, beta dashed", xlabel="step")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncols=2)
+    ax.legend(fontsize=7, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     ax = axes[2, 1]
     for s in strategies:
         g = results[results["strategy"] == s].groupby("step")
