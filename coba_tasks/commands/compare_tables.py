@@ -364,16 +364,22 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
     """What ``coba compare`` prints: the gain per strategy, the paired differences, the mechanism."""
     if final.empty:
         return "no finished evaluations yet"
+
+    def spread(x: float) -> str:  # a standard deviation, which one seed does not have
+        return "-" if math.isnan(x) else f"{x:.3f}"
+
     lines = [
         f"{'strategy':<15} {'seeds':>5}  {'avg@k before -> after (std)':<30} {'gain (std)':<18} "
         f"{'greedy before -> after (std)':<30} {'gain (std)':<18} {'avg@k gain / 1k rollouts':<10}"
     ]
     for r in final.itertuples():
+        avg = f"{r.avg_before:.3f} -> {r.avg_after:.3f} ({spread(r.avg_after_std)})"
+        avg_gain = f"{r.avg_gain:+.3f} ({spread(r.avg_gain_std)})"
+        greedy = f"{r.greedy_before:.3f} -> {r.greedy_after:.3f} ({spread(r.greedy_after_std)})"
+        greedy_gain = f"{r.greedy_gain:+.3f} ({spread(r.greedy_gain_std)})"
         lines.append(
-            f"{r.strategy:<15} {r.seeds:>5}  {r.avg_before:.3f} -> {r.avg_after:.3f} ({r.avg_after_std:.3f})"
-            f"{'':<7} {r.avg_gain:+.3f} ({r.avg_gain_std:.3f}){'':<3} "
-            f"{r.greedy_before:.3f} -> {r.greedy_after:.3f} ({r.greedy_after_std:.3f}){'':<7} "
-            f"{r.greedy_gain:+.3f} ({r.greedy_gain_std:.3f}){'':<3} {r.avg_gain_per_1k_rollouts:+.4f}"
+            f"{r.strategy:<15} {r.seeds:>5}  {avg:<30} {avg_gain:<18} "
+            f"{greedy:<30} {greedy_gain:<18} {r.avg_gain_per_1k_rollouts:+.4f}"
         )
     if not paired.empty:
         lines.append("")
@@ -382,10 +388,11 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
             f"mean [95 % interval], smallest difference detectable with {POWER:.0%} power"
         )
         for r in paired.itertuples():
-            lines.append(
-                f"  {r.strategy:<15} {r.measure:<7} {r.pairs} seeds  {r.mean:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
-                f"  detectable {r.mdd:.3f}"
-            )
+            head = f"  {r.strategy:<15} {r.measure:<7} {r.pairs} seeds  {r.mean:+.3f}"
+            if r.pairs < 2:  # no spread to make an interval from
+                lines.append(f"{head}  (the interval and the detectable difference need 2 paired seeds)")
+            else:
+                lines.append(f"{head} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]  detectable {r.mdd:.3f}")
     if not mechanism.empty:
         lines.append("")
         lines.append("where the rollouts went (means over seeds):")

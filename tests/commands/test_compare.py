@@ -98,6 +98,27 @@ def test_paired_table_pairs_by_seed_and_uses_the_last_evaluation():
     assert paired.loc["avg", "mean"] == pytest.approx(0.1) and paired.loc["avg", "seeds"] == "[0, 1, 2]"
 
 
+def test_the_report_of_one_seed_says_what_it_cannot_give_instead_of_nan():
+    rows = []
+    for strategy, final in (("uniform", 0.65), ("coba", 0.60)):
+        start = {"strategy": strategy, "seed": 0, "accuracy": 0.2, "accuracy_greedy": 0.3}
+        rows.append({**start, "step": 0, "rollouts_spent": 0})
+        rows.append({**start, "step": 12, "rollouts_spent": 1000, "accuracy": final, "accuracy_greedy": final})
+    results = pd.DataFrame(rows)
+    text = ct.format_report(ct.final_table(results), ct.paired_table(results), pd.DataFrame())
+    assert "nan" not in text
+    assert "0.200 -> 0.650 (-)" in text and "+0.450 (-)" in text and "+0.4500" in text
+    assert (
+        "coba            avg     1 seeds  -0.050  (the interval and the detectable difference need 2 paired seeds)"
+        in text
+    )
+    two = pd.concat([results, results.assign(seed=1)])
+    assert "1 seeds" not in ct.format_report(ct.final_table(two), ct.paired_table(two), pd.DataFrame())
+    assert "2 seeds  -0.050 [-0.050, -0.050]  detectable 0.000" in ct.format_report(
+        ct.final_table(two), ct.paired_table(two), pd.DataFrame()
+    )
+
+
 def _tables(strategy: str, seed: int, accuracy: float, config_hash: str = "h") -> dict[str, pd.DataFrame]:
     key = {"strategy": strategy, "seed": seed}
     tables = {name: pd.DataFrame([key]) for name in ct.TABLES}
