@@ -47,7 +47,7 @@ from coba_tasks.commands.inspection_views import (
     show_prompts,
     show_table,
 )
-from coba_tasks.pipeline.store import RunStore
+from coba_tasks.pipeline.store import RunStore, inside_run
 from coba_tasks.pipeline.summary import load_run, run_summary
 
 RUN_TABLE_VIEWS: tuple[str, ...] = ("prompts",)  # run-level tables exposed as SQL views
@@ -75,7 +75,8 @@ def run_sql(run_dir: str | os.PathLike[str], query: str) -> pd.DataFrame:
     disk off, and its configuration locked, so a SELECT cannot read, write or load anything else.
 
     Raises:
-        ValueError: not a run; not exactly one SELECT statement ("read-only: only SELECT ...");
+        ValueError: not a run; a table that resolves outside the run (a symlink: ``inside_run``);
+            not exactly one SELECT statement ("read-only: only SELECT ...");
             any DuckDB error (bad SQL, unknown column, refused file), with DuckDB's message.
     """
     import duckdb
@@ -84,6 +85,8 @@ def run_sql(run_dir: str | os.PathLike[str], query: str) -> pd.DataFrame:
     store = open_run(run_dir)
     files = _done_files(store)
     prompts = [store.root / "prompts.parquet"] if store.has_run_table("prompts") else []
+    for path in [p for paths in files.values() for _, p in paths] + prompts:
+        inside_run(store.root, path)  # a table linked out of the run is not read
     allowed = [_abs(p) for paths in files.values() for _, p in paths] + [_abs(p) for p in prompts]
     empty = [name for name in TABLE_NAMES if not files[name]] + (["prompts"] if not prompts else [])
 

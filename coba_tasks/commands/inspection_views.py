@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ FORMATS: tuple[str, ...] = ("table", "csv", "json")
 DEFAULT_LIMIT = 20
 
 _CELL_WIDTH = 48  # characters a cell may take in the ``table`` format before it is cut
+# what a completion must not send to a terminal: C0 controls but newline and tab (ESC, CR, BEL, backspace),
+# DEL, C1 controls (0x9b is a CSI), and the bidirectional marks, embeddings, overrides and isolates
+_UNSAFE_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")  # a spreadsheet runs a cell that starts so (OWASP)
+_NUMBER_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # a number: data, whatever its sign
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,7 +50,7 @@ _CELL_WIDTH = 48  # characters a cell may take in the ``table`` format before it
 def format_summary(summary: dict[str, Any]) -> str:
     """``run_summary``'s dict (or the same read back from JSON) as aligned lines of text."""
     lines = [f"run {summary.get('run_dir')}: {run_status(summary)}, strategy {summary.get('strategy') or '?'}"]
-    return "\n".join([*lines, *(f"{label:<16} {text}" for label, text in summary_rows(summary))])
+    return escape_controls("\n".join([*lines, *(f"{label:<16} {text}" for label, text in summary_rows(summary))]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,23 +142,27 @@ def render(df: pd.DataFrame, fmt: str = "table", total: int | None = None, note:
      2        []
     """
     _check_format(fmt)
-    if fmt == "json":
+    if fmt == "json":  # JSON escapes C0 controls itself; the others are written as \\u escapes (the same text)
         records = [{str(k): plain(v) for k, v in zip(df.columns, row, strict=True)} for row in df.itertuples(False)]
-        return json.dumps(records, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(records, ensure_ascii=False, allow_nan=False)
+        return _UNSAFE_RE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
     if fmt == "csv":
         out = df.copy()
         for col in out.columns:
-            if out[col].dtype == object:
+            if _is_text(out[col]):
                 out[col] = [_csv_cell(v) for v in out[col]]
+        out.columns = [_csv_cell(str(c)) for c in out.columns]
         return out.to_csv(index=False).rstrip("\n")
     if df.columns.empty or df.empty:
         text = "(no rows; columns: " + (", ".join(map(str, df.columns)) or "none") + ")"
     else:
         shown = df.copy()
         for col in shown.columns:
-            if shown[col].dtype == object or pd.api.types.is_string_dtype(shown[col].dtype):
+            if _is_text(shown[col]):
                 shown[col] = [_short(v) for v in shown[col]]
+        shown.columns = [escape_controls(str(c)) for c in shown.columns]
         text = shown.to_string(index=False)
+    text = escape_controls(text)  # the footer and anything pandas wrote too
     footer = []
     if total is not None and total > len(df):
         footer.append(f"({len(df)} of {total} rows shown)")
@@ -172,20 +182,47 @@ def _short(value: Any, width: int = _CELL_WIDTH) -> str:
     cell = plain(value)
     if isinstance(cell, list):
         text = "[" + ", ".join(json.dumps(v, ensure_ascii=False) if isinstance(v, str) else str(v) for v in cell) + "]"
+        text = escape_controls(text)
         if len(text) <= width:
             return text
         suffix = f", …] ({len(cell)})"
         head = text[: max(width - len(suffix), 1)]
         head = head[: head.rfind(",")] if "," in head else head
         return head + suffix
-    text = str(cell).replace("\n", "\\n")
+    text = escape_controls(str(cell).replace("\n", "\\n"))
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def escape_controls(text: str) -> str:
+    r"""``text`` with the characters that would drive a terminal written as escapes (newline and tab kept):
+    a completion is shown, never obeyed.
+
+    >>> escape_controls("a\x1b[2Jb\rc\u202ed\n\te")
+    'a\\x1b[2Jb\\rc\\u202ed\n\te'
+    """
+
+    def escape(match: re.Match[str]) -> str:  # as Python's repr writes them
+        code = ord(match.group())
+        return "\\r" if code == 13 else f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return _UNSAFE_RE.sub(escape, text)
+
+
+def _is_text(column: pd.Series) -> bool:
+    return column.dtype == object or pd.api.types.is_string_dtype(column.dtype)
+
+
 def _csv_cell(value: Any) -> Any:
+    """A CSV cell: lists and dicts as JSON text; text with its controls escaped and, when a spreadsheet would
+    run it as a formula (it starts with = + - @ or tab, and is not a plain number), a leading single quote."""
     cell = plain(value)
     if isinstance(cell, (list, dict)):
-        return json.dumps(cell, ensure_ascii=False)
+        cell = json.dumps(cell, ensure_ascii=False)
+    if not isinstance(cell, str):
+        return cell
+    cell = escape_controls(cell)
+    if cell.startswith(_FORMULA_START) and not _NUMBER_RE.fullmatch(cell):
+        return "'" + cell
     return cell
 
 

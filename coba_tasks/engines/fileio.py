@@ -136,13 +136,33 @@ def read_json_record(path: str | os.PathLike[str]) -> dict | None:
 def written_files(out: Path, record_file: str, default_files: Iterable[str] = ()) -> set[str] | None:
     """The files the builder wrote into ``out``, by its record ``out/record_file``: the record's ``files``
     keys and the record itself; ``default_files`` for a record written before it listed its files. None
-    when there is no record (the directory is not the builder's)."""
+    when there is no record (the directory is not the builder's).
+
+    Raises ``OutputDirError`` when the record lists a name outside ``out`` (absolute, with ``..``, or
+    through a symlink): ``--force`` removes what the record lists, so such a record is never trusted."""
     record = read_json_record(out / record_file)
     if record is None:
         return None
     listed = record.get("files")
     names = set(listed) if isinstance(listed, dict) and listed else set(default_files)
+    root = out.resolve()
+    for name in sorted(names):
+        if not _names_a_file_inside(root, name):  # removing it could remove somebody's file elsewhere
+            raise OutputDirError(
+                f"{out / record_file} lists {name!r}, not a file inside {out}; nothing was removed, --force "
+                "included: this is not a directory the builder wrote, choose another output directory"
+            )
     return names | {record_file}
+
+
+def _names_a_file_inside(root: Path, name: str) -> bool:
+    """Whether the record entry ``name`` is a relative path without ``..`` that stays inside the resolved
+    directory ``root`` once every symlink on its way (itself included) is followed."""
+    path = Path(name)
+    if not path.parts or path.is_absolute() or ".." in path.parts:
+        return False
+    target = (root / path).resolve()
+    return target != root and target.is_relative_to(root)
 
 
 def check_output_dir(

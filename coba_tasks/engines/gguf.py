@@ -178,11 +178,11 @@ def _build_atomically(src: Path, out: Path, source: dict[str, Any]) -> None:
         record = {"source": source, "files": files_of(tmp)}
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         _fsync_files(tmp)
+        publish_dir(tmp, out, RECORD)  # refuses (before moving anything) an old record edited since the check
     except BaseException:
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
         raise
-    publish_dir(tmp, out, RECORD)
 
 
 def _fsync_files(folder: Path) -> None:

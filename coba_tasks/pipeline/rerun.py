@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table
+from coba_tasks.pipeline.store import RunStore, Stage, Table, inside_run
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
 RERUNNABLE = (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.UPDATE, Table.EVAL)
@@ -130,7 +130,12 @@ def plan_repair(store: RunStore) -> RerunPlan | None:
 
 
 def apply_rerun(store: RunStore, plan: RerunPlan) -> None:
-    """Remove what ``plan`` lists: manifest entries first, then files, latest outputs first."""
+    """Remove what ``plan`` lists: manifest entries first, then files, latest outputs first.
+
+    Every file and checkpoint must resolve inside the run (``inside_run``: a symlinked ``checkpoints/`` is
+    refused), all checked before anything is removed."""
+    for path in (*plan.files, *plan.checkpoints):
+        inside_run(store.root, path)
     for extra in plan.files:
         if extra.is_dir():
             shutil.rmtree(extra)
@@ -139,6 +144,4 @@ def apply_rerun(store: RunStore, plan: RerunPlan) -> None:
     for s, name in reversed(plan.tables):
         store.invalidate(s, name)
     for ckpt in reversed(plan.checkpoints):
-        if not ckpt.resolve().is_relative_to(store.root.resolve()):
-            raise StoreError(f"refusing to remove {ckpt}: outside the run directory")
         shutil.rmtree(ckpt)

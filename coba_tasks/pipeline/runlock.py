@@ -1,8 +1,14 @@
-"""One writer per run directory: a lock file holding the owner's pid and host.
+"""One writer per run directory: an exclusive ``flock`` on ``<run>/.lock``, held for the whole run.
 
-``coba run`` / ``coba resume`` (the training flow) take ``<run>/.lock`` before writing and drop it
-at the end. A second run on the same directory is refused with the holder's pid; a lock whose
-process is gone (on this host) is stale and taken over, so a SIGKILLed run can be resumed.
+``coba run`` / ``coba resume`` / ``coba rerun`` (the training flow) take the lock before writing and drop
+it at the end. The kernel holds the lock for the process and drops it when the process ends, however it
+ends (SIGKILL included): a second writer is refused while the first lives, and a crashed run can be
+resumed at once. No pid is compared, so two processes with one hostname in different PID namespaces
+(containers with host networking) cannot both take it, and a lock file left behind names nobody.
+
+The file also holds the holder's pid and host (JSON), read only to say who holds the run. A lock file
+written on another host is refused whatever its flock says (a network filesystem may not show another
+host's locks); the message says to remove it if that process is gone.
 
     with RunLock(run_dir):
         ...  # write the run
@@ -10,103 +16,137 @@ process is gone (on this host) is stale and taken over, so a SIGKILLed run can b
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
 import socket
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 LOCK_FILE = ".lock"
-
-
-@contextlib.contextmanager
-def _directory_locked(directory: Path) -> Iterator[None]:
-    """An exclusive flock on ``directory`` for the ``with`` block (released when the block ends or the process dies)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor drops the flock
+_PATIENCE_S = 0.5  # how long a refused flock is retried: another process's check_free holds it for a moment
+_HELD: dict[str, int] = {}  # the lock files this process holds (real path) -> the descriptor holding the flock
 
 
 class RunLockedError(ValueError):
     """Another live process holds the run directory."""
 
 
-def _alive(pid: int) -> bool:
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the open ``fd`` is still the file at ``path`` (a released lock file is unlinked and recreated)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
         return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 class RunLock:
-    """Exclusive lock on a run directory (created with O_EXCL; stale locks of dead processes taken over)."""
+    """Exclusive lock on a run directory: a ``flock`` on its lock file, held until ``release`` or the process ends.
+
+    Re-entrant within one process: a second ``RunLock`` on a directory this process holds is held at once,
+    and only the one that took the flock drops it."""
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = Path(run_dir) / LOCK_FILE
         self.held = False
+        self._fd: int | None = None  # set in the RunLock that took the flock
+
+    def _key(self) -> str:
+        return os.path.realpath(self.path)
 
     def holder(self) -> dict | None:
-        """The lock file's contents, or None when there is no (readable) lock."""
+        """The lock file's contents (pid, host), or None when there is no (readable) lock file."""
         try:
-            return json.loads(self.path.read_text())
+            other = json.loads(self.path.read_text())
         except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             return None
+        return other if isinstance(other, dict) else None
 
-    def check_free(self) -> None:
-        """RunLockedError if a live process on this host holds the lock (nothing is taken)."""
+    def _message(self, other: dict | None) -> str:
+        if other is None:
+            who, fix = "another process", "wait for it to finish, or stop it: the lock is free when it ends"
+        elif other.get("host") != socket.gethostname():
+            who = f"process {other.get('pid')} on {other.get('host')}"
+            fix = "wait for it to finish, or remove the lock file if that process is gone (another host's lock)"
+        else:
+            who, fix = f"process {other.get('pid')} on {other.get('host')}", "wait for it to finish, or stop it: "
+            fix += "the lock is free when it ends"
+        return f"{self.path.parent} is in use by {who} (lock file {self.path}); {fix}"
+
+    def _refuse_other_host(self) -> None:
+        """RunLockedError when the lock file names another host: its flock may be invisible from here."""
         other = self.holder()
-        if other is None or other.get("pid") == os.getpid():
-            return
-        if other.get("host") != socket.gethostname() or _alive(int(other.get("pid", -1))):
+        if other is not None and other.get("host") != socket.gethostname():
             raise RunLockedError(self._message(other))
 
-    def _message(self, other: dict) -> str:
-        return (
-            f"{self.path.parent} is in use by process {other.get('pid')} on {other.get('host')} "
-            f"(lock file {self.path}); wait for it to finish, or remove the lock file if that process is gone"
-        )
+    def check_free(self) -> None:
+        """RunLockedError if another process holds the lock (nothing is taken, no file is created)."""
+        if self.held or self._key() in _HELD:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RunLockedError(self._message(self.holder())) from None
+            self._refuse_other_host()
+        finally:
+            os.close(fd)  # drops the probe's shared flock
 
     def acquire(self) -> None:
-        """Take the lock; RunLockedError if a live process on this host holds it.
+        """Take the lock; RunLockedError (one line naming the holder) if another process holds it.
 
-        Check and take happen under an exclusive ``flock`` on the run directory, so two processes
-        starting on one directory at the same moment (two workers given the same run name) cannot
-        both see it free or both take over a stale lock; the lock file is written whole (a temporary
-        file renamed into place), so a reader never sees it half-written.
+        The flock is taken without waiting (retried for a moment only, as another process's ``check_free``
+        holds it that long); a lock file unlinked by its releasing holder between our open and our flock is
+        opened again, so two processes never hold two different files. The pid and host are written in place
+        (the flock belongs to this file: it is never replaced by a rename).
         """
-        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        key = self._key()
+        if self.held or key in _HELD:
+            self.held = True  # re-entrant within one process
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with _directory_locked(self.path.parent):
-            other = self.holder()  # None: no lock, or an unreadable one (a crash mid-write before this scheme)
-            if other is not None:
-                same_host = other.get("host") == me["host"]
-                if other.get("pid") == me["pid"] and same_host:
-                    self.held = True  # re-entrant within one process
-                    return
-                if not same_host or _alive(int(other.get("pid", -1))):
-                    raise RunLockedError(self._message(other))
-                # the holder is dead: take the lock over
-            tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(me))
-            os.replace(tmp, self.path)
-            self.held = True
+        deadline = time.monotonic() + _PATIENCE_S
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                raise RunLockedError(self._message(self.holder())) from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # its holder released (unlinked) it meanwhile: take the new file
+        try:
+            self._refuse_other_host()
+            me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me, 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        _HELD[key], self._fd, self.held = fd, fd, True
 
     def release(self) -> None:
-        """Drop the lock if this process holds it."""
-        if self.held:
-            with _directory_locked(self.path.parent):
-                other = self.holder()
-                if other is not None and other.get("pid") == os.getpid():
-                    self.path.unlink(missing_ok=True)
-            self.held = False
+        """Drop the lock if this RunLock took it: the file is unlinked while still locked, then closed."""
+        self.held = False
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        _HELD.pop(self._key(), None)
+        try:
+            if _same_file(fd, self.path):
+                self.path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)  # closing the descriptor drops the flock
 
     def __enter__(self) -> RunLock:
         self.acquire()

@@ -151,6 +151,20 @@ class StoreError(ValueError):
     """A run directory is missing, of another schema version, corrupt, or asked for a bad name."""
 
 
+def inside_run(root: str | os.PathLike[str], path: Path) -> Path:
+    """``path`` when it resolves (every symlink followed) inside the run directory ``root``, else StoreError.
+
+    The one rule for a run's files that are deleted or read from the run (pruned checkpoints, a rerun's
+    removals, the tables ``coba inspect --sql`` reads): nothing outside the run is touched through a link."""
+    real = Path(path).resolve()
+    if not real.is_relative_to(Path(root).resolve()):
+        raise StoreError(
+            f"{path} resolves to {real}, outside the run directory {root}; a run's files live inside it: "
+            "replace the link by the real directory or file"
+        )
+    return Path(path)
+
+
 class RunStore:
     """A handle on one run directory ``runs/<name>/``.
 
@@ -294,8 +308,8 @@ class RunStore:
             return []
         root = self.root / CHECKPOINTS_DIR
         steps = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
-        gone = [self.checkpoint_dir(s) for s in steps[: max(0, len(steps) - keep)]]
-        for path in gone:
+        gone = [inside_run(self.root, self.checkpoint_dir(s)) for s in steps[: max(0, len(steps) - keep)]]
+        for path in gone:  # every one checked first: a link out of the run deletes nothing
             shutil.rmtree(path)
         return gone
 
@@ -435,10 +449,7 @@ class RunStore:
                 f"{relpath!r}: not a path inside the run directory; use '/'-separated names of letters, digits, "
                 "'_', '-' and '.', none starting with '.' or '_' (no '..', no absolute paths)"
             )
-        path = self.root.joinpath(*parts)
-        if not path.resolve().is_relative_to(self.root.resolve()):  # a symlink pointing outside
-            raise StoreError(f"{relpath!r}: resolves to {path.resolve()}, outside the run directory {self.root}")
-        return path
+        return inside_run(self.root, self.root.joinpath(*parts))  # a symlink pointing outside is refused
 
 
 # ---------------------------------------------------------------------------------------------

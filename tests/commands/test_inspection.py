@@ -377,6 +377,60 @@ def test_show_table_errors(run: Path, live: Path):
         show_table(run, -1, "rewards")
 
 
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\rok\x08\x9b31m\u202egnp.exe\x7f"  # title, clear, overwrite, C1 CSI, bidi
+
+
+def test_views_escape_control_characters_and_keep_newline_and_tab_readable(tmp_path: Path, capsys):
+    """A completion full of terminal escapes reaches the terminal as text (\\x1b ...) in every format: nothing
+    it holds moves the cursor, clears the screen or retitles the window; newline and tab stay readable."""
+    store = make_run(tmp_path / "r")
+    frame = rollouts([("p0", 0, [1]), ("p1", 0, [2])], 2)
+    frame["completion"] = [HOSTILE, "line one\nline\ttwo"]
+    frame["token_ids"] = [["\x1b[2J"], []]  # inside a list too
+    store.write_table(2, "rollouts", frame)
+    unsafe = ["\x1b", "\x07", "\r", "\x08", "\x9b", "\u202e", "\x7f"]
+    for fmt in ("table", "csv", "json"):
+        args = parse("--run-dir", str(store.root), "--step", "2", "--stage", "rollouts", "--format", fmt)
+        assert args.func(args) == 0
+        out = capsys.readouterr().out
+        assert [c for c in unsafe if c in out] == [], fmt
+    table = show_table(store.root, 2, "rollouts", columns=["completion"])
+    assert "\\x1b]0;owned\\x07" in table and "\\rok\\x08\\x9b31m\\u202egnp" in table
+    assert "line one\\nline\\ttwo" in table  # as the table showed them before (pandas writes \\t too)
+    rows = list(csv.DictReader(io.StringIO(show_table(store.root, 2, "rollouts", fmt="csv"))))
+    assert rows[0]["completion"].startswith("\\x1b]0;owned") and rows[1]["completion"] == "line one\nline\ttwo"
+    records = json.loads(show_table(store.root, 2, "rollouts", fmt="json"))  # JSON escapes: the exact text back
+    assert records[0]["completion"] == HOSTILE and records[0]["token_ids"] == ["\x1b[2J"]
+    summary = format_summary({"run_dir": "runs/\x1b[2Jx", "strategy": "coba"})
+    assert "\x1b" not in summary and "runs/\\x1b[2Jx" in summary
+
+
+def test_csv_cells_that_a_spreadsheet_would_run_are_quoted_and_numbers_are_not():
+    """OWASP's CSV-injection rule: a text cell starting with = + - @, tab or CR gets a leading single quote;
+    numbers (a float column's -0.5, an answer "-3") are data and stay as they are."""
+    df = pd.DataFrame(
+        {
+            "completion": ['=HYPERLINK("http://x")', "+1+cmd|' /C calc'!A0", "-2+3", "@SUM(A1)", "\tx", "\rx", "ok"],
+            "extracted_answer": ["-3", "+4", "1e5", "-0.5", "=1", "", "7"],
+            "advantage": [-0.5, 0.5, -1.0, 0.0, 1.0, -2.0, 3.0],
+        }
+    )
+    df["=cmd"] = ["x"] * len(df)
+    rows = list(csv.reader(io.StringIO(render(df, "csv"))))
+    assert rows[0] == ["completion", "extracted_answer", "advantage", "'=cmd"]
+    assert [r[0] for r in rows[1:]] == [
+        '\'=HYPERLINK("http://x")',
+        "'+1+cmd|' /C calc'!A0",
+        "'-2+3",
+        "'@SUM(A1)",
+        "'\tx",
+        "\\rx",  # CR is shown escaped, so it no longer starts the cell
+        "ok",
+    ]
+    assert [r[1] for r in rows[1:]] == ["-3", "+4", "1e5", "-0.5", "'=1", "", "7"]
+    assert [r[2] for r in rows[1:]] == ["-0.5", "0.5", "-1.0", "0.0", "1.0", "-2.0", "3.0"]
+
+
 def test_render_empty_frame():
     assert render(pd.DataFrame({"a": [], "b": []})) == "(no rows; columns: a, b)"
     assert json.loads(render(pd.DataFrame({"a": []}), "json")) == []
@@ -505,6 +559,19 @@ def test_sql_select_cannot_read_other_files(run: Path, live: Path, tmp_path: Pat
     for query in outside:
         with pytest.raises(ValueError, match="Permission Error"):
             run_sql(live if "live" in query else run, query)
+
+
+def test_sql_refuses_a_table_that_is_a_symlink_out_of_the_run(tmp_path: Path):
+    """A done table replaced by a link to a file elsewhere (the same bytes, so its manifest entry still matches):
+    --sql refuses, naming the link and the fix, instead of reading outside the run."""
+    store = make_run(tmp_path / "r")
+    table = store.table_path(1, "rewards")
+    elsewhere = tmp_path / "elsewhere.parquet"
+    table.rename(elsewhere)
+    table.symlink_to(elsewhere)
+    with pytest.raises(ValueError, match=r"rewards\.parquet resolves to .*elsewhere\.parquet, outside the run") as info:
+        run_sql(store.root, "select count(*) as n from budget")
+    assert "\n" not in str(info.value) and "replace the link by the real" in str(info.value)
 
 
 def test_sql_connection_is_locked_down_even_without_the_statement_check(run: Path, tmp_path: Path, monkeypatch):

@@ -96,3 +96,49 @@ def test_write_parquet_leaves_the_old_file_when_the_table_cannot_be_written(tmp_
         write_parquet(pd.DataFrame({"a": [1, "two", 3.0 + 1j]}), path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"]
+
+
+def _record_listing(out: Path, *names: str) -> Path:
+    """A build at ``out`` whose record also lists ``names`` (a record written by hand, or tampered with)."""
+    _build(out, "old")
+    listed = {**files_of(out), **dict.fromkeys(names, 1)}
+    (out / RECORD).write_text(json.dumps({"files": listed}))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlinked_file", "symlinked_folder"])
+def test_a_record_naming_a_file_outside_makes_the_directory_foreign(tmp_path: Path, kind: str) -> None:
+    """A record listing a name outside its directory (``..``, absolute, or through a symlink) is refused by the
+    check and by the publish, --force or not: nothing is removed, the victim outside least of all."""
+    victim = tmp_path / "thesis.tex"
+    victim.write_text("years of work")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "thesis.tex").write_text("years of work")
+    out = tmp_path / "out"
+    if kind == "dotdot":
+        _record_listing(out, "../thesis.tex")
+    elif kind == "absolute":
+        _record_listing(out, str(victim))
+    elif kind == "symlinked_file":
+        _record_listing(out, "link.tex")
+        (out / "link.tex").symlink_to(victim)
+    else:
+        _record_listing(out, "sub/docs/thesis.tex")
+        (out / "sub" / "docs").symlink_to(tmp_path / "docs")
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(OutputDirError, match=r"lists '.*', not a file inside .*out; nothing was removed") as caught:
+        check_output_dir(out, RECORD, "build")
+    assert "\n" not in str(caught.value)
+    tmp = _build(new_temporary_dir(out), "new")
+    with pytest.raises(OutputDirError, match=r"not a file inside .*nothing was removed"):
+        publish_dir(tmp, out, RECORD)
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file() and tmp not in p.parents} == before
+    assert (out / "weights.bin").read_text() == "old"
+
+
+def test_a_symlink_that_stays_inside_is_the_builders(tmp_path: Path) -> None:
+    out = _record_listing(tmp_path / "out", "alias.bin")
+    (out / "alias.bin").symlink_to("weights.bin")  # relative, inside the directory
+    assert check_output_dir(out, RECORD, "build") is True
+    assert publish_dir(_build(new_temporary_dir(out), "new"), out, RECORD) == []
+    assert (out / "weights.bin").read_text() == "new"

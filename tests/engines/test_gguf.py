@@ -242,6 +242,26 @@ def test_cli_converts_and_reports_errors(tmp_path: Path, stub_build: None, capsy
     assert main(["convert-gguf", str(other), "--out", str(tmp_path / "m"), "--force"]) == 0
 
 
+def test_cli_force_refuses_a_record_that_lists_a_file_outside(
+    tmp_path: Path, stub_build: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A conversion.json listing ``../thesis.tex`` makes the directory foreign: `--force` removes nothing there."""
+    import json
+
+    out = tmp_path / "m"
+    assert main(["convert-gguf", str(_fake_gguf(tmp_path / "a.gguf")), "--out", str(out)]) == 0
+    (tmp_path / "thesis.tex").write_text("years of work")
+    record = read_record(out)
+    record["files"]["../thesis.tex"] = 13
+    (out / RECORD).write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["convert-gguf", str(_fake_gguf(tmp_path / "b.gguf", b"other")), "--out", str(out), "--force"]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "conversion.json lists '../thesis.tex', not a file inside" in err and "nothing was removed" in err
+    assert (tmp_path / "thesis.tex").read_text() == "years of work"
+    assert read_record(out)["source"]["name"] == "a.gguf"
+
+
 def test_cli_takes_a_file_or_a_package_not_both(tmp_path: Path) -> None:
     for argv in (
         ["convert-gguf", "--out", str(tmp_path)],

@@ -476,3 +476,17 @@ def test_prune_checkpoints_keeps_the_newest(run: RunStore) -> None:
     assert gone == [run.checkpoint_dir(1), run.checkpoint_dir(2)]
     assert sorted(p.name for p in (run.root / "checkpoints").iterdir()) == ["000003", "000010"]
     assert run.prune_checkpoints(5) == []
+
+
+def test_prune_checkpoints_refuses_a_checkpoints_link_out_of_the_run(run: RunStore, tmp_path: Path) -> None:
+    """checkpoints/ a symlink to another disk: nothing is deleted there; the message names the link and the fix
+    (the rule of `coba rerun` and `coba inspect --sql`: resolved, inside the run)."""
+    elsewhere = tmp_path / "big-disk" / "ckpts"
+    for step in (1, 2, 3):
+        (elsewhere / f"{step:06d}").mkdir(parents=True)
+        (elsewhere / f"{step:06d}" / "model.safetensors").write_bytes(b"x")
+    (run.root / "checkpoints").symlink_to(elsewhere)
+    with pytest.raises(StoreError, match=r"outside the run directory .*replace the link by the real") as info:
+        run.prune_checkpoints(1)
+    assert "\n" not in str(info.value) and "checkpoints" in str(info.value)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["000001", "000002", "000003"]
