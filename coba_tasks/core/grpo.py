@@ -53,6 +53,28 @@ import torch
 
 LOG_RATIO_MAX = 20.0  # |log ratio| is clamped before exp so a stray token cannot overflow
 ADV_EPS = 1e-6
+# |reward| <= 1e30 keeps a group's statistics finite in float64 (max ~1.8e308): its sum stays below n * 1e30
+# and its squared deviations' sum below n * 4e60, finite for any group under 1e247 rollouts, i.e. any budget;
+# without a bound, rewards near 1e308 overflow the sum (NaN advantages) and rewards above ~1e154 the variance
+# (an inf std: every advantage silently 0). No verifier's reward comes near it (0/1, a score).
+REWARD_BOUND = 1e30
+
+
+class RewardScaleError(ValueError):
+    """A reward beyond +/- ``REWARD_BOUND`` (or not finite): the group statistics would overflow."""
+
+
+def unbounded_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """Indices, ascending, of the rewards that are NaN, infinite or beyond +/- ``REWARD_BOUND``."""
+    return torch.nonzero(~(rewards.to(torch.float64).abs() <= REWARD_BOUND)).flatten()
+
+
+def reward_scale_message(where: str, reward: float) -> str:
+    """The one line that refuses ``reward`` of ``where`` (a prompt, a group)."""
+    return (
+        f"{where}: reward {reward:g} is beyond +/- {REWARD_BOUND:g}, where the GRPO group mean and variance "
+        "overflow; scale the reward function's rewards (e.g. to [0, 1])"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +113,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
 
     Raises:
         ValueError: a group has a single rollout (its sample std is undefined), naming the id.
+        RewardScaleError: a reward is not finite or beyond +/- ``REWARD_BOUND``, naming its group id.
 
     Vectorised: one ``unique`` plus ``index_add_``/``scatter_reduce`` passes, no loop over groups.
 
@@ -104,6 +127,10 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
     if rewards.numel() == 0:
         return torch.zeros(0, dtype=out_dtype, device=rewards.device)
     r = rewards.to(torch.float64)  # (N,)
+    bad = unbounded_rewards(r)
+    if bad.numel():
+        first = int(bad[0])
+        raise RewardScaleError(reward_scale_message(f"group id {int(group_ids[first])}", float(r[first])))
     uniq, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)  # (G,), (N,), (G,)
     if bool((counts < 2).any()):
         bad = uniq[counts < 2].tolist()

@@ -51,13 +51,18 @@ def write_checkpoint(
     updates: int,
     extra_state: dict[str, Any] | None = None,
     rng_state: torch.Tensor | None = None,
-    adapter: tuple[Any, str] | None = None,
+    adapter: tuple[Any, str, str] | None = None,
 ) -> Path:
     """Write a checkpoint: ``model`` (a plain, unsharded HF model holding the float32 weights) and
     ``tokenizer`` in HF layout, the optimizer tensors (``optimizer_to_tensors``) plus the torch RNG
     state (this process's unless ``rng_state``), and the trainer state JSON. With ``adapter``
-    (``(peft_model, base_model_path)``: LoRA) the adapter is written instead of the model's weights."""
+    (``(peft_model, base_model_path, base_model_sha256)``: LoRA) the adapter and its base's path and content
+    hash are written instead of the model's weights.
+
+    A weight or optimizer tensor holding NaN or inf is refused (``CheckpointError`` naming it) before
+    anything is written: the last guard behind the update's own check, whoever writes."""
     final = Path(out_dir)
+    refuse_non_finite(final, {**model.state_dict(), **optimizer_tensors})
     out = _fresh_temporary(final)  # built beside its place, renamed when whole: never half a checkpoint there
     try:
         _write_model(out, model, tokenizer, compute_dtype, adapter)
@@ -77,14 +82,26 @@ def write_checkpoint(
     return final
 
 
+def refuse_non_finite(out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``CheckpointError`` naming the first floating-point tensor of ``tensors`` with a NaN or inf value."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            count = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(
+                f"{out}: not written: {name} holds {count} non-finite value(s) (NaN or inf), which a checkpoint "
+                "never holds; the update diverged: start a new run with a lower optim.lr"
+            )
+
+
 def _write_model(
-    out: Path, model: torch.nn.Module, tokenizer: Any, compute_dtype: torch.dtype, adapter: tuple[Any, str] | None
+    out: Path, model: torch.nn.Module, tokenizer: Any, compute_dtype: torch.dtype, adapter: tuple[Any, str, str] | None
 ) -> None:
     """The policy's weights (or its LoRA adapter) and the tokenizer, in Hugging Face layout."""
     if adapter is not None:  # LoRA: the adapter (float32) and its base model's path, not the whole model
         from coba_tasks.engines.lora import save_adapter
 
-        save_adapter(adapter[0], out, adapter[1])
+        peft_model, base_path, base_hash = adapter
+        save_adapter(peft_model, out, base_path, base_hash)
     elif compute_dtype == torch.float32:
         model.save_pretrained(out, safe_serialization=True)
     else:  # the engine's weights in the compute dtype; the float32 master weights for a resume
@@ -137,12 +154,15 @@ def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
         raise CheckpointError(f"{weights}: cannot load the policy weights ({exc})") from exc
 
 
-def load_adapter_weights(peft_model: Any, ckpt: Path) -> None:
-    """Load a LoRA checkpoint's adapter into ``peft_model``; ``CheckpointError`` if it holds none or it does not fit."""
-    from coba_tasks.engines.lora import ADAPTER_FILE, is_adapter_checkpoint, load_adapter
+def load_adapter_weights(peft_model: Any, ckpt: Path, base: tuple[str, str]) -> None:
+    """Load a LoRA checkpoint's adapter into ``peft_model``, whose base model is ``base`` (path, content sha256);
+    ``CheckpointError`` if it holds none or it does not fit, ``AdapterBaseError`` if it was trained on another
+    base (``check_adapter_base``)."""
+    from coba_tasks.engines.lora import ADAPTER_FILE, check_adapter_base, is_adapter_checkpoint, load_adapter
 
     if not is_adapter_checkpoint(ckpt):
         raise CheckpointError(f"{ckpt}: holds no LoRA adapter (model.lora_rank > 0 needs one; a full checkpoint?)")
+    check_adapter_base(ckpt, base)
     try:
         load_adapter(peft_model, ckpt)
     except (OSError, RuntimeError, ValueError) as exc:

@@ -52,11 +52,12 @@ import torch.distributed as dist
 
 from coba_tasks.engines.checkpoint import optimizer_to_tensors, write_checkpoint
 from coba_tasks.engines.trainer import PolicyTrainer
-from coba_tasks.engines.update_batch import DataShard
+from coba_tasks.engines.update_batch import DataShard, NonFiniteUpdateError
 from coba_tasks.engines.update_settings import UpdateSettings, make_optimizer
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
 LOG_TAIL_LINES = 60
+STOPPED_FILE = "stopped.txt"  # beside --metrics: why rank 0 stopped the update (NonFiniteUpdateError), one line
 COLLECTIVE_TIMEOUT = timedelta(hours=1)  # the other ranks wait at a barrier while rank 0 writes the checkpoint
 
 
@@ -214,7 +215,12 @@ def run_rank(
             trainer.load_checkpoint(checkpoint)
         shard_trainer(trainer, init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),)))
         prompt_ids, completion_ids, advantages, sampler_logprobs = read_batch(rollouts)
-        metrics = trainer.update(prompt_ids, completion_ids, advantages, sampler_logprobs)
+        try:  # every rank stops at the same step (the figures checked are summed or global)
+            metrics = trainer.update(prompt_ids, completion_ids, advantages, sampler_logprobs)
+        except NonFiniteUpdateError as exc:
+            if dist.get_rank() == 0:  # the caller's one line, not a traceback in the job's log
+                (Path(metrics_path).parent / STOPPED_FILE).write_text(str(exc))
+            raise
         save_sharded_checkpoint(trainer, out, model_path, extra_state)
         if dist.get_rank() == 0:
             Path(metrics_path).write_text(json.dumps(metrics, indent=2))
@@ -293,7 +299,8 @@ def fsdp_update(
 
     The equivalent of ``PolicyTrainer(model_path, settings, seed)``, ``load_checkpoint(checkpoint)``
     (when given), ``update(...)`` and ``save_checkpoint(out_dir, extra_state)``; returns the update's
-    metrics. Raises ``FSDPUpdateError`` with the job's last output lines if it fails.
+    metrics. Raises ``NonFiniteUpdateError`` (one line) when the update stopped on a non-finite loss or
+    gradient norm, ``FSDPUpdateError`` with the job's last output lines if it fails otherwise.
     """
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
@@ -335,6 +342,8 @@ def fsdp_update(
                 rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
             except subprocess.TimeoutExpired:
                 rc = None
+        if rc != 0 and (t / STOPPED_FILE).is_file():
+            raise NonFiniteUpdateError((t / STOPPED_FILE).read_text())
         if rc != 0:
             tail = "\n".join((t / "torchrun.log").read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
             why = f"timed out after {timeout_s} s" if rc is None else f"exit status {rc}"

@@ -7,6 +7,12 @@ checkpoint is peft's own layout, ``adapter_model.safetensors`` and ``adapter_con
 ``base_model_name_or_path`` is the absolute path of ``model.path``), so ``PeftModel.from_pretrained``
 and transformers' ``from_pretrained`` of the checkpoint directory load it as they load any adapter.
 
+An adapter is a difference to one base model, so a checkpoint also records that base's content hash
+(``adapter_base.json``: its absolute path and ``content_sha256``, hashed once per process: ``base_sha256``
+caches it by the files' sizes and modification times). Merging (``merge_adapter_checkpoint``), a held-out
+evaluation and a resume refuse a base whose hash differs (``check_adapter_base``: ``AdapterBaseError``); a
+checkpoint written before the hash was recorded is taken with a warning, its base unchecked.
+
 The rollout engine samples from the merged weights ``W + (alpha / r) * B @ A`` (``save_merged``): vLLM
 and the transformers backend then run a plain model of the base's shape, and a reload after each
 update is the same in-place reload as for full fine-tuning. The merged copy is not a checkpoint: the
@@ -35,6 +41,8 @@ engines' kernels.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import secrets
 import shutil
 from collections.abc import Sequence
@@ -48,6 +56,15 @@ from peft.tuners.lora.layer import Linear as PeftLoraLinear
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_NAME = "default"  # peft's name of the one adapter
+ADAPTER_BASE_FILE = "adapter_base.json"  # the base model's absolute path and content sha256
+
+
+class AdapterBaseError(ValueError):
+    """A LoRA checkpoint met with a base model other than the one it was trained on."""
+
+
+logger = logging.getLogger(__name__)
+_BASE_HASHES: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}  # see base_sha256
 
 
 def parse_targets(targets: str | Sequence[str]) -> str | list[str]:
@@ -190,12 +207,63 @@ def save_merged(model: torch.nn.Module, out_dir: str | Path, dtype: torch.dtype 
     return out
 
 
-def save_adapter(peft_model: Any, out_dir: Path, base_model_path: str | Path) -> None:
-    """peft's adapter files in ``out_dir``, naming the base model by its absolute path."""
+def save_adapter(peft_model: Any, out_dir: Path, base_model_path: str | Path, base_model_sha256: str) -> None:
+    """peft's adapter files in ``out_dir``, naming the base model by its absolute path, and
+    ``adapter_base.json``: that path and the base's content hash (``base_sha256`` of the base as loaded)."""
+    base = str(Path(base_model_path).resolve())
     config = peft_model.peft_config[ADAPTER_NAME]
-    config.base_model_name_or_path = str(Path(base_model_path).resolve())
+    config.base_model_name_or_path = base
     peft_model.save_pretrained(out_dir, safe_serialization=True)
     (Path(out_dir) / "README.md").unlink(missing_ok=True)  # peft's model-card template: nothing of the run
+    (Path(out_dir) / ADAPTER_BASE_FILE).write_text(json.dumps({"base_model": base, "sha256": base_model_sha256}))
+
+
+def base_sha256(path: str | Path) -> str:
+    """``content_sha256`` of a base model directory, computed once per process for as long as none of its
+    files changes size or modification time (a base model can be gigabytes; a run checks it at every load)."""
+    from coba_tasks.engines.fileio import content_sha256
+
+    root = Path(path).resolve()
+    stats = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            st = (Path(folder) / name).stat()
+            stats.append((os.path.relpath(Path(folder) / name, root), st.st_size, st.st_mtime_ns))
+    key = (str(root), tuple(sorted(stats)))
+    if key not in _BASE_HASHES:
+        _BASE_HASHES[key] = content_sha256(root)
+    return _BASE_HASHES[key]
+
+
+def check_adapter_base(ckpt_dir: str | Path, base: tuple[str | Path, str] | None = None) -> None:
+    """Refuse to put the adapter of ``ckpt_dir`` on a base model other than the one it was trained on.
+
+    ``base``: the base it is about to be put on, (path, content sha256) (a resuming trainer's, hashed when it
+    loaded it); by default the base the checkpoint names, hashed now (``base_sha256``). ``AdapterBaseError``,
+    one line naming the base and both hashes, when they differ or the base is not a model directory. A
+    checkpoint without ``adapter_base.json`` (written before the hash was recorded) passes with a warning."""
+    ckpt = Path(ckpt_dir)
+    path = Path(base[0]).resolve() if base is not None else base_model_of(ckpt).resolve()
+    if not (path / "config.json").is_file():
+        raise AdapterBaseError(f"{ckpt / ADAPTER_CONFIG} names the base model {path}, which is not a model directory")
+    record = ckpt / ADAPTER_BASE_FILE
+    if not record.is_file():
+        logger.warning(
+            f"{ckpt}: no {ADAPTER_BASE_FILE} (a checkpoint written before the base model's hash was recorded): its "
+            f"adapter is put on the base model at {path} unchecked"
+        )
+        return
+    try:
+        then = str(json.loads(record.read_text())["sha256"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise AdapterBaseError(f"{record}: unreadable ({exc})") from exc
+    now = base[1] if base is not None else base_sha256(path)
+    if now != then:
+        raise AdapterBaseError(
+            f"the base model {path} is not the one the LoRA adapter of {ckpt} was trained on (sha256 {now[:12]}..., "
+            f"its {ADAPTER_BASE_FILE} records {then[:12]}...): restore that base model at {path}, or train a new "
+            "adapter on this one; merged into another base, the adapter is not the trained policy"
+        )
 
 
 def load_adapter(peft_model: Any, ckpt_dir: Path) -> None:
@@ -230,14 +298,14 @@ def base_model_of(path: str | Path) -> Path:
 
 def merge_adapter_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """A whole model directory at ``out_dir``: the adapter checkpoint at ``ckpt_dir`` merged into its base
-    model, with the checkpoint's tokenizer (for an engine that needs whole weights: ``coba-eval``)."""
+    model, with the checkpoint's tokenizer (for an engine that needs whole weights: ``coba-eval``). A base
+    that is not the one the adapter was trained on is refused (``check_adapter_base``)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ckpt = Path(ckpt_dir)
     base = base_model_of(ckpt)
-    if not (base / "config.json").is_file():
-        raise ValueError(f"{ckpt / ADAPTER_CONFIG} names the base model {base}, which is not a model directory")
+    check_adapter_base(ckpt)  # the base it was trained on, or AdapterBaseError
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(model, ckpt)
     out = save_merged(peft_model.get_base_model(), out_dir, dtype)

@@ -67,6 +67,9 @@ from coba_tasks.engines.checkpoint import (
 from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass, supports_shared_prefix
 from coba_tasks.engines.update_batch import (
     DataShard,
+    NonFiniteUpdateError,
+    check_advantages,
+    check_optimizer_step,
     pad_sequences,
     padded_rows,
     rollout_ratio_stats,
@@ -105,7 +108,9 @@ class PolicyTrainer:
         self.model_path = str(model_path)
         self.peft_model = None  # with LoRA: the PeftModel; self.model is its base model, adapters in place
         if settings.lora_rank > 0:
-            from coba_tasks.engines.lora import add_lora
+            from coba_tasks.engines.lora import add_lora, base_sha256
+
+            self.base_sha256 = base_sha256(model_path)  # recorded in each checkpoint, checked at a resume
 
             self.peft_model = add_lora(
                 self.model, settings.lora_rank, settings.lora_alpha, settings.lora_target_modules
@@ -182,6 +187,7 @@ class PolicyTrainer:
         """
         if len(prompt_ids) == 0:
             raise ValueError("GRPO update on an empty batch")
+        check_advantages(advantages, self.settings.lr)  # never a pass, let alone a step, on a NaN advantage
         batch = _Batch(prompt_ids, completion_ids, advantages, sampler_logprobs)
         if self.shared_prefix_unavailable() is None:
             return self._update_shared_prefix(batch)
@@ -254,10 +260,11 @@ class PolicyTrainer:
         token-mean normaliser ``tokens`` counts the completion tokens of all its rows (``tokens_of``; a
         mini-batch without any is skipped). A mini-batch whose rows are all skipped still makes its
         optimizer step, with a zero gradient (AdamW's momentum and weight decay move the weights then too),
-        as the update without skipping would. Returns the optimizer steps made."""
+        as the update without skipping would. A mini-batch whose loss or gradient norm is not finite stops the
+        update before its optimizer step (``NonFiniteUpdateError``). Returns the optimizer steps made."""
         gen = torch.Generator().manual_seed(self.updates)
         trained = trained.cpu()
-        opt_steps = 0
+        opt_steps, planned = 0, self.settings.update_epochs * parts
         for _ in range(self.settings.update_epochs):
             order = torch.randperm(n, generator=gen) if parts > 1 else torch.arange(n)
             for rows in torch.tensor_split(order, parts):
@@ -265,14 +272,14 @@ class PolicyTrainer:
                 if mb_tokens == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                kept = rows[trained[rows]]
+                kept, loss_before = rows[trained[rows]], totals["loss"]
                 if kept.numel():
                     mini_batch(kept, mb_tokens)
                 else:
                     for p in self.model.parameters():
                         if p.requires_grad:
                             p.grad = torch.zeros_like(p)
-                self._optimizer_step(totals)
+                self._optimizer_step(totals, totals["loss"] - loss_before, (opt_steps + 1, planned))
                 opt_steps += 1
         return opt_steps
 
@@ -317,9 +324,18 @@ class PolicyTrainer:
     def _time(self, what: str, since: float) -> None:
         self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - since
 
-    def _optimizer_step(self, totals: dict[str, float]) -> None:
+    def _optimizer_step(self, totals: dict[str, float], loss: float, step: tuple[int, int]) -> None:
+        """Clip and step, unless the mini-batch's ``loss`` (summed over the processes) or the gradient norm is
+        not finite: then the gradients are dropped and ``NonFiniteUpdateError`` names optimizer step ``step``
+        (k, of K); the weights and the AdamW state stay as they were."""
         t0 = time.perf_counter()
+        loss = self.shard.sum_floats({"loss": loss})["loss"]
         grad_norm = self.shard.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+        try:
+            check_optimizer_step(loss, float(grad_norm), *step, self.settings.lr)
+        except NonFiniteUpdateError:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
         totals["grad_norm"] += float(grad_norm)
         self.optimizer.step()
         self._time("optimizer", t0)
@@ -530,7 +546,7 @@ class PolicyTrainer:
         """Model + tokenizer (HF layout, safetensors), optimizer state (safetensors) and trainer state (JSON).
         With LoRA the adapter (peft's layout) instead of the model: the base is ``model.path``."""
         tensors, groups = optimizer_to_tensors(self.optimizer)
-        adapter = (self.peft_model, self.model_path) if self.peft_model is not None else None
+        adapter = (self.peft_model, self.model_path, self.base_sha256) if self.peft_model is not None else None
         return write_checkpoint(
             out_dir,
             self.model,
@@ -561,7 +577,7 @@ class PolicyTrainer:
         files against the checkpoint's manifest; the run does that before it loads one.)"""
         ckpt = Path(ckpt_dir)
         if self.peft_model is not None:
-            load_adapter_weights(self.peft_model, ckpt)
+            load_adapter_weights(self.peft_model, ckpt, (self.model_path, self.base_sha256))
         else:
             load_weights(self.model, ckpt)
         state = load_optimizer_state(self.optimizer, ckpt)

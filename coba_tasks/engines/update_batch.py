@@ -12,11 +12,48 @@ its ``is_*`` statistics).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from coba_tasks.core.grpo import RolloutCorrection, rollout_correction_stats, rollout_correction_weights
+
+
+class NonFiniteUpdateError(ValueError):
+    """An update whose advantages, loss or gradient norm is not finite: stopped before the optimizer steps."""
+
+
+_WAY_OUT = (  # a resume would compute the same update again: the way out is another setting or other rewards
+    "nothing was stepped or saved; start a new run with a lower optim.lr (now {lr:g}), or check the rewards' "
+    "scale (verify.reward_function)"
+)
+
+
+def check_advantages(advantages: np.ndarray | torch.Tensor, lr: float) -> None:
+    """Refuse an update whose advantages are not all finite, before any pass (``NonFiniteUpdateError``
+    naming the first such rollout)."""
+    adv = torch.as_tensor(advantages).detach().double().cpu().flatten()
+    bad = torch.nonzero(~torch.isfinite(adv)).flatten()
+    if bad.numel():
+        first = int(bad[0])
+        raise NonFiniteUpdateError(
+            f"the GRPO update's advantage of rollout {first} is {float(adv[first])} ({bad.numel()} of {adv.numel()} "
+            f"not finite): " + _WAY_OUT.format(lr=lr)
+        )
+
+
+def check_optimizer_step(loss: float, grad_norm: float, step: int, steps: int, lr: float) -> None:
+    """Refuse the optimizer step ``step`` of ``steps`` when its mini-batch's loss or the gradient norm is not
+    finite (``NonFiniteUpdateError``): stepping would turn the weights and the AdamW moments into NaN, or
+    step with a gradient clipped to zero. Every process of a data-parallel update passes the same (summed or
+    global) figures, so all of them stop at the same step."""
+    for what, value in (("loss", loss), ("gradient norm", grad_norm)):
+        if not math.isfinite(value):
+            raise NonFiniteUpdateError(
+                f"the GRPO update's {what} is {value} at optimizer step {step} of {steps}: " + _WAY_OUT.format(lr=lr)
+            )
 
 
 def pad_sequences(

@@ -60,9 +60,9 @@ def evaluate_model_task(model_path: str, settings: EvalSettings) -> pd.DataFrame
 
 
 @task(name="write-eval-table", retries=1, cache_policy=NO_CACHE)
-def write_eval_table_task(table: pd.DataFrame, out_path: str) -> str:
-    """Write the per-prompt table as Parquet, atomically (a reader never sees half a file)."""
-    return heldout.write_eval_table(table, out_path)
+def write_eval_table_task(table: pd.DataFrame, out_path: str, overwrite: bool = False) -> str:
+    """Write the per-prompt table as Parquet, atomically; an existing file only with ``overwrite``."""
+    return heldout.write_eval_table(table, out_path, overwrite)
 
 
 @task(name="build-model", retries=1)

@@ -128,3 +128,59 @@ def test_coba_eval_scores_gsm8k_rows_as_the_run_config_says(tmp_path, random_che
     with pytest.raises(Stop):
         _evaluate(model, test)  # the default: math-verify, as a run's default
     assert [p["gsm8k_answer"] for p in pools] == ["strict", "math"]
+
+
+def test_out_path_that_is_an_input_is_refused_even_with_overwrite(tmp_path, random_checkpoints):
+    """The test file or a file of the model, under any name (a symlink), is never out_path; an existing file
+    only with overwrite; a directory never. One line naming out_path, the input and the way out."""
+    from coba_tasks.pipeline.heldout import check_eval_inputs
+
+    model, _ = random_checkpoints
+    test = _flat(tmp_path / "t.parquet", ["1+1="], answers=["2"])
+    settings = eval_settings(test_path=str(test))
+    via_link = tmp_path / "link.parquet"
+    via_link.symlink_to(test)
+    for out, what in ((test, "test_path"), (via_link, "test_path"), (model / "config.json", "model")):
+        for overwrite in (False, True):
+            with pytest.raises(ValueError, match=rf"^out_path {out} is an input of this evaluation \({what} ") as info:
+                check_eval_inputs(str(model), settings, str(out), overwrite)
+            assert "\n" not in str(info.value) and "choose another out_path" in str(info.value)
+    other = _flat(tmp_path / "other.parquet", ["3+3="])
+    with pytest.raises(ValueError, match=r"^out_path .*other\.parquet already exists; .*pass overwrite=True"):
+        check_eval_inputs(str(model), settings, str(other))
+    check_eval_inputs(str(model), settings, str(other), overwrite=True)
+    check_eval_inputs(str(model), settings, str(tmp_path / "new.parquet"))
+    with pytest.raises(ValueError, match=r"^out_path .* is a directory"):
+        check_eval_inputs(str(model), settings, str(tmp_path), overwrite=True)
+
+
+@pytest.mark.slow
+def test_the_flow_refuses_an_existing_out_path_before_evaluating_and_replaces_it_when_asked(
+    tmp_path, random_checkpoints, prefect_harness, monkeypatch
+):
+    """A 50-row dataset given as out_path stays as it was, and no evaluation ran; with overwrite=True (the
+    deployment's parameter) the table replaces it; a test file as out_path is refused with overwrite too."""
+    from coba_tasks.pipeline import heldout
+    from flows.eval import eval_flow
+
+    model, _ = random_checkpoints
+    evaluated = []
+
+    def fake_evaluate(model_path, settings):
+        evaluated.append(model_path)
+        return pd.DataFrame({"prompt_id": ["0"], "difficulty": [1], "accuracy": [1.0], "weight_version": [0]})
+
+    monkeypatch.setattr(heldout, "evaluate_model", fake_evaluate)
+    test = _flat(tmp_path / "t.parquet", ["1+1=", "2+2="], answers=["2", "4"])
+    dataset = _flat(tmp_path / "train.parquet", [f"{i}+1=" for i in range(50)])
+    settings = {"test_path": str(test), "backend": "transformers"}
+    before = {p: p.read_bytes() for p in (test, dataset)}
+    with pytest.raises(ValueError, match=r"^out_path .*train\.parquet already exists"):
+        eval_flow(str(model), settings, out_path=str(dataset))
+    with pytest.raises(ValueError, match=r"is an input of this evaluation \(test_path"):
+        eval_flow(str(model), settings, out_path=str(test), overwrite=True)
+    assert evaluated == [] and {p: p.read_bytes() for p in (test, dataset)} == before
+
+    eval_flow(str(model), settings, out_path=str(tmp_path / "new.parquet"))  # a new file needs no overwrite
+    eval_flow(str(model), settings, out_path=str(dataset), overwrite=True)  # the caller said so
+    assert len(pd.read_parquet(dataset)) == 1 and len(evaluated) == 2

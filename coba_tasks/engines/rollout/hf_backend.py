@@ -5,6 +5,13 @@ group is sampled in a fork of the global RNG seeded with the prompt's seed, so a
 on the rest of the batch. Sleep moves the model to CPU memory. The sampler log-probabilities are
 of the distribution each token was sampled from (generate's processed scores: after temperature and
 top-p), as the trainer computes them (log_softmax(logits / T)) and as the vLLM backend records them.
+
+Only the sampling settings coba-rl controls reach ``generate`` (``generation_config``: sampling or
+greedy, temperature, top-p, no top-k, the token budget, the tokenizer's eos and pad ids). A model
+directory's own ``generation_config.json`` (a repetition penalty, an n-gram ban, min-p, top-k...:
+Qwen2.5-Instruct ships one) is set aside when the model loads, since ``generate`` fills every setting
+left unset from it: the rollouts are then drawn from log_softmax(z / T), the distribution the trainer
+computes, and greedy decoding takes argmax z.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class TransformersBackend(RolloutBackend):
             path, dtype=self.dtype, trust_remote_code=self.trust_remote_code
         ).to(self.device)
         self.model.eval()
+        self.model.generation_config = _neutral_generation_config()  # not the directory's generation_config.json
         self.model_path = str(path)
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
@@ -58,21 +66,10 @@ class TransformersBackend(RolloutBackend):
         rows: list[Rollout] = []
         for r in requests:
             ids = torch.tensor([r.prompt_token_ids], dtype=torch.long, device=self.device)  # (1, P)
-            greedy = sampling.temperature == 0.0
-            gen_kwargs: dict[str, Any] = {
-                "max_new_tokens": sampling.max_tokens,
-                "do_sample": not greedy,
-                "num_return_sequences": r.n,
-                "pad_token_id": pad,
-                "eos_token_id": eos,
-                "return_dict_in_generate": True,
-                "output_scores": True,  # processed logits (after temperature and top-p): the sampling distribution
-            }
-            if not greedy:
-                gen_kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+            config = generation_config(sampling, r.n, eos, pad)
             with torch.random.fork_rng(devices=[] if self.device == "cpu" else None), torch.no_grad():
                 torch.manual_seed(r.seed)
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs)
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             new_tokens = out.sequences[:, ids.shape[1] :]  # (n, L)
             logits = torch.stack(out.scores, dim=1).float()  # (n, L, V): what each token was drawn from
             token_logp = logits.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (n, L)
@@ -113,3 +110,39 @@ class TransformersBackend(RolloutBackend):
 
     def close(self) -> None:
         self.model = None
+
+
+def _neutral_generation_config() -> Any:
+    """A generation config that sets nothing: ``generate`` fills what a call leaves unset from the model's
+    generation config, then from transformers' defaults (no penalty, no n-gram ban, no min-p)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig()
+
+
+def generation_config(sampling: SamplingConfig, n: int, eos: int | None, pad: int | None) -> Any:
+    """The ``GenerationConfig`` of one prompt's group: ``n`` completions, sampled at the temperature and
+    top-p of ``sampling`` with no top-k (greedy at temperature 0), at most ``sampling.max_tokens`` new
+    tokens, stopping at ``eos``; every logits processor beyond those is off."""
+    from transformers import GenerationConfig
+
+    greedy = sampling.temperature == 0.0
+    return GenerationConfig(
+        max_new_tokens=sampling.max_tokens,
+        do_sample=not greedy,
+        num_return_sequences=n,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        return_dict_in_generate=True,
+        output_scores=True,  # processed logits (after temperature and top-p): the sampling distribution
+        temperature=1.0 if greedy else sampling.temperature,
+        top_p=1.0 if greedy else sampling.top_p,
+        top_k=0,
+        min_p=None,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_new_tokens=0,
+    )

@@ -1,0 +1,111 @@
+"""A run whose update cannot be finite stops at that step in one line, and keeps only finite checkpoints.
+
+The stages run as plain functions (``stage_runner.plain_step``, the code the Prefect flow runs) on the tiny
+model with the first-character reward (tests/helpers_reward.py), so that the groups hold both rewards.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+import torch
+from helpers_reward import data_overrides
+from safetensors.torch import load_file
+
+from coba_tasks.core.grpo import RewardScaleError
+from coba_tasks.engines.update_batch import NonFiniteUpdateError
+from coba_tasks.pipeline.config import load_config
+from coba_tasks.pipeline.store import RunStore, Stage
+
+HUGE_REWARD_FILE = textwrap.dedent(
+    """\
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        head = solution_str[:1]
+        return 1e200 if head.isascii() and (head.islower() or head.isdigit()) else 0.0
+    """
+)
+
+
+def _open(tmp_path, model, overrides):
+    from coba_tasks.pipeline import run, stage_runner
+
+    cfg = load_config("configs/tiny-test.yaml", [f"model.path={model}", "rollout.backend=transformers", *overrides])
+    root = (tmp_path / "run").resolve()
+    res = run.open_run(root, cfg, continuing=False)
+    stage_runner.resume_point(res)
+    return res, root
+
+
+def _finite_checkpoints(store: RunStore) -> list[int]:
+    """The steps of the run's checkpoints, after checking that every tensor in them is finite."""
+    steps = []
+    for ckpt in sorted((store.root / "checkpoints").iterdir()):
+        for f in ckpt.rglob("*.safetensors"):
+            assert all(bool(torch.isfinite(t).all()) for t in load_file(str(f)).values() if t.is_floating_point()), f
+        steps.append(int(ckpt.name))
+    return steps
+
+
+@pytest.mark.slow
+def test_a_diverging_learning_rate_stops_the_run_at_the_step_it_turns_non_finite(
+    tmp_path, random_checkpoints, first_char_data
+):
+    """optim.lr = 1e6: the first update moves every weight by ~1e6, the second's gradient overflows; the run
+    stops there naming the step and the setting, with the first checkpoint kept and no second one."""
+    from coba_tasks.pipeline import run, stage_runner
+
+    res, root = _open(tmp_path, random_checkpoints[0], [*data_overrides(first_char_data), "optim.lr=1e6"])
+    try:
+        stage_runner.plain_step(root, 0)
+        with pytest.raises(NonFiniteUpdateError) as info:
+            stage_runner.plain_step(root, 1)
+    finally:
+        run.close_run(res)
+    message = str(info.value)
+    assert "\n" not in message
+    assert re.match(
+        r"^step 1: the GRPO update's (loss|gradient norm) is (nan|inf|-inf) at optimizer step 1 of 1: ", message
+    )
+    assert "optim.lr (now 1e+06)" in message
+    store = RunStore.open(root)
+    assert store.is_done(0, Stage.UPDATE) and not store.is_done(1, Stage.UPDATE)
+    assert _finite_checkpoints(store) == [1]
+
+
+@pytest.mark.slow
+def test_a_reward_beyond_the_bound_stops_the_run_naming_the_step_the_prompt_and_the_value(
+    tmp_path, random_checkpoints, monkeypatch
+):
+    from helpers_reward import TEST_PROMPTS, TRAIN_PROMPTS
+
+    from coba_tasks.pipeline import run, stage_runner
+
+    monkeypatch.setenv("COBA_ALLOW_REWARD_FILES", "1")  # the Python API, like a worker allowed to run reward files
+    reward = tmp_path / "huge_reward.py"
+    reward.write_text(HUGE_REWARD_FILE)
+    import pandas as pd
+
+    for name, prompts in (("train", TRAIN_PROMPTS), ("test", TEST_PROMPTS)):
+        pd.DataFrame({"prompt": list(prompts), "answer": "0", "data_source": "my_task"}).to_parquet(
+            tmp_path / f"{name}.parquet"
+        )
+    overrides = [
+        f"data.train={tmp_path / 'train.parquet'}",
+        f"data.test={tmp_path / 'test.parquet'}",
+        f"verify.reward_function={reward}",
+        "data.eval_prompts=2",
+    ]
+    res, root = _open(tmp_path, random_checkpoints[0], overrides)
+    try:
+        with pytest.raises(RewardScaleError) as info:
+            stage_runner.plain_step(root, 0)
+    finally:
+        run.close_run(res)
+    message = str(info.value)
+    assert "\n" not in message
+    assert re.match(r"^step 0: prompt \S+ \(sample \d+\): reward 1e\+200 is beyond \+/- 1e\+30, ", message), message
+    store = RunStore.open(root)
+    assert store.is_done(0, Stage.REWARDS) and not store.is_done(0, Stage.UPDATE)
+    assert not (store.root / "checkpoints").exists() or _finite_checkpoints(store) == []
