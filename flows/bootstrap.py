@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from coba_tasks.engines.bootstrap import BootstrapConfig, build_area, publish, write_metrics
+from coba_tasks.pipeline import deployment
 from coba_tasks.pipeline.summary import figure_table
 from coba_tasks.pipeline.tasks import build_model_task, sft_eval_task, warm_up_task
 
@@ -32,6 +33,8 @@ def bootstrap_flow(
     ``out_dir`` must be missing or empty, or hold an earlier bootstrap (replaced only with ``force``);
     a directory holding anything else is refused before any work, ``force`` included.
     """
+    if deployment.started_by_deployment():  # parameters from the API: their paths stay inside the project
+        deployment.check_deployment_paths({"out_dir": out_dir, "train_path": train_path, "test_path": test_path})
     cfg = cfg or BootstrapConfig()
     log = get_run_logger()
     out = Path(out_dir)

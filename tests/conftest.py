@@ -11,6 +11,21 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
+@pytest.fixture(autouse=True)
+def _permissions_stay_with_their_test():
+    """``coba run`` gives its own process the permissions its config asks for (a model's code, a reward file)
+    by setting environment variables; called in-process by a test, they would reach every later test and
+    every process those start. Each test gets the environment's permissions back as they were."""
+    names = ("COBA_ALLOW_REMOTE_CODE", "COBA_ALLOW_REWARD_FILES")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def make_random_checkpoint(out: Path, seed: int, tied: bool = False) -> Path:
     from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
 

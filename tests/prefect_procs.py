@@ -128,9 +128,13 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 120) -> 
     raise AssertionError(f"prefect server did not answer {url}/health within {timeout_s} s")
 
 
+PERMISSIONS = ("COBA_ALLOW_REMOTE_CODE", "COBA_ALLOW_REWARD_FILES")  # set by `coba run` for its own config
+
+
 def prefect_env(home: Path, url: str, **extra: str) -> dict[str, str]:
-    """This process's environment without its PREFECT_ settings, pointed at the server at ``url``."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    """This process's environment without its PREFECT_ settings and the permissions a command gives itself
+    (a worker's own code and reward-file permissions come from ``extra`` only), pointed at the server at ``url``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k not in PERMISSIONS}
     return {
         **base,
         "PREFECT_HOME": str(home),

@@ -28,16 +28,21 @@ whose values mix kinds is written as text); any other value (a list, a dict, an 
 its JSON text, or its ``repr`` when JSON cannot hold it. A key named like a column of the table
 (``reward``, ``verdict``, ...) is written as ``extra_<key>``.
 
-Trust. The file is code: it is imported from its path, in the process that checks the config and in
-each verifier worker, with the rights of the run. Nothing is unpickled and nothing is fetched: a
-deployment's ``verify.reward_function`` names a file on the disk of the machine whose workers score the
-rollouts, so put there only files you would run yourself.
+Trust and limits. The file is code: it is imported from its path in the verifier pool's worker processes
+only (never in the trainer's process: the check before a run starts imports it in a worker too), with the
+rights of the run's user. Its import has ``verify.timeout_s`` (a file whose top-level code runs longer is
+refused in one line), each call the same limit; each worker is the kernel's first choice when memory runs
+out (``oom_score_adj`` 1000 on Linux), so a file that eats memory loses its worker, not the trainer. There
+is no other limit: it can read and write what the user can and reach the network. Nothing is unpickled
+and nothing is fetched. A flow started from a deployment runs a reward file only where its worker allows
+it (``COBA_ALLOW_REWARD_FILES=1``) and only inside the project or the worker's roots
+(``coba_tasks.pipeline.deployment``); put there only files you would run yourself.
 
 How to use::
 
     rf = RewardFunction.from_spec("rewards/my_reward.py:compute_score", pass_threshold=1.0)
-    rf.load()                                         # the function, or RewardFileError (one line)
-    pool = VerifierPool(reward_function=rf)           # coba_tasks.engines.verify_pool
+    check_reward_function(rf, timeout_s=5.0)          # coba_tasks.engines.verify_pool: imported in a worker
+    pool = VerifierPool(reward_function=rf)           # whose workers call rf.load(): the function, or RewardFileError
 """
 
 from __future__ import annotations

@@ -29,8 +29,14 @@ How to use::
 
 A reward file (``verify.reward_function``, ``coba_tasks.engines.reward_file``): ``VerifierPool(reward_function=rf)``
 scores every item with it instead, in the workers, under the same limit. Workers receive its path and
-function name, never the function, and import the file when they start; an item may carry a fourth
-field, the row's ``extra_info`` dict.
+function name, never the function, and import the file when they start, with the per-item limit for the
+import (a worker past it stops the batch with one ``RewardFileError``); an item may carry a fourth field,
+the row's ``extra_info`` dict. ``check_reward_function`` is the check a run makes before it starts: the
+file imported in a worker, never in the caller's process.
+
+Memory: each worker makes itself the kernel's first choice when memory runs out (``oom_score_adj`` 1000,
+Linux), so a verifier or reward file that eats memory loses its worker (its item scores ``error``), not
+the trainer beside it.
 
 Fast path: verifiers registered with ``in_process=True`` (``arith``: one regex, cannot hang) are
 scored in the calling process, never sent to a worker; a batch of only such items starts no
@@ -57,8 +63,9 @@ from functools import partial
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, NoReturn
 
+from coba_tasks.engines.reward_file import KEY as REWARD_KEY
 from coba_tasks.engines.reward_file import RewardFileError, RewardFunction, reward_verdict
 from coba_tasks.engines.verify import (
     FALLBACK_SOURCE,
@@ -95,24 +102,46 @@ def _truth_verdict(check: TruthCheck, completion: str, ground_truth: str) -> Ver
 # --------------------------------------------------------------------------- worker processes
 
 
+OOM_SCORE_ADJ = "/proc/self/oom_score_adj"  # Linux: how willing the kernel is to kill this process, -1000..1000
+
+
+def first_to_go_when_memory_runs_out() -> None:
+    """Make this process the kernel's first choice when memory runs out (oom_score_adj 1000), so that a
+    verifier or a reward file that eats memory is killed (its item scores ``error``) rather than the trainer
+    beside it. Raising one's own score needs no privilege; where there is no such file (not Linux), nothing."""
+    try:
+        with open(OOM_SCORE_ADJ, "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def _worker_main(
     conn: Connection, warmup: bool, preload: tuple[str, ...], reward: RewardFunction | None = None
 ) -> None:
-    """Worker loop: receive (verifier, completion, ground_truth), send back a Verdict; None stops it."""
+    """Worker loop: receive (verifier, completion, ground_truth), send back a Verdict; None stops it.
+
+    Before the loop: ``("loading", pid)`` when it starts importing the reward file (the pool gives the
+    import the per-item limit from then on), then ``("ready", pid, why)``: ``why`` is None, or the one line
+    of ``RewardFileError`` when the reward file could not be loaded (every item then scores ``error``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    first_to_go_when_memory_runs_out()
     for module in preload:
         try:
             importlib.import_module(module)
         except Exception:  # reported as an `error` verdict by the first item that needs the module
             logger.warning("verifier worker: cannot import %s", module, exc_info=True)
-    if reward is not None:  # the reward file is imported before taking items, out of any item's limit
+    load_error = None
+    if reward is not None:  # imported before taking items, out of any item's limit but under one of its own
+        conn.send(("loading", os.getpid()))
         try:
             reward.load()
         except RewardFileError as exc:  # every item then scores `error` with this message
+            load_error = str(exc)
             logger.warning("verifier worker: %s", exc)
     if warmup:  # import sympy and math-verify and fill its caches before taking items
         score("\\boxed{1}", "1", FALLBACK_SOURCE)
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", os.getpid(), load_error))
     while True:
         try:
             msg = conn.recv()
@@ -144,8 +173,14 @@ class _Worker:
         child_conn.close()  # so that the parent sees EOF when the worker dies
         self.started_at = time.monotonic()
         self.ready = False
+        self.loading_until = float("inf")  # when importing the reward file: the end of its time limit
+        self.load_error: str | None = None  # why the reward file could not be loaded here, if it could not
         self.item: int | None = None
         self.deadline = float("inf")
+
+    def start_deadline(self, startup_timeout_s: float) -> float:
+        """When a worker that is not ready yet has run out of time: its start-up limit, or the reward file's."""
+        return min(self.started_at + startup_timeout_s, self.loading_until)
 
     def stop(self, *, graceful: bool) -> None:
         if graceful and self.process.is_alive():
@@ -232,7 +267,7 @@ class VerifierPool:
         """Start the workers now and wait until each is ready (otherwise the first batch that needs them does)."""
         self._spawn_missing()
         while starting := [w for w in self._workers if not w.ready]:
-            wait_s = max(0.0, min(w.started_at for w in starting) + self.startup_timeout_s - time.monotonic())
+            wait_s = max(0.0, min(w.start_deadline(self.startup_timeout_s) for w in starting) - time.monotonic())
             wait([w.conn for w in starting] + [w.process.sentinel for w in starting], timeout=wait_s)
             for slot in range(len(self._workers)):
                 self._service(slot, [], {})
@@ -355,7 +390,7 @@ class VerifierPool:
             active = [w for w in self._workers if not w.ready or w.item is not None]
             if not pending and all(w.item is None for w in self._workers):
                 return
-            deadlines = [w.deadline if w.ready else w.started_at + self.startup_timeout_s for w in active]
+            deadlines = [w.deadline if w.ready else w.start_deadline(self.startup_timeout_s) for w in active]
             wait_s = max(0.0, min(deadlines) - time.monotonic())
             wait([w.conn for w in active] + [w.process.sentinel for w in active], timeout=wait_s)
             for slot in range(len(self._workers)):
@@ -370,13 +405,17 @@ class VerifierPool:
         now = time.monotonic()
         if not w.ready:
             message = None
-            if w.conn.poll():
+            while message is None and w.conn.poll():
                 try:
                     message = w.conn.recv()
                 except (EOFError, OSError):
-                    message = None
+                    break
+                if message[0] == "loading":  # the reward file's import: as long as an item may take
+                    w.loading_until, message = now + self.timeout_s, None
             if message is not None:
-                w.ready = True
+                w.ready, w.load_error = True, message[2]
+            elif w.loading_until < float("inf") and (not w.process.is_alive() or now >= w.loading_until):
+                self._reward_file_failed(w)
             elif not w.process.is_alive() or now > w.started_at + self.startup_timeout_s:
                 alive = w.process.is_alive()
                 self.close()
@@ -412,10 +451,42 @@ class VerifierPool:
             results[i] = Verdict.of(VerdictKind.TIMEOUT, detail=detail)
             self._replace(slot)
 
+    def _reward_file_failed(self, w: _Worker) -> NoReturn:
+        """A worker that died, or ran past the per-item limit, while importing the reward file: stop every
+        worker and say so in one line (a file whose top-level code cannot run in time cannot score anything)."""
+        alive = w.process.is_alive()
+        for other in self._workers:  # at once: a worker busy importing would not answer a polite stop
+            other.stop(graceful=False)
+        self._workers = []
+        path = self.reward_function.path if self.reward_function else "?"
+        why = (
+            f"did not import within {self.timeout_s:g} s (verify.timeout_s): its top-level code runs too long in "
+            "a verifier worker; do slow set-up on the first call instead, or raise verify.timeout_s"
+            if alive
+            else f"stopped the verifier worker that imported it ({_exit_detail(w.process.exitcode)}); fix its "
+            "top-level code"
+        )
+        raise RewardFileError(f"{REWARD_KEY}: {path} {why}")
+
+    def load_errors(self) -> list[str]:
+        """Why the reward file could not be loaded, per started worker that could not (one line each)."""
+        return [w.load_error for w in self._workers if w.ready and w.load_error]
+
     def _replace(self, slot: int) -> None:
         self._workers[slot].stop(graceful=False)
         self._workers[slot] = _Worker(self._ctx, self.warmup, self.reward_function)
         self.restarts += 1
+
+
+def check_reward_function(reward: RewardFunction, timeout_s: float) -> None:
+    """Import ``reward``'s file in a verifier worker, never in this process, with ``timeout_s`` for its import:
+    ``RewardFileError`` (one line naming verify.reward_function, the path and the fix) when it does not
+    exist, does not import (in time), or lacks the function. What a run checks before it starts."""
+    with VerifierPool(workers=1, timeout_s=timeout_s, reward_function=reward) as pool:
+        pool.start()
+        errors = pool.load_errors()
+    if errors:
+        raise RewardFileError(errors[0])
 
 
 def score_batch(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -85,6 +86,7 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("optim", "rollout_mask_threshold"): 0.0,
     ("run", "trackers"): [],
     ("verify", "gsm8k_answer"): "math",
+    ("verify", "max_error_share"): 0.5,
 }
 
 
@@ -135,12 +137,17 @@ class Config(Section):
 # ---------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), untrusted: str | None = None
+) -> Config:
     """Read a YAML config file, apply ``section.key=value`` overrides, validate.
 
     Args:
         path: the YAML file; None reads ``configs/demo.yaml`` of the project.
         overrides: the CLI's ``--set`` strings, applied in order (a later one wins).
+        untrusted: the name of the parameter that gave ``path`` when its caller may not read the file (a
+            deployment's ``config_path``): the file's errors then name the file, the line and the section or
+            key, never its text (``_read_untrusted``); the overrides' errors are as usual (the caller's own).
 
     Raises:
         ConfigError: missing or unreadable file, invalid YAML (with file and line), unknown
@@ -160,8 +167,11 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     except IsADirectoryError:
         raise ConfigError(f"config file {file} is a directory; pass a YAML file such as configs/demo.yaml") from None
     except (OSError, UnicodeDecodeError) as e:
+        if untrusted:
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror
+            raise ConfigError(_withheld(untrusted, file, f": cannot be read ({why})")) from None
         raise ConfigError(f"cannot read config file {file}: {e}") from e
-    raw = _parse_yaml(text, str(file))
+    raw = _read_untrusted(text, file, untrusted) if untrusted else _parse_yaml(text, str(file))
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
@@ -310,6 +320,48 @@ def _parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{at}: invalid YAML: {e.problem or e.context}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: invalid YAML: {e}") from e
+
+
+def _withheld(name: str, file: Path, what: str) -> str:
+    return (
+        f"{name} {file}{what}; the file's text is not shown to the caller of a deployment: check the file where it "
+        f"is (`coba run --config {file}` says what is wrong)"
+    )
+
+
+def _read_untrusted(text: str, file: Path, name: str) -> Mapping[str, Any]:
+    """The sections of a config file whose caller may not read it (``load_config``'s ``untrusted``), checked:
+    each error names the file, the line and column of bad YAML, or a section or key of the config (never one
+    the file made up), and says nothing the file says; no exception that would is chained to it."""
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: safe
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        raise ConfigError(
+            _withheld(name, file, f":{mark.line + 1}:{mark.column + 1}: invalid YAML" if mark else ": invalid YAML")
+        ) from None
+    except yaml.YAMLError:
+        raise ConfigError(_withheld(name, file, ": invalid YAML")) from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        got = f"a {type(raw).__name__}"
+        raise ConfigError(_withheld(name, file, f": expected a mapping of sections ({', '.join(SECTIONS)}), got {got}"))
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(_withheld(name, file, f": an unknown section (valid sections: {', '.join(SECTIONS)})"))
+        if body is not None and not isinstance(body, Mapping):
+            raise ConfigError(_withheld(name, file, f": section {section} is not a mapping of key: value"))
+        if any(k not in SECTIONS[section].model_fields for k in body or {}):
+            valid = ", ".join(SECTIONS[section].model_fields)
+            raise ConfigError(_withheld(name, file, f": an unknown key of {section} (valid keys: {valid})"))
+    try:
+        _validate(raw, "")
+    except ConfigError as e:
+        dotted = re.match(r"(\w+)\.(\w+)", str(e))  # the key a message starts with, when it is one of the config's
+        field = SECTIONS[dotted[1]].model_fields.get(dotted[2]) if dotted and dotted[1] in SECTIONS else None
+        what = f": the value of {dotted[0]} ({field.description}) is not valid" if field else ": a value is not valid"
+        raise ConfigError(_withheld(name, file, what)) from None
+    return raw
 
 
 def _apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -449,6 +449,13 @@ class VerifyConfig(Section):
     pass_threshold: Number = config_key(
         1.0, "a reward_function score >= this counts as solved (the pass rates CoBA-RL uses)"
     )
+    max_error_share: Number = config_key(
+        0.5,
+        "a step whose share of error and timeout verdicts is above this stops the run, showing the first error "
+        "(1 = never stop)",
+        ge=0,
+        le=1,
+    )
 
     @model_validator(mode="after")
     def _reward_function(self) -> VerifyConfig:

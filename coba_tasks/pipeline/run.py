@@ -149,6 +149,7 @@ def resolve_run(
     overrides: list[str] | None = None,
     config: Config | Mapping[str, Any] | None = None,
     resume: bool = False,
+    deployment: bool = False,
 ) -> tuple[Config, Path, bool]:
     """(config, run directory, continuing) for a start, a resume or a retried flow run.
 
@@ -157,11 +158,16 @@ def resolve_run(
     directory is ``run_dir`` or ``runs/<run_name or run.name>``. Where that directory already
     holds a run with the same config hash, the run continues (a retried flow run recomputes only
     the stages that are not done); a different config there is an error. ``resume`` reads the
-    config from the run directory itself.
+    config from the run directory itself. ``deployment``: the parameters came from a deployment
+    (``coba_tasks.pipeline.deployment``): every path stays inside the project or the worker's roots, and
+    the file at ``config_path`` is never quoted in an error.
     """
     from coba_tasks.pipeline.config import apply_overrides, check_paths, config_hash, load_config
+    from coba_tasks.pipeline.deployment import check_deployment_paths, check_reward_files
     from coba_tasks.pipeline.trackers import check_installed
 
+    if deployment:  # before anything is read there
+        check_deployment_paths({"config_path": config_path, "run_dir": run_dir})
     if resume:
         if not run_dir:
             raise ValueError("resume needs the run directory")
@@ -171,20 +177,26 @@ def resolve_run(
             raise StoreError(f"{run_dir}: config.yaml does not match the config hash in run.json (edited by hand?)")
         check_platform(cfg)
         check_remote_code(cfg)
+        check_reward_files(cfg)
+        if deployment:
+            check_deployment_paths(_input_paths(cfg))
         check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra
         return cfg, Path(run_dir).resolve(), True
     if config is None:
-        cfg = load_config(config_path, overrides or [])
+        cfg = load_config(config_path, overrides or [], untrusted="config_path" if deployment else None)
     else:
         cfg = config if isinstance(config, Config) else config_from_dict(config)
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
     if run_name:
         cfg = apply_overrides(cfg, [f"run.name={run_name}"])
     root = Path(run_dir) if run_dir else Path("runs") / cfg.run.name
+    if deployment:  # before check_paths says whether a file exists there
+        check_deployment_paths({"run_dir": root, **_input_paths(cfg)})
     check_paths(cfg)
     check_platform(cfg)  # e.g. sleep mode asked for on a machine without CUDA: refused before anything is written
     check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra
     check_remote_code(cfg)  # a config from the flow's parameters does not turn on a model's own code by itself
+    check_reward_files(cfg)  # nor a reward file's
     if (root / "run.json").exists():
         existing = RunStore.open(root).config_hash
         if existing != config_hash(cfg):
@@ -228,8 +240,9 @@ def read_run_config(store: RunStore) -> Config:
 
 
 # The inputs a run reads by path, recorded in run.json when it starts (``run_inputs``); a continuing run
-# reads these again (and data.extra_tests), so it refuses to go on when they changed (``check_inputs``).
-REREAD_INPUTS = ("data.test", "model.path")
+# reads these again (and data.extra_tests), so it refuses to go on when they changed (``check_inputs``):
+# the reward file too, whose workers import it again (a changed one would score the rest of the run).
+REREAD_INPUTS = ("data.test", "model.path", "verify.reward_function")
 
 
 def run_inputs(cfg: Config) -> dict[str, dict[str, str]]:
@@ -241,13 +254,19 @@ def run_inputs(cfg: Config) -> dict[str, dict[str, str]]:
 
 
 def _input_paths(cfg: Config) -> dict[str, str]:
+    from coba_tasks.engines.reward_file import RewardFunction
+
     extra = {f"data.extra_tests[{i}]": p for i, p in enumerate(cfg.data.extra_tests)}
-    return {"data.train": cfg.data.train, "data.test": cfg.data.test, **extra, "model.path": cfg.model.path}
+    spec = cfg.verify.reward_function.strip()
+    reward = {"verify.reward_function": RewardFunction.from_spec(spec).path} if spec else {}  # the file workers import
+    return {"data.train": cfg.data.train, "data.test": cfg.data.test, **extra, "model.path": cfg.model.path, **reward}
 
 
 def check_inputs(store: RunStore, cfg: Config, allow_changed: bool, warn: Callable[[str], None]) -> None:
-    """Refuse to continue a run whose ``data.test`` or ``model.path`` is not what it started with (a resume
-    would evaluate other prompts or train another model), unless ``allow_changed`` (then a warning)."""
+    """Refuse to continue a run whose ``data.test``, ``model.path`` or reward file is not what it started with
+    (a resume would evaluate other prompts, train another model or score with another reward), unless
+    ``allow_changed`` (then a warning). An input the run's run.json does not record (a run made before it
+    was recorded) is said in a warning and not checked."""
     from coba_tasks.engines.fileio import content_sha256
 
     recorded = store.run_info.get("inputs")
@@ -256,6 +275,9 @@ def check_inputs(store: RunStore, cfg: Config, allow_changed: bool, warn: Callab
         return
     paths = _input_paths(cfg)
     for key in (k for k in paths if k in REREAD_INPUTS or k.startswith("data.extra_tests")):
+        if key not in recorded:
+            warn(f"{store.root / 'run.json'} records no hash of {key} (an older run): it goes unchecked")
+            continue
         then = recorded.get(key) or {}
         path = paths[key]
         now = content_sha256(path) if Path(path).exists() else "missing"
@@ -313,7 +335,7 @@ def open_run(
         store.write_run_table("history", stages.empty_history())
         if data.skipped:
             store.write_run_table("bad_rows", data.bad_rows())
-    for line in data.skip_lines():
+    for line in (*data.skip_lines(), *data.overlap_lines()):
         say(line)
     res = RunResources(cfg=cfg, store=store, prompts=prompts, test=heldout_prompts(cfg, test, data.extra_tests))
     _RUNS[str(Path(root).resolve())] = res

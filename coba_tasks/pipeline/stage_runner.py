@@ -24,9 +24,11 @@ from typing import Any
 import pandas as pd
 
 from coba_tasks.core.capability import CapabilityTracker
+from coba_tasks.core.grpo import RewardScaleError
 from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import SamplingConfig
+from coba_tasks.engines.update_batch import NonFiniteUpdateError
 from coba_tasks.engines.verify import count_verdicts
 from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import Config
@@ -69,7 +71,9 @@ def _rollouts(res: RunResources, step: int) -> pd.DataFrame:
 
 
 def _rewards(res: RunResources, step: int) -> pd.DataFrame:
-    return stages.reward_table(res.store.read_table(step, Stage.ROLLOUTS), res.prompts, res.pool)
+    table = stages.reward_table(res.store.read_table(step, Stage.ROLLOUTS), res.prompts, res.pool)
+    stages.check_error_share(table, step, res.cfg.verify.max_error_share)  # raises before the table is written
+    return table
 
 
 def _capability(res: RunResources, step: int) -> pd.DataFrame:
@@ -140,6 +144,15 @@ def _update(res: RunResources, step: int) -> pd.DataFrame:
     if not fsdp:
         res.trainer.save_checkpoint(ckpt, extra_state=extra_state)
     return stages.update_row(step, metrics, rollouts, rewards)
+
+
+def _update_or_stop(res: RunResources, step: int) -> pd.DataFrame:
+    """``_update``; a reward beyond the group statistics' bound or a non-finite update stops the run in one
+    line that names the step (nothing was stepped and ``checkpoints/<step + 1>`` is not written)."""
+    try:
+        return _update(res, step)
+    except (RewardScaleError, NonFiniteUpdateError) as exc:
+        raise type(exc)(f"step {step}: {exc}") from None
 
 
 def _reload_policy(res: RunResources, step: int) -> None:
@@ -214,7 +227,7 @@ RECIPES: dict[Table, Recipe] = {  # the five stages of a step, and the held-out 
     Table.REWARDS: Recipe(_rewards, lambda t: count_verdicts(t["verdict"])),
     Table.CAPABILITY: Recipe(_capability, _capability_figures),
     Table.BUDGET: Recipe(_budget, _budget_figures),
-    Table.UPDATE: Recipe(_update, _update_figures, after=_reload_policy),
+    Table.UPDATE: Recipe(_update_or_stop, _update_figures, after=_reload_policy),
     Table.EVAL: Recipe(_evaluate, eval_figures, fault_hooks=False),  # the weights after `step` updates
 }
 

@@ -27,7 +27,13 @@ import torch
 from coba_tasks.core.allocation import plan_allocation
 from coba_tasks.core.allocators import Allocation
 from coba_tasks.core.capability import CapabilityTracker
-from coba_tasks.core.grpo import group_advantages, zero_variance_share
+from coba_tasks.core.grpo import (
+    RewardScaleError,
+    group_advantages,
+    reward_scale_message,
+    unbounded_rewards,
+    zero_variance_share,
+)
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
 
@@ -193,6 +199,31 @@ def extra_columns(extras: Sequence[dict[str, Any]]) -> dict[str, pd.Series]:
     return out
 
 
+class ScoringError(ValueError):
+    """Too many of a step's completions could not be scored (``check_error_share``); one line."""
+
+
+def check_error_share(rewards: pd.DataFrame, step: int, max_share: float) -> None:
+    """Stop the run when the share of ``error`` and ``timeout`` verdicts of step ``step`` is above
+    ``max_share`` (``verify.max_error_share``): such a step says nothing of the policy (a reward file that
+    raises on every call, a verifier that times out), yet its zero rewards would be read as pass rates of 0
+    and move the budget. The rewards stage calls this before its table is written, so the stage is computed
+    again when the run continues. The message names the step, the share, the first error's ``detail`` (the
+    first timeout's when nothing raised) and the key."""
+    verdicts = rewards["verdict"].astype(str)
+    failed = verdicts.isin([str(VerdictKind.ERROR), str(VerdictKind.TIMEOUT)])
+    if verdicts.empty or not failed.mean() > max_share:
+        return
+    kind = str(VerdictKind.ERROR) if (verdicts == str(VerdictKind.ERROR)).any() else str(VerdictKind.TIMEOUT)
+    detail = rewards["detail"][verdicts == kind].iloc[0] or "(no detail)"
+    raise ScoringError(
+        f"step {step}: {int(failed.sum())} of {len(verdicts)} rollouts scored error or timeout "
+        f"({failed.mean():.0%}), above verify.max_error_share = {max_share:g}; the first {kind}: {detail}; fix "
+        "the reward file or verifier and continue the run (`coba resume`, with --allow-changed-inputs after "
+        "editing a reward file), or set verify.max_error_share higher (1 = never stop) for a new run"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Failure-rate update
 # ---------------------------------------------------------------------------------------------
@@ -338,12 +369,19 @@ def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: Capabilit
 
 
 def advantages_for(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> np.ndarray:
-    """GRPO advantages aligned with ``rollouts`` rows, grouped by prompt id (groups of any size >= 2)."""
+    """GRPO advantages aligned with ``rollouts`` rows, grouped by prompt id (groups of any size >= 2); a reward
+    that is not finite or beyond +/- ``REWARD_BOUND`` is refused (``RewardScaleError`` naming the prompt)."""
     merged = rollouts[["prompt_id", "sample_idx"]].merge(rewards, on=["prompt_id", "sample_idx"], how="left")
     if merged["reward"].isna().any():
         raise ValueError("rewards do not cover every rollout (prompt_id, sample_idx)")
     ids = torch.as_tensor(pd.factorize(merged["prompt_id"])[0])
-    return group_advantages(torch.tensor(merged["reward"].to_numpy(dtype=np.float64)), ids).numpy()
+    reward = torch.tensor(merged["reward"].to_numpy(dtype=np.float64))
+    bad = unbounded_rewards(reward)  # refused naming the prompt (group_advantages knows only group numbers)
+    if bad.numel():
+        row = merged.iloc[int(bad[0])]
+        where = f"prompt {row['prompt_id']} (sample {row['sample_idx']})"
+        raise RewardScaleError(reward_scale_message(where, float(row["reward"])))
+    return group_advantages(reward, ids).numpy()
 
 
 def update_batch(

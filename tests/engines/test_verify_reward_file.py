@@ -7,9 +7,12 @@ The reward files are written by the tests, as a user would write them for veRL's
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -233,9 +236,10 @@ def test_a_worker_that_cannot_load_the_file_scores_error_with_the_reason(tmp_pat
     assert verdict.verdict.value == ERROR and "gone.py does not exist" in verdict.detail
 
 
-def test_the_config_check_loads_the_file_in_this_process_before_a_run(tmp_path: Path, reward_file: Path) -> None:
+def test_the_config_check_loads_the_file_in_a_verifier_worker_before_a_run(tmp_path: Path, reward_file: Path) -> None:
     """verify.reward_function is checked where a run's datasets are (coba run, the flow's start), before
-    anything is written; the pool of a run carries it with verify.pass_threshold."""
+    anything is written, by importing it in a verifier worker (never in this process: its top-level code
+    runs under verify.timeout_s there); the pool of a run carries it with verify.pass_threshold."""
     from coba_tasks.pipeline.config import load_config
     from coba_tasks.pipeline.data_run import reward_function
     from coba_tasks.pipeline.run import verifier_pool
@@ -245,6 +249,7 @@ def test_the_config_check_loads_the_file_in_this_process_before_a_run(tmp_path: 
     )
     rf = reward_function(cfg)
     assert rf == RewardFunction(str(reward_file), "with_extras", 0.5)
+    assert _module_of(reward_file) not in sys.modules  # imported by a worker, not here
     pool = verifier_pool(cfg)
     assert pool.reward_function == rf and pool.worker_pids == []  # not started
     missing = load_config("configs/tiny-test.yaml", [f"verify.reward_function={tmp_path / 'nope.py'}"])
@@ -273,3 +278,76 @@ def test_the_reward_file_of_docs_operations_works_unchanged(tmp_path: Path) -> N
         {"formatted": True, "pred": "7"},
         {"formatted": False, "pred": ""},
     ]
+
+
+# A reward file whose top-level code outlasts verify.timeout_s: it never finishes importing in time.
+SLOW_IMPORT = (
+    "import time\n\ntime.sleep(20)\n\n\n"
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+)
+
+
+def _module_of(path: Path) -> str:
+    """The module name a reward file is imported under (``reward_file._import_function``)."""
+    return "coba_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+
+
+def test_a_reward_file_whose_import_outlasts_the_limit_is_refused_in_one_line_within_about_the_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, random_checkpoints
+) -> None:
+    """The load check of a run (and `coba run`, which makes it before anything starts) imports the file in a
+    verifier worker under verify.timeout_s: a top-level sleep past it is one line, in about the limit."""
+    from coba_tasks.commands.cli import main
+    from coba_tasks.pipeline.config import load_config
+    from coba_tasks.pipeline.data_run import reward_function
+
+    path = tmp_path / "slow_import.py"
+    path.write_text(SLOW_IMPORT)
+    refused = rf"^verify\.reward_function: {path} did not import within 1 s \(verify\.timeout_s\)"
+    cfg = load_config("configs/tiny-test.yaml", [f"verify.reward_function={path}", "verify.timeout_s=1"])
+    t0 = time.monotonic()
+    with pytest.raises(RewardFileError, match=refused) as info:
+        reward_function(cfg)
+    assert time.monotonic() - t0 < 6.0 and "\n" not in str(info.value)
+    assert _module_of(path) not in sys.modules  # the file's code never ran in this process
+
+    from coba_tasks.pipeline.deployment import REWARD_FILES_ENV
+
+    monkeypatch.delenv(REWARD_FILES_ENV, raising=False)  # (monkeypatch removes what coba run sets, afterwards)
+    model, _ = random_checkpoints
+    run_dir = tmp_path / "run"
+    args = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(run_dir), "--set", f"model.path={model}"]
+    t0 = time.monotonic()
+    rc = main([*args, "--set", f"verify.reward_function={path}", "--set", "verify.timeout_s=1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith(f"error: verify.reward_function: {path} did not import")
+    assert time.monotonic() - t0 < 15.0 and not run_dir.exists()
+    assert os.environ.get(REWARD_FILES_ENV) == "1"  # the user's own command allows its reward file
+
+
+def test_a_pool_whose_worker_cannot_import_the_file_in_time_stops_in_one_line(tmp_path: Path) -> None:
+    """The workers of a run's pool import the file under the same limit: a batch stops at once with one line,
+    rather than waiting for the workers' start-up limit (120 s) or scoring with a half-imported module."""
+    path = tmp_path / "slow_import.py"
+    path.write_text(SLOW_IMPORT)
+    t0 = time.monotonic()
+    with VerifierPool(workers=2, timeout_s=1.0, reward_function=_rf(path)) as pool:
+        with pytest.raises(RewardFileError, match=rf"^verify\.reward_function: {path} did not import within 1 s"):
+            pool.score([("1", "1", "s")])
+        assert pool.worker_pids == []  # every worker stopped
+    assert time.monotonic() - t0 < 6.0
+
+
+@pytest.mark.skipif(not Path("/proc/self/oom_score_adj").is_file(), reason="oom_score_adj is Linux's")
+@pytest.mark.parametrize("with_reward_file", [True, False])
+def test_verifier_workers_are_the_kernels_first_choice_when_memory_runs_out(
+    reward_file: Path, with_reward_file: bool
+) -> None:
+    """A reward file (or a verifier) that eats memory is what the OOM killer takes, not the trainer."""
+    own = Path("/proc/self/oom_score_adj").read_text()
+    rf = _rf(reward_file) if with_reward_file else None
+    with VerifierPool(workers=1, timeout_s=10.0, reward_function=rf, warmup=False) as pool:
+        pool.start()
+        (pid,) = pool.worker_pids
+        assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "1000"
+    assert Path("/proc/self/oom_score_adj").read_text() == own  # this process (the trainer's) is left as it was

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +31,7 @@ from prefect_procs import (
     PROJECT,
     Processes,
     flow_run_id,
+    flow_run_logs,
     free_port,
     prefect_env,
     start_server,
@@ -40,6 +42,7 @@ from prefect_procs import (
 from coba_tasks.pipeline.store import RunStore, Stage, Table
 
 DEPLOYMENTS = ("coba-train/coba-train", "coba-bootstrap/coba-bootstrap", "coba-eval/coba-eval")
+SECRET = "sk-deploy-0123"  # the first line of a file a deployment's caller names as its config
 
 
 def artifact_keys(client, run_id: uuid.UUID) -> set[str]:
@@ -51,7 +54,7 @@ def artifact_keys(client, run_id: uuid.UUID) -> set[str]:
 
 def run_deployment(procs: Processes, deployment: str, **params: object) -> uuid.UUID:
     """``prefect deployment run DEPLOYMENT --param key=value ...``; the new flow run's id."""
-    args = [f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in params.items()]
+    args = [f"{k}={json.dumps(v) if isinstance(v, dict | list) else v}" for k, v in params.items()]
     out = procs.run(
         f"run-{deployment.split('/')[0]}",
         [*PREFECT, "deployment", "run", deployment, *(x for a in args for x in ("--param", a))],
@@ -90,7 +93,15 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
     # a team server with Prefect's API authentication (docs/workers.md): the server takes the auth string,
     # every client (deploy, the worker, this test) sends it
     auth = "coba:test-secret"
-    env = prefect_env(tmp_path / "prefect-home", url, PREFECT_SERVER_API_AUTH_STRING=auth, PREFECT_API_AUTH_STRING=auth)
+    # the worker's flow runs may use this test's directory and the model's, besides the project (docs/workers.md)
+    roots = os.pathsep.join([str(tmp_path), str(model.parent)])
+    env = prefect_env(
+        tmp_path / "prefect-home",
+        url,
+        PREFECT_SERVER_API_AUTH_STRING=auth,
+        PREFECT_API_AUTH_STRING=auth,
+        COBA_DEPLOYMENT_ROOTS=roots,
+    )
     procs = Processes(tmp_path, env)
     try:
         server = start_server(procs, "server", port, env, cwd=tmp_path)
@@ -174,6 +185,38 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                 assert len(table) == 10 and (table["weight_version"] == 2).all()
                 assert table["accuracy"].between(0, 1).all()
                 assert artifact_keys(client, eval_id) == {"eval-run-step-000002"}
+
+                # what a caller of the API may not reach (docs/workers.md, "Who can reach the API"): a path
+                # outside the project and the worker's roots, a file's text, a reward file the worker does not
+                # allow; each flow run fails before it reads or writes anything, naming the parameter or key
+                secret = tmp_path / "secret.env"
+                secret.write_text(f"API_KEY={SECRET}\n")
+                reward = tmp_path / "reward.py"
+                reward.write_text("def compute_score(*args, **kwargs):\n    return 1.0\n")
+                elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere.parquet"
+                checkpoint = store.checkpoint_dir(2)
+                cases = [
+                    ("config_path = /etc", "coba-train/coba-train", {"config_path": "/etc/passwd"}),
+                    (f"config_path {secret}: ", "coba-train/coba-train", {"config_path": secret}),
+                    (
+                        "verify.reward_function = ",
+                        "coba-train/coba-train",
+                        {"config_path": config_path, "overrides": [f"verify.reward_function={reward}"]},
+                    ),
+                    ("out_path = ", "coba-eval/coba-eval", {"model_path": checkpoint, "out_path": elsewhere}),
+                ]
+                refused = {}
+                for i, (fragment, name, params) in enumerate(cases):
+                    run_dir_param = {"run_dir": tmp_path / f"r{i}"} if name.startswith("coba-train") else {}
+                    refused[run_deployment(procs, name, **params, **run_dir_param)] = fragment
+                for refused_id, fragment in refused.items():
+                    run = wait_final(client, refused_id, worker)
+                    assert run.state.is_failed(), f"{fragment!r}: ended {run.state_name}"
+                    logs = flow_run_logs(client, refused_id, expect=fragment)
+                    assert fragment in logs, logs[-2000:]
+                    assert SECRET not in logs and "root:x:" not in logs, logs[-2000:]
+                    assert "outside the project" in logs or "COBA_ALLOW_REWARD_FILES=1" in logs or "not shown" in logs
+                assert not elsewhere.exists() and not any((tmp_path / f"r{i}").exists() for i in range(len(cases)))
         t_end = time.monotonic()
         print(
             f"server up {t_server - t_start:.0f} s, pool + deploy {t_deploy - t_server:.0f} s, "

@@ -9,6 +9,7 @@ not a lowercase letter or a digit (about 60 % of the random tiny model's samples
 
 from __future__ import annotations
 
+import hashlib
 import textwrap
 
 import numpy as np
@@ -135,3 +136,80 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
     assert np.any(adv != 0) and np.all(np.isfinite(adv))
     # held-out accuracy: the share of completions at or above the threshold
     assert held_out["accuracy"].isin([0.0, 1.0]).all()
+
+
+BROKEN_FILE = 'def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {}["answer"]\n'
+FIXED_FILE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+
+
+def _one_step_config(tmp_path, model, reward):
+    """configs/tiny-test.yaml cut to one step and 2 held-out prompts, scored by the reward file ``reward``."""
+    train = _verl_file(tmp_path / "train.parquet", ["12+7=", "3*4=", "40-9=", "5+5="], ["float"] * 4)
+    test = _verl_file(tmp_path / "test.parquet", TEST_PROMPTS[:2], ["float"] * 2)
+    overrides = [f"model.path={model}", f"data.train={train}", f"data.test={test}", f"verify.reward_function={reward}"]
+    return load_config("configs/tiny-test.yaml", [*overrides, "run.steps=1", "data.eval_prompts=2"])
+
+
+@pytest.mark.slow
+def test_a_reward_file_that_fails_on_every_call_stops_the_run_and_a_resume_after_the_fix_recomputes_it(
+    tmp_path, prefect_harness, random_checkpoints, monkeypatch
+):
+    """verify.max_error_share (0.5 by default): the rewards stage of step 0 raises before its table is written,
+    with one line naming the step, the share, the first error's detail and the key; fixed, the run resumes."""
+    from coba_tasks.pipeline.config import config_to_dict
+    from flows.train import train_flow
+
+    monkeypatch.setenv("COBA_ALLOW_REWARD_FILES", "1")  # the Python API, like a worker allowed to run reward files
+    model, _ = random_checkpoints
+    reward = tmp_path / "broken_reward.py"
+    reward.write_text(BROKEN_FILE)
+    cfg = _one_step_config(tmp_path, model, reward)
+    run_dir = tmp_path / "run"
+    state = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg), return_state=True)
+    assert state.is_failed(), "a step whose every verdict is error completed"
+    from coba_tasks.pipeline.stages import ScoringError
+
+    with pytest.raises(ScoringError) as info:
+        state.result()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("step 0: 16 of 16 rollouts scored error or timeout (100%), above verify.max_error_share")
+    assert "the first error: broken_reward.py:compute_score: KeyError: 'answer' (broken_reward.py line 2)" in message
+    store = RunStore.open(run_dir)
+    assert store.is_done(0, Stage.ROLLOUTS) and not store.is_done(0, Stage.REWARDS)  # not marked done
+
+    reward.write_text(FIXED_FILE)  # the fix; the run started with the broken file, so the resume says so
+    summary = train_flow(run_dir=str(run_dir), resume=True, allow_changed_inputs=True)
+    rewards = RunStore.open(run_dir).read_table(0, Stage.REWARDS)
+    assert len(rewards) == 16 and (rewards["verdict"] == "correct").all() and summary["steps"] == 1
+
+
+def test_the_reward_file_is_a_hashed_input_and_a_continuing_run_refuses_an_edited_one(tmp_path, random_checkpoints):
+    """run.json records the reward file's sha256 with the other inputs; a resume (or rerun) after editing it is
+    refused in one line naming verify.reward_function, unless allow_changed_inputs (then a warning)."""
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline.store import StoreError
+
+    model, _ = random_checkpoints
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(FIXED_FILE)
+    cfg = _one_step_config(tmp_path, model, reward)
+    root = (tmp_path / "run").resolve()
+    run.close_run(run.open_run(root, cfg, continuing=False))
+    store = RunStore.open(root)
+    recorded = store.run_info["inputs"]["verify.reward_function"]
+    assert recorded["path"] == str(reward.resolve())
+    assert recorded["sha256"] == hashlib.sha256(FIXED_FILE.encode()).hexdigest()
+    warnings: list[str] = []
+    run.check_inputs(store, cfg, False, warnings.append)  # unchanged: nothing said
+    assert warnings == []
+
+    reward.write_text(FIXED_FILE.replace("1.0", "0.5"))
+    with pytest.raises(StoreError) as info:
+        run.open_run(root, cfg, continuing=True)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"verify.reward_function ({reward.resolve()}) is not what")
+    assert "--allow-changed-inputs" in message
+    run.check_inputs(store, cfg, True, warnings.append)
+    assert len(warnings) == 1 and warnings[0].startswith("verify.reward_function (")
+    assert "continuing as asked" in warnings[0]

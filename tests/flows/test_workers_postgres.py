@@ -201,11 +201,13 @@ def assert_same_run(run_dir: Path, reference: Path, base_model: Path) -> None:
         assert ma.keys() == mb.keys(), (run_dir.name, step, sorted(ma), sorted(mb))
         for name in mb:
             assert a.damage(step, name) is None, (run_dir.name, step, name, a.damage(step, name))
-            pd.testing.assert_frame_equal(a.read_table(step, name), b.read_table(step, name), obj=f"{step}/{name}")
+            pd.testing.assert_frame_equal(
+                a.read_table(step, name), b.read_table(step, name), obj=f"{step}/{name}", check_exact=True
+            )
     for step in range(STEPS):
         assert set(Stage) <= set(a.manifest(step)) | {Stage.BUDGET}, (step, sorted(a.manifest(step)))
     for name in ("prompts", "history"):
-        pd.testing.assert_frame_equal(a.read_run_table(name), b.read_run_table(name), obj=name)
+        pd.testing.assert_frame_equal(a.read_run_table(name), b.read_run_table(name), obj=name, check_exact=True)
     for step in range(1, STEPS + 1):  # every checkpoint bit for bit: weights, AdamW state, trainer state
         ca, cb = a.checkpoint_dir(step), b.checkpoint_dir(step)
         wa, wb = (load_file(str(c / "model.safetensors")) for c in (ca, cb))
@@ -268,8 +270,10 @@ def cluster(tmp_path_factory, random_checkpoints, first_char_data):
     url = f"http://127.0.0.1:{port}/api"
     env = prefect_env(root / "prefect-home", url, PREFECT_API_DATABASE_CONNECTION_URL=pg.url)
     site = write_sitecustomize(root / "site")
+    data_dirs = (root, random_checkpoints[0].parent, first_char_data[0].parent)  # where the flow runs' paths are
     worker_env = {
         **env,
+        "COBA_DEPLOYMENT_ROOTS": os.pathsep.join(map(str, data_dirs)),  # besides the project (docs/workers.md)
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
     }
