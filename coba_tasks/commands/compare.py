@@ -6,7 +6,11 @@ steps and seeds; only the allocation differs. Runs go seed by seed (every strate
 seed 1, ...), so a comparison stopped part-way holds complete pairs. A run that finished is kept, a
 run that stopped is resumed (its done stages are not recomputed), so ``coba compare`` continues where
 it stopped; ``--kept DIR`` names the tables of an earlier sitting (in another checkout, say), whose
-finished runs are not trained again when their config hash matches. Each run trains in a process of
+finished runs are not trained again. ``--out``'s own tables count as an earlier sitting's too: the rows
+of their finished runs that have no directory there, or that this command does not list, stay in the
+tables. A run or row is kept or resumed only when the config hash it was made with is the one this
+command gives that run; another config is refused in one line before anything trains (a resumed run
+goes on with the config it started with, so it would mix two configs). Each run trains in a process of
 its own, so a finished run's memory goes back to the system. Held-out accuracy is measured as avg@k
 at temperature 1 and greedily every ``eval_every`` steps.
 
@@ -26,11 +30,15 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import pandas as pd
 
 from coba_tasks.commands.args import Command, option
 from coba_tasks.commands.console import VERBOSE_OPTION
+
+if TYPE_CHECKING:
+    from coba_tasks.pipeline.config import Config
 
 # strategy name -> config overrides (on top of the config file)
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -74,45 +82,114 @@ def run_order(strategies: Sequence[str], seeds: int) -> list[tuple[str, int]]:
     return [(s, k) for k in range(seeds) for s in strategies]
 
 
+class Earlier(NamedTuple):
+    """A finished run of an earlier sitting, whose rows the tables keep when it has no directory here."""
+
+    config_hash: str
+    where: str  # the tables that hold its rows
+    rows: int  # how many rows they hold of it
+    fix: str  # the way out a refusal of its config names
+
+
+def earlier_runs(
+    out: Path, own: dict[str, pd.DataFrame], kept_dir: str | None, kept: dict[str, pd.DataFrame]
+) -> dict[tuple[str, int], Earlier]:
+    """(strategy, seed) -> ``Earlier`` for the finished runs in ``--out``'s own tables (this sitting rewrites
+    them, so a row it left out would be lost) and then in ``--kept``'s."""
+    from coba_tasks.commands import compare_tables as ct
+
+    runs: dict[tuple[str, int], Earlier] = {}
+    for tables, where, fix in ((own, out, "another --out"), (kept, kept_dir, "another --out and no --kept")):
+        for key, digest in ct.finished_runs(tables).items():
+            runs.setdefault(key, Earlier(digest, f"the tables in {where}", ct.run_rows(tables, key), fix))
+    return runs
+
+
+def plan_runs(
+    runs: Sequence[tuple[str, int]],
+    steps: int,
+    config_path: str | None,
+    overrides: Sequence[str],
+    eval_samples: int,
+    eval_every: int,
+) -> dict[tuple[str, int], tuple[list[str], Config]]:
+    """(strategy, seed) -> the run's overrides and the config they give it, for the runs of a strategy this
+    version has; a bad override fails here, before any run."""
+    from coba_tasks.pipeline.config import load_config
+
+    planned = {}
+    for strategy, seed in runs:
+        if strategy in PRESETS:
+            ov = [*overrides, *run_overrides(strategy, seed, steps, eval_samples, eval_every)]
+            planned[(strategy, seed)] = (ov, load_config(config_path, ov))
+    return planned
+
+
+def check_configs(
+    out: Path,
+    runs: Sequence[tuple[str, int]],
+    planned: dict[tuple[str, int], tuple[list[str], Config]],
+    earlier: dict[tuple[str, int], Earlier],
+    run_dirs: bool = True,
+) -> None:
+    """Refuse, before any run is kept, resumed or trained, a run of ``runs`` made with another config than
+    the one this command gives it (``planned``): its directory in ``out`` (the config hash in its run.json;
+    not with ``run_dirs`` False, for ``--collect-only``, which neither keeps nor resumes) or, when it has
+    none, an earlier sitting's finished run whose rows the tables would keep. Keeping or resuming it would
+    put two configs in one comparison (a resumed run goes on with the config it started with)."""
+    from coba_tasks.pipeline.config import config_hash
+    from coba_tasks.pipeline.store import RunStore
+
+    for strategy, seed in runs:
+        name = f"{strategy}-seed{seed}"
+        plan = planned.get((strategy, seed))
+        ours = config_hash(plan[1]) if plan else f"none: no strategy {strategy} here"
+        if (out / name / "run.json").is_file():
+            theirs = RunStore.open(out / name).config_hash if run_dirs else ours
+            where, fix = str(out), "another --out"
+        elif (strategy, seed) in earlier:
+            e = earlier[(strategy, seed)]
+            theirs, where, fix = e.config_hash, f"{e.where} ({e.rows} rows of an earlier sitting)", e.fix
+        else:
+            continue
+        if theirs != ours:
+            raise ValueError(
+                f"{name} in {where} was trained with another config (hash {theirs}, this one {ours}): "
+                f"use the same config and options, or {fix}"
+            )
+
+
 def run_all(
     out: Path,
-    strategies: Sequence[str],
-    seeds: int,
+    order: Sequence[tuple[str, int]],
+    planned: dict[tuple[str, int], tuple[list[str], Config]],
     steps: int,
     config_path: str | None = None,
-    overrides: Sequence[str] = (),
-    eval_samples: int = 4,
-    eval_every: int = 6,
+    earlier: dict[tuple[str, int], Earlier] | None = None,
     log: Log = print,
-    kept: dict[tuple[str, int], str] | None = None,
-    kept_from: str = "",
 ) -> list[Path]:
-    """Train every (strategy, seed) that has not finished, here or (``kept``: (strategy, seed) -> config
-    hash of an earlier sitting's finished runs) before; returns the run directories of this sitting."""
-    from coba_tasks.pipeline.config import config_hash, load_config
-
+    """Train every (strategy, seed) of ``order`` that has not finished, here or in an earlier sitting
+    (``earlier``); returns the run directories of this sitting. ``check_configs`` has checked them."""
     runs = []
-    order = run_order(strategies, seeds)
+    earlier = earlier or {}
     for i, (strategy, seed) in enumerate(order, start=1):
-        ov = [*overrides, *run_overrides(strategy, seed, steps, eval_samples, eval_every)]
-        cfg = load_config(config_path, ov)  # a bad override fails here, before any run
+        ov, cfg = planned[(strategy, seed)]
         if cfg.model.trust_remote_code:
             from coba_tasks.pipeline.run import allow_remote_code
 
             allow_remote_code()  # the user's own command asks for the model's code (the runs' processes inherit it)
+        if cfg.verify.reward_function.strip():
+            from coba_tasks.pipeline.deployment import allow_reward_files
+
+            allow_reward_files()  # and for its reward file
         run_dir = out / f"{strategy}-seed{seed}"
         where = f"[{i}/{len(order)}] {run_dir.name}"
         if (run_dir / "summary.json").is_file():
             runs.append(run_dir)
             log(f"{where}: finished earlier, kept")
             continue
-        if kept and (strategy, seed) in kept and not (run_dir / "run.json").is_file():
-            if kept[(strategy, seed)] != config_hash(cfg):
-                raise ValueError(
-                    f"{run_dir.name} in {kept_from} was trained with another config (hash {kept[(strategy, seed)]}, "
-                    f"this one {config_hash(cfg)}): use the same config and options, or another --out and no --kept"
-                )
-            log(f"{where}: finished in an earlier sitting, kept (its rows from {kept_from})")
+        if (strategy, seed) in earlier and not (run_dir / "run.json").is_file():
+            log(f"{where}: finished in an earlier sitting, kept (its rows from {earlier[(strategy, seed)].where})")
             continue
         runs.append(run_dir)
         resume = (run_dir / "run.json").is_file()
@@ -195,29 +272,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
     kept = ct.read_tables(Path(kept_dir)) if kept_dir else {name: pd.DataFrame() for name in ct.TABLES}
     if kept_dir and kept["runs"].empty:
         raise ValueError(f"--kept {kept_dir}: no runs.parquet there (the tables of an earlier coba compare)")
+    own = ct.read_tables(out)  # an earlier sitting's tables, which this one rewrites
+    earlier = earlier_runs(out, own, kept_dir, kept)
+    order = run_order(strategies, args.seeds)
+    # the finished runs in --out's tables that this command does not list stay in them
+    listed = [*order, *(key for key in ct.finished_runs(own) if key not in order)]
+    planned = plan_runs(listed, args.steps, args.config, args.set or [], args.eval_samples, args.eval_every)
+    check_configs(out, listed, planned, earlier, run_dirs=not args.collect_only)
     out.mkdir(parents=True, exist_ok=True)
     if not args.collect_only:
         from coba_tasks.pipeline.prefect_env import configure_prefect
 
         configure_prefect()
         try:
-            run_all(
-                out,
-                strategies,
-                args.seeds,
-                args.steps,
-                args.config,
-                args.set or [],
-                args.eval_samples,
-                args.eval_every,
-                kept=ct.finished_runs(kept),
-                kept_from=str(kept_dir),
-            )
+            run_all(out, order, planned, args.steps, args.config, earlier)
         except RunFailedError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-    order = run_order(strategies, args.seeds)
-    tables = ct.assemble(order, ct.collect([out / f"{s}-seed{k}" for s, k in order]), kept)
+    tables = ct.assemble(listed, ct.collect([out / f"{s}-seed{k}" for s, k in listed]), own, kept)
     if tables["results"].empty:
         raise ValueError(f"no evaluated runs in {out} yet")
     ct.write_tables(out, tables)
@@ -241,7 +313,9 @@ COMMAND = Command(
     "steps, budget_by_level, budget_by_pass_rate, transitions), final.json and compare.png into --out and print "
     "the gain per strategy, the paired difference to uniform with its 95 % interval and the smallest detectable "
     "difference, and where the rollouts went. Finished runs are kept (here or, with --kept, in an earlier "
-    "sitting's tables) and stopped ones resumed, so the command continues where it stopped. "
+    "sitting's tables) and stopped ones resumed, so the command continues where it stopped; the finished runs "
+    "in --out's own tables that have no directory there, or that this command does not list, stay in its tables. "
+    "A run made with another config than this command gives it (another --steps, --set...) is refused. "
     f"Strategies: {', '.join(PRESETS)} "
     "(coba-reversed: explore then exploit; coba-fixed: allocation.fixed_alpha/fixed_beta at every step).",
     examples=EXAMPLES,

@@ -18,8 +18,8 @@ what the row is about:
     transitions.parquet  strategy, seed, from_class, to_class, prompts: how a prompt's class (all wrong /
                          mixed / all right) changes from one visit to the next
 
-``merge_kept`` adds the rows of runs finished in an earlier sitting (the tables of its ``--kept``
-directory) for the runs that have no directory here. ``final_table`` (gain per strategy),
+``assemble`` adds the rows of runs finished in an earlier sitting (``--out``'s own tables, then those
+of ``--kept``) for the runs that have no directory here. ``final_table`` (gain per strategy),
 ``paired_table`` (the paired difference to a baseline with its 95 % interval and the smallest
 difference the design detects) and ``mechanism_table`` (where each strategy's rollouts went) are what
 ``coba compare`` prints and writes to ``final.json``; ``plot`` draws ``compare.png``.
@@ -210,19 +210,25 @@ def finished_runs(tables: dict[str, pd.DataFrame]) -> dict[tuple[str, int], str]
     return {(str(r.strategy), int(r.seed)): str(r.config_hash) for r in done.itertuples()}
 
 
+def run_rows(tables: dict[str, pd.DataFrame], key: tuple[str, int]) -> int:
+    """How many rows ``tables`` hold of run (strategy, seed) ``key``."""
+    return sum(int(((f["strategy"] == key[0]) & (f["seed"] == key[1])).sum()) for f in tables.values() if not f.empty)
+
+
 def assemble(
-    order: Sequence[tuple[str, int]], here: dict[str, pd.DataFrame], kept: dict[str, pd.DataFrame]
+    order: Sequence[tuple[str, int]], here: dict[str, pd.DataFrame], *kept: dict[str, pd.DataFrame]
 ) -> dict[str, pd.DataFrame]:
     """The tables of the runs ``order`` lists, in that order: each run's rows from ``here`` (the run
-    directories of this sitting) when it has rows there, else from ``kept`` (an earlier sitting's tables,
-    finished runs only)."""
+    directories of this sitting) when it has rows there, else from the first of ``kept`` (earlier
+    sittings' tables, finished runs only) that has it finished."""
     present = set() if here["runs"].empty else set(zip(here["runs"]["strategy"], here["runs"]["seed"], strict=True))
-    done_before = finished_runs(kept)
+    done_before = [finished_runs(tables) for tables in kept]
     merged = {}
     for name in TABLES:
         parts = []
         for strategy, seed in order:
-            source = here if (strategy, seed) in present else (kept if (strategy, seed) in done_before else None)
+            earlier = (t for t, done in zip(kept, done_before, strict=True) if (strategy, seed) in done)
+            source = here if (strategy, seed) in present else next(earlier, None)
             frame = None if source is None else source[name]
             if frame is not None and not frame.empty:
                 parts.append(frame[(frame["strategy"] == strategy) & (frame["seed"] == seed)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import pandas as pd
 import pytest
@@ -120,20 +121,38 @@ def test_the_report_of_one_seed_says_what_it_cannot_give_instead_of_nan():
 
 
 def _tables(strategy: str, seed: int, accuracy: float, config_hash: str = "h") -> dict[str, pd.DataFrame]:
+    """The tables of one finished run as `coba compare` writes them (one evaluation, one step), built directly."""
     key = {"strategy": strategy, "seed": seed}
-    tables = {name: pd.DataFrame([key]) for name in ct.TABLES}
-    tables["runs"] = pd.DataFrame([{**key, "config_hash": config_hash, "finished": True}])
-    tables["results"] = pd.DataFrame([{**key, "step": 4, "accuracy": accuracy}])
-    return tables
+    steps = {"S": 0.5, "alloc_alpha": 4.0, "alloc_beta": 4.0, "first_solved": 1, "rollouts": 16}
+    steps |= {"step": 0, "effective_gradient_ratio": 0.5, "effective_rollout_ratio": 0.5}
+    return {
+        "runs": pd.DataFrame([{**key, "config_hash": config_hash, "finished": True, "steps": 1, "rollouts": 16}]),
+        "results": pd.DataFrame(
+            [{**key, "step": 4, "accuracy": accuracy, "accuracy_greedy": accuracy, "rollouts_spent": 16, "boxed": 1.0}]
+        ),
+        "steps": pd.DataFrame([{**key, **steps}]),
+        "budget_by_level": pd.DataFrame([{**key, "step": 0, "difficulty": 1, "prompts": 4, "total_budget": 16}]),
+        "budget_by_pass_rate": pd.DataFrame([{**key, "pass_rate_bin": "unseen", "prompts": 4, "rollouts": 16}]),
+        "transitions": pd.DataFrame([{**key, "from_class": "mixed", "to_class": "mixed", "prompts": 0}]),
+    }
+
+
+def _join(*tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """The tables of several runs, one after another."""
+    return {n: pd.concat([t[n] for t in tables], ignore_index=True) for n in ct.TABLES}
+
+
+def _run_hash(args: argparse.Namespace, strategy: str, seed: int) -> str:
+    """The config hash `coba compare` with ``args`` gives run (strategy, seed), computed here on its own."""
+    from coba_tasks.pipeline.config import config_hash, load_config
+
+    ov = compare.run_overrides(strategy, seed, args.steps, args.eval_samples, args.eval_every)
+    return config_hash(load_config(args.config, [*args.set, *ov]))
 
 
 def test_assemble_takes_this_sittings_runs_first_then_the_kept_finished_ones():
     here = _tables("coba", 0, 0.7)
-    kept = {
-        n: pd.concat([a[n], b[n], c[n]], ignore_index=True)
-        for a, b, c in [(_tables("uniform", 0, 0.5), _tables("coba", 0, 0.1), _tables("uniform", 1, 0.6))]
-        for n in ct.TABLES
-    }
+    kept = _join(_tables("uniform", 0, 0.5), _tables("coba", 0, 0.1), _tables("uniform", 1, 0.6))
     kept["runs"].loc[kept["runs"]["seed"] == 1, "finished"] = False  # a run that stopped in the earlier sitting
     order = compare.run_order(["uniform", "coba"], 2)
     merged = ct.assemble(order, here, kept)
@@ -142,6 +161,70 @@ def test_assemble_takes_this_sittings_runs_first_then_the_kept_finished_ones():
     assert ct.finished_runs(kept) == {("uniform", 0): "h", ("coba", 0): "h"}
     done = ct.finished_only(kept)  # the statistics leave out the stopped run's rows
     assert done["results"][["strategy", "seed"]].values.tolist() == [["uniform", 0], ["coba", 0]]
+
+
+def test_out_keeps_the_rows_of_its_earlier_sittings_finished_runs(tmp_path):
+    """`--out`'s own tables are an earlier sitting's: the rows of its finished runs that have no directory
+    there (copied tables, say), or that this command does not list, stay in the tables it writes."""
+    out = tmp_path / "cmp"
+    args = tiny_compare_args(out, tmp_path / "model", strategies="uniform", steps=1, eval_samples=1, eval_every=0)
+    args.collect_only = True
+    out.mkdir()
+    hashes = {s: _run_hash(args, s, 0) for s in ("uniform", "coba")}
+    ct.write_tables(out, _join(_tables("uniform", 0, 0.5, hashes["uniform"]), _tables("coba", 0, 0.7, hashes["coba"])))
+    assert compare.cmd_compare(args) == 0
+    results = pd.read_parquet(out / "results.parquet")
+    assert results[["strategy", "seed", "accuracy"]].values.tolist() == [["uniform", 0, 0.5], ["coba", 0, 0.7]]
+    assert pd.read_parquet(out / "runs.parquet")["config_hash"].tolist() == [hashes["uniform"], hashes["coba"]]
+    final = json.loads((out / "final.json").read_text())["final"]
+    assert [r["strategy"] for r in final] == ["uniform", "coba"]
+
+
+def test_out_refuses_to_drop_an_earlier_run_made_with_another_config(tmp_path):
+    """An earlier sitting's finished run in `--out`'s tables whose config is not this command's is neither
+    mixed into the tables nor dropped from them: one line names it, its rows and the fix; no file changes."""
+    out = tmp_path / "cmp"
+    args = tiny_compare_args(out, tmp_path / "model", strategies="uniform", steps=1, eval_samples=1, eval_every=0)
+    args.collect_only = True
+    out.mkdir()
+    ct.write_tables(out, _join(_tables("uniform", 0, 0.5, _run_hash(args, "uniform", 0)), _tables("coba", 0, 0.7)))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError) as refused:
+        compare.cmd_compare(args)
+    assert str(refused.value) == (
+        f"coba-seed0 in the tables in {out} (6 rows of an earlier sitting) was trained with another config "
+        f"(hash h, this one {_run_hash(args, 'coba', 0)}): use the same config and options, or another --out"
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_run_in_out_made_with_another_config_is_neither_kept_nor_resumed(tmp_path, capsys):
+    """A run directory whose run.json records another config hash than the one this command gives that run
+    (another --steps, --set...) is refused with one line before anything is kept, resumed or trained."""
+    out = tmp_path / "cmp"
+    args = tiny_compare_args(out, tmp_path / "model", strategies="uniform", steps=2, eval_samples=1, eval_every=0)
+    run_dir = out / "uniform-seed0"
+    RunStore(run_dir).create({}, "0123456789abcdef", {})  # made by another command (1 step, another lr...)
+    (run_dir / "summary.json").write_text("{}")
+    ours = _run_hash(args, "uniform", 0)
+    refusal = (
+        f"uniform-seed0 in {out} was trained with another config (hash 0123456789abcdef, this one {ours}): "
+        "use the same config and options, or another --out"
+    )
+    with pytest.raises(ValueError) as refused:
+        compare.cmd_compare(args)  # finished: not kept
+    assert str(refused.value) == refusal and "kept" not in capsys.readouterr().out
+    (run_dir / "summary.json").unlink()
+    with pytest.raises(ValueError) as refused:
+        compare.cmd_compare(args)  # stopped: not resumed
+    assert str(refused.value) == refusal and sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "run.json"]
+    # the run of this command's config passes the same check
+    same = tmp_path / "same"
+    RunStore(same / "uniform-seed0").create({}, ours, {})
+    planned = compare.plan_runs([("uniform", 0)], 2, args.config, args.set, 1, 0)
+    compare.check_configs(same, [("uniform", 0)], planned, {})
+    with pytest.raises(ValueError, match=r"^uniform-seed0 in .* was trained with another config"):
+        compare.check_configs(out, [("uniform", 0)], planned, {})
 
 
 @pytest.mark.slow
@@ -213,6 +296,25 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     other = argparse.Namespace(**{**vars(later), "set": [*args.set, "optim.lr=0.5"]})
     with pytest.raises(ValueError, match=r"uniform-seed0 in .* was trained with another config"):
         compare.cmd_compare(other)
+
+    # a run in --out made with another config is neither kept nor resumed
+    other_here = argparse.Namespace(**{**vars(args), "steps": 3, "set": [*args.set, "optim.lr=0.5"]})
+    with pytest.raises(ValueError, match=rf"^uniform-seed0 in {re.escape(str(out))} was trained with another config"):
+        compare.cmd_compare(other_here)
+    assert "kept" not in capsys.readouterr().out
+    store = RunStore.open(out / "coba-seed0")
+    apply_rerun(store, plan_rerun(store, 1, "update"))
+    with pytest.raises(ValueError, match=r"^coba-seed0 in .* was trained with another config"):
+        compare.cmd_compare(argparse.Namespace(**{**vars(other_here), "strategies": "coba"}))
+    assert not (out / "coba-seed0" / "summary.json").exists()
+
+    # --out's own tables keep the finished runs that have no directory there, without --kept
+    alone = argparse.Namespace(**{**vars(later), "kept": None})
+    assert compare.cmd_compare(argparse.Namespace(**{**vars(alone), "collect_only": True})) == 0
+    pd.testing.assert_frame_equal(results, pd.read_parquet(tmp_path / "later" / "results.parquet"))
+    assert compare.cmd_compare(alone) == 0
+    assert capsys.readouterr().out.count("finished in an earlier sitting, kept") == 2
+    pd.testing.assert_frame_equal(results, pd.read_parquet(tmp_path / "later" / "results.parquet"))
 
 
 def test_a_run_that_dies_stops_the_comparison_with_its_name(tmp_path, capsys):
