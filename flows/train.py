@@ -21,11 +21,17 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from coba_tasks.pipeline import run, stage_runner, trackers
+from coba_tasks.pipeline import deployment, run, stage_runner, trackers
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.store import Stage, Table
-from coba_tasks.pipeline.summary import figure_table, run_summary_json
+from coba_tasks.pipeline.summary import (
+    NO_SIGNAL_FIX,
+    NO_SIGNAL_STEPS,
+    figure_table,
+    no_signal_streak,
+    run_summary_json,
+)
 from coba_tasks.pipeline.tasks import stage_task
 
 
@@ -40,7 +46,10 @@ def run_step(run_dir: str, step: int) -> dict[str, Any]:
     figures = {stage.value: stage_task(run_dir, step, stage) for stage in Stage}  # in stage order
     seconds = stage_runner.write_step_timing(res, step, seconds_before)
     rollouts, verdicts, cap, upd = (figures[k] for k in ("rollouts", "rewards", "capability", "update"))
-    get_run_logger().info(step_line(step, res.cfg.run.steps, figures, seconds, time.perf_counter() - t0))
+    quiet = no_signal_streak(res.store, step)  # steps in a row whose every group scored alike
+    line = step_line(step, res.cfg.run.steps, figures, seconds, time.perf_counter() - t0, no_signal=quiet)
+    log = get_run_logger()
+    (log.warning if quiet >= NO_SIGNAL_STEPS else log.info)(line)
     _post_step_artifacts(res, step, rollouts["rollouts"], verdicts, {**cap, **upd})
     return {"verdicts": verdicts, **cap, **upd}
 
@@ -51,11 +60,14 @@ def step_line(
     figures: dict[str, dict],
     seconds: dict[str, float],
     elapsed: float,
+    no_signal: int = 0,
 ) -> str:
     """The step's progress line: pass rate, failure rate and Beta shape, the next budgets, the update, time.
 
     ``figures``: the stage figures of the step (``rollouts``, ``rewards``, ``capability``, ``budget``,
-    ``update``); ``seconds``: the step's seconds per stage; ``elapsed``: the step's wall seconds.
+    ``update``); ``seconds``: the step's seconds per stage; ``elapsed``: the step's wall seconds;
+    ``no_signal``: how many steps in a row, ending at this one, had no mixed group (every advantage 0): from
+    ``NO_SIGNAL_STEPS`` on, the line says that nothing is learned and what to change.
 
     >>> print(step_line(2, 10, {
     ...     "rollouts": {"rollouts": 128},
@@ -79,8 +91,17 @@ beta 2.80; next budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52; 50 s (rol
         + "".join(f", {x}" for x in notes)
         + f"); F {cap['F']:.2f} -> alpha {cap['alpha']:.2f} beta "
         f"{cap['beta']:.2f}; next budgets {budget['min']}-{budget['max']} (mean {budget['mean']:.1f}); loss "
-        f"{upd['loss']:+.4f}, grad norm {upd['grad_norm']:.2f}; {elapsed:.0f} s ({parts})"
+        f"{upd['loss']:+.4f}, grad norm {upd['grad_norm']:.2f}; {elapsed:.0f} s ({parts})" + _no_signal_text(no_signal)
     )
+
+
+def _no_signal_text(steps: int) -> str:
+    if steps >= NO_SIGNAL_STEPS:
+        return (
+            f"; no group has had a non-zero advantage for {steps} steps in a row (every group's rollouts scored "
+            f"alike): nothing is learned; {NO_SIGNAL_FIX}"
+        )
+    return f"; no group mixed ({steps} step{'s' if steps > 1 else ''} in a row)" if steps else ""
 
 
 def _post_step_artifacts(res: run.RunResources, step: int, n_rollouts: int, verdicts: dict, figures: dict) -> None:
@@ -117,14 +138,17 @@ def train_flow(
     before the flow starts, keys left out taking their defaults), else ``config_path`` the YAML
     config (default configs/demo.yaml); ``run_dir`` the run directory (default runs/<run.name>);
     ``resume`` continues the run in ``run_dir`` with its own config; ``allow_changed_inputs`` lets a
-    continuing run go on when data.test or model.path changed since it started (their sha256 is in
-    run.json; refused otherwise). ``run_name`` (sets run.name) and ``overrides`` (``section.key=value``
+    continuing run go on when data.test, model.path or the reward file changed since it started (their
+    sha256 is in run.json; refused otherwise). ``run_name`` (sets run.name) and ``overrides`` (``section.key=value``
     strings, as ``coba run --set``) change the config given either way.
     Stages already done (in their step's manifest) are not recomputed, so the flow run can be
-    retried or resumed after a crash and ends with the same tables as an uninterrupted run.
+    retried or resumed after a crash and ends with the same tables as an uninterrupted run. Started from a
+    deployment, every path stays inside the project or its worker's roots and ``config_path``'s text is never
+    quoted in an error (``coba_tasks.pipeline.deployment``); a reward file runs only where the process allows it.
     """
     log = get_run_logger()
-    cfg, root, continuing = run.resolve_run(config_path, run_name, run_dir, overrides, config, resume)
+    from_api = deployment.started_by_deployment()
+    cfg, root, continuing = run.resolve_run(config_path, run_name, run_dir, overrides, config, resume, from_api)
     t_start = time.perf_counter()
     existed = root.exists()  # a new run's directory is missing or empty here (resolve_run checked)
     lock = RunLock(root)

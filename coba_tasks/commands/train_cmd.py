@@ -73,8 +73,8 @@ def add_train_parsers(subparsers: Any) -> None:
             option(
                 "--allow-changed-inputs",
                 action="store_true",
-                help="continue although data.test or model.path changed since the run started (their sha256 is in "
-                "run.json; refused otherwise)",
+                help="continue although data.test, model.path or the reward file changed since the run started "
+                "(their sha256 is in run.json; refused otherwise)",
             ),
             option(
                 "--trust-remote-code",
@@ -135,6 +135,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ValueError(f"run directory {run_dir} already exists; pick another --run-dir (or resume it)")
     if args.bootstrap_if_missing and not (Path(cfg.model.path) / "config.json").is_file():
+        _check_default_tiny_model(cfg.model.path)  # a mistyped model.path is never built under that name
         print(f"model {cfg.model.path} is missing: bootstrapping it first")
         rc = cmd_bootstrap(
             argparse.Namespace(
@@ -162,6 +163,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from coba_tasks.pipeline.run import allow_remote_code
 
         allow_remote_code()
+    if cfg.verify.reward_function.strip():  # the user's own command: its reward file may run
+        from coba_tasks.pipeline.deployment import allow_reward_files
+
+        allow_reward_files()
     from coba_tasks.pipeline.data_run import load_run_datasets
 
     load_run_datasets(cfg)  # a bad dataset or over-long prompt fails here, before anything is written
@@ -173,6 +178,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = train_flow(config=cfg, run_dir=str(run_dir))  # the config built and checked here, typed
     _print_summary(summary)
     return 0
+
+
+def _check_default_tiny_model(path: str) -> None:
+    """Refuse to bootstrap anywhere but the default tiny model's path: a missing ``model.path`` elsewhere is
+    a typo or a model not converted yet, and a fresh tiny model under its name would train silently."""
+    from coba_tasks.pipeline.config_sections import ModelConfig
+
+    default = ModelConfig.model_fields["path"].default
+    if Path(path).resolve() != Path(default).resolve():
+        raise ValueError(
+            f"model.path {path} is missing; --bootstrap-if-missing builds only the default tiny model ({default}): "
+            "check the path (make smollm2 converts SmolLM2), or build a tiny model there with coba bootstrap --out"
+        )
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -196,6 +214,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
         from coba_tasks.pipeline.run import allow_remote_code
 
         allow_remote_code()
+    if cfg.verify.reward_function.strip():  # the user's own run: its reward file (hash checked below) may run
+        from coba_tasks.pipeline.deployment import allow_reward_files
+
+        allow_reward_files()
     from coba_tasks.pipeline.rerun import apply_rerun, damaged_tables, plan_repair
 
     damaged = damaged_tables(store)  # every done table is checked against its manifest (size, sha256)

@@ -91,7 +91,7 @@ def read_verl_row(raw: Row) -> Row:
     reward_model = raw["reward_model"] or {}
     index = extra.get("index")
     return {
-        "prompt_id": _index_id(index) if index is not None else prompt_hash(messages),
+        "prompt_id": _prompt_id(index, "extra_info.index") if index is not None else prompt_hash(messages),
         "_id_column": "extra_info.index" if index is not None else "prompt",
         "data_source": _required_string(raw["data_source"], "data_source"),
         "ability": _optional_string(raw.get("ability")),
@@ -113,7 +113,7 @@ def make_flat_reader(default_source: str) -> RowReader:
         messages = [{"role": "user", "content": text}]
         given_id = raw.get("prompt_id")
         return {
-            "prompt_id": _index_id(given_id) if given_id is not None else prompt_hash(messages),
+            "prompt_id": _prompt_id(given_id, "prompt_id") if given_id is not None else prompt_hash(messages),
             "_id_column": "prompt_id" if given_id is not None else "prompt",
             "data_source": _optional_string(raw.get("data_source")) or default_source,
             "ability": _optional_string(raw.get("ability")),
@@ -181,9 +181,15 @@ def _number_text(value: int | float) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
-def _index_id(value: Any) -> str:
-    """A prompt id from an index or id cell: ints and integral floats print without a '.0'."""
-    return _number_text(value) if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+def _prompt_id(value: Any, column: str) -> str:
+    """A prompt id from an index or id cell: ints and integral floats print without a '.0'; a blank text or
+    a NaN names no prompt (a bad row)."""
+    if isinstance(value, float) and math.isnan(value):
+        raise _BadValue(column, "prompt id is NaN; give every row an id, or drop the column to hash the prompts")
+    pid = _number_text(value) if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+    if not pid.strip():
+        raise _BadValue(column, "prompt id is blank; give every row an id, or drop the column to hash the prompts")
+    return pid
 
 
 def _difficulty(value: Any, column: str) -> int:

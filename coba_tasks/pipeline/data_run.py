@@ -39,6 +39,8 @@ class RunDatasets:
     extra_tests: dict[str, pd.DataFrame] = field(default_factory=dict)  # data.extra_tests: set name -> prompts
     skipped: dict[str, tuple[str, list[Problem]]] = field(default_factory=dict)  # config key -> (file, problems)
     tokenizer: Any = None  # the model's tokenizer, which rendered the prompts
+    train_file: str = ""  # data.train, when it was loaded
+    overlap: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # test key -> (file, shared, prompts)
 
     def bad_rows(self) -> pd.DataFrame:
         """The skipped rows as a table (``BAD_ROWS_COLUMNS``), written to a run as bad_rows.parquet."""
@@ -58,21 +60,51 @@ class RunDatasets:
             if problems
         ]
 
+    def overlap_lines(self) -> list[str]:
+        """One warning per held-out set that shares prompt texts with data.train, with the count."""
+        return [
+            f"warning: {shared} of {total} prompts of {file} ({key}) have the same text as a prompt of "
+            f"{self.train_file} (data.train): held-out accuracy counts them; remove them from one of the files "
+            "for a clean held-out set"
+            for key, (file, shared, total) in self.overlap.items()
+            if shared
+        ]
+
+
+def shared_prompts(train: pd.DataFrame, test: pd.DataFrame) -> int:
+    """How many of ``test``'s prompts have the text of a prompt of ``train`` (last user message, stripped)."""
+    seen = set(train["prompt_text"].str.strip())
+    return int(test["prompt_text"].str.strip().isin(seen).sum())
+
 
 _TRUTH_CHECKED: dict[tuple[str, str], str | None] = {}  # (ground truth, source) -> reason; per process
+_REWARD_CHECKED: set[tuple[str, str, str, float]] = set()  # (path, function, sha256, time limit); per process
 
 
 def reward_function(cfg: Config) -> RewardFunction | None:
-    """The run's reward file (``verify.reward_function``) imported and checked in this process, or None for
-    the built-in verifiers. A file that does not exist or import, or lacks the function, or whose name is
-    not a function, is a ``RewardFileError`` (a ValueError): one line naming the key, the path and the fix,
-    before anything starts. The verifier workers import the same file again (by its absolute path)."""
+    """The run's reward file (``verify.reward_function``), checked, or None for the built-in verifiers.
+
+    The check imports the file in a verifier worker under ``verify.timeout_s``, never in this process (its
+    top-level code is the user's: it runs where the items are scored, with the same limit). A file that does
+    not exist or import in time, or lacks the function, or whose name is not a function, is a
+    ``RewardFileError`` (a ValueError): one line naming the key, the path and the fix, before anything
+    starts. The run's verifier workers import the same file again (by its absolute path). A file checked
+    once in this process is not checked again until its bytes change."""
+    from coba_tasks.engines.fileio import sha256_file
     from coba_tasks.engines.reward_file import RewardFunction
+    from coba_tasks.engines.verify_pool import check_reward_function
 
     if not cfg.verify.reward_function.strip():
         return None
     rf = RewardFunction.from_spec(cfg.verify.reward_function, cfg.verify.pass_threshold)
-    rf.load()
+    try:
+        digest = sha256_file(rf.path)
+    except OSError:  # missing or unreadable: the check says which, in one line
+        digest = ""
+    key = (rf.path, rf.name, digest, cfg.verify.timeout_s)
+    if key not in _REWARD_CHECKED:
+        check_reward_function(rf, cfg.verify.timeout_s)
+        _REWARD_CHECKED.add(key)
     return rf
 
 
@@ -207,6 +239,9 @@ def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
             out.extra_tests[test_set_name(path)] = df.reset_index(drop=True)
         else:
             setattr(out, key.removeprefix("data."), df.reset_index(drop=True))
+        if out.train is not None and key != "data.train":  # held-out prompts that are training prompts too
+            out.train_file = str(cfg.data.train)
+            out.overlap[key] = (str(path), shared_prompts(out.train, df), len(df))
     return out
 
 

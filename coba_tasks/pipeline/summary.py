@@ -46,6 +46,13 @@ UPDATE_FIELDS = (
     "logprob_diff_max",
 )
 _VERDICT_PREFIX = "verdict_"
+NO_SIGNAL_STEPS = 2  # steps in a row without a mixed group before the step line warns that nothing is learned
+NO_SIGNAL_FIX = (
+    "the prompts are too hard or too easy for the model, or the verifier never accepts its answers: read a few "
+    "completions (coba inspect --run-dir DIR --step N --stage rewards), then choose other prompts "
+    "(data.difficulties, data.train), raise allocation.group_size or rollout.temperature, or fix the verifier or "
+    "the prompt's answer format"
+)
 
 
 @dataclass
@@ -276,8 +283,34 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
         ),
         "last_update": last_update,
         "logprob_gap": {"mean": gap_mean, "max": gap_max},
+        "no_signal": no_signal_steps(t),
     }
     return plain(summary)
+
+
+def _no_signal(capability: pd.DataFrame) -> bool:
+    """Whether a step's every group scored alike (``zero_variance_groups`` 1): every advantage 0, no gradient."""
+    return "zero_variance_groups" in capability and float(capability["zero_variance_groups"].iloc[0]) >= 1.0
+
+
+def no_signal_streak(store: RunStore, step: int) -> int:
+    """How many steps in a row, ending at ``step``, had no mixed group (0 when ``step`` had one)."""
+    n = 0
+    while step - n >= 0 and store.is_done(step - n, Stage.CAPABILITY):
+        if not _no_signal(store.read_table(step - n, Stage.CAPABILITY)):
+            break
+        n += 1
+    return n
+
+
+def no_signal_steps(t: RunTables) -> dict[str, Any]:
+    """The done steps with no mixed group (``steps``) and the longest run of them in a row (``longest``)."""
+    steps = [s for s in t.steps_with(Stage.CAPABILITY) if _no_signal(t.table(s, Stage.CAPABILITY))]
+    longest = run = 0
+    for i, s in enumerate(steps):
+        run = run + 1 if i and steps[i - 1] == s - 1 else 1
+        longest = max(longest, run)
+    return {"steps": steps, "longest": longest}
 
 
 def run_summary_json(res: RunResources, wall: float) -> dict[str, Any]:
@@ -311,6 +344,7 @@ def run_summary_json(res: RunResources, wall: float) -> dict[str, Any]:
         "alpha_beta_end": [nan(latest.get("alpha")), nan(latest.get("beta"))],
         "total_rollouts": s["total_rollouts"],
         "verdicts": s["verdicts"],
+        "steps_without_signal": s["no_signal"]["steps"],  # steps whose every group scored alike: nothing learned
         "logprob_gap_mean": nan(s["logprob_gap"]["mean"]),  # over steps: |sampler - trainer| log p of completion tokens
         "logprob_gap_max": nan(s["logprob_gap"]["max"]),  # the largest token gap of any step
         "wall_seconds": wall,
@@ -473,6 +507,16 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 "train/rollout log-prob gap",
                 f"mean over steps {_num(gap.get('mean'), '.2e')}, largest token {gap['max']:.2e}",
+            )
+        )
+    quiet = s.get("no_signal") or {}
+    if quiet.get("steps"):
+        n, done = len(quiet["steps"]), s.get("steps_done", 0)
+        rows.append(
+            (
+                "no signal",
+                f"steps {step_ranges(quiet['steps'])} ({n} of {done}, {quiet['longest']} in a row): every group's "
+                f"rollouts scored alike, so the update learned nothing there; {NO_SIGNAL_FIX}",
             )
         )
     upd = s.get("last_update")

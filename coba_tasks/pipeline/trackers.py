@@ -14,7 +14,12 @@ Offline, under the run directory::
     trackers/wandb/           Weights & Biases offline runs (`wandb sync` uploads them)
 
 A resumed run continues the same tracker run and logs only the steps not logged yet (TensorBoard also
-purges anything after the last step recorded, left by a crash between logging and recording it).
+purges anything after the last step recorded, left by a crash between logging and recording it). Each
+logged step's tables are fingerprinted (their manifests' sha256) in state.json; a step whose tables
+changed since (``coba rerun``, ``coba resume --repair``) is logged again with its new figures:
+TensorBoard rewinds its run to the first such step, MLflow and W&B, which cannot rewind a run, log the
+whole run again into a new tracker run (the earlier one is left as it was; MLflow tags it
+``coba.superseded_by``).
 One adapter per library behind ``_Tracker``; the flow calls ``open_trackers``, ``Trackers.log_new``
 after each step and evaluation, and ``Trackers.close``.
 """
@@ -22,6 +27,7 @@ after each step and evaluation, and ``Trackers.close``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import math
@@ -78,6 +84,26 @@ def step_complete(t: RunTables, k: int, steps: int, every: int) -> bool:
     trained = k == 0 or Stage.UPDATE in t.done.get(k - 1, set())
     evaluated = not eval_due(k, steps, every) or Table.EVAL in t.done.get(k, set())
     return trained and evaluated
+
+
+def step_fingerprint(store: RunStore, k: int) -> str:
+    """The sha256 of the manifest entries of the tables tracker step ``k`` is logged from: the stage tables
+    of training step k - 1 and the evaluation of the weights after k updates. It changes when a rerun
+    recomputes (or removes) any of them."""
+    entries = [(k, Table.EVAL.value, store.manifest(k).get(Table.EVAL, {}).get("sha256"))]
+    if k > 0:
+        done = store.manifest(k - 1)
+        entries += [(k - 1, stage.value, done.get(stage, {}).get("sha256")) for stage in Stage]
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
+def first_stale_step(store: RunStore, fingerprints: Mapping[str, str], last: int) -> int | None:
+    """The first tracker step up to ``last`` whose tables are not the ones it was logged from (None when every
+    logged step is current; steps logged before fingerprints were kept count as current)."""
+    for k in range(last + 1):
+        if str(k) in fingerprints and fingerprints[str(k)] != step_fingerprint(store, k):
+            return k
+    return None
 
 
 def step_metrics(t: RunTables, k: int) -> dict[str, float]:
@@ -170,6 +196,7 @@ class _Tracker:
     holds (``-1`` when unknown)."""
 
     name = ""
+    rewinds = False  # whether ``start`` with an earlier ``last`` drops the steps after it (else: a new run)
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -183,12 +210,16 @@ class _Tracker:
     def log(self, step: int, metrics: Mapping[str, float], samples: pd.DataFrame | None) -> None:
         raise NotImplementedError
 
+    def supersede(self, old_run_id: str) -> None:
+        """Mark the earlier tracker run ``old_run_id`` as replaced by this one (where the library can)."""
+
     def close(self) -> None:
         pass
 
 
 class _TensorBoard(_Tracker):
     name = "tensorboard"
+    rewinds = True  # purge_step hides every event at or after it
 
     def start(self, run_id: str | None, last: int, run_name: str, params: dict[str, Any]) -> str | None:
         from torch.utils.tensorboard import SummaryWriter
@@ -250,6 +281,9 @@ class _MLflow(_Tracker):
         if samples is not None and len(samples):
             self.client.log_table(self.run_id, data=samples, artifact_file=f"samples/step_{step:06d}.json")
 
+    def supersede(self, old_run_id: str) -> None:
+        self.client.set_tag(old_run_id, "coba.superseded_by", self.run_id)
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -308,8 +342,20 @@ class Trackers:
         params = flat_config(cfg)
         for name in cfg.run.trackers:
             entry = self.state.setdefault(name, {"last_step": -1, "run_id": None})
+            entry.setdefault("fingerprints", {})
             tracker = _ADAPTERS[name](self.store.root / TRACKERS_DIR / name)
-            entry["run_id"] = tracker.start(entry["run_id"], entry["last_step"], cfg.run.name, params)
+            stale = first_stale_step(self.store, entry["fingerprints"], entry["last_step"])
+            old_run = entry["run_id"] if stale is not None and not tracker.rewinds else None
+            if stale is not None:  # recomputed since they were logged: log them again
+                entry["last_step"] = stale - 1 if tracker.rewinds else -1
+                entry["fingerprints"] = {k: v for k, v in entry["fingerprints"].items() if int(k) <= entry["last_step"]}
+                again = "" if tracker.rewinds else f"; they go to a new {name} run with the whole run logged again"
+                warn(f"tracker {name}: steps from step {stale} were recomputed since they were logged{again}")
+            entry["run_id"] = tracker.start(
+                None if old_run else entry["run_id"], entry["last_step"], cfg.run.name, params
+            )
+            if old_run:
+                tracker.supersede(old_run)
             # a crash after the library took a step and before state.json recorded it: not logged twice
             entry["last_step"] = max(entry["last_step"], tracker.logged_through())
             self.open[name] = tracker
@@ -333,6 +379,7 @@ class Trackers:
                 while step_complete(t, k, steps, every):
                     tracker.log(k, step_metrics(t, k), step_samples(t, k))
                     entry["last_step"] = k
+                    entry["fingerprints"][str(k)] = step_fingerprint(self.store, k)
                     logged.add(k)
                     k += 1
             except Exception as exc:  # a tracker never stops training

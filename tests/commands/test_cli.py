@@ -167,3 +167,15 @@ def test_setup_server_needs_a_server_and_a_sane_crash_after(capsys, monkeypatch)
     # checked before any connection is made (nothing listens on this port)
     assert main(["setup-server", "--api-url", "http://127.0.0.1:9/api", "--crash-after", "30"]) == 2
     assert "--crash-after must be longer than a heartbeat interval (at least 30 s), got 30" in capsys.readouterr().err
+
+
+def test_bootstrap_if_missing_builds_only_the_default_tiny_model(tmp_path, capsys):
+    """A mistyped model.path with --bootstrap-if-missing is refused in one line naming the path: a fresh tiny
+    model is built only at the default path (models/arith-tiny), never under the name of a missing model."""
+    typo = tmp_path / "models" / "smollm2-135m-instrct"
+    run_dir = tmp_path / "run"
+    rc = main(["run", "--bootstrap-if-missing", "--run-dir", str(run_dir), "--set", f"model.path={typo}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert f"model.path {typo} is missing" in err and "only the default tiny model (models/arith-tiny)" in err
+    assert not typo.exists() and not (tmp_path / "models").exists() and not run_dir.exists()

@@ -148,9 +148,10 @@ def test_bootstrap_never_removes_what_it_did_not_write(tmp_path, prefect_harness
         args = ["bootstrap", "--out", str(home), "--steps", "1", *(["--force"] if force else [])]
         assert main(args) == 2
         assert "nothing was removed" in capsys.readouterr().err
-    # a model.path without config.json (a parent directory, a cache folder) is not bootstrapped over
+    # a model.path without config.json (a parent directory, a cache folder) is not bootstrapped over: only the
+    # default tiny model's path is ever bootstrapped (tests/commands/test_cli.py)
     rc = main(["run", "--bootstrap-if-missing", "--run-dir", str(tmp_path / "run"), "--set", f"model.path={home}"])
-    assert rc == 2 and "nothing was removed" in capsys.readouterr().err
+    assert rc == 2 and "builds only the default tiny model" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in home.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no temporary, no run directory
 

@@ -37,7 +37,7 @@ def _assert_same_run(store: RunStore, ref: RunStore, adapters: list[dict[str, to
     for step in ref.steps():
         for name in ref.manifest(step):
             pd.testing.assert_frame_equal(
-                store.read_table(step, name), ref.read_table(step, name), obj=f"{step}/{name}"
+                store.read_table(step, name), ref.read_table(step, name), obj=f"{step}/{name}", check_exact=True
             )
     for x, y in zip(_adapters(store), adapters, strict=True):
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

@@ -266,7 +266,7 @@ def test_a_run_stopped_at_an_epoch_boundary_resumes_the_remaining_steps(
         assert store.manifest(step).keys() == ref.manifest(step).keys(), step
         for name in ref.manifest(step):
             pd.testing.assert_frame_equal(
-                store.read_table(step, name), ref.read_table(step, name), obj=f"{step}/{name}"
+                store.read_table(step, name), ref.read_table(step, name), obj=f"{step}/{name}", check_exact=True
             )
     for step in range(1, steps + 1):
         wa = load_file(str(store.checkpoint_dir(step) / "model.safetensors"))
@@ -330,6 +330,23 @@ def test_apply_rerun_removes_exactly_the_plan(tmp_path):
     assert not store.checkpoint_dir(3).exists() and store.checkpoint_dir(2).exists()
     assert not (store.root / "summary.json").exists()
     assert not (store.step_dir(2) / "update.parquet").exists()
+
+
+def test_rerun_refuses_a_checkpoints_link_out_of_the_run_before_removing_anything(tmp_path, capsys):
+    """checkpoints/ a symlink out of the run: `coba rerun --yes` refuses with one line naming the link and the
+    fix, and every table, checkpoint and summary.json is still there (the rule of prune and inspect --sql)."""
+    store = _fake_run(tmp_path / "r")
+    elsewhere = tmp_path / "big-disk"
+    shutil.move(store.root / "checkpoints", elsewhere)
+    (store.root / "checkpoints").symlink_to(elsewhere)
+    manifests = {s: dict(store.manifest(s)) for s in store.steps()}
+    argv = ["rerun", "--run-dir", str(store.root), "--step", "1", "--stage", "update", "--yes", "--no-resume"]
+    assert cli_main(argv) == 2
+    assert {s: dict(store.manifest(s)) for s in store.steps()} == manifests
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["000001", "000002", "000003"]
+    assert (store.root / "summary.json").is_file()
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "outside the run directory" in err and "replace the link by the real" in err
 
 
 def test_plan_rerun_errors(tmp_path):

@@ -439,3 +439,52 @@ def test_a_run_with_the_rollout_correction_reports_its_ratios(
         assert abs(update["is_ratio_mean"] - 1) < 1e-3 and update["is_ratio_max"] < 1.01, step
         assert update["is_clipped_frac"] == 0.0 and update["is_masked_frac"] == 0.0, step
         assert math.isfinite(update["loss"]) and update["grad_norm"] > 0, step
+
+
+def test_the_step_line_warns_when_no_group_has_been_mixed_for_several_steps():
+    from flows.train import step_line
+
+    figures = {
+        "rollouts": {"rollouts": 64},
+        "rewards": {"correct": 0, "wrong": 64, "no_answer": 0, "timeout": 0, "error": 0},
+        "capability": {"S": 0.0, "F": 1.0, "alpha": 9.0, "beta": 2.0},
+        "budget": {"min": 4, "max": 4, "mean": 4.0},
+        "update": {"loss": 0.0, "grad_norm": 0.0},
+    }
+    plain = step_line(0, 2, figures, {}, 10.0, no_signal=1)
+    assert plain.endswith("; no group mixed (1 step in a row)")
+    warned = step_line(1, 2, figures, {}, 10.0, no_signal=2)
+    assert "no group has had a non-zero advantage for 2 steps in a row" in warned
+    assert "nothing is learned" in warned and "data.difficulties" in warned
+    assert "no group" not in step_line(1, 2, figures, {}, 10.0)
+
+
+@pytest.mark.slow
+def test_a_run_that_can_learn_nothing_says_so(tmp_path, prefect_harness, random_checkpoints, monkeypatch):
+    """The random tiny model never answers arithmetic: every group scores 0, every advantage is 0. The step
+    lines say so (a warning from the second such step on, naming what to change) and so does the summary."""
+    import logging
+
+    import flows.train as train
+
+    lines: list[tuple[int, str]] = []
+
+    class Recording(logging.LoggerAdapter):
+        def log(self, level, msg, *args, **kwargs):
+            lines.append((level, str(msg)))
+
+    real = train.get_run_logger
+    monkeypatch.setattr(train, "get_run_logger", lambda: Recording(real().logger, {}))
+    model, _ = random_checkpoints
+    overrides = [f"model.path={model}", "data.train_prompts=8", "data.eval_prompts=2", "run.steps=2"]
+    cfg = load_config("configs/tiny-test.yaml", overrides)
+    summary = train.train_flow(run_dir=str(tmp_path / "run"), config=config_to_dict(cfg))
+
+    assert summary["steps_without_signal"] == [0, 1]
+    steps = [(level, text) for level, text in lines if text.startswith("step ")]
+    assert [level for level, _ in steps] == [logging.INFO, logging.WARNING]
+    assert steps[0][1].endswith("; no group mixed (1 step in a row)")
+    assert "no group has had a non-zero advantage for 2 steps in a row" in steps[1][1]
+    from coba_tasks.pipeline.summary import run_summary, summary_rows
+
+    assert dict(summary_rows(run_summary(tmp_path / "run")))["no signal"].startswith("steps 0-1 (2 of 2, 2 in a row)")

@@ -184,6 +184,26 @@ def test_duplicated_id_names_both_rows(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("blank", ["", "   ", "\t"])
+def test_blank_prompt_ids_are_bad_rows(tmp_path: Path, blank: str) -> None:
+    """A blank id (veRL's extra_info.index or a flat file's prompt_id) names no prompt: the row is refused."""
+    rows = verl_rows(3)
+    rows[1]["extra_info"]["index"] = blank
+    for row in rows[::2]:
+        row["extra_info"]["index"] = str(row["extra_info"]["index"])
+    raises_dataset_error(write_rows(tmp_path / "x.parquet", rows), "row 1, column extra_info.index: prompt id is blank")
+    flat = tmp_path / "flat.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"], "prompt_id": ["a", blank]}).to_parquet(flat)
+    raises_dataset_error(flat, "row 1, column prompt_id: prompt id is blank")
+
+
+def test_a_nan_prompt_id_is_a_bad_row(tmp_path: Path) -> None:
+    flat = tmp_path / "flat.parquet"
+    table = {"prompt": ["1+1=", "2+2="], "answer": ["2", "4"], "prompt_id": [1.0, float("nan")]}
+    pq.write_table(pa.table(table), flat)  # a NaN, not a null (a null id falls back to the prompt's hash)
+    raises_dataset_error(flat, "row 1, column prompt_id: prompt id is NaN")
+
+
 def test_duplicated_prompt_without_index_is_a_duplicated_hash(tmp_path: Path) -> None:
     path = tmp_path / "flat.parquet"
     pd.DataFrame({"prompt": ["1+1=", "2+2=", "1+1="], "answer": ["2", "4", "2"]}).to_parquet(path)
@@ -443,6 +463,20 @@ def test_run_datasets_skip_and_report(tmp_path: Path, random_checkpoints) -> Non
     assert report["message"].str.contains("tokens|empty|duplicates row 0").all()
     assert data.skip_lines() == [f"skipped 3 bad rows of {train} (see bad_rows.parquet)"]
     assert load_run_datasets(cfg, train=False).train is None
+
+
+def test_run_datasets_count_test_prompts_also_in_the_training_file(tmp_path: Path, random_checkpoints) -> None:
+    """A held-out prompt whose text is also a training prompt is counted in one warning line per test set."""
+    model, _ = random_checkpoints
+    cfg, train = run_config(tmp_path, model, ["0+1=", "5+5=", "2+1= "])  # the test rows are 0+1=, 1+1=, 2+1=
+    data = load_run_datasets(cfg)
+    test = tmp_path / "test.parquet"
+    assert data.overlap_lines() == [
+        f"warning: 2 of 3 prompts of {test} (data.test) have the same text as a prompt of {train} (data.train): "
+        "held-out accuracy counts them; remove them from one of the files for a clean held-out set"
+    ]
+    clean, _ = run_config(tmp_path, model, ["7+7=", "8+8="])
+    assert load_run_datasets(clean).overlap_lines() == []
 
 
 def test_ground_truths_are_checked_by_their_verifier_at_load(tmp_path: Path) -> None:

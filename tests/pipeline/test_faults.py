@@ -244,9 +244,9 @@ def test_permission_denied_at_rename_leaves_nothing(tmp_path, monkeypatch):
     assert store.is_done(1, Stage.REWARDS)
 
 
-@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only directories")
-def test_read_only_step_directory(tmp_path):
-    store = _new_store(tmp_path / "run")
+def _check_read_only_step_directory(root: Path) -> None:
+    """A write into a step directory the process may not write fails, leaving nothing and no manifest entry."""
+    store = _new_store(root)
     store.write_table(1, Stage.ROLLOUTS, DF)
     step_dir = store.step_dir(1)
     step_dir.chmod(0o555)
@@ -259,6 +259,43 @@ def test_read_only_step_directory(tmp_path):
         step_dir.chmod(0o755)
     store.write_table(1, Stage.REWARDS, DF)
     assert store.is_done(1, Stage.REWARDS)
+
+
+def _drop_file_capabilities() -> None:
+    """In a child before exec: drop the capabilities that let root ignore file permissions (CAP_DAC_OVERRIDE,
+    CAP_DAC_READ_SEARCH, CAP_FOWNER) from its bounding set, so the program it runs as root cannot take them."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2, 3):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap})")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_read_only_step_directory(tmp_path):
+    """Root writes into read-only directories, and CI runs as root: there the check runs in a child process
+    without the capabilities that override file permissions, so the kernel really refuses the write."""
+    if os.geteuid() != 0:
+        _check_read_only_step_directory(tmp_path / "run")
+        return
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; sys.path[:0] = sys.argv[2:]; import test_faults; "
+        "test_faults._check_read_only_step_directory(Path(sys.argv[1])); print('checked')"
+    )
+    here = Path(__file__).resolve().parent
+    paths = [str(here), str(here.parent), str(here.parent / "flows"), str(here.parents[1])]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run"), *paths],
+        preexec_fn=_drop_file_capabilities,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("checked"), proc.stderr[-3000:]
 
 
 def test_temporaries_left_by_a_killed_writer_are_ignored_then_removed(tmp_path):

@@ -321,3 +321,23 @@ def test_cli_subcommand(finished_run, capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit):
         parser.parse_args(["report"])  # --run-dir is required
+
+
+def test_steps_where_no_group_was_mixed_are_counted_and_shown(tmp_path):
+    """A step whose every group scored alike (zero_variance_groups 1.0) taught nothing: the summary lists
+    those steps, the longest run of them in a row, and a row says what to change."""
+    from coba_tasks.pipeline.summary import NO_SIGNAL_STEPS, no_signal_streak, run_summary, summary_rows
+
+    store = make_run(tmp_path / "run", steps=3)
+    for t in (1, 2):  # steps 1 and 2: every group all-equal
+        cap = store.read_table(t, "capability").assign(zero_variance_groups=1.0)
+        store.write_table(t, "capability", cap)
+    s = run_summary(store.root)
+    assert s["no_signal"] == {"steps": [1, 2], "longest": 2}
+    assert (no_signal_streak(store, 0), no_signal_streak(store, 1), no_signal_streak(store, 2)) == (0, 1, 2)
+    rows = dict(summary_rows(s))
+    assert NO_SIGNAL_STEPS == 2
+    assert rows["no signal"].startswith("steps 1-2 (2 of 3, 2 in a row): every group's rollouts scored alike")
+    assert "data.difficulties" in rows["no signal"] and "coba inspect" in rows["no signal"]
+    clean = run_summary(make_run(tmp_path / "clean", steps=3).root)
+    assert clean["no_signal"] == {"steps": [], "longest": 0} and "no signal" not in dict(summary_rows(clean))

@@ -39,8 +39,8 @@ def _eval(store: RunStore, k: int) -> None:
     )
 
 
-def _step(store: RunStore, s: int, evaluate: bool) -> None:
-    """The tables of training step ``s`` (and the evaluation after it)."""
+def _step(store: RunStore, s: int, evaluate: bool, shift: float = 0.0) -> None:
+    """The tables of training step ``s`` (and the evaluation after it); ``shift`` moves its loss."""
     ids, idx = ["a", "a", "b", "b"], [0, 1, 0, 1]
     store.write_table(
         s, Stage.ROLLOUTS, pd.DataFrame({"prompt_id": ids, "sample_idx": idx, "completion": list("wxyz")})
@@ -50,7 +50,15 @@ def _step(store: RunStore, s: int, evaluate: bool) -> None:
     cap = {"S": 0.25, "F": 0.75, "alpha": 6.0 + s, "beta": 2.0, "alpha_used": 6.0, "beta_used": 2.0}
     store.write_table(s, Stage.CAPABILITY, pd.DataFrame([{"step": s, **cap, "zero_variance_groups": 0.5}]))
     store.write_table(s + 1, Stage.BUDGET, pd.DataFrame({"prompt_id": ["a", "b"], "budget": [3, 5]}))
-    upd = {"loss": -0.5 + s, "grad_norm": 1.5, "clip_frac": 0.1, "entropy": 2.0, "kl": 0.0, "lr": 1e-5, "tokens": 40}
+    upd = {
+        "loss": -0.5 + s + shift,
+        "grad_norm": 1.5,
+        "clip_frac": 0.1,
+        "entropy": 2.0,
+        "kl": 0.0,
+        "lr": 1e-5,
+        "tokens": 40,
+    }
     store.write_table(s, Stage.UPDATE, pd.DataFrame([{"step": s, **upd, "logprob_diff_mean": 0.01}]))
     store.write_json(f"steps/{s:06d}/timing.json", {"rollouts": 1.0, "update": 2.0})
     if evaluate:
@@ -103,10 +111,16 @@ def _tensorboard_steps(directory: Path) -> dict[str, list[int]]:
 def _wandb_history(directory: Path) -> list[dict]:
     """The history rows of every offline run in ``directory`` (wandb's .wandb files: a LevelDB-style log of
     Record protobufs in 32 KiB blocks after a 7-byte header)."""
+
+    return [row for path in sorted(directory.glob("wandb/offline-run-*")) for row in _wandb_history_of(path)]
+
+
+def _wandb_history_of(run: Path) -> list[dict]:
+    """The history rows of one offline run directory."""
     from wandb.proto import wandb_internal_pb2
 
     rows = []
-    for path in sorted(directory.glob("wandb/offline-run-*/run-*.wandb")):
+    for path in sorted(run.glob("run-*.wandb")):
         data = path.read_bytes()
         assert data[:4] == b":W&B"
         pos, record = 7, b""
@@ -174,3 +188,62 @@ def test_trackers_log_each_step_once_across_a_resume(tmp_path):
     ids = {p.name.rsplit("-", 1)[-1] for p in (store.root / "trackers" / "wandb").glob("offline-run-*")}
     assert ids == {state["wandb"]["run_id"]}
     assert wandb.run is None
+
+
+def test_a_rerun_step_is_logged_again_with_its_new_figures(tmp_path):
+    """After a rerun recomputes steps, every tracker shows the recomputed figures: TensorBoard rewinds its
+    run to the first stale step, MLflow and W&B (which cannot rewind a run) log the whole run again into a
+    new tracker run and the earlier one is left as it was, marked superseded (MLflow tag)."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
+
+    cfg = _cfg("tensorboard,mlflow,wandb")
+    store = _run(tmp_path / "run", cfg)
+    trk = trackers.open_trackers(store.root, cfg)
+    for s in range(STEPS):
+        _step(store, s, evaluate=s in (1, STEPS - 1))
+    assert trk.log_new() == [0, 1, 2, 3, 4]
+    trk.close()
+    before = json.loads((store.root / trackers.STATE_FILE).read_text())
+
+    apply_rerun(store, plan_rerun(store, 2, Stage.REWARDS))  # what `coba rerun --step 2 --stage rewards` removes
+    warnings: list[str] = []
+    trk = trackers.open_trackers(store.root, cfg, warn=warnings.append)  # the resume after the rerun
+    for s in (2, 3):
+        _step(store, s, evaluate=s == STEPS - 1, shift=10.0)
+    trk.log_new()
+    trk.close()
+    after = json.loads((store.root / trackers.STATE_FILE).read_text())
+    assert {n: e["last_step"] for n, e in after.items()} == {"tensorboard": 4, "mlflow": 4, "wandb": 4}
+    assert any("mlflow" in w and "from step 3" in w for w in warnings)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(store.root / "trackers" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("update/loss")] == [(1, -0.5), (2, 0.5), (3, 11.5), (4, 12.5)]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=trackers.store_uri(store.root / "trackers" / "mlflow"))
+    old, new = before["mlflow"]["run_id"], after["mlflow"]["run_id"]
+    assert old != new
+    assert [(m.step, m.value) for m in client.get_metric_history(new, "update/loss")] == [
+        (1, -0.5),
+        (2, 0.5),
+        (3, 11.5),
+        (4, 12.5),
+    ]
+    assert [m.step for m in client.get_metric_history(new, "heldout/accuracy")] == [0, 2, 4]
+    assert [m.value for m in client.get_metric_history(old, "update/loss")] == [-0.5, 0.5, 1.5, 2.5]
+    assert client.get_run(old).data.tags["coba.superseded_by"] == new
+
+    assert after["wandb"]["run_id"] != before["wandb"]["run_id"]
+    runs = sorted((store.root / "trackers" / "wandb").glob("offline-run-*"))
+    assert {p.name.rsplit("-", 1)[-1] for p in runs} == {before["wandb"]["run_id"], after["wandb"]["run_id"]}
+    newest = next(p for p in runs if p.name.endswith(after["wandb"]["run_id"]))
+    history = _wandb_history_of(newest)
+    assert [r["_step"] for r in history] == [0, 1, 2, 3, 4]
+    assert [r["update/loss"] for r in history if "update/loss" in r] == [-0.5, 0.5, 11.5, 12.5]

@@ -1,0 +1,80 @@
+"""Every shipped CPU config can learn: run on its model for two steps, some group holds both a right and a
+wrong answer (a non-zero advantage). A config whose prompts, verifier and sampling leave every group
+all-equal trains nothing, however long it runs.
+
+Each config runs as the training flow runs it (its data, checks, prompt rendering, verifier and allocation),
+through the stage functions: rollouts, rewards, failure-rate update and budget of step 0, then the rollouts
+and rewards of step 1. The updates are left out (most of a step's time, and nothing of what is checked here
+hangs on them: step 1 samples from the starting weights). The SmolLM2 configs run on SmolLM2-135M-Instruct
+converted once per session; the tiny-model configs on the default tiny model with a shortened warm-up
+(``WARM_UP_STEPS`` instead of 4,500 supervised steps: the same architecture, tokenizer and data, weaker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from coba_tasks.pipeline.config import PROJECT_ROOT, load_config
+from coba_tasks.pipeline.store import Stage
+
+pytestmark = pytest.mark.slow
+
+CPU_CONFIGS = {  # shipped config -> the model it trains
+    "demo.yaml": "smollm2",
+    "smollm2-arith.yaml": "smollm2",
+    "demo-tiny.yaml": "tiny",
+    "tiny-test.yaml": "tiny",
+}
+GPU_CONFIGS = ("qwen2.5-0.5b-math.yaml", "qwen2.5-7b-math.yaml")  # a model from a hub and a GPU: not run here
+WARM_UP_STEPS = 600
+
+
+def test_every_shipped_config_is_listed_here():
+    shipped = {p.name for p in (PROJECT_ROOT / "configs").glob("*.yaml")}
+    assert shipped == set(CPU_CONFIGS) | set(GPU_CONFIGS), "classify a new config in this file"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model (``coba bootstrap``'s settings) after a shortened warm-up."""
+    from coba_tasks.engines.bootstrap import BootstrapConfig, init_model, train_sft
+    from coba_tasks.pipeline.data import load_dataset
+
+    root = tmp_path_factory.mktemp("tiny")
+    cfg = dataclasses.replace(BootstrapConfig(), steps=WARM_UP_STEPS, warmup_steps=50)
+    init_model(root / "init", cfg)
+    train_sft(
+        root / "init", load_dataset(PROJECT_ROOT / "data/arith_train.parquet"), root / "model", cfg, log=lambda s: None
+    )
+    return root / "model"
+
+
+def _mixed_groups(rewards) -> int:
+    """Groups (prompts) whose rewards are not all equal."""
+    return int((rewards.groupby("prompt_id")["reward"].nunique() > 1).sum())
+
+
+@pytest.mark.parametrize("name", sorted(CPU_CONFIGS))
+def test_a_shipped_config_has_mixed_groups_in_its_first_steps(name, request, tmp_path, monkeypatch):
+    from coba_tasks.pipeline import run, stage_runner
+
+    model = request.getfixturevalue("smollm2_model" if CPU_CONFIGS[name] == "smollm2" else "tiny_model")
+    monkeypatch.chdir(PROJECT_ROOT)  # the configs' data paths are from the project directory
+    cfg = load_config(PROJECT_ROOT / "configs" / name, [f"model.path={model}", "run.steps=2"])
+    root = (tmp_path / "run").resolve()
+    res = run.open_run(root, cfg, continuing=False, warn=lambda s: None)
+    try:
+        stage_runner.resume_point(res)
+        for stage in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.BUDGET):  # step 0, budget of step 1
+            stage_runner.run_stage(root, 0, stage)
+        for stage in (Stage.ROLLOUTS, Stage.REWARDS):
+            stage_runner.run_stage(root, 1, stage)
+        mixed = [_mixed_groups(res.store.read_table(s, Stage.REWARDS)) for s in (0, 1)]
+        groups = [len(res.store.read_table(s, Stage.BUDGET)) for s in (0, 1)]
+    finally:
+        run.close_run(res)
+    print(f"{name}: mixed groups {mixed} of {groups}")
+    assert sum(mixed) > 0, f"{name}: no group of steps 0-1 holds both a right and a wrong answer ({groups} groups)"
