@@ -16,8 +16,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from coba_tasks.engines.bootstrap import BootstrapConfig, build_area, publish, write_metrics
 from coba_tasks.pipeline import deployment
-from coba_tasks.pipeline.summary import figure_table
 from coba_tasks.pipeline.tasks import build_model_task, sft_eval_task, warm_up_task
+from coba_tasks.readers.text import figure_table
 
 
 @flow(name="coba-bootstrap", log_prints=True)

@@ -24,10 +24,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from coba_tasks.pipeline import deployment
-from coba_tasks.pipeline.eval_settings import EvalSettings, eval_settings
-from coba_tasks.pipeline.heldout import check_eval_inputs
-from coba_tasks.pipeline.summary import figure_table
+from coba_tasks.pipeline.evaluation import EvalSettings, check_eval_inputs, eval_settings
 from coba_tasks.pipeline.tasks import evaluate_model_task, write_eval_table_task
+from coba_tasks.readers.text import figure_table
 
 
 def artifact_key(model_path: str | Path) -> str:

@@ -4,12 +4,12 @@
     coba run                                      # configs/demo.yaml, runs/<run.name>
     coba run --config configs/tiny-test.yaml --run-dir runs/t --steps 2 --set optim.lr=3e-5
 
-This module only composes. Each task (``coba_tasks.pipeline.tasks``, named as its stage) runs one stage
-through ``coba_tasks.pipeline.stage_runner.run_stage`` (skip it when its table is done, else compute,
-write, time) and returns a few figures; the flow body calls the tasks in stage order (``run_step`` per
-step, inline). Tasks pass the run directory and a step number: the long-lived resources of a run (the
-rollout engine, the verifier pool, the training model) live in the flow process and are looked up by
-directory (``coba_tasks.pipeline.run.resources``).
+This module only composes. ``run_step`` calls the five stage tasks of ``coba_tasks.pipeline.step`` by name,
+in order; each task's body is that stage's work (skipped when its table is done). Tasks pass the run
+directory and a step number: the long-lived resources of a run (the rollout engine, the verifier pool, the
+training model) live in the flow process and are looked up by directory (``coba_tasks.pipeline.run``).
+What the flow shows of a step (its progress line, its artifacts, the trackers, summary.json) is read back
+from the tables by ``coba_tasks.readers``.
 """
 
 from __future__ import annotations
@@ -21,37 +21,47 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from coba_tasks.pipeline import deployment, run, stage_runner, trackers
+from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.store import Stage, Table
-from coba_tasks.pipeline.summary import (
-    NO_SIGNAL_FIX,
-    NO_SIGNAL_STEPS,
-    figure_table,
-    no_signal_streak,
-    run_summary_json,
+from coba_tasks.pipeline.step import (
+    budget,
+    capability,
+    eval_plan,
+    evaluate,
+    resume_point,
+    rewards,
+    rollouts,
+    update,
+    write_step_timing,
 )
-from coba_tasks.pipeline.tasks import stage_task
+from coba_tasks.pipeline.store import Table
+from coba_tasks.readers import trackers
+from coba_tasks.readers.figures import NO_SIGNAL_FIX, NO_SIGNAL_STEPS, eval_figures, no_signal_streak, step_figures
+from coba_tasks.readers.figures import summary_json as make_summary_json
+from coba_tasks.readers.text import figure_table
 
 
-def run_step(run_dir: str, step: int) -> dict[str, Any]:
-    """One training step: the five stage tasks in order, a progress line and the step's artifacts.
+def run_step(run_dir: str, step: int) -> None:
+    """One training step: the five stage tasks in order, then its progress line and artifacts.
 
     The training flow calls this inline: a subflow per step cost about 1.1 s of orchestration per
     step on the embedded server (measured: 1.31 s -> 0.19 s per step on the demo config).
     """
     res, t0 = run.resources(run_dir), time.perf_counter()
     seconds_before = dict(res.stage_seconds)
-    figures = {stage.value: stage_task(run_dir, step, stage) for stage in Stage}  # in stage order
-    seconds = stage_runner.write_step_timing(res, step, seconds_before)
-    rollouts, verdicts, cap, upd = (figures[k] for k in ("rollouts", "rewards", "capability", "update"))
+    rollouts(run_dir, step)
+    rewards(run_dir, step)
+    capability(run_dir, step)
+    budget(run_dir, step)  # the allocation for step + 1
+    update(run_dir, step)
+    seconds = write_step_timing(res, step, seconds_before)
+    figures = step_figures(res.store, step)
     quiet = no_signal_streak(res.store, step)  # steps in a row whose every group scored alike
     line = step_line(step, res.cfg.run.steps, figures, seconds, time.perf_counter() - t0, no_signal=quiet)
     log = get_run_logger()
     (log.warning if quiet >= NO_SIGNAL_STEPS else log.info)(line)
-    _post_step_artifacts(res, step, rollouts["rollouts"], verdicts, {**cap, **upd})
-    return {"verdicts": verdicts, **cap, **upd}
+    _post_step_artifacts(res, step, figures)
 
 
 def step_line(
@@ -104,18 +114,23 @@ def _no_signal_text(steps: int) -> str:
     return f"; no group mixed ({steps} step{'s' if steps > 1 else ''} in a row)" if steps else ""
 
 
-def _post_step_artifacts(res: run.RunResources, step: int, n_rollouts: int, verdicts: dict, figures: dict) -> None:
-    budget = res.store.read_table(step + 1, Stage.BUDGET)
+def _post_step_artifacts(res: run.RunResources, step: int, figures: dict[str, dict[str, Any]]) -> None:
+    allocated = res.store.read_table(step + 1, Table.BUDGET)
     create_table_artifact(
         key=f"budget-step-{step + 1:06d}",
-        table=budget[["prompt_id", "pass_rate_est", "budget", "value", "marginal_gain"]].round(4).to_dict("records"),
+        table=allocated[["prompt_id", "pass_rate_est", "budget", "value", "marginal_gain"]].round(4).to_dict("records"),
         description=f"rollout budgets allocated for step {step + 1}",
     )
+    shown = {**figures["capability"], **figures["update"]}
     create_markdown_artifact(
         key=f"step-{step:06d}",
         markdown=figure_table(
             f"# Step {step}",
-            [("rollouts", n_rollouts), *verdicts.items(), *((k, f"{v:.4f}") for k, v in figures.items())],
+            [
+                ("rollouts", figures["rollouts"]["rollouts"]),
+                *figures["rewards"].items(),
+                *((k, f"{v:.4f}") for k, v in shown.items()),
+            ],
         ),
         description=f"summary of training step {step}",
     )
@@ -164,12 +179,12 @@ def train_flow(
     trk = None
     try:
         trk = trackers.open_trackers(directory, cfg, warn=log.warning)  # run.trackers, continued on a resume
-        first = stage_runner.resume_point(res)
+        first = resume_point(res)
         if first > 0:
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
-        log.info(f"held-out evaluation before training: {stage_runner.eval_plan(res)}")
-        before = stage_task(directory, 0, Table.EVAL)
-        log.info(f"held-out accuracy before training: {_eval_text(before)}")
+        log.info(f"held-out evaluation before training: {eval_plan(res)}")
+        evaluate(directory, 0)
+        log.info(f"held-out accuracy before training: {_eval_text(res, 0)}")
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         for step in range(first, cfg.run.steps):
             # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
@@ -180,14 +195,14 @@ def train_flow(
             res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
             every = cfg.run.eval_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
-                ev = stage_task(directory, step + 1, Table.EVAL)
-                log.info(f"held-out accuracy after step {step + 1}: {_eval_text(ev)}")
+                evaluate(directory, step + 1)
+                log.info(f"held-out accuracy after step {step + 1}: {_eval_text(res, step + 1)}")
             trk.log_new()
-        log.info(f"held-out evaluation after training: {stage_runner.eval_plan(res)}")
-        after = stage_task(directory, cfg.run.steps, Table.EVAL)
-        log.info(f"held-out accuracy after training: {_eval_text(after)}")
+        log.info(f"held-out evaluation after training: {eval_plan(res)}")
+        evaluate(directory, cfg.run.steps)
+        log.info(f"held-out accuracy after training: {_eval_text(res, cfg.run.steps)}")
         trk.log_new()
-        summary = run_summary_json(res, time.perf_counter() - t_start)
+        summary = make_summary_json(res.store.root, time.perf_counter() - t_start, res.stage_seconds, res.step_walls)
         res.store.write_json("summary.json", summary)
         _post_report(res.store.root)
         return summary
@@ -198,8 +213,10 @@ def train_flow(
         lock.release()
 
 
-def _eval_text(figures: dict[str, Any]) -> str:
-    """avg@k (greedy) by level, and each extra held-out set's avg@k, in one line."""
+def _eval_text(res: run.RunResources, step: int) -> str:
+    """The evaluation of the weights after ``step`` updates in one line: avg@k (greedy) by level, and each
+    extra held-out set's avg@k."""
+    figures = eval_figures(res.store.read_table(step, Table.EVAL))
     levels = " ".join(f"L{k} {v:.2f}" for k, v in figures["by_difficulty"].items())
     text = f"{figures['accuracy']:.3f}" + (
         f" (greedy {figures['greedy']:.3f})" if figures["greedy"] == figures["greedy"] else ""
@@ -217,7 +234,7 @@ def _post_report(root: Path) -> None:
     """
     from prefect.artifacts import create_image_artifact, create_link_artifact
 
-    from coba_tasks.pipeline.report import report_artifacts_markdown, write_report
+    from coba_tasks.readers.report import report_artifacts_markdown, write_report
 
     log = get_run_logger()
     try:

@@ -1,4 +1,4 @@
-"""Argument types, the declaration of a subcommand and machine facts the ``coba`` subcommands share.
+"""Argument types and the declaration of a subcommand, which the ``coba`` subcommands share.
 
 A subcommand is declared as data, its options a list of ``option(...)`` rows; ``Command.add_to`` (or
 ``add_command`` with the same arguments) registers it:
@@ -12,7 +12,6 @@ A subcommand is declared as data, its options a list of ``option(...)`` rows; ``
 from __future__ import annotations
 
 import argparse
-import os
 from argparse import ArgumentParser
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -37,11 +36,6 @@ def positive_int(value: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return n
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one, else the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def option(*flags: str, **keywords: Any) -> Option:

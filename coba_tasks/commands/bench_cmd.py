@@ -1,17 +1,22 @@
-"""``coba bench``: the benchmark group, and the parsers and handlers of ``allocate``, ``rollout``, ``verify``.
+"""``coba bench``: the benchmark group, the parsers and handlers of its benchmarks.
 
     coba bench allocate [--json]
     coba bench rollout  [--json]
     coba bench verify   [--json]
+    coba bench update   [--json]
+    coba bench stages   [--json]
 
-The measurements are in ``coba_tasks.commands.bench``. The other benchmarks (``update``, ``stages``,
-``eval``, ``lora``) declare their own subcommands in their modules (``COMMAND``); ``add_bench_parser``
-registers the group, these three, then those.
+The measurements and their wording are in the package ``coba_tasks.bench`` (``solvers``: allocate;
+``engines``: rollout, verify; ``update``; ``stages``); a handler runs one, with its progress on stderr,
+and prints its figures (text, or JSON with ``--json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +25,32 @@ from coba_tasks.commands.args import add_command, option, positive_int
 JSON_OPTION = option("--json", action="store_true", help="print the figures as JSON")
 
 
+def print_progress(msg: str) -> None:
+    """A benchmark's progress line on stderr: ``[bench] msg ...``."""
+    print(f"[bench] {msg} ...", file=sys.stderr, flush=True)
+
+
+def print_figures(
+    result: dict[str, Any], as_json: bool, formatter: Callable[[Any], str], indent: int | None = 2
+) -> int:
+    """Print a benchmark's figures, as JSON (``--json``; ``indent=None``: one line) or worded by ``formatter``; 0."""
+    print(json.dumps(result, indent=indent) if as_json else formatter(result))
+    return 0
+
+
+def group_sizes(value: str) -> list[int]:
+    """An argparse type: comma-separated group sizes, each >= 1 (``coba bench update --groups``)."""
+    try:
+        sizes = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated group sizes, e.g. 2,4,8; got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"group sizes must be >= 1, got {value!r}")
+    return sizes
+
+
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``coba bench`` and every benchmark under it; returns the group's parser."""
-    from coba_tasks.commands import bench_eval, bench_lora, bench_stages, bench_update
-
     bench = add_command(
         subparsers,
         "bench",
@@ -81,14 +108,91 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         ],
         func=cmd_bench_verify,
     )
-    for module in (bench_update, bench_stages, bench_eval, bench_lora):
-        module.COMMAND.add_to(bench_sub)
+    _add_update(bench_sub)
+    _add_stages(bench_sub)
     return bench
+
+
+def _add_update(bench_sub: Any) -> None:
+    from coba_tasks.bench import update  # its docstring is the description; its defaults are the options'
+
+    model = update.DEFAULT_MODEL
+    add_command(
+        bench_sub,
+        "update",
+        help="the GRPO update against a plain transformers loop on the same rollouts (speed and agreement)",
+        description=(update.__doc__ or "").split("\n\n")[1],
+        examples=[
+            "coba bench update",
+            "coba bench update --model models/arith-tiny --json",
+            "coba bench update --run-dir runs/smollm2-arith --step 3 --reload",
+        ],
+        options=[
+            option("--model", default=model, help=f"Hugging Face model directory (default {model})"),
+            option("--run-dir", default=None, help="take the rollouts of a run's step instead of synthetic ones"),
+            option("--step", type=int, default=0, help="the run's step (with --run-dir; default 0)"),
+            option(
+                "--groups",
+                type=group_sizes,
+                default=list(update.DEFAULT_GROUPS),
+                help="synthetic group sizes (2,4,...)",
+            ),
+            option("--prompt-tokens", type=positive_int, default=46, help="synthetic prompt length (default 46)"),
+            option(
+                "--completion-tokens", type=positive_int, default=32, help="synthetic completion length (default 32)"
+            ),
+            option("--micro-batch", type=positive_int, default=16, help="sequences per forward/backward (default 16)"),
+            option("--repeats", type=positive_int, default=2, help="timed updates of each kind (default 2)"),
+            option("--reload", action="store_true", help="also time the weight reload into a vLLM engine"),
+            option("--threads", type=int, default=0, help="torch threads (default 0: every core, as a run has)"),
+            option(
+                "--lora-rank", type=int, default=16, help="rank of the LoRA update timed beside (default 16; 0: none)"
+            ),
+            JSON_OPTION,
+        ],
+        func=cmd_bench_update,
+    )
+
+
+def _add_stages(bench_sub: Any) -> None:
+    add_command(
+        bench_sub,
+        "stages",
+        help="where a training step's time goes: rollout stage vs bare vLLM, Prefect vs plain calls, Parquet, "
+        "verifier, update",
+        description="Run a few training steps through the Prefect flow and the same steps as plain function calls "
+        "on temporary run directories, then time the rollout stage against a bare vllm.LLM.generate with the same "
+        "prompts, budgets and seeds, the Parquet write and read of each of the step's tables, the verifier and the "
+        "GRPO update. Prints the figures and the ratios with their goals (rollout stage / bare vLLM <= 1.10, "
+        "orchestration <= 10% of a step); asserts nothing.",
+        examples=[
+            "coba bench stages",
+            "coba bench stages --steps 5 --json > stages.json",
+            "coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
+        ],
+        options=[
+            option(
+                "--config",
+                default="configs/demo-tiny.yaml",
+                help="YAML config (default: the tiny model, configs/demo-tiny.yaml)",
+            ),
+            option(
+                "--set",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
+            ),
+            option("--steps", type=positive_int, default=3, help="training steps in each run (default 3)"),
+            JSON_OPTION,
+        ],
+        func=cmd_bench_stages,
+    )
 
 
 def cmd_bench_allocate(args: argparse.Namespace) -> int:
     """Run ``coba bench allocate``: progress on stderr, the figures (text or JSON) on stdout."""
-    from coba_tasks.commands.bench import bench_allocate, format_allocate, print_figures, print_progress
+    from coba_tasks.bench.solvers import bench_allocate, format_allocate
 
     result = bench_allocate(seed=args.seed, quick=args.quick, progress=print_progress)
     return print_figures(result, args.json, format_allocate)
@@ -96,7 +200,7 @@ def cmd_bench_allocate(args: argparse.Namespace) -> int:
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
     """Run ``coba bench rollout`` on --model (which must exist)."""
-    from coba_tasks.commands.bench import bench_rollout, format_rollout, print_figures, print_progress
+    from coba_tasks.bench.engines import bench_rollout, format_rollout
 
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"model {args.model} not found: run `coba bootstrap` first or pass --model DIR")
@@ -114,7 +218,38 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
 
 def cmd_bench_verify(args: argparse.Namespace) -> int:
     """Run ``coba bench verify``."""
-    from coba_tasks.commands.bench import bench_verify, format_verify, print_figures
+    from coba_tasks.bench.engines import bench_verify, format_verify
 
     result = bench_verify(arith_items=args.arith, math_items=args.math, workers=args.workers)
     return print_figures(result, args.json, format_verify)
+
+
+def cmd_bench_update(args: argparse.Namespace) -> int:
+    """``coba bench update``: run the benchmark, print the figures (or one JSON line); 0."""
+    from coba_tasks.bench.update import bench_update, format_update
+
+    result = bench_update(
+        args.model,
+        run_dir=args.run_dir,
+        step=args.step,
+        groups=args.groups,
+        prompt_tokens=args.prompt_tokens,
+        completion_tokens=args.completion_tokens,
+        micro_batch=args.micro_batch,
+        repeats=args.repeats,
+        reload=args.reload,
+        threads=args.threads,
+        lora_rank=args.lora_rank,
+        progress=print_progress,
+    )
+    return print_figures(result, args.json, format_update, indent=None)
+
+
+def cmd_bench_stages(args: argparse.Namespace) -> int:
+    """``coba bench stages``: run the benchmark, print the report (or JSON); 0."""
+    from coba_tasks.bench.stages import bench_stages, format_stages
+    from coba_tasks.commands.prefect_env import configure_prefect
+
+    configure_prefect()
+    result = bench_stages(args.config, list(args.set or []), steps=args.steps, progress=print_progress)
+    return print_figures(result, args.json, format_stages)

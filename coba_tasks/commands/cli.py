@@ -15,8 +15,6 @@
     coba bench verify   [--json]   verifier items per second
     coba bench stages   [--json]   a training step's stages: against bare vLLM and plain function calls
     coba bench update   [--json]   the GRPO update against a plain transformers loop (speed, agreement, LoRA)
-    coba bench eval     [--json]   a held-out evaluation now against before (one call, sort-free top-p)
-    coba bench lora     [--json]   sampling a LoRA policy: merged weights against vLLM's LoRA adapters
 
 Each subcommand has ``--help`` with examples. Each command module declares its own subcommands and handlers
 (a ``Command``, ``coba_tasks.commands.args``: ``demo``, ``model_cmd``, ``compare``, ``server_setup``; or

@@ -281,7 +281,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     check_configs(out, listed, planned, earlier, run_dirs=not args.collect_only)
     out.mkdir(parents=True, exist_ok=True)
     if not args.collect_only:
-        from coba_tasks.pipeline.prefect_env import configure_prefect
+        from coba_tasks.commands.prefect_env import configure_prefect
 
         configure_prefect()
         try:

@@ -88,7 +88,7 @@ def run_key(run_dir: Path) -> dict[str, Any]:
 
 def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
     """The comparison's tables (see the module docstring) from finished or partial runs."""
-    from coba_tasks.pipeline.summary import load_run
+    from coba_tasks.readers.tables import load_run
 
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
     for run_dir in run_dirs:
@@ -101,7 +101,7 @@ def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
 def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     from coba_tasks.pipeline import stages
     from coba_tasks.pipeline.store import Stage, Table
-    from coba_tasks.pipeline.summary import eval_figures
+    from coba_tasks.readers.figures import eval_figures
 
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
     planned = t.config_value("run", "steps")

@@ -54,8 +54,8 @@ def add_convert_gguf_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     """Run ``coba bootstrap``: check the output and the data, then the bootstrap flow; print its figures."""
+    from coba_tasks.commands.prefect_env import configure_prefect
     from coba_tasks.engines.bootstrap import METRICS_FILE, BootstrapConfig, check_output
-    from coba_tasks.pipeline.prefect_env import configure_prefect
 
     out = Path(args.out)
     if (out / METRICS_FILE).is_file() and not args.force:

@@ -1,11 +1,11 @@
-"""``coba report``: its parser and its handler (the report itself is ``coba_tasks.pipeline.report``)."""
+"""``coba report``: its parser and its handler (the report itself is ``coba_tasks.readers.report``)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from coba_tasks.pipeline.report import build_report
+from coba_tasks.readers.report import build_report
 
 REPORT_EPILOG = """examples:
   coba report --run-dir runs/demo                 # writes runs/demo/report/index.html and the PNGs

@@ -156,7 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if note:
             print(note)
     check_paths(cfg)
-    from coba_tasks.pipeline.trackers import check_installed
+    from coba_tasks.pipeline.config import check_installed
 
     check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra, before Prefect
     if cfg.model.trust_remote_code:  # the user's own command turns it on, on this machine
@@ -170,7 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from coba_tasks.pipeline.data_run import load_run_datasets
 
     load_run_datasets(cfg)  # a bad dataset or over-long prompt fails here, before anything is written
-    from coba_tasks.pipeline.prefect_env import configure_prefect
+    from coba_tasks.commands.prefect_env import configure_prefect
 
     configure_prefect()
     from flows.train import train_flow
@@ -202,7 +202,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     store = RunStore.open(args.run_dir)  # refuses a missing run or another schema version
     RunLock(store.root).check_free()  # a run still going there: refuse before starting anything
     cfg = read_run_config(store)  # a damaged config.yaml: one line naming it
-    from coba_tasks.pipeline.trackers import check_installed
+    from coba_tasks.pipeline.config import check_installed
 
     check_installed(cfg.run.trackers)
     if cfg.model.trust_remote_code:
@@ -246,7 +246,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if first > 0:
         checked_checkpoint(store, first)  # a partial or damaged checkpoint: the file and the rerun that mends it
     print(f"resuming {store.root} at step {first + 1} of {cfg.run.steps}; stages already done are not recomputed")
-    from coba_tasks.pipeline.prefect_env import configure_prefect
+    from coba_tasks.commands.prefect_env import configure_prefect
 
     configure_prefect()
     from flows.train import train_flow
@@ -282,8 +282,8 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 def _print_summary(s: dict) -> None:
     """The end of ``coba run`` and ``coba resume``: the run's figures as ``coba inspect`` shows them, then the
     timings this process measured (``s`` is the flow's summary.json)."""
-    from coba_tasks.commands.inspection_views import format_summary
-    from coba_tasks.pipeline.summary import run_summary
+    from coba_tasks.readers.figures import run_summary
+    from coba_tasks.readers.views import format_summary
 
     print()
     print(format_summary(run_summary(s["run_dir"])))

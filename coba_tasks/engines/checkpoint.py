@@ -1,6 +1,6 @@
 """Checkpoint serialisation: the policy's weights, its AdamW state and the trainer state on disk, and back.
 
-Kept apart from the update (``coba_tasks.engines.trainer``) because the same layout is written by two
+Kept apart from the update (``coba_tasks.engines.update``) because the same layout is written by two
 writers, ``PolicyTrainer.save_checkpoint`` and rank 0 of an FSDP update (``coba_tasks.engines.fsdp_update``),
 and checked by readers that never train (a resume, a rerun, ``coba-eval``).
 

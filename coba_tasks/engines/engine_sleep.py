@@ -9,7 +9,7 @@ wakes it after, before the new weights are loaded into it:
         metrics = trainer.update(...)
     engine.load_weights(ckpt, version)       # awake again here
     if record:
-        store.write_json("steps/000007/engine_sleep.json", record)
+        store.write_step_json(7, "engine_sleep", record)
 
 ``record`` holds the seconds that sleeping and waking took and, where CUDA is available, the
 device memory at each point (``cuda_memory``): used by every process (total minus free, what

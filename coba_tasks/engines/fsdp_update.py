@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from coba_tasks.engines.checkpoint import optimizer_to_tensors, write_checkpoint
-from coba_tasks.engines.trainer import PolicyTrainer
+from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_batch import DataShard, NonFiniteUpdateError
 from coba_tasks.engines.update_settings import UpdateSettings, make_optimizer
 

@@ -1,6 +1,6 @@
 """A step's rollouts as the GRPO update sees them: padded tensors, one process's share, the sampler gap.
 
-Helpers of ``coba_tasks.engines.trainer.PolicyTrainer.update`` that need no model: ``pad_sequences``
+Helpers of ``coba_tasks.engines.update.PolicyTrainer.update`` that need no model: ``pad_sequences``
 (prompt + completion token ids as right-padded tensors and masks, also used by the warm-up and the
 update benchmark), ``DataShard`` (which rows this process computes and how its sums meet the other
 processes'; ``coba_tasks.engines.fsdp_update.DistributedShard`` is its data-parallel subclass) and

@@ -1,5 +1,5 @@
 """What the GRPO update is told (``UpdateSettings``, built from the run config's model and optim sections),
-its learning-rate schedule and its optimizer; ``coba_tasks.engines.trainer`` runs the update with them."""
+its learning-rate schedule and its optimizer; ``coba_tasks.engines.update`` runs the update with them."""
 
 from __future__ import annotations
 

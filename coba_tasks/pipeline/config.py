@@ -283,6 +283,23 @@ def check_platform(cfg: Config) -> None:
         )
 
 
+# the module each tracker of run.trackers imports; its pip extra of pyproject.toml has the tracker's name
+TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def check_installed(trackers: Sequence[str]) -> None:
+    """Refuse (one-line ConfigError naming the pip extra) a tracker of ``run.trackers`` whose library is not
+    installed, before a run starts."""
+    import importlib.util
+
+    for name in trackers:
+        if importlib.util.find_spec(TRACKER_MODULES[name]) is None:
+            raise ConfigError(
+                f"run.trackers: {name} is not installed; install it with pip install -e '.[{name}]' "
+                f"(or '.[trackers]' for all three), or take {name} out of run.trackers"
+            )
+
+
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------

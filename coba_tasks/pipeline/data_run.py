@@ -18,7 +18,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from coba_tasks.pipeline.config_sections import UnknownSources
+from coba_tasks.pipeline.config_sections import UnknownSources, test_set_name
 from coba_tasks.pipeline.data import is_string_type, read_dataset
 from coba_tasks.pipeline.data_problems import DatasetError, OnBadRows, Problem, all_bad_note, refuse_or_skip
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
@@ -192,8 +192,6 @@ def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
         cfg.model.path, cfg.model.trust_remote_code, cfg.rollout.max_model_len
     )
     out = RunDatasets(train=None, test=pd.DataFrame(), tokenizer=tokenizer)
-    from coba_tasks.pipeline.config_sections import test_set_name
-
     keys = (("data.train", cfg.data.train),) if train else ()
     extra = tuple((f"data.extra_tests[{i}]", p) for i, p in enumerate(cfg.data.extra_tests))
     v = cfg.verify

@@ -1,15 +1,12 @@
 """A training run's lifecycle outside Prefect: resolve, open or continue it, hold its resources, close it.
 
-``flows/train.py`` composes these (and the stages of ``coba_tasks.pipeline.stage_runner``) into
-Prefect tasks and flows; ``coba bench stages`` calls the same functions without Prefect. Nothing here
-imports Prefect's flow machinery.
+``flows/train.py`` composes these and the stage tasks of ``coba_tasks.pipeline.step``; ``coba bench
+stages`` calls the same functions without Prefect. Nothing here imports Prefect's flow machinery.
 
     cfg, root, continuing = resolve_run("configs/demo.yaml", run_dir="runs/x")
     res = open_run(root, cfg, continuing)            # datasets checked, run directory created
-    write_first_budget(res)                          # stage_runner: step 0, uniform budgets
-    start_resources(res, cfg.model.path, version=0)  # engine, verifier pool, trainer
-    for stage in Stage:
-        run_stage(str(root), 0, stage)               # stage_runner: skip if done, compute, write, time
+    first = step.resume_point(res)                   # the first budget; engine, verifier pool, trainer
+    step.plain_step(str(root), first)                # one step's five stages, without Prefect
     close_run(res)
 
 A run's long-lived resources (the rollout engine, the verifier pool, the training model) live in
@@ -33,13 +30,29 @@ from typing import Any
 import pandas as pd
 
 from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
+from coba_tasks.engines.fileio import content_sha256
+from coba_tasks.engines.reward_file import RewardFunction
 from coba_tasks.engines.rollout import make_backend
-from coba_tasks.engines.trainer import PolicyTrainer
+from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_settings import UpdateSettings
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
-from coba_tasks.pipeline.config import Config, check_platform, config_from_dict
+from coba_tasks.pipeline.config import (
+    Config,
+    apply_overrides,
+    check_installed,
+    check_paths,
+    check_platform,
+    config_from_dict,
+    config_hash,
+    config_to_dict,
+    load_config,
+)
+from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
+from coba_tasks.pipeline.data_prompts import render_prompts
+from coba_tasks.pipeline.data_run import load_run_datasets, reward_function
+from coba_tasks.pipeline.deployment import check_deployment_paths, check_reward_files
 from coba_tasks.pipeline.faults import FaultHooks
 from coba_tasks.pipeline.runlock import LOCK_FILE
 from coba_tasks.pipeline.store import RUN_FILE, RunStore, Stage, StoreError
@@ -127,8 +140,6 @@ def check_remote_code(cfg: Config) -> None:
     whoever starts the worker). ``coba run`` allows it for the config its user gives on the command line,
     and ``coba resume`` with ``--trust-remote-code``."""
     if cfg.model.trust_remote_code and os.environ.get(REMOTE_CODE_ENV) != "1":
-        from coba_tasks.pipeline.config_fields import ConfigError
-
         raise ConfigError(
             "model.trust_remote_code = true: this process does not run a model's own code unless its environment "
             f"allows it; set {REMOTE_CODE_ENV}=1 where the worker (or the command) starts, for models you trust"
@@ -162,9 +173,6 @@ def resolve_run(
     (``coba_tasks.pipeline.deployment``): every path stays inside the project or the worker's roots, and
     the file at ``config_path`` is never quoted in an error.
     """
-    from coba_tasks.pipeline.config import apply_overrides, check_paths, config_hash, load_config
-    from coba_tasks.pipeline.deployment import check_deployment_paths, check_reward_files
-    from coba_tasks.pipeline.trackers import check_installed
 
     if deployment:  # before anything is read there
         check_deployment_paths({"config_path": config_path, "run_dir": run_dir})
@@ -231,8 +239,6 @@ def check_new_run_dir(root: Path) -> None:
 
 def read_run_config(store: RunStore) -> Config:
     """The run's config from its config.yaml; a damaged or invalid one is one line naming the file."""
-    from coba_tasks.pipeline.config_fields import ConfigError
-
     try:
         return config_from_dict(store.read_config())
     except ConfigError as exc:
@@ -248,14 +254,10 @@ REREAD_INPUTS = ("data.test", "model.path", "verify.reward_function")
 def run_inputs(cfg: Config) -> dict[str, dict[str, str]]:
     """Config key -> {path, sha256} of the files a run reads by path (``content_sha256``: a model directory's
     files too), recorded in run.json at the start."""
-    from coba_tasks.engines.fileio import content_sha256
-
     return {key: {"path": path, "sha256": content_sha256(path)} for key, path in _input_paths(cfg).items()}
 
 
 def _input_paths(cfg: Config) -> dict[str, str]:
-    from coba_tasks.engines.reward_file import RewardFunction
-
     extra = {f"data.extra_tests[{i}]": p for i, p in enumerate(cfg.data.extra_tests)}
     spec = cfg.verify.reward_function.strip()
     reward = {"verify.reward_function": RewardFunction.from_spec(spec).path} if spec else {}  # the file workers import
@@ -267,8 +269,6 @@ def check_inputs(store: RunStore, cfg: Config, allow_changed: bool, warn: Callab
     (a resume would evaluate other prompts, train another model or score with another reward), unless
     ``allow_changed`` (then a warning). An input the run's run.json does not record (a run made before it
     was recorded) is said in a warning and not checked."""
-    from coba_tasks.engines.fileio import content_sha256
-
     recorded = store.run_info.get("inputs")
     if not isinstance(recorded, dict):
         warn(f"{store.root / 'run.json'} records no input hashes (an older run): data.test and model.path go unchecked")
@@ -310,9 +310,6 @@ def open_run(
     continuing one checks the inputs it reads again (``check_inputs``). Nothing is started: see
     ``start_resources``.
     """
-    from coba_tasks.pipeline.config import config_hash, config_to_dict
-    from coba_tasks.pipeline.data_prompts import render_prompts
-    from coba_tasks.pipeline.data_run import load_run_datasets
 
     say = warn or (lambda s: print(s, file=sys.stderr))
     if continuing:
@@ -337,21 +334,21 @@ def open_run(
             store.write_run_table("bad_rows", data.bad_rows())
     for line in (*data.skip_lines(), *data.overlap_lines()):
         say(line)
-    res = RunResources(cfg=cfg, store=store, prompts=prompts, test=heldout_prompts(cfg, test, data.extra_tests))
+    res = RunResources(cfg=cfg, store=store, prompts=prompts, test=eval_prompt_set(cfg, test, data.extra_tests))
     _RUNS[str(Path(root).resolve())] = res
     return res
 
 
-def heldout_prompts(cfg: Config, test: pd.DataFrame, extra: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
+def eval_prompt_set(cfg: Config, test: pd.DataFrame, extra: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
     """The prompts every evaluation scores, with their ``test_set``: the ``data.eval_prompts`` sample
     (seeded by ``run.seed``) of data.test (``MAIN_TEST_SET``), and the same positions of each extra set
     (``data.extra_tests``: the same problems when the files list them in the same order), whose
     prompt ids are prefixed with the set's name so that every row of an evaluation has its own id."""
     n, seed = cfg.data.eval_prompts, cfg.run.seed
-    frames = [stages.eval_sample(test, n, seed).assign(test_set=MAIN_TEST_SET)]
+    frames = [stages.sample_eval_prompts(test, n, seed).assign(test_set=MAIN_TEST_SET)]
     for name, df in (extra or {}).items():
         renamed = {"test_set": name, "prompt_id": lambda d, name=name: name + "/" + d["prompt_id"]}
-        frames.append(stages.eval_sample(df, n, seed).assign(**renamed))
+        frames.append(stages.sample_eval_prompts(df, n, seed).assign(**renamed))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -398,8 +395,6 @@ def verifier_pool(cfg: Config) -> VerifierPool:
     """The run's verifier pool (not started): verify.workers processes, verify.timeout_s per item,
     verify.gsm8k_answer, and the reward file of verify.reward_function when set (imported here first: a bad
     file fails in one line)."""
-    from coba_tasks.pipeline.data_run import reward_function
-
     return VerifierPool(
         workers=cfg.verify.workers,
         timeout_s=cfg.verify.timeout_s,

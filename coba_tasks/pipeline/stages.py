@@ -384,7 +384,7 @@ def advantages_for(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> np.ndarray:
     return group_advantages(reward, ids).numpy()
 
 
-def update_batch(
+def update_sequences(
     rollouts: pd.DataFrame, prompts: pd.DataFrame
 ) -> tuple[list[list[int]], list[list[int]], list[list[float]] | None]:
     """What the update trains on, one entry per rollout row: the prompt's token ids (the very ids the
@@ -409,12 +409,12 @@ def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rew
 # ---------------------------------------------------------------------------------------------
 
 
-def eval_sample(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame:
+def sample_eval_prompts(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame:
     """The held-out prompts an evaluation scores: a sample of ``prompts`` rows seeded by ``seed`` (the run
     config's data.eval_prompts and run.seed), or every row when ``prompts`` is 0 or not below their count.
 
     >>> test = pd.DataFrame({"prompt_id": list("abcde")})
-    >>> eval_sample(test, 2, seed=0)["prompt_id"].tolist(), len(eval_sample(test, 0, seed=0))
+    >>> sample_eval_prompts(test, 2, seed=0)["prompt_id"].tolist(), len(sample_eval_prompts(test, 0, seed=0))
     (['c', 'a'], 5)
     """
     return test.sample(prompts, random_state=seed).reset_index(drop=True) if 0 < prompts < len(test) else test

@@ -36,14 +36,8 @@ The rules, and how this module keeps them:
    metadata or index, so equal frames give equal bytes and a rerun's sha256 can be compared.
 
 Steps, stages and tables. ``Stage`` lists the five stages of one step in pipeline order, ``Table`` the
-tables of a step directory (the five the stages write, ``history`` and ``eval``). A table is
-addressed by ``(step, name)``, the step whose directory holds it, *not* the step that computed
-it: the allocation stage (``Stage.BUDGET``) runs at the end of step ``t`` and writes the budget
-that step ``t + 1`` consumes, so it writes ``(t + 1, "budget")``; ``Stage.output_step`` gives the
-directory a stage run during step ``t`` writes to. The first step's (uniform) budget is written
-before the first step runs. Consequently ``steps_done()`` (the five stages' tables) asks "are all five files of this
-directory there", i.e. step ``t`` ran *and* its budget was allocated beforehand; whether the
-allocation *for* the next step finished is ``is_done(t + 1, "budget")``.
+tables of a step directory. A table is addressed by ``(step, name)``, the step whose directory holds it
+(the one rule of where a table lives, ``Table``: a budget is in the directory of the step that uses it).
 
 Integrity. ``read_table`` checks the file's size and sha256 against its manifest entry (unless
 ``verify=False``); a mismatch or an unreadable file raises ``StoreError`` naming the file and
@@ -99,9 +93,12 @@ _REPAIR_HINT = "run `coba resume --repair` to recompute it"
 class Table(StrEnum):
     """The tables of a step directory, in the order a step writes them; the value is the file's name.
 
-    ``budget`` comes first: the allocation at the end of step t - 1 writes it into step t's directory
-    before step t runs. ``history`` is the per-prompt pass-rate memory the capability stage writes beside
-    its table, and ``eval`` the held-out evaluation of the weights after that many updates.
+    A table lives in the directory of the step that *uses* it. ``budget`` comes first: the allocation at
+    the end of step t - 1 writes it into step t's directory before step t runs (the first step's, uniform,
+    before any step), so ``steps/t/budget.parquet`` is the budget step t consumed and the last directory
+    holds the budget of a step that never ran. ``history`` is the per-prompt pass-rate memory the
+    capability stage writes beside its table, and ``eval`` the held-out evaluation of the weights after t
+    updates. ``output_step`` gives the directory a table computed during step t goes to.
 
     >>> [t.value for t in Table]
     ['budget', 'rollouts', 'rewards', 'capability', 'update', 'history', 'eval']
@@ -433,6 +430,19 @@ class RunStore:
             return json.loads(text)
         except json.JSONDecodeError as e:
             raise StoreError(f"{path}: not valid JSON ({e})") from e
+
+    def step_json_path(self, step: int, name: str) -> Path:
+        """``steps/<step>/<name>.json``: a step's records that are not stage outputs (``timing``,
+        ``engine_sleep``; not in the manifest)."""
+        return self.step_dir(step) / f"{_check_name(name)}.json"
+
+    def write_step_json(self, step: int, name: str, obj: Any) -> Path:
+        """Write ``obj`` as ``steps/<step>/<name>.json``, atomically (``write_json``)."""
+        return self.write_json(self.step_json_path(step, name).relative_to(self.root).as_posix(), obj)
+
+    def read_step_json(self, step: int, name: str) -> Any:
+        """Read ``steps/<step>/<name>.json`` (``read_json``: FileNotFoundError when it is missing)."""
+        return self.read_json(self.step_json_path(step, name).relative_to(self.root).as_posix())
 
     def _resolve(self, relpath: str | os.PathLike[str]) -> Path:
         """``root / relpath`` after checking every part is a plain name and the result stays inside root."""

@@ -1,4 +1,4 @@
-"""Tests for ``coba inspect`` (commands/inspection.py, inspection_views.py) on small synthetic run directories."""
+"""``coba inspect`` (commands/inspection.py, readers/views.py, readers/sql.py) on small synthetic run directories."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import duckdb
 import pandas as pd
 import pytest
 
-from coba_tasks.commands import inspection
-from coba_tasks.commands.inspection import add_inspect_parser, run_sql
-from coba_tasks.commands.inspection_views import TABLE_NAMES, format_summary, render, show_table
+from coba_tasks.commands.inspection import add_inspect_parser
 from coba_tasks.pipeline.store import RunStore
-from coba_tasks.pipeline.summary import run_summary
+from coba_tasks.readers import sql
+from coba_tasks.readers.figures import run_summary
+from coba_tasks.readers.sql import run_sql
+from coba_tasks.readers.views import TABLE_NAMES, format_summary, render, show_table
 
 CONFIG = {
     "run": {"name": "t", "seed": 0, "steps": 2, "eval_every": 2},
@@ -304,7 +305,7 @@ def test_format_summary(run: Path):
 
 
 def test_not_a_run(tmp_path: Path):
-    with pytest.raises(ValueError, match="no such directory"):
+    with pytest.raises(ValueError, match="no such run directory"):
         run_summary(tmp_path / "missing")
     with pytest.raises(ValueError, match="no run here"):
         run_summary(tmp_path)
@@ -576,7 +577,7 @@ def test_sql_refuses_a_table_that_is_a_symlink_out_of_the_run(tmp_path: Path):
 
 def test_sql_connection_is_locked_down_even_without_the_statement_check(run: Path, tmp_path: Path, monkeypatch):
     """The second line of defence alone: DuckDB itself refuses writes, file access and config changes."""
-    monkeypatch.setattr(inspection, "_check_select", lambda query, _duckdb: duckdb.extract_statements(query)[0])
+    monkeypatch.setattr(sql, "_check_select", lambda query, _duckdb: duckdb.extract_statements(query)[0])
     out = tmp_path / "outside"
     out.mkdir()
     for query in [

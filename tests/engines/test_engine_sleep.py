@@ -302,7 +302,7 @@ class SleepyBackend(TransformersBackend):
 @pytest.fixture(scope="module")
 def sleepy_run(tmp_path_factory, prefect_harness, random_checkpoints):
     """A 3-step run of the training flow on the fake backend with rollout.sleep_during_update on."""
-    from coba_tasks.engines.trainer import PolicyTrainer
+    from coba_tasks.engines.update import PolicyTrainer
     from flows.train import train_flow
 
     original_update = PolicyTrainer.update

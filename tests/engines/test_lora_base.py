@@ -18,7 +18,7 @@ from conftest import make_random_checkpoint
 from coba_tasks.engines.checkpoint import verify_checkpoint
 from coba_tasks.engines.fileio import content_sha256
 from coba_tasks.engines.lora import ADAPTER_BASE_FILE, AdapterBaseError, merge_adapter_checkpoint
-from coba_tasks.engines.trainer import PolicyTrainer
+from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_settings import UpdateSettings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
@@ -68,8 +68,7 @@ def test_merging_into_another_base_is_refused(adapter, tmp_path):
 
 
 def test_evaluating_on_another_base_is_refused_before_an_engine_starts(adapter, tmp_path):
-    from coba_tasks.pipeline.eval_settings import EvalSettings
-    from coba_tasks.pipeline.heldout import check_eval_inputs
+    from coba_tasks.pipeline.evaluation import EvalSettings, check_eval_inputs
 
     base, ckpt, sha = adapter
     test = tmp_path / "test.parquet"

@@ -14,7 +14,7 @@ import torch
 
 from coba_tasks.engines.checkpoint import CheckpointError, optimizer_to_tensors, write_checkpoint
 from coba_tasks.engines.fsdp_update import fsdp_update
-from coba_tasks.engines.trainer import PolicyTrainer
+from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_batch import NonFiniteUpdateError
 from coba_tasks.engines.update_settings import UpdateSettings
 

@@ -133,7 +133,7 @@ def test_sampler_and_trainer_logprobs_are_of_the_sampling_distribution(vllm_engi
     taken for the distribution the rollouts were drawn from."""
     import numpy as np
 
-    from coba_tasks.engines.trainer import PolicyTrainer
+    from coba_tasks.engines.update import PolicyTrainer
     from coba_tasks.engines.update_settings import UpdateSettings
 
     a, _ = random_checkpoints

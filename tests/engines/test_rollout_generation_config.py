@@ -17,7 +17,7 @@ from char_prompts import char_ids
 from conftest import make_random_checkpoint
 
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
-from coba_tasks.engines.trainer import PolicyTrainer
+from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_settings import UpdateSettings
 
 PROMPTS = ["37+58=", "1+2=", "99*9="]

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass, supports_shared_prefix
-from coba_tasks.engines.trainer import PolicyTrainer
+from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_settings import UpdateSettings
 
 

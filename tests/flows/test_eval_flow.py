@@ -5,8 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from coba_tasks.pipeline import evaluation
 from coba_tasks.pipeline.data_problems import DatasetError
-from coba_tasks.pipeline.eval_settings import EvalSettings, eval_settings
+from coba_tasks.pipeline.evaluation import EvalSettings, eval_settings
 
 
 def _flat(path, prompts, answers=None, source="arith"):
@@ -16,18 +17,17 @@ def _flat(path, prompts, answers=None, source="arith"):
 
 
 def _evaluate(model, test, **changes):
-    from coba_tasks.pipeline.heldout import evaluate_model
+    from coba_tasks.pipeline.evaluation import evaluate_model
 
     settings = eval_settings(test_path=str(test), backend="transformers", **changes)
     return evaluate_model(str(model), settings)  # the task's body, without Prefect
 
 
 def test_an_over_long_prompt_is_refused_before_the_engine_starts(tmp_path, random_checkpoints, monkeypatch):
-    from coba_tasks.pipeline import heldout
 
     model, _ = random_checkpoints
     started = []
-    monkeypatch.setattr(heldout, "make_backend", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(evaluation, "make_backend", lambda *a, **k: started.append(a))
     test = _flat(tmp_path / "t.parquet", ["1+1=", "9" * 900])
     with pytest.raises(DatasetError) as info:
         _evaluate(model, test)
@@ -41,10 +41,9 @@ def test_an_over_long_prompt_is_refused_before_the_engine_starts(tmp_path, rando
 
 
 def test_ground_truths_and_sources_are_checked_before_the_engine_starts(tmp_path, random_checkpoints, monkeypatch):
-    from coba_tasks.pipeline import heldout
 
     model, _ = random_checkpoints
-    monkeypatch.setattr(heldout, "make_backend", lambda *a, **k: pytest.fail("the engine started"))
+    monkeypatch.setattr(evaluation, "make_backend", lambda *a, **k: pytest.fail("the engine started"))
     bad = _flat(tmp_path / "bad.parquet", ["1+1=", "2+2="], answers=["2", "four"])
     with pytest.raises(DatasetError, match=r"row 1, column answer: arith: ground truth 'four' is not an integer"):
         _evaluate(model, bad)
@@ -100,7 +99,7 @@ def test_a_run_config_gives_the_settings_of_its_evaluations():
 
 def test_coba_eval_scores_gsm8k_rows_as_the_run_config_says(tmp_path, random_checkpoints, monkeypatch):
     """verify.gsm8k_answer reaches the evaluation's verifier pool (veRL's strict scorer when asked)."""
-    from coba_tasks.pipeline import heldout
+    from coba_tasks.pipeline import evaluation
     from coba_tasks.pipeline.config import load_config
 
     model, _ = random_checkpoints
@@ -117,14 +116,14 @@ def test_coba_eval_scores_gsm8k_rows_as_the_run_config_says(tmp_path, random_che
         pools.append(kwargs)
         raise Stop
 
-    monkeypatch.setattr(heldout, "make_backend", lambda *a, **k: Engine())
-    monkeypatch.setattr(heldout, "VerifierPool", pool)
+    monkeypatch.setattr(evaluation, "make_backend", lambda *a, **k: Engine())
+    monkeypatch.setattr(evaluation, "VerifierPool", pool)
     test = _flat(tmp_path / "g.parquet", ["1+1=", "2+2="], answers=["2", "4"], source="openai/gsm8k")
     cfg = load_config(None, ["verify.gsm8k_answer=strict", f"data.test={test}"])
     settings = EvalSettings.from_config(cfg).model_copy(update={"backend": "transformers", "max_model_len": 0})
     assert settings.gsm8k_answer == "strict"
     with pytest.raises(Stop):
-        heldout.evaluate_model(str(model), settings)
+        evaluation.evaluate_model(str(model), settings)
     with pytest.raises(Stop):
         _evaluate(model, test)  # the default: math-verify, as a run's default
     assert [p["gsm8k_answer"] for p in pools] == ["strict", "math"]
@@ -133,7 +132,7 @@ def test_coba_eval_scores_gsm8k_rows_as_the_run_config_says(tmp_path, random_che
 def test_out_path_that_is_an_input_is_refused_even_with_overwrite(tmp_path, random_checkpoints):
     """The test file or a file of the model, under any name (a symlink), is never out_path; an existing file
     only with overwrite; a directory never. One line naming out_path, the input and the way out."""
-    from coba_tasks.pipeline.heldout import check_eval_inputs
+    from coba_tasks.pipeline.evaluation import check_eval_inputs
 
     model, _ = random_checkpoints
     test = _flat(tmp_path / "t.parquet", ["1+1="], answers=["2"])
@@ -160,7 +159,6 @@ def test_the_flow_refuses_an_existing_out_path_before_evaluating_and_replaces_it
 ):
     """A 50-row dataset given as out_path stays as it was, and no evaluation ran; with overwrite=True (the
     deployment's parameter) the table replaces it; a test file as out_path is refused with overwrite too."""
-    from coba_tasks.pipeline import heldout
     from flows.eval import eval_flow
 
     model, _ = random_checkpoints
@@ -170,7 +168,7 @@ def test_the_flow_refuses_an_existing_out_path_before_evaluating_and_replaces_it
         evaluated.append(model_path)
         return pd.DataFrame({"prompt_id": ["0"], "difficulty": [1], "accuracy": [1.0], "weight_version": [0]})
 
-    monkeypatch.setattr(heldout, "evaluate_model", fake_evaluate)
+    monkeypatch.setattr(evaluation, "evaluate_model", fake_evaluate)
     test = _flat(tmp_path / "t.parquet", ["1+1=", "2+2="], answers=["2", "4"])
     dataset = _flat(tmp_path / "train.parquet", [f"{i}+1=" for i in range(50)])
     settings = {"test_path": str(test), "backend": "transformers"}

@@ -250,7 +250,8 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
     """The same 2-step run with optim.fsdp_processes 2 and 1; the FSDP run stopped by a failure at step 1's
     rollouts and resumed (so its second update is a resumed run's); the FSDP run's ``fsdp_update`` calls."""
     import flows.train as train
-    from coba_tasks.pipeline import faults, run, stage_runner
+    from coba_tasks.pipeline import faults, run
+    from coba_tasks.pipeline import step as stage_step
 
     model, _ = random_checkpoints
     root = tmp_path_factory.mktemp("fsdp-flow")
@@ -262,7 +263,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
     # the 95k weights more than 1e-3 of the update's size (1e-4) apart, at most 8.4e-7; the rest closer;
     # tests/test_fsdp_update.py saw the same. eps 1e-5 keeps that amplification out of the comparison.
     data = [f"data.train={train_file}", f"data.test={test_file}", "optim.eps=1e-5"]
-    real, calls = stage_runner.fsdp_update, []
+    real, calls = stage_step.fsdp_update, []
 
     def recording(model_path, out_dir, *args, **kwargs):
         live = list(run._RUNS.values())
@@ -271,7 +272,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
 
     stores = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stage_runner, "fsdp_update", recording)
+        mp.setattr(stage_step, "fsdp_update", recording)
         single = root / "single"
         train.train_flow(run_dir=str(single), config=config_to_dict(_tiny(model, *data)))
         stores[1] = RunStore.open(single)
@@ -391,7 +392,8 @@ def test_the_update_stage_sleeps_the_engine_around_the_job_and_needs_the_previou
     runs, tmp_path, monkeypatch
 ):
     """The update stage alone on a copy of the FSDP run, the job replaced by a recording fake."""
-    from coba_tasks.pipeline import run, stage_runner
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import step as stage_step
 
     stores, _, _ = runs
     original = stores[2]
@@ -408,11 +410,11 @@ def test_the_update_stage_sleeps_the_engine_around_the_job_and_needs_the_previou
         assert len(prompt_ids) == len(completion_ids) == len(adv) == len(store.read_table(step, Stage.ROLLOUTS))
         return metrics.to_dict()
 
-    monkeypatch.setattr(stage_runner, "fsdp_update", fake_job)
+    monkeypatch.setattr(stage_step, "fsdp_update", fake_job)
     cfg = apply_overrides(config_from_dict(store.read_config()), ["rollout.sleep_during_update=true"])
     res = run.RunResources(cfg=cfg, store=store, prompts=store.read_run_table("prompts"), test=None, engine=engine)
     monkeypatch.setitem(run._RUNS, str(root), res)
-    stage_runner.run_stage(str(root), step, Stage.UPDATE)
+    stage_step.update.fn(str(root), step)
     job = ("job", True, 2, store.checkpoint_dir(step))
     assert engine.events == ["sleep", job, "wake", ("load", f"{step + 1:06d}", step + 1)]
     assert json.loads((root / f"steps/{step:06d}/engine_sleep.json").read_text())["sleep_s"] >= 0
@@ -424,5 +426,5 @@ def test_the_update_stage_sleeps_the_engine_around_the_job_and_needs_the_previou
     shutil.rmtree(store.checkpoint_dir(step))
     engine.events.clear()
     with pytest.raises(StoreError, match=rf"checkpoints/{step:06d} is missing: step {step} continues from it"):
-        stage_runner.run_stage(str(root), step, Stage.UPDATE)
+        stage_step.update.fn(str(root), step)
     assert engine.events == [] and not store.is_done(step, Stage.UPDATE)

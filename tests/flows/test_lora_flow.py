@@ -47,10 +47,9 @@ def _assert_same_run(store: RunStore, ref: RunStore, adapters: list[dict[str, to
 def test_a_lora_run_trains_adapters_resumes_and_evaluates(
     tmp_path, prefect_harness, random_checkpoints, first_char_data
 ):
-    from coba_tasks.pipeline.eval_settings import eval_settings
+    from coba_tasks.pipeline.evaluation import eval_settings, evaluate_model
     from coba_tasks.pipeline.faults import FAIL_FILE_ENV
-    from coba_tasks.pipeline.heldout import evaluate_model
-    from coba_tasks.pipeline.stage_runner import ROLLOUT_WEIGHTS_DIR
+    from coba_tasks.pipeline.step import ROLLOUT_WEIGHTS_DIR
     from flows.train import train_flow
 
     model, _ = random_checkpoints

@@ -1,6 +1,6 @@
 """A run whose update cannot be finite stops at that step in one line, and keeps only finite checkpoints.
 
-The stages run as plain functions (``stage_runner.plain_step``, the code the Prefect flow runs) on the tiny
+The stages run as plain functions (``step.plain_step``, the code the Prefect flow runs) on the tiny
 model with the first-character reward (tests/helpers_reward.py), so that the groups hold both rewards.
 """
 
@@ -29,12 +29,13 @@ HUGE_REWARD_FILE = textwrap.dedent(
 
 
 def _open(tmp_path, model, overrides):
-    from coba_tasks.pipeline import run, stage_runner
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import step as stage_step
 
     cfg = load_config("configs/tiny-test.yaml", [f"model.path={model}", "rollout.backend=transformers", *overrides])
     root = (tmp_path / "run").resolve()
     res = run.open_run(root, cfg, continuing=False)
-    stage_runner.resume_point(res)
+    stage_step.resume_point(res)
     return res, root
 
 
@@ -54,13 +55,14 @@ def test_a_diverging_learning_rate_stops_the_run_at_the_step_it_turns_non_finite
 ):
     """optim.lr = 1e6: the first update moves every weight by ~1e6, the second's gradient overflows; the run
     stops there naming the step and the setting, with the first checkpoint kept and no second one."""
-    from coba_tasks.pipeline import run, stage_runner
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import step as stage_step
 
     res, root = _open(tmp_path, random_checkpoints[0], [*data_overrides(first_char_data), "optim.lr=1e6"])
     try:
-        stage_runner.plain_step(root, 0)
+        stage_step.plain_step(root, 0)
         with pytest.raises(NonFiniteUpdateError) as info:
-            stage_runner.plain_step(root, 1)
+            stage_step.plain_step(root, 1)
     finally:
         run.close_run(res)
     message = str(info.value)
@@ -80,7 +82,8 @@ def test_a_reward_beyond_the_bound_stops_the_run_naming_the_step_the_prompt_and_
 ):
     from helpers_reward import TEST_PROMPTS, TRAIN_PROMPTS
 
-    from coba_tasks.pipeline import run, stage_runner
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import step as stage_step
 
     monkeypatch.setenv("COBA_ALLOW_REWARD_FILES", "1")  # the Python API, like a worker allowed to run reward files
     reward = tmp_path / "huge_reward.py"
@@ -100,7 +103,7 @@ def test_a_reward_beyond_the_bound_stops_the_run_naming_the_step_the_prompt_and_
     res, root = _open(tmp_path, random_checkpoints[0], overrides)
     try:
         with pytest.raises(RewardScaleError) as info:
-            stage_runner.plain_step(root, 0)
+            stage_step.plain_step(root, 0)
     finally:
         run.close_run(res)
     message = str(info.value)

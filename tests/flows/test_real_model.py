@@ -130,9 +130,9 @@ def test_smollm2_run_with_chat_template_resume_rerun_inspect_report_and_eval(
 ):
     import flows.train as train
     from coba_tasks.commands.cli import main as cli_main
-    from coba_tasks.commands.inspection import run_summary
     from coba_tasks.pipeline.faults import FAIL_FILE_ENV
     from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
+    from coba_tasks.readers.figures import run_summary
     from flows.eval import eval_flow
 
     train_file, test_file = _parity_data(tmp_path)

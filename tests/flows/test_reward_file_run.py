@@ -1,6 +1,6 @@
 """A short training run on the tiny model scored by a veRL-style reward file (``verify.reward_function``).
 
-The run's stages are called as plain functions (``stage_runner.plain_step``: the same stage code the
+The run's stages are called as plain functions (``step.plain_step``: the same stage code the
 Prefect flow runs, without the Prefect server), two steps on four prompts. The reward file reads each
 prompt's ``extra_info`` (a veRL dataset) to pick what it does with it: a fractional float, a dict with
 extra keys, a raise, or a sleep past ``verify.timeout_s``, each on completions whose first character is
@@ -65,7 +65,8 @@ def _good(completion: str) -> bool:
 
 @pytest.mark.slow
 def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoints):
-    from coba_tasks.pipeline import run, stage_runner, stages
+    from coba_tasks.pipeline import run, stages
+    from coba_tasks.pipeline import step as stage_step
 
     model, _ = random_checkpoints
     reward = tmp_path / "verl_reward.py"
@@ -85,10 +86,10 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
     root = (tmp_path / "run").resolve()
     res = run.open_run(root, cfg, continuing=False)
     try:
-        assert stage_runner.resume_point(res) == 0
+        assert stage_step.resume_point(res) == 0
         assert res.pool.reward_function is not None and res.pool.reward_function.pass_threshold == 0.5
         for step in range(2):
-            stage_runner.plain_step(root, step)
+            stage_step.plain_step(root, step)
         held_out = stages.evaluate(res.test, res.engine, res.pool, 1, 0.0, cfg.rollout.max_tokens, cfg.run.seed)
     finally:
         run.close_run(res)
@@ -126,7 +127,7 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
     assert {"correct", "wrong", "error", "timeout"} <= seen  # the run went on past raises and timeouts
 
     # `coba bench update --run-dir` times what the update of a step trained on: its rows and raw-score advantages
-    from coba_tasks.commands.bench_update import run_batch
+    from coba_tasks.bench.update import run_batch
 
     prompt_ids, completion_ids, adv = run_batch(str(root), 1)
     rollouts, rewards = store.read_table(1, Stage.ROLLOUTS), store.read_table(1, Stage.REWARDS)

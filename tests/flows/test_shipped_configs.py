@@ -59,7 +59,8 @@ def _mixed_groups(rewards) -> int:
 
 @pytest.mark.parametrize("name", sorted(CPU_CONFIGS))
 def test_a_shipped_config_has_mixed_groups_in_its_first_steps(name, request, tmp_path, monkeypatch):
-    from coba_tasks.pipeline import run, stage_runner
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import step as stage_step
 
     model = request.getfixturevalue("smollm2_model" if CPU_CONFIGS[name] == "smollm2" else "tiny_model")
     monkeypatch.chdir(PROJECT_ROOT)  # the configs' data paths are from the project directory
@@ -67,11 +68,11 @@ def test_a_shipped_config_has_mixed_groups_in_its_first_steps(name, request, tmp
     root = (tmp_path / "run").resolve()
     res = run.open_run(root, cfg, continuing=False, warn=lambda s: None)
     try:
-        stage_runner.resume_point(res)
-        for stage in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.BUDGET):  # step 0, budget of step 1
-            stage_runner.run_stage(root, 0, stage)
-        for stage in (Stage.ROLLOUTS, Stage.REWARDS):
-            stage_runner.run_stage(root, 1, stage)
+        stage_step.resume_point(res)
+        for stage in (stage_step.rollouts, stage_step.rewards, stage_step.capability, stage_step.budget):
+            stage.fn(str(root), 0)  # step 0 and the budget of step 1, as plain calls
+        for stage in (stage_step.rollouts, stage_step.rewards):
+            stage.fn(str(root), 1)
         mixed = [_mixed_groups(res.store.read_table(s, Stage.REWARDS)) for s in (0, 1)]
         groups = [len(res.store.read_table(s, Stage.BUDGET)) for s in (0, 1)]
     finally:

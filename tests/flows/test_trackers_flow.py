@@ -10,7 +10,7 @@ import pytest
 from helpers_reward import data_overrides
 
 from coba_tasks.pipeline.config import config_to_dict, load_config
-from coba_tasks.pipeline.trackers import STATE_FILE, store_uri
+from coba_tasks.readers.trackers import STATE_FILE, store_uri
 
 STEPS = 3
 

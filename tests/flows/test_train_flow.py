@@ -485,6 +485,7 @@ def test_a_run_that_can_learn_nothing_says_so(tmp_path, prefect_harness, random_
     assert [level for level, _ in steps] == [logging.INFO, logging.WARNING]
     assert steps[0][1].endswith("; no group mixed (1 step in a row)")
     assert "no group has had a non-zero advantage for 2 steps in a row" in steps[1][1]
-    from coba_tasks.pipeline.summary import run_summary, summary_rows
+    from coba_tasks.readers.figures import run_summary
+    from coba_tasks.readers.text import summary_rows
 
     assert dict(summary_rows(run_summary(tmp_path / "run")))["no signal"].startswith("steps 0-1 (2 of 2, 2 in a row)")

@@ -26,7 +26,8 @@ def long_context_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_training_step_from_a_verl_gsm8k_file(tmp_path, long_context_model):
-    from coba_tasks.pipeline import run, stage_runner
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import step as stage_step
 
     train = write_verl_gsm8k(tmp_path / "train.parquet", [("1+2?", "3"), ("4+4?", "8"), ("9-5?", "4"), ("2*3?", "6")])
     test = write_verl_gsm8k(tmp_path / "test.parquet", [("5+1?", "6"), ("7-2?", "5")], split="test")
@@ -44,8 +45,8 @@ def test_a_training_step_from_a_verl_gsm8k_file(tmp_path, long_context_model):
     assert run.verifier_pool(cfg).gsm8k_answer == "flexible"  # the pool a run builds (not started)
     res = run.open_run(root, cfg, continuing=False)
     try:
-        assert stage_runner.resume_point(res) == 0
-        stage_runner.plain_step(root, 0)
+        assert stage_step.resume_point(res) == 0
+        stage_step.plain_step(root, 0)
     finally:
         run.close_run(res)
 

@@ -709,3 +709,15 @@ def test_run_trackers_take_a_list_or_comma_separated_names_and_refuse_unknown_on
     for bad in ("tensorbord", "[mlflow, mlflow]", "tensorboard,comet"):
         with pytest.raises(ConfigError, match=r"^run\.trackers = .*: must be a list of distinct tracker names among "):
             load_config(TINY_DEMO, [f"run.trackers={bad}"])
+
+
+def test_a_tracker_whose_library_is_missing_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from coba_tasks.pipeline.config import check_installed
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n: None if n == "wandb" else real(n))
+    with pytest.raises(ConfigError, match=r"^run\.trackers: wandb is not installed; install it with pip install -e "):
+        check_installed(["tensorboard", "wandb"])
+    check_installed(["tensorboard"])

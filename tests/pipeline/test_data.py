@@ -740,10 +740,10 @@ def test_raw_format_keeps_the_tokenizers_bos_so_sampler_and_trainer_see_one_sequ
         [bos, *tok("3+3=", add_special_tokens=False).input_ids],
     ]
     # a rollout request carries exactly these ids; the update reads the same column
-    from coba_tasks.pipeline.stages import update_batch
+    from coba_tasks.pipeline.stages import update_sequences
 
     rollouts = pd.DataFrame({"prompt_id": ["b", "a"], "token_ids": [[5, 2], [7]], "logprobs": [[-0.1, -0.2], [-0.3]]})
-    prompt_ids, completion_ids, logprobs = update_batch(rollouts, df)
+    prompt_ids, completion_ids, logprobs = update_sequences(rollouts, df)
     assert prompt_ids == [df["prompt_token_ids"][1], df["prompt_token_ids"][0]]
     assert completion_ids == [[5, 2], [7]] and logprobs == [[-0.1, -0.2], [-0.3]]
 

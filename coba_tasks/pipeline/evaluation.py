@@ -1,12 +1,17 @@
 """Held-out evaluation of a model directory (a run's checkpoint, a LoRA checkpoint or any Hugging Face
 model) on a test Parquet: the work of the ``coba-eval`` flow, whose tasks (``coba_tasks.pipeline.tasks``)
-call these functions.
+call these functions, and its settings.
 
+    settings = EvalSettings(test_path="data/arith_chat_test.parquet", samples=4, temperature=1.0, top_p=0.9)
+    settings = EvalSettings.from_config(cfg)      # what a training run's evaluations use
+    settings = eval_settings({"samples": 0})      # ValueError: one line naming the field and the fix
+
+``EvalSettings`` is one typed, frozen model, the flow's parameter: a Prefect deployment shows its fields
+(with their descriptions) in its parameter form and validates them before the flow starts.
 ``check_eval_inputs`` refuses a model or test file that cannot be evaluated, and an ``out_path`` that is an
-input or (unless asked to overwrite) an existing file, before an engine starts;
-``evaluate_model`` starts the rollout engine and the verifier pool, scores every selected prompt
-(``stages.evaluate``, as a training run's evaluation does) and closes both; ``write_eval_table`` writes
-the per-prompt table atomically.
+input or (unless asked to overwrite) an existing file, before an engine starts; ``evaluate_model`` starts
+the rollout engine and the verifier pool, scores every selected prompt (``stages.evaluate``, as a training
+run's evaluation does) and closes both; ``write_eval_table`` writes the per-prompt table atomically.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coba_tasks.engines.checkpoint import CHECKPOINT_MANIFEST, verify_checkpoint
 from coba_tasks.engines.fileio import write_parquet
@@ -26,15 +33,133 @@ from coba_tasks.engines.lora import (
     is_adapter_checkpoint,
     merge_adapter_checkpoint,
 )
-from coba_tasks.engines.rollout import make_backend
+from coba_tasks.engines.rollout import backends, make_backend
+from coba_tasks.engines.verify import Gsm8kAnswer
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import stages
-from coba_tasks.pipeline.config_sections import VerifyConfig
+from coba_tasks.pipeline.config import Config
+from coba_tasks.pipeline.config_fields import Section
+from coba_tasks.pipeline.config_sections import (
+    DataConfig,
+    Dtype,
+    ModelConfig,
+    PromptFormat,
+    RolloutConfig,
+    RunConfig,
+    UnknownSources,
+    VerifyConfig,
+)
 from coba_tasks.pipeline.data import load_dataset
 from coba_tasks.pipeline.data_problems import DatasetError
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
 from coba_tasks.pipeline.data_run import check_ground_truths
-from coba_tasks.pipeline.eval_settings import EvalSettings
+
+# each setting's key in a run's config (section, key): its default there, and where from_config reads it
+CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
+    "test_path": (DataConfig, "test"),
+    "samples": (RunConfig, "eval_samples"),
+    "temperature": (RunConfig, "eval_temperature"),
+    "top_p": (RunConfig, "eval_top_p"),
+    "max_tokens": (RolloutConfig, "max_tokens"),
+    "backend": (RolloutConfig, "backend"),
+    "eval_prompts": (DataConfig, "eval_prompts"),
+    "seed": (RunConfig, "seed"),
+    "dtype": (ModelConfig, "dtype"),
+    "max_model_len": (RolloutConfig, "max_model_len"),
+    "prompt_format": (DataConfig, "prompt_format"),
+    "unknown_sources": (VerifyConfig, "unknown_sources"),
+    "gsm8k_answer": (VerifyConfig, "gsm8k_answer"),
+}
+
+
+def _default(setting: str) -> Any:
+    """The run config's default of ``setting``'s key: the one place the defaults are written."""
+    section, key = CONFIG_KEYS[setting]
+    return section.model_fields[key].default
+
+
+def _setting(name: str, description: str, **constraints: Any) -> Any:
+    """The field of setting ``name``: its run-config default, ``description`` ending in its config key, and
+    ``constraints`` (``ge=1``, ...)."""
+    section, key = CONFIG_KEYS[name]
+    return Field(_default(name), description=f"{description} ({section.SECTION}.{key})", **constraints)
+
+
+class EvalSettings(BaseModel):
+    """How to evaluate a model on held-out prompts (the run config's evaluation fields, by another name)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    test_path: str = Field(_default("test_path"), description="held-out prompts (Parquet; a run's data.test)")
+    samples: int = _setting("samples", "completions per prompt, avg@k", ge=1)
+    temperature: float = _setting("temperature", "sampling temperature; 0 = greedy", ge=0)
+    top_p: float = _setting("top_p", "nucleus of a sampled evaluation; 1.0 = none", gt=0, le=1)
+    max_tokens: int = _setting("max_tokens", "most tokens a completion has", ge=1)
+    backend: str = _setting("backend", "rollout engine: vllm or transformers")
+    eval_prompts: int = _setting("eval_prompts", "a seeded sample of this many prompts; 0 = all", ge=0)
+    seed: int = _setting("seed", "seed of the prompt sample and of sampling")
+    dtype: Dtype = _setting("dtype", "weights dtype")
+    max_model_len: int = _setting("max_model_len", "engine context; 0 = the model's own", ge=0)
+    prompt_format: PromptFormat = _setting("prompt_format", "prompt rendering")
+    unknown_sources: UnknownSources = Field(
+        _default("unknown_sources"),
+        description="a data_source without a verifier: refuse it, or score it with math-verify",
+    )
+    gsm8k_answer: Gsm8kAnswer = _setting(
+        "gsm8k_answer", "how GSM8K rows are scored: math-verify, or veRL's strict or flexible scorer"
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in backends():
+            raise ValueError(f"unknown backend {value!r}; valid backends: {', '.join(backends())}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalSettings:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError("samples > 1 needs temperature > 0 (greedy decoding repeats one completion)")
+        if self.max_model_len and self.max_model_len <= self.max_tokens:
+            raise ValueError(
+                f"max_model_len must exceed max_tokens ({self.max_tokens}) to leave room for the prompt, or be 0 "
+                f"for the model's own context length; got {self.max_model_len}"
+            )
+        return self
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> EvalSettings:
+        """The settings of a training run's held-out evaluations (its data.test, run.eval_*, rollout, model)."""
+        return cls(
+            **{name: getattr(getattr(cfg, section.SECTION), key) for name, (section, key) in CONFIG_KEYS.items()}
+        )
+
+
+def eval_settings(values: EvalSettings | dict[str, Any] | None = None, **changes: Any) -> EvalSettings:
+    """``values`` (a model, a dict, or None for the defaults) with ``changes``, as a valid EvalSettings.
+
+    Raises ValueError with one line a problem, each naming the field and what it needs.
+
+    >>> eval_settings(samples=4, temperature=1.0).samples
+    4
+    >>> eval_settings({"samples": 0})
+    Traceback (most recent call last):
+    ValueError: eval settings: samples: Input should be greater than or equal to 1 (got 0)
+    """
+    base = values.model_dump() if isinstance(values, EvalSettings) else dict(values or {})
+    try:
+        return EvalSettings(**{**base, **changes})
+    except ValidationError as e:
+        raise ValueError("eval settings: " + "; ".join(_one_line(err) for err in e.errors())) from None
+
+
+def _one_line(err: Any) -> str:
+    """``field: message (got value)`` for one pydantic error (a check across fields names no field)."""
+    field = ".".join(str(x) for x in err["loc"])
+    message = err["msg"].removeprefix("Value error, ")
+    got = f" (got {err['input']!r})" if field and not isinstance(err["input"], dict) else ""
+    return f"{field}: {message}{got}" if field else message
+
 
 VERIFY = VerifyConfig()  # the verifier pool of an evaluation: the run config's verify defaults
 
@@ -114,7 +239,9 @@ def evaluate_model(model_path: str, settings: EvalSettings) -> pd.DataFrame:
             merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coba-eval-"))) / "merged"
             engine_path = str(merge_adapter_checkpoint(model_path, merged, getattr(torch, s.dtype, torch.float32)))
         tokenizer, context, context_from = model_context(engine_path, False, s.max_model_len)
-        selected = stages.eval_sample(checked, s.eval_prompts, s.seed)  # as a training run draws its held-out set
+        selected = stages.sample_eval_prompts(
+            checked, s.eval_prompts, s.seed
+        )  # as a training run draws its held-out set
         test, unrendered = render_prompts(selected, tokenizer, s.prompt_format)
         if unrendered:
             raise DatasetError(s.test_path, unrendered)

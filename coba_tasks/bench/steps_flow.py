@@ -1,10 +1,10 @@
 """The benchmark's flow: training steps through Prefect interleaved with the same steps as plain calls.
 
-``coba bench stages`` (coba_tasks/commands/bench_stages.py) opens two run directories on one engine and
+``coba bench stages`` (``coba_tasks.bench.stages``) opens two run directories on one engine and
 calls this flow; each flow-side step is ``run_step``, exactly what ``coba-train`` runs per step (five
 task runs, the progress line, the step's artifacts), and each plain-side step runs the same stage
-functions without Prefect (``coba_tasks.pipeline.stage_runner.plain_step``), inside the same flow run, so both
-sides meet the same server, threads and load.
+functions without Prefect (``coba_tasks.pipeline.step.plain_step``), inside the same flow run, so both sides
+meet the same server, threads and load.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 from prefect import flow
 
-from coba_tasks.pipeline import run, stage_runner
+from coba_tasks.pipeline import run
+from coba_tasks.pipeline.step import plain_step
 from coba_tasks.pipeline.store import Stage
 from flows.train import run_step
 
@@ -27,7 +28,7 @@ def bench_steps_flow(flow_dir: str, plain_dir: str, steps: int) -> list[dict[str
     step and side: the wall time, the seconds inside the stage bodies, and the seconds per stage
     (timing.json).
     """
-    sides = {"flow": (flow_dir, run_step), "plain": (plain_dir, stage_runner.plain_step)}
+    sides = {"flow": (flow_dir, run_step), "plain": (plain_dir, plain_step)}
     pairs = []
     for t in range(steps):
         order = ("flow", "plain") if t % 2 == 0 else ("plain", "flow")

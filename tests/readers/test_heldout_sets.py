@@ -9,8 +9,8 @@ import pytest
 
 from coba_tasks.pipeline.config import check_paths, config_hash, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
-from coba_tasks.pipeline.run import heldout_prompts
-from coba_tasks.pipeline.summary import eval_figures, heldout_gains, paired_gain, split_test_sets
+from coba_tasks.pipeline.run import eval_prompt_set
+from coba_tasks.readers.figures import eval_figures, heldout_gains, paired_gain, split_test_sets
 
 
 def _prompts(prefix: str, n: int) -> pd.DataFrame:
@@ -20,13 +20,13 @@ def _prompts(prefix: str, n: int) -> pd.DataFrame:
 def test_each_extra_set_is_sampled_at_the_same_positions_with_its_own_ids():
     cfg = load_config("configs/tiny-test.yaml", ["data.eval_prompts=5", "run.seed=3"])
     test, other = _prompts("Compute", 40), _prompts("What is", 40)
-    held = heldout_prompts(cfg, test, {"reworded": other})
+    held = eval_prompt_set(cfg, test, {"reworded": other})
     main, extra = held[held["test_set"] == "test"], held[held["test_set"] == "reworded"]
     assert len(main) == len(extra) == 5 and held["prompt_id"].is_unique
     assert [p.removeprefix("reworded/") for p in extra["prompt_id"]] == main["prompt_id"].tolist()
     assert [t.replace("What is", "Compute") for t in extra["prompt_text"]] == main["prompt_text"].tolist()
     assert main["prompt_id"].tolist() == test.sample(5, random_state=3)["prompt_id"].tolist()  # as before
-    only = heldout_prompts(cfg, test)
+    only = eval_prompt_set(cfg, test)
     assert (only["test_set"] == "test").all() and only.drop(columns="test_set").equals(main.drop(columns="test_set"))
 
 

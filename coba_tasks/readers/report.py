@@ -1,4 +1,4 @@
-"""``coba report``: PNG plots and one HTML page for a run directory (layer 2: I/O, no Prefect).
+"""``coba report``: PNG plots and one HTML page for a run directory (a reader: no Prefect, writes only report/).
 
 ``write_report(run_dir)`` reads the done tables of a run (it works while the run is still going:
 a table counts only when the store says it is done) and writes into ``<run_dir>/report/``::
@@ -16,11 +16,11 @@ a table counts only when the store says it is done) and writes into ``<run_dir>/
 
 Step numbers. Every plot's x axis is the step ``t`` of the run's tables: the rollouts of step ``t``
 come from the weights after ``t`` updates, and ``steps/t/eval.parquet`` evaluates the same weights,
-so the training pass rate and the held-out accuracy at ``t`` describe one policy. The budget table
-in ``steps/t`` is the budget *used by* step ``t`` (allocated at the end of step ``t - 1``).
+so the training pass rate and the held-out accuracy at ``t`` describe one policy (and ``steps/t`` holds the
+budget step ``t`` used: ``coba_tasks.pipeline.store.Table``).
 
 ``report_artifacts_markdown(run_dir)`` gives a short markdown summary for a Prefect artifact. The
-plots themselves are drawn by ``coba_tasks.pipeline.report_plots``; the ``coba report`` subcommand is
+plots themselves are drawn by ``coba_tasks.readers.plots``; the ``coba report`` subcommand is
 ``coba_tasks.commands.report``.
 """
 
@@ -34,10 +34,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from coba_tasks.engines.fileio import atomic_write
-from coba_tasks.pipeline.report_plots import (
+from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage
+from coba_tasks.readers.figures import run_summary
+from coba_tasks.readers.plots import (
     pick_scatter_steps,
     plot_accuracy,
     plot_budget_hist,
@@ -48,13 +48,8 @@ from coba_tasks.pipeline.report_plots import (
     plot_verdicts,
     stage_timing,
 )
-from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage
-from coba_tasks.pipeline.summary import figure_table, load_run, run_status, run_summary, summary_rows
-
-# Table names (the same strings as coba_tasks.pipeline.stages, which is not imported: it pulls in torch).
-BUDGET, CAPABILITY, REWARDS = Stage.BUDGET.value, Stage.CAPABILITY.value, Stage.REWARDS.value
-UPDATE = Stage.UPDATE.value
-EVAL = "eval"
+from coba_tasks.readers.tables import RunTables, load_run
+from coba_tasks.readers.text import figure_table, run_status, summary_rows
 
 ACCURACY_PNG = "accuracy.png"
 CAPABILITY_PNG = "capability.png"
@@ -82,63 +77,21 @@ _CAPTIONS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading a run
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunData:
-    """The done tables of a run, gathered once."""
-
-    store: RunStore
-    config: dict[str, Any]
-    summary: dict[str, Any] | None
-    capability: pd.DataFrame  # one row per step with a done capability table, sorted by step
-    evals: dict[int, pd.DataFrame]  # step -> eval table
-    budgets: dict[int, pd.DataFrame]  # step -> budget table (the budget used by that step)
-    updates: pd.DataFrame  # one row per step with a done update table, sorted by step
-    verdicts: pd.DataFrame  # index step, columns VERDICTS
-    verdicts_from_rewards: list[int]  # steps whose verdicts were counted from rewards.parquet (no capability yet)
-    steps_done: list[int]  # steps with every stage table done
-    figures: dict[str, Any]  # coba_tasks.pipeline.summary.run_summary of the same tables
-
-
-def _open_run(run_dir: str | os.PathLike[str]) -> RunStore:
-    path = Path(run_dir)
-    if not path.exists():
-        raise ValueError(f"{path}: no such run directory")
-    if not path.is_dir():
-        raise ValueError(f"{path}: not a directory (expected a run directory written by `coba run`)")
-    return RunStore.open(path)  # StoreError (a ValueError) when it holds no run
-
-
-def _load(run_dir: str | os.PathLike[str]) -> RunData:
-    _open_run(run_dir)  # the messages for a missing path or a plain file
+def _load(run_dir: str | os.PathLike[str]) -> RunTables:
+    """The run's done tables; a ValueError when it has no step done yet (nothing to report)."""
     t = load_run(run_dir)
-    capability = t.stacked(CAPABILITY).reset_index(drop=True)
-    if capability.empty:
+    if not t.steps_with(Stage.CAPABILITY):
         raise ValueError(f"{t.store.root}: no steps done yet (no step has a capability table); nothing to report")
-    verdicts, from_rewards = t.verdicts_by_step()
-    return RunData(
-        store=t.store,
-        config=t.config,
-        summary=t.summary_file(),
-        capability=capability,
-        evals=t.by_step(EVAL),
-        budgets=t.by_step(BUDGET),
-        updates=t.stacked(UPDATE).reset_index(drop=True),
-        verdicts=verdicts,
-        verdicts_from_rewards=from_rewards,
-        steps_done=t.store.steps_done(),
-        figures=run_summary(t),
-    )
+    return t
 
 
-def _headline_rows(data: RunData) -> list[tuple[str, str]]:
-    """The report's headline table: the same rows as ``coba inspect`` (``summary.summary_rows``)."""
-    f = data.figures
-    return [("run", run_status(f)), ("strategy", str(f.get("strategy") or "unknown")), *summary_rows(f)]
+def _headline_rows(figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """The report's headline table: the same rows as ``coba inspect`` (``text.summary_rows``)."""
+    return [
+        ("run", run_status(figures)),
+        ("strategy", str(figures.get("strategy") or "unknown")),
+        *summary_rows(figures),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +111,8 @@ class ReportFiles:
 def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[int] | None = None) -> ReportFiles:
     """Like ``write_report``, returning the HTML path, the PNG paths and the plots skipped (with why)."""
     data = _load(run_dir)
+    figures = run_summary(data)
+    summary = data.summary_file()
     scatter_steps = pick_scatter_steps(data, steps_for_scatter)
     out = data.store.report_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -170,16 +125,16 @@ def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[in
         (UPDATE_PNG, lambda p: plot_update(data, p)),
     ]
     skipped: dict[str, str] = {}
-    stage_seconds, why = stage_timing(data.summary)
+    stage_seconds, why = stage_timing(summary)
     if stage_seconds is not None:
-        wall = (data.summary or {}).get("wall_seconds")
+        wall = (summary or {}).get("wall_seconds")
         wall = float(wall) if isinstance(wall, int | float) else None
         plots.append((STAGE_TIME_PNG, lambda p: plot_stage_time(stage_seconds, wall, p)))
     else:
         skipped[STAGE_TIME_PNG] = why
         (out / STAGE_TIME_PNG).unlink(missing_ok=True)  # a stale one would contradict the page
     pngs = [draw(out / name) for name, draw in plots]
-    page = _html(data, _headline_rows(data), pngs, skipped, scatter_steps)
+    page = _html(data.store, figures, pngs, skipped, scatter_steps)
     html_path = atomic_write(out / INDEX_HTML, lambda f: f.write(page.encode("utf-8")))
     return ReportFiles(html=html_path, pngs=pngs, skipped=skipped)
 
@@ -199,17 +154,17 @@ def write_report(run_dir: str | os.PathLike[str], steps_for_scatter: list[int] |
 
 
 def _html(
-    data: RunData, head: list[tuple[str, str]], pngs: list[Path], skipped: dict[str, str], scatter: list[int]
+    store: RunStore, figures: dict[str, Any], pngs: list[Path], skipped: dict[str, str], scatter: list[int]
 ) -> str:
     e = html.escape
-    root = data.store.root
+    root = store.root
     name = root.resolve().name
-    rows = "\n".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in head)
-    paths = [("run directory", root.resolve()), ("report directory", data.store.report_dir().resolve())]
+    rows = "\n".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in _headline_rows(figures))
+    paths = [("run directory", root.resolve()), ("report directory", store.report_dir().resolve())]
     path_rows = "\n".join(f"<tr><th>{e(k)}</th><td><code>{e(str(v))}</code></td></tr>" for k, v in paths)
     status = (
         f"finished ({SUMMARY_FILE} present)"
-        if data.figures.get("finished")
+        if figures.get("finished")
         else f"in progress or stopped: no {SUMMARY_FILE}; figures cover the tables done so far"
     )
     figures = []
@@ -270,7 +225,7 @@ def report_artifacts_markdown(run_dir: str | os.PathLike[str]) -> str:
         ValueError: not a run directory, or no step done yet.
     """
     data = _load(run_dir)
-    lines = [figure_table(f"### coba-rl report: `{data.store.root}`", _headline_rows(data))]
+    lines = [figure_table(f"### coba-rl report: `{data.store.root}`", _headline_rows(run_summary(data)))]
     report = data.store.report_dir()
     pngs = [report / n for n in PLOT_FILES if (report / n).is_file()]
     if pngs:

@@ -1,6 +1,6 @@
 """What ``coba inspect`` prints, apart from SQL: the run summary as text, one stage's table, the prompts.
 
-* ``format_summary``: ``run_summary``'s dict (``coba_tasks.pipeline.summary``) as aligned lines: steps
+* ``format_summary``: ``run_summary``'s dict (``coba_tasks.readers.figures``) as aligned lines: steps
   done, held-out accuracy, the failure rate and (alpha, beta), budget statistics, verdict counts,
   rollouts, wall time (when finished);
 * ``show_table``: one stage's table of one step (``steps/NNNNNN/<stage>.parquet``);
@@ -26,7 +26,9 @@ import numpy as np
 import pandas as pd
 
 from coba_tasks.pipeline.store import RunStore
-from coba_tasks.pipeline.summary import TABLE_ORDER, load_run, ordered, plain, run_status, step_ranges, summary_rows
+from coba_tasks.readers.figures import plain
+from coba_tasks.readers.tables import TABLE_ORDER, load_run, ordered
+from coba_tasks.readers.text import run_status, step_ranges, summary_rows
 
 # The per-step tables, in the order a step produces them (budget first: it is written into the
 # step's directory before the step runs). ``history`` is the per-step snapshot of the pass-rate
@@ -44,7 +46,7 @@ _NUMBER_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # a number: d
 
 
 # ---------------------------------------------------------------------------------------------
-# Summary (computed in coba_tasks.pipeline.summary, shared with the report and summary.json)
+# Summary (computed in coba_tasks.readers.figures, shared with the report and summary.json)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -34,7 +34,6 @@ the figures as one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import statistics
@@ -47,8 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from coba_tasks.commands.args import Command, available_cpus, option, positive_int
-from coba_tasks.commands.bench import print_figures, print_progress, timed
+from coba_tasks.bench.timing import available_cpus, timed
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 DEFAULT_GROUPS = (2, 4, 6, 8, 10, 14, 20)  # 64 completions: CoBA's budgets are uneven
@@ -96,7 +94,7 @@ def run_batch(run_dir: str, step: int) -> tuple[list[list[int]], list[list[int]]
 
     store = RunStore.open(run_dir)
     rollouts, rewards = store.read_table(step, Stage.ROLLOUTS), store.read_table(step, Stage.REWARDS)
-    prompt_ids, completion_ids, _ = stages.update_batch(rollouts, store.read_run_table("prompts"))
+    prompt_ids, completion_ids, _ = stages.update_sequences(rollouts, store.read_run_table("prompts"))
     return prompt_ids, completion_ids, stages.advantages_for(rollouts, rewards)
 
 
@@ -139,7 +137,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _agreement(model_path: str, prompts, completions, adv, settings: Any) -> dict[str, float]:
     """Loss and gradients of the plain loop and of the project's update from the same weights."""
-    from coba_tasks.engines.trainer import PolicyTrainer
+    from coba_tasks.engines.update import PolicyTrainer
 
     unclipped = dataclasses.replace(settings, max_grad_norm=math.inf)  # the gradients as computed, not clipped
     trainer = PolicyTrainer(model_path, unclipped, seed=0)
@@ -189,7 +187,7 @@ def bench_update(
     """The figures (see the module docstring), as a dict."""
     from transformers import AutoConfig
 
-    from coba_tasks.engines.trainer import PolicyTrainer
+    from coba_tasks.engines.update import PolicyTrainer
     from coba_tasks.engines.update_settings import UpdateSettings
 
     if not (Path(model_path) / "config.json").is_file():
@@ -362,59 +360,3 @@ def format_update(r: dict[str, Any]) -> str:
             f"norm {ag['grad_norm_plain']:.6g} vs {ag['grad_norm_project']:.6g}",
         ]
     )
-
-
-def _sizes(value: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in value.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated group sizes, e.g. 2,4,8; got {value!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"group sizes must be >= 1, got {value!r}")
-    return sizes
-
-
-def cmd_bench_update(args: argparse.Namespace) -> int:
-    """``coba bench update``: run the benchmark, print the figures (or JSON); 0."""
-    result = bench_update(
-        args.model,
-        run_dir=args.run_dir,
-        step=args.step,
-        groups=args.groups,
-        prompt_tokens=args.prompt_tokens,
-        completion_tokens=args.completion_tokens,
-        micro_batch=args.micro_batch,
-        repeats=args.repeats,
-        reload=args.reload,
-        threads=args.threads,
-        lora_rank=args.lora_rank,
-        progress=print_progress,
-    )
-    return print_figures(result, args.json, format_update, indent=None)
-
-
-COMMAND = Command(
-    "update",
-    help="the GRPO update against a plain transformers loop on the same rollouts (speed and agreement)",
-    description=__doc__.split("\n\n")[1],
-    examples=[
-        "coba bench update",
-        "coba bench update --model models/arith-tiny --json",
-        "coba bench update --run-dir runs/smollm2-arith --step 3 --reload",
-    ],
-    options=[
-        option("--model", default=DEFAULT_MODEL, help=f"Hugging Face model directory (default {DEFAULT_MODEL})"),
-        option("--run-dir", default=None, help="take the rollouts of a run's step instead of synthetic ones"),
-        option("--step", type=int, default=0, help="the run's step (with --run-dir; default 0)"),
-        option("--groups", type=_sizes, default=list(DEFAULT_GROUPS), help="synthetic group sizes (2,4,...)"),
-        option("--prompt-tokens", type=positive_int, default=46, help="synthetic prompt length (default 46)"),
-        option("--completion-tokens", type=positive_int, default=32, help="synthetic completion length (default 32)"),
-        option("--micro-batch", type=positive_int, default=16, help="sequences per forward/backward (default 16)"),
-        option("--repeats", type=positive_int, default=2, help="timed updates of each kind (default 2)"),
-        option("--reload", action="store_true", help="also time the weight reload into a vLLM engine"),
-        option("--threads", type=int, default=0, help="torch threads (default 0: every core, as a run has)"),
-        option("--lora-rank", type=int, default=16, help="rank of the LoRA update timed beside (default 16; 0: none)"),
-        option("--json", action="store_true", help="print the figures as JSON"),
-    ],
-    func=cmd_bench_update,
-)

@@ -1,8 +1,8 @@
-"""The PNG plots of ``coba report``: one function per plot, each drawing a run's ``RunData`` into a file.
+"""The PNG plots of ``coba report``: one function per plot, each drawing a run's ``RunTables`` into a file.
 
-``coba_tasks.pipeline.report`` loads the run and calls these (matplotlib on the Agg backend, imported
+``coba_tasks.readers.report`` loads the run and calls these (matplotlib on the Agg backend, imported
 lazily); each ``plot_*`` renders one figure and writes it atomically. Every x axis is the step ``t``
-of the run's tables (the policy after ``t`` updates); see ``coba_tasks.pipeline.report`` for what each
+of the run's tables (the policy after ``t`` updates); see ``coba_tasks.readers.report`` for what each
 file shows. ``pick_scatter_steps`` chooses the steps of the budget-vs-pass-rate scatter and
 ``stage_timing`` reads the stage seconds of summary.json (or says why there are none).
 """
@@ -13,18 +13,17 @@ import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from coba_tasks.engines.fileio import atomic_write
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
-from coba_tasks.pipeline.store import SUMMARY_FILE
-from coba_tasks.pipeline.summary import VERDICTS, split_test_sets, step_ranges
-
-if TYPE_CHECKING:  # annotations only: report.py imports this module
-    from coba_tasks.pipeline.report import RunData
+from coba_tasks.pipeline.store import SUMMARY_FILE, Stage, Table
+from coba_tasks.readers.figures import split_test_sets
+from coba_tasks.readers.tables import VERDICTS, RunTables
+from coba_tasks.readers.text import step_ranges
 
 DPI = 110
 VERDICT_COLOURS = {
@@ -77,12 +76,13 @@ def _step_axis(ax, steps: Sequence[int]) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def plot_accuracy(data: RunData, path: Path) -> Path:
+def plot_accuracy(run: RunTables, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
-    eval_steps = sorted(data.evals)
+    evals = run.by_step(Table.EVAL)
+    eval_steps = sorted(evals)
     all_steps: list[int] = list(eval_steps)
-    by_set = {t: split_test_sets(data.evals[t]) for t in eval_steps}
+    by_set = {s: split_test_sets(evals[s]) for s in eval_steps}
     main = {t: sets.pop(MAIN_TEST_SET) for t, sets in by_set.items()}
     if eval_steps:
         overall = [float(main[t]["accuracy"].mean()) for t in eval_steps]
@@ -113,7 +113,7 @@ def plot_accuracy(data: RunData, path: Path) -> Path:
                         alpha=0.85,
                         label=f"held-out, difficulty {int(level)}",
                     )
-    cap = data.capability
+    cap = run.stacked(Stage.CAPABILITY).reset_index(drop=True)
     if "S" in cap.columns and len(cap):
         s_steps = cap["step"].astype(int).tolist()
         all_steps += s_steps
@@ -131,10 +131,10 @@ def plot_accuracy(data: RunData, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_capability(data: RunData, path: Path) -> Path:
+def plot_capability(run: RunTables, path: Path) -> Path:
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.5, 6.4), sharex=True, layout="constrained")
-    cap = data.capability
+    cap = run.stacked(Stage.CAPABILITY).reset_index(drop=True)
     steps = cap["step"].astype(int).tolist()
     if "F" in cap.columns:
         top.plot(steps, cap["F"].astype(float), "o-", ms=3.5, color="C3", lw=1.8, label="F (failure rate)")
@@ -160,10 +160,11 @@ def plot_capability(data: RunData, path: Path) -> Path:
     return _save(fig, path)
 
 
-def pick_scatter_steps(data: RunData, requested: Sequence[int] | None) -> list[int]:
-    available = sorted(data.budgets)
+def pick_scatter_steps(run: RunTables, requested: Sequence[int] | None) -> list[int]:
+    budgets = run.by_step(Table.BUDGET)
+    available = sorted(budgets)
     if requested:
-        missing = [t for t in requested if t not in data.budgets]
+        missing = [s for s in requested if s not in budgets]
         if missing:
             raise ValueError(
                 f"step(s) {', '.join(map(str, missing))} have no budget table "
@@ -182,7 +183,7 @@ def _marker_sizes(x: pd.Series, y: pd.Series) -> tuple[np.ndarray, np.ndarray, n
     return counts["x"].to_numpy(float), counts["y"].to_numpy(float), counts["count"].to_numpy(float)
 
 
-def plot_scatter(data: RunData, path: Path, steps: list[int]) -> Path:
+def plot_scatter(run: RunTables, path: Path, steps: list[int]) -> Path:
     plt = _pyplot()
     from matplotlib.lines import Line2D
 
@@ -195,8 +196,10 @@ def plot_scatter(data: RunData, path: Path, steps: list[int]) -> Path:
     def area(count: np.ndarray) -> np.ndarray:  # marker area grows with the number of prompts it stands for
         return 14.0 * np.sqrt(count) + 6.0
 
+    budgets = run.by_step(Table.BUDGET)
+
     for i, t in enumerate(steps):
-        b = data.budgets[t]
+        b = budgets[t]
         est = pd.to_numeric(b["pass_rate_est"], errors="coerce")
         budget = pd.to_numeric(b["budget"], errors="coerce")
         colour = f"C{i % 10}"
@@ -261,10 +264,10 @@ def plot_scatter(data: RunData, path: Path, steps: list[int]) -> Path:
     return _save(fig, path)
 
 
-def plot_budget_hist(data: RunData, path: Path) -> Path:
+def plot_budget_hist(run: RunTables, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9.5, 5.0), layout="constrained")
-    frames = [pd.to_numeric(b["budget"], errors="coerce") for b in data.budgets.values() if "budget" in b]
+    frames = [pd.to_numeric(b["budget"], errors="coerce") for b in run.by_step(Table.BUDGET).values() if "budget" in b]
     budgets = pd.concat(frames, ignore_index=True).dropna() if frames else pd.Series(dtype=float)
     if len(budgets):
         lo, hi = float(budgets.min()), float(budgets.max())
@@ -285,7 +288,7 @@ def plot_budget_hist(data: RunData, path: Path) -> Path:
         ax.axvline(mean, color="C3", ls="--", lw=1.6, zorder=3, label=f"mean {mean:.1f}")
         ax.axvline(median, color="black", ls=":", lw=1.6, zorder=3, label=f"median {median:g}")
         ax.legend(loc="upper right", fontsize=9)
-        ax.set_title(f"Per-prompt budgets over {len(data.budgets)} budget tables ({len(budgets):,} prompt-steps)")
+        ax.set_title(f"Per-prompt budgets over {len(frames)} budget tables ({len(budgets):,} prompt-steps)")
     else:
         _no_data(ax, "no budget table yet")
         ax.set_title("Per-prompt budgets")
@@ -294,10 +297,10 @@ def plot_budget_hist(data: RunData, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_verdicts(data: RunData, path: Path) -> Path:
+def plot_verdicts(run: RunTables, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9.5, 5.0), layout="constrained")
-    v = data.verdicts
+    v, from_rewards = run.verdicts_by_step()
     if len(v):
         steps = v.index.astype(int).to_numpy()
         bottom = np.zeros(len(v))
@@ -315,16 +318,16 @@ def plot_verdicts(data: RunData, path: Path) -> Path:
         _no_data(ax, "no rewards yet")
     ax.set_ylabel("rollouts")
     title = "Verdicts of each step's rollouts"
-    if data.verdicts_from_rewards:
-        title += f"\n(step {step_ranges(data.verdicts_from_rewards)}: capability not written yet, counted from rewards)"
+    if from_rewards:
+        title += f"\n(step {step_ranges(from_rewards)}: capability not written yet, counted from rewards)"
     ax.set_title(title)
     return _save(fig, path)
 
 
-def plot_update(data: RunData, path: Path) -> Path:
+def plot_update(run: RunTables, path: Path) -> Path:
     plt = _pyplot()
     fig, (gap_ax, norm_ax) = plt.subplots(1, 2, figsize=(11.0, 4.2), layout="constrained")
-    u = data.updates
+    u = run.stacked(Stage.UPDATE).reset_index(drop=True)
     # runs made before the sampler's log-probabilities were recorded have no gap columns
     gap = u[["step", "logprob_diff_mean", "logprob_diff_max"]].dropna() if "logprob_diff_mean" in u else u.iloc[:0]
     if len(gap):

@@ -1,4 +1,4 @@
-"""``coba bench eval``: what a held-out evaluation costs, now against before.
+"""What a held-out evaluation costs, now against before (a one-time question).
 
 A sampled evaluation with a greedy one beside it (``run.eval_samples`` at ``run.eval_temperature`` and
 ``run.eval_top_p``, plus ``run.eval_greedy``) used to generate and score twice (the sampled completions,
@@ -10,22 +10,27 @@ top-p, and now (one call, the sort-free top-p); and checks that before and now m
 prompt's accuracy, greedy accuracy and answered share equal). The sampled evaluation alone is timed
 too: what the greedy pass adds.
 
-    coba bench eval --config configs/smollm2-arith.yaml
-    coba bench eval --config configs/tiny-test.yaml --set run.eval_samples=4 --set run.eval_temperature=1.0 --json
+The figures are in docs/benchmarks.md. This was ``coba bench eval`` until commit c361a60; run it from
+the repository root with coba-rl's venv:
+
+    .venv/bin/python scripts/bench_eval.py --config configs/smollm2-arith.yaml
+    .venv/bin/python scripts/bench_eval.py --config configs/tiny-test.yaml --set run.eval_samples=4 \\
+        --set run.eval_temperature=1.0 --json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
 
-from coba_tasks.commands.args import Command, option
-from coba_tasks.commands.bench import print_figures, print_progress
+from coba_tasks.commands.args import positive_int
+from coba_tasks.commands.bench_cmd import print_figures, print_progress
 
 
 def bench_eval(
@@ -46,7 +51,7 @@ def bench_eval(
             "bench eval times a sampled evaluation: needs run.eval_samples >= 2 and run.eval_temperature > 0"
         )
     test = load_run_datasets(cfg, train=False).test
-    test = stages.eval_sample(test, cfg.data.eval_prompts, r.seed)
+    test = stages.sample_eval_prompts(test, cfg.data.eval_prompts, r.seed)
     progress(f"engine on {cfg.model.path}; {len(test)} prompts x ({r.eval_samples} sampled + greedy)")
     engine = make_backend(
         cfg.rollout.backend,
@@ -133,26 +138,23 @@ def format_eval(r: dict[str, Any]) -> str:
     )
 
 
-def cmd_bench_eval(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    result = bench_eval(args.config, args.set, args.repeats, progress=print_progress)
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the options, run the benchmark, print its figures (or one JSON line); 0, or 2 on bad input."""
+    parser = argparse.ArgumentParser(
+        prog="scripts/bench_eval.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default="configs/smollm2-arith.yaml", help="YAML config (default: the SmolLM2 one)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="timed evaluations of each kind (default 2)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    args = parser.parse_args(argv)
+    try:
+        result = bench_eval(args.config, args.set, args.repeats, progress=print_progress)
+    except ValueError as exc:  # bad input: a message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return print_figures(result, args.json, format_eval, indent=None)
 
 
-COMMAND = Command(
-    "eval",
-    help="a held-out evaluation now (one call, sort-free top-p) against before (separate calls, vLLM's top-p)",
-    description=__doc__.split("\n\n")[1],
-    examples=[
-        "coba bench eval --config configs/smollm2-arith.yaml",
-        "coba bench eval --config configs/tiny-test.yaml --set run.eval_samples=4 --set run.eval_temperature=1.0",
-    ],
-    options=[
-        option("--config", default="configs/smollm2-arith.yaml", help="YAML config (default: the SmolLM2 one)"),
-        option("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"),
-        option("--repeats", type=int, default=2, help="timed evaluations of each kind (default 2)"),
-        option("--json", action="store_true", help="print the figures as one JSON line"),
-    ],
-    func=cmd_bench_eval,
-)
+if __name__ == "__main__":
+    sys.exit(main())

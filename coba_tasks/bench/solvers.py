@@ -1,4 +1,4 @@
-"""Benchmarks that print figures (never timed assertions): ``coba bench allocate``.
+"""``coba bench allocate``: the CoBA solvers (heap, threshold, DP) against a plain Python heap, and at scale.
 
 Times are medians over repeats inside one process; compare the ratios, not the absolute times
 (the machines are shared and noisy).
@@ -12,18 +12,13 @@ V(B, p) with math.exp / math.lgamma for every pop, as the reference for the opti
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import platform
-import statistics
-import sys
-import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from coba_tasks.commands.args import available_cpus
+from coba_tasks.bench.timing import available_cpus, median_time
 from coba_tasks.core.allocation import allocate
 from coba_tasks.core.allocators import coba_objective
 from coba_tasks.core.values import adaptive_tau
@@ -61,37 +56,6 @@ def plain_python_heap(
     return np.asarray(budgets, dtype=np.int64)
 
 
-def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    """``fn(*args, **kwargs)`` and its wall time in seconds."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
-
-
-def print_progress(msg: str) -> None:
-    """A benchmark's progress line on stderr: ``[bench] msg ...``."""
-    print(f"[bench] {msg} ...", file=sys.stderr, flush=True)
-
-
-def print_figures(
-    result: dict[str, Any], as_json: bool, formatter: Callable[[Any], str], indent: int | None = 2
-) -> int:
-    """Print a benchmark's figures, as JSON (``--json``; ``indent=None``: one line) or worded by ``formatter``; 0."""
-    print(json.dumps(result, indent=indent) if as_json else formatter(result))
-    return 0
-
-
-def _median_time(fn: Callable[[], Any], repeats: int, warmup: bool = True) -> tuple[float, Any]:
-    """Median wall time of ``repeats`` calls (after one untimed call when ``warmup``) and the last result."""
-    if warmup:
-        fn()  # imports, caches
-    times, out = [], None
-    for _ in range(repeats):
-        out, seconds = timed(fn)
-        times.append(seconds)
-    return statistics.median(times), out
-
-
 def bench_allocate(
     seed: int = 0,
     quick: bool = False,
@@ -111,11 +75,11 @@ def bench_allocate(
         return allocate(pp, tot, alpha=ALPHA, beta=BETA, solver=solver, min_budget=low, max_budget=up)
 
     progress("paper setting: heap, threshold, plain Python heap")
-    heap_s, heap_b = _median_time(lambda: run("heap"), 5 if quick else 21)
-    thr_s, thr_b = _median_time(lambda: run("threshold"), 5 if quick else 51)
-    plain_s, plain_b = _median_time(lambda: plain_python_heap(p, total, low, up, ALPHA, BETA, tau), 3 if quick else 7)
+    heap_s, heap_b = median_time(lambda: run("heap"), 5 if quick else 21)
+    thr_s, thr_b = median_time(lambda: run("threshold"), 5 if quick else 51)
+    plain_s, plain_b = median_time(lambda: plain_python_heap(p, total, low, up, ALPHA, BETA, tau), 3 if quick else 7)
     progress("paper setting: dp")
-    dp_s, dp_b = _median_time(lambda: run("dp"), 1 if quick else 3)
+    dp_s, dp_b = median_time(lambda: run("dp"), 1 if quick else 3)
     objective = {
         name: coba_objective(b, p, ALPHA, BETA, tau)
         for name, b in (("heap", heap_b), ("threshold", thr_b), ("dp", dp_b), ("plain_heap", plain_b))
@@ -159,18 +123,18 @@ def bench_allocate(
         tot = 16 * mm
         spare = tot - low * mm
         reps = 1 if mm >= 65_536 else 5
-        t_s, t_b = _median_time(lambda pp=pp, tot=tot: run("threshold", pp, tot), reps)
+        t_s, t_b = median_time(lambda pp=pp, tot=tot: run("threshold", pp, tot), reps)
         row = {"M": mm, "B_total": tot, "threshold_s": t_s}
         predicted = heap_unit * spare * math.log2(mm)
         if predicted <= DP_LIMIT_S:
-            h_s, h_b = _median_time(lambda pp=pp, tot=tot: run("heap", pp, tot), reps)
+            h_s, h_b = median_time(lambda pp=pp, tot=tot: run("heap", pp, tot), reps)
             heap_unit = h_s / (spare * math.log2(mm))
             row.update(heap_s=h_s, heap_over_threshold=h_s / t_s, same_allocation=bool(np.array_equal(h_b, t_b)))
         else:
             row.update(heap_s=None, heap_predicted_s=predicted, heap_over_threshold=None, same_allocation=None)
         predicted = dp_unit * mm * spare * (up - low)
         if predicted <= DP_LIMIT_S:
-            d_s, _ = _median_time(lambda pp=pp, tot=tot: run("dp", pp, tot), 1)
+            d_s, _ = median_time(lambda pp=pp, tot=tot: run("dp", pp, tot), 1)
             row["dp_s"] = d_s
         else:
             row.update(dp_s=None, dp_predicted_s=predicted)
@@ -240,135 +204,4 @@ def format_allocate(result: dict) -> str:
             *("yes" if v else ("not run" if v is None else "NO") for v in g.values())
         ),
     ]
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# Rollout engines and the verifier (issue: stage building blocks)
-# ---------------------------------------------------------------------------------------------
-
-
-def bench_rollout(
-    model_path: str,
-    test_path: str = "data/arith_test.parquet",
-    prompts: int = 100,
-    group_size: int = 8,
-    max_tokens: int = 12,
-    backends: tuple[str, ...] = ("vllm", "transformers"),
-    progress: Callable[[str], None] = lambda s: None,
-) -> dict:
-    """Tokens per second of each rollout backend on the same prompts, group sizes and seeds."""
-    from transformers import AutoTokenizer
-
-    from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
-    from coba_tasks.pipeline.data import load_dataset
-    from coba_tasks.pipeline.data_prompts import render_prompts
-
-    df, _ = render_prompts(load_dataset(test_path).head(prompts), AutoTokenizer.from_pretrained(model_path))
-    requests = [
-        RolloutRequest(pid, tuple(ids), group_size, rollout_seed(0, 0, pid), prompt=text)
-        for pid, ids, text in zip(df["prompt_id"], df["prompt_token_ids"], df["prompt_rendered"], strict=True)
-    ]
-    sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens)
-    out: dict[str, Any] = {
-        "benchmark": "rollout",
-        "model": model_path,
-        "prompts": len(requests),
-        "group_size": group_size,
-        "max_tokens": max_tokens,
-        "backends": {},
-    }
-    for name in backends:
-        progress(f"{name}: start engine")
-        engine, start_s = timed(make_backend, name, model_path, dtype="float32")
-        try:
-            engine.generate(requests[:2], sampling)  # warm-up
-            progress(f"{name}: generate {len(requests) * group_size} completions")
-            rows, gen_s = timed(engine.generate, requests, sampling)
-        finally:
-            engine.close()
-        tokens = sum(r.n_tokens for r in rows)
-        out["backends"][name] = {
-            "start_s": start_s,
-            "generate_s": gen_s,
-            "completions": len(rows),
-            "tokens": tokens,
-            "tokens_per_s": tokens / gen_s,
-        }
-    if {"vllm", "transformers"} <= set(out["backends"]):
-        out["vllm_over_transformers"] = (
-            out["backends"]["vllm"]["tokens_per_s"] / out["backends"]["transformers"]["tokens_per_s"]
-        )
-    return out
-
-
-def format_rollout(result: dict) -> str:
-    """Human-readable report of ``bench_rollout``."""
-    lines = [
-        f"Rollout benchmark: {result['prompts']} prompts x {result['group_size']} samples, "
-        f"max {result['max_tokens']} tokens, temperature 1.0, model {result['model']}",
-        f"  {'backend':<14}{'start':>10}{'generate':>11}{'tokens':>9}{'tokens/s':>11}",
-    ]
-    for name, r in result["backends"].items():
-        lines.append(
-            f"  {name:<14}{r['start_s']:>9.1f}s{r['generate_s']:>10.2f}s{r['tokens']:>9}{r['tokens_per_s']:>11,.0f}"
-        )
-    if "vllm_over_transformers" in result:
-        lines.append(f"  vLLM / transformers tokens per second: {result['vllm_over_transformers']:.1f}x")
-    return "\n".join(lines)
-
-
-def bench_verify(arith_items: int = 20_000, math_items: int = 300, workers: int = 2, seed: int = 0) -> dict:
-    """Verifier items per second: the in-process arith path and math-verify through the worker pool."""
-    from coba_tasks.engines.verify import count_verdicts
-    from coba_tasks.engines.verify_pool import VerifierPool
-
-    rng = np.random.default_rng(seed)
-    a = rng.integers(-999, 999, size=arith_items)
-    off = rng.integers(0, 2, size=arith_items)
-    arith = [(f"{x + d}", str(x), "arith") for x, d in zip(a.tolist(), off.tolist(), strict=True)]
-    templates = [
-        (r"so the answer is \boxed{{\frac{{{a}}}{{{b}}}}}", "{a}/{b}"),
-        (r"We get $x = {a}$.\nAnswer: {a}", "{a}"),
-        (r"\boxed{{{a}\sqrt{{2}}}}", r"\sqrt{{{a2}}}"),
-        (r"The result is \boxed{{{a}.5}}", "{a}.5"),
-    ]
-    maths = []
-    for i in range(math_items):
-        comp, gold = templates[i % len(templates)]
-        x, y = int(rng.integers(1, 50)), int(rng.integers(2, 9))
-        wrong = i % 3 == 0
-        maths.append((comp.format(a=x + wrong, b=y), gold.format(a=x, b=y, a2=2 * x * x), "math"))
-    with VerifierPool(workers=workers, timeout_s=10.0) as pool:
-        va, arith_s = timed(pool.score, arith)
-        pool.start()
-        pool.score(maths[:4])  # warm the workers' caches
-        vm, math_s = timed(pool.score, maths)
-    return {
-        "benchmark": "verify",
-        "workers": workers,
-        "arith": {
-            "items": arith_items,
-            "seconds": arith_s,
-            "items_per_s": arith_items / arith_s,
-            "verdicts": count_verdicts(va),
-        },
-        "math": {
-            "items": math_items,
-            "seconds": math_s,
-            "items_per_s": math_items / math_s,
-            "verdicts": count_verdicts(vm),
-        },
-    }
-
-
-def format_verify(result: dict) -> str:
-    """Human-readable report of ``bench_verify``."""
-    lines = [f"Verifier benchmark ({result['workers']} worker processes for math-verify)"]
-    for name in ("arith", "math"):
-        r = result[name]
-        lines.append(
-            f"  {name:<6}{r['items']:>7} items {r['seconds']:>8.2f} s {r['items_per_s']:>11,.0f} items/s   "
-            + ", ".join(f"{k} {v}" for k, v in r["verdicts"].items() if v)
-        )
     return "\n".join(lines)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 
 import pytest
 
-from coba_tasks.commands.bench_stages import COMMAND, GOALS, STEP_TABLES, format_stages
+from coba_tasks.bench.stages import GOALS, STEP_TABLES, format_stages
 from coba_tasks.pipeline.store import Stage
 
 
@@ -29,7 +28,7 @@ def _numbers(obj, path=""):
 
 @pytest.mark.slow
 def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_checkpoints):
-    from coba_tasks.commands.bench_stages import bench_stages
+    from coba_tasks.bench.stages import bench_stages
     from coba_tasks.pipeline.store import RunStore
 
     model, _ = random_checkpoints
@@ -129,23 +128,8 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
         assert name in text
 
 
-def test_bench_stages_parser():
-    parser = argparse.ArgumentParser(prog="coba")
-    sub = parser.add_subparsers(dest="command")
-    bench = sub.add_parser("bench")
-    p = COMMAND.add_to(bench.add_subparsers(dest="bench"))
-    args = parser.parse_args(["bench", "stages"])
-    assert (args.config, args.set, args.steps, args.json) == ("configs/demo-tiny.yaml", [], 3, False)
-    args = parser.parse_args(["bench", "stages", "--steps", "2", "--set", "a.b=1", "--set", "c.d=2", "--json"])
-    assert (args.steps, args.set, args.json) == (2, ["a.b=1", "c.d=2"], True)
-    assert args.func.__name__ == "cmd_bench_stages"
-    assert "examples:" in p.format_help() and "coba bench stages" in p.format_help()
-    with pytest.raises(SystemExit):
-        parser.parse_args(["bench", "stages", "--steps", "0"])
-
-
 def test_bench_stages_refuses_bad_input():
-    from coba_tasks.commands.bench_stages import bench_stages
+    from coba_tasks.bench.stages import bench_stages
 
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         bench_stages("configs/tiny-test.yaml", steps=0, progress=lambda s: None)

@@ -1,4 +1,4 @@
-"""Experiment trackers (coba_tasks.pipeline.trackers) from a hand-made run directory's tables, read back
+"""Experiment trackers (coba_tasks.readers.trackers) from a hand-made run directory's tables, read back
 with each library's own reader: TensorBoard's EventAccumulator, MLflow's MlflowClient, and the records of
 wandb's offline run files (its protobuf Record messages; wandb has no offline reader of its own)."""
 
@@ -11,10 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from coba_tasks.pipeline import trackers
 from coba_tasks.pipeline.config import Config, apply_overrides, config_hash, config_to_dict
-from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.readers import trackers
 
 STEPS = 4
 
@@ -90,14 +89,6 @@ def test_step_metrics_and_samples_from_the_tables(tmp_path):
     assert trackers.step_samples(t, 0) is None
     params = trackers.flat_config(cfg)
     assert params["run.steps"] == STEPS and params["optim.lr"] == cfg.optim.lr
-
-
-def test_a_missing_library_is_one_line_naming_the_extra(monkeypatch):
-    real = trackers.importlib.util.find_spec
-    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda n: None if n == "wandb" else real(n))
-    with pytest.raises(ConfigError, match=r"^run\.trackers: wandb is not installed; install it with pip install -e "):
-        trackers.check_installed(["tensorboard", "wandb"])
-    trackers.check_installed(["tensorboard"])
 
 
 def _tensorboard_steps(directory: Path) -> dict[str, list[int]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from coba_tasks.engines.trainer import PolicyTrainer
+from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_batch import pad_sequences
 from coba_tasks.engines.update_settings import UpdateSettings
 

@@ -11,15 +11,15 @@ import pandas as pd
 import pytest
 
 from coba_tasks.commands.report import add_report_parser
-from coba_tasks.pipeline import report
-from coba_tasks.pipeline.report import (
+from coba_tasks.pipeline.store import RunStore
+from coba_tasks.readers import report
+from coba_tasks.readers.report import (
     PLOT_FILES,
     STAGE_TIME_PNG,
     build_report,
     report_artifacts_markdown,
     write_report,
 )
-from coba_tasks.pipeline.store import RunStore
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROMPTS = [f"p{i}" for i in range(12)]
@@ -268,7 +268,7 @@ def test_half_finished_run_still_reports(tmp_path, half_step):
     page = files.html.read_text(encoding="utf-8")
     assert "2/2 steps done" in page and f"{ACC_BEFORE:.3f} -&gt; {ACC_BEFORE:.3f}" in page
     assert "(step 0 -&gt; step 0; evaluated at 0)" in page  # only step 0 was evaluated
-    verdict_steps = report._load(root).verdicts.index.tolist()
+    verdict_steps = report._load(root).verdicts_by_step()[0].index.tolist()
     assert verdict_steps == ([0, 1, 2] if half_step == "rewards" else [0, 1])  # verdicts from rewards.parquet
 
 
@@ -326,7 +326,8 @@ def test_cli_subcommand(finished_run, capsys):
 def test_steps_where_no_group_was_mixed_are_counted_and_shown(tmp_path):
     """A step whose every group scored alike (zero_variance_groups 1.0) taught nothing: the summary lists
     those steps, the longest run of them in a row, and a row says what to change."""
-    from coba_tasks.pipeline.summary import NO_SIGNAL_STEPS, no_signal_streak, run_summary, summary_rows
+    from coba_tasks.readers.figures import NO_SIGNAL_STEPS, no_signal_streak, run_summary
+    from coba_tasks.readers.text import summary_rows
 
     store = make_run(tmp_path / "run", steps=3)
     for t in (1, 2):  # steps 1 and 2: every group all-equal

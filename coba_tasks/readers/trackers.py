@@ -28,40 +28,27 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from coba_tasks.pipeline.config import Config, config_to_dict
-from coba_tasks.pipeline.config_fields import ConfigError
+from coba_tasks.pipeline.config import Config, check_installed, config_to_dict
 from coba_tasks.pipeline.config_sections import TRACKERS
 from coba_tasks.pipeline.store import RunStore, Stage, Table
-from coba_tasks.pipeline.summary import RunTables, eval_figures, load_run
+from coba_tasks.readers.figures import budget_figures, capability_figures, eval_figures, update_figures
+from coba_tasks.readers.tables import RunTables, load_run
 
 TRACKERS_DIR = "trackers"
 STATE_FILE = f"{TRACKERS_DIR}/state.json"
 SAMPLES = 4  # sample completions logged per step
 SAMPLE_CHARS = 400  # a sample completion is cut to this many characters
-# the module each tracker imports, and the pip extra of pyproject.toml that installs it
-_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
-
-
-def check_installed(names: Iterable[str]) -> None:
-    """Raise a one-line ConfigError naming the pip extra when a tracker's library is not installed."""
-    for name in names:
-        if importlib.util.find_spec(_MODULES[name]) is None:
-            raise ConfigError(
-                f"run.trackers: {name} is not installed; install it with pip install -e '.[{name}]' "
-                f"(or '.[trackers]' for all three), or take {name} out of run.trackers"
-            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +99,7 @@ def step_metrics(t: RunTables, k: int) -> dict[str, float]:
     s = k - 1
     done = t.done.get(s, set()) if k > 0 else set()
     if Stage.CAPABILITY in done:
-        cap = t.table(s, Stage.CAPABILITY).iloc[0]
+        cap = capability_figures(t.table(s, Stage.CAPABILITY))
         out |= {"train/pass_rate": cap.get("S"), "train/F": cap.get("F")}
         out |= {f"capability/{c}": cap.get(c) for c in ("alpha", "beta", "alpha_used", "beta_used")}
         out["budget/zero_variance_share"] = cap.get("zero_variance_groups")
@@ -121,19 +108,17 @@ def step_metrics(t: RunTables, k: int) -> dict[str, float]:
         out["train/reward_mean"] = rewards["reward"].astype(float).mean()
         out["train/rollouts"] = len(rewards)
     if Stage.BUDGET in done:
-        b = t.table(s, Stage.BUDGET)["budget"].astype(float)
-        out |= {"budget/min": b.min(), "budget/max": b.max(), "budget/mean": b.mean(), "budget/total": b.sum()}
+        out |= {f"budget/{k}": v for k, v in budget_figures(t.table(s, Stage.BUDGET)).items()}
     if Stage.UPDATE in done:
-        upd = t.table(s, Stage.UPDATE).iloc[0]
+        upd = update_figures(t.table(s, Stage.UPDATE))
         for c in ("loss", "grad_norm", "clip_frac", "entropy", "kl", "lr", "tokens"):
             out[f"update/{c}"] = upd.get(c)
         out["update/sampler_trainer_gap"] = upd.get("logprob_diff_mean")
         out["update/sampler_trainer_gap_max"] = upd.get("logprob_diff_max")
-    timing = t.store.root / "steps" / f"{s:06d}" / "timing.json"
-    if k > 0 and timing.is_file():
+    if k > 0 and t.store.step_json_path(s, "timing").is_file():
         try:
-            seconds = json.loads(timing.read_text())
-        except ValueError:
+            seconds = t.store.read_step_json(s, "timing")
+        except (OSError, ValueError):
             seconds = {}
         out |= {f"time/{stage}_seconds": v for stage, v in seconds.items()}
         out["time/step_seconds"] = sum(v for v in seconds.values() if isinstance(v, int | float))

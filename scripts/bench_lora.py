@@ -1,4 +1,4 @@
-"""``coba bench lora``: how the rollout engine should sample a LoRA policy, merged weights or vLLM's adapters.
+"""How the rollout engine should sample a LoRA policy: merged weights or vLLM's adapters (a one-time question).
 
 Two ways for vLLM to sample the policy ``W + (alpha / r) B A`` after a LoRA update, timed on the same
 prompts, group sizes and seeds from one adapter checkpoint (``--checkpoint``, a LoRA run's
@@ -13,20 +13,25 @@ For each: the per-update cost (write + reload, or adapter load), generation toke
 sampler/trainer gap, |sampler log p - trainer log p| of every sampled token against the trainer's own
 LoRA forward at the same temperature (how exact the engine is about the policy being trained).
 
-    coba bench lora --checkpoint runs/smollm2-lora/checkpoints/000002 --json
+The answer (the run keeps the merged weights) and its figures are in docs/benchmarks.md. This was
+``coba bench lora`` until commit c361a60; run it from the repository root with coba-rl's venv:
+
+    .venv/bin/python scripts/bench_lora.py
+    .venv/bin/python scripts/bench_lora.py --checkpoint runs/smollm2-lora/checkpoints/000002 --json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import Command, option
-from coba_tasks.commands.bench import print_figures, print_progress, timed
+from coba_tasks.bench.timing import timed
+from coba_tasks.commands.bench_cmd import print_figures, print_progress
 
 
 def bench_lora(
@@ -45,7 +50,7 @@ def bench_lora(
 
     from coba_tasks.engines.lora import base_model_of
     from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
-    from coba_tasks.engines.trainer import PolicyTrainer
+    from coba_tasks.engines.update import PolicyTrainer
     from coba_tasks.engines.update_batch import sampler_gap_rows
     from coba_tasks.engines.update_settings import UpdateSettings
     from coba_tasks.pipeline.data import load_dataset
@@ -54,7 +59,7 @@ def bench_lora(
     with tempfile.TemporaryDirectory(prefix="coba-bench-lora-") as tmp:
         work = Path(tmp)
         if checkpoint is None:  # an adapter trained one step on synthetic groups, so B != 0
-            from coba_tasks.commands.bench_update import synthetic_batch
+            from coba_tasks.bench.update import synthetic_batch
 
             progress("training a LoRA adapter for one update (no --checkpoint)")
             trainer = PolicyTrainer(model_path, UpdateSettings(lr=1e-3, lora_rank=lora_rank))
@@ -148,7 +153,22 @@ def format_lora(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_bench_lora(args: argparse.Namespace) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the options, run the benchmark, print its figures (or one JSON line); 0."""
+    parser = argparse.ArgumentParser(
+        prog="scripts/bench_lora.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint", default=None, help="a LoRA checkpoint (default: one update on synthetic groups)"
+    )
+    parser.add_argument("--model", default="models/smollm2-135m-instruct", help="base model without --checkpoint")
+    parser.add_argument("--test", default="data/arith_chat_test.parquet", help="prompts (veRL Parquet)")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank without --checkpoint")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    args = parser.parse_args(argv)
     result = bench_lora(
         args.checkpoint,
         args.model,
@@ -162,20 +182,5 @@ def cmd_bench_lora(args: argparse.Namespace) -> int:
     return print_figures(result, args.json, format_lora, indent=None)
 
 
-COMMAND = Command(
-    "lora",
-    help="sampling a LoRA policy: merged weights against vLLM's LoRA adapters (speed, exactness)",
-    description=__doc__.split("\n\n")[1],
-    examples=["coba bench lora", "coba bench lora --checkpoint runs/x/checkpoints/000002 --json"],
-    options=[
-        option("--checkpoint", default=None, help="a LoRA checkpoint (default: one update on synthetic groups)"),
-        option("--model", default="models/smollm2-135m-instruct", help="base model without --checkpoint"),
-        option("--test", default="data/arith_chat_test.parquet", help="prompts (veRL Parquet)"),
-        option("--prompts", type=int, default=32),
-        option("--n", type=int, default=8, help="samples per prompt"),
-        option("--max-tokens", type=int, default=48),
-        option("--lora-rank", type=int, default=16, help="rank without --checkpoint"),
-        option("--json", action="store_true", help="print the figures as one JSON line"),
-    ],
-    func=cmd_bench_lora,
-)
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,9 +9,9 @@ Everything runs in one process, one after the other, on the same machine state:
    medians. The Parquet write of the rollouts table is a figure of its own.
 2. **A step through Prefect vs the same step as plain function calls, interleaved.** Two run
    directories with the same config share one vLLM engine and one verifier pool (each run has its
-   own trainer). Inside one flow run (``flows/bench.py``), step t of the first run goes through
-   ``run_step``, what ``coba-train`` runs per step (five task runs, the progress line, the
-   artifacts), and step t of the second run runs the same five stages as plain function calls
+   own trainer). Inside one flow run (``coba_tasks/bench/steps_flow.py``), step t of the first run
+   goes through ``run_step``, what ``coba-train`` runs per step (five task runs, the progress line,
+   the artifacts), and step t of the second run runs the same five stages as plain function calls
    (``plain_step``, without Prefect) plus the same timing.json write; the order alternates
    every step (flow first on even steps), and before the second run of a pair the engine is given
    the step's weights back (untimed). Both sides thus meet the same load, server and threads; the
@@ -31,7 +31,6 @@ printed with whether this run met them.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import platform
@@ -42,9 +41,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import Command, available_cpus, option, positive_int
-from coba_tasks.commands.bench import _median_time as bench_median_time
-from coba_tasks.commands.bench import print_figures, print_progress
+from coba_tasks.bench.timing import available_cpus
+from coba_tasks.bench.timing import median_time as bench_median_time
 from coba_tasks.pipeline.store import Stage, Table
 
 GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
@@ -88,7 +86,7 @@ def _bench_config(config_path: str | None, overrides: Sequence[str], steps: int)
 
 
 def _step_figures(pairs: Sequence[dict], side: str) -> dict[str, Any]:
-    """Means over the steps of one side of ``flows.bench.bench_steps_flow``'s pairs."""
+    """Means over the steps of one side of ``steps_flow.bench_steps_flow``'s pairs."""
     walls = [p[side]["wall_s"] for p in pairs]
     outside = [p[side]["wall_s"] - p[side]["inside_s"] for p in pairs]
     return {
@@ -140,7 +138,8 @@ def bench_stages(
 def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: int, progress) -> dict:
     import torch
 
-    from coba_tasks.pipeline import run, stage_runner
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import step as stage_step
 
     work.mkdir(parents=True, exist_ok=True)
     flow_dir, plain_dir, scratch_dir = (work / n for n in ("flow", "plain", "scratch"))
@@ -161,7 +160,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
     # the flow run, then step t of the plain run (the other order on odd steps), so both meet the same
     # machine load. Before the second run of a pair the engine gets back the weights of step t (the
     # first run's update moved them on; the two runs' checkpoints are bit-identical), untimed.
-    from flows.bench import bench_steps_flow
+    from coba_tasks.bench.steps_flow import bench_steps_flow
 
     flow_root, root = flow_dir.resolve(), plain_dir.resolve()
     res_flow = run.open_run(flow_root, cfg, continuing=False)
@@ -169,11 +168,11 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
     try:
         progress("start the engine, the verifier pool and the two runs' trainers")
         for r in (res_flow, res):
-            stage_runner.write_first_budget(r)
+            stage_step.write_first_budget(r)
         run.start_resources(res_flow, cfg.model.path, version=0)
         run.start_resources(res, cfg.model.path, version=0, engine=res_flow.engine, pool=res_flow.pool)
         machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
-        stage_runner.run_stage(root, 0, Table.EVAL)  # a warm-up of the engine and the pool, untimed
+        stage_step.evaluate.fn(str(root), 0)  # a warm-up of the engine and the pool, untimed (no Prefect)
         progress(f"{steps} steps of each run, interleaved: through Prefect (coba-bench-steps) and as plain calls")
         pairs = bench_steps_flow(str(flow_root), str(root), steps)
         flow, plain = (_step_figures(pairs, side) for side in ("flow", "plain"))
@@ -183,7 +182,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
         budget = store.read_table(t, Stage.BUDGET)
         rollouts = store.read_table(t, Stage.ROLLOUTS)
         rewards = store.read_table(t, Stage.REWARDS)
-        rollout = _bench_rollout(res, cfg, budget, t, repeats, progress, stage_runner.sampling(cfg))
+        rollout = _bench_rollout(res, cfg, budget, t, repeats, progress, stage_step.sampling(cfg))
         verify = _bench_verify(res, rollouts, rewards, repeats, progress)
         parquet = _bench_parquet(store, scratch_dir, cfg, t, repeats, progress)
         update = _bench_update(res, rollouts, rewards, scratch_dir, repeats, progress)
@@ -365,7 +364,7 @@ def _bench_update(res: Any, rollouts: Any, rewards: Any, scratch: Path, repeats:
     progress(f"update: PolicyTrainer.update on {len(rollouts)} rollouts")
     t0 = time.perf_counter()
     adv = stages.advantages_for(rollouts, rewards)
-    prompt_ids, completion_ids, logprobs = stages.update_batch(rollouts, res.prompts)
+    prompt_ids, completion_ids, logprobs = stages.update_sequences(rollouts, res.prompts)
     prepare_s = time.perf_counter() - t0
     seconds, metrics = _median_time(lambda: res.trainer.update(prompt_ids, completion_ids, adv, logprobs), repeats)
     ckpt = scratch / "checkpoint"
@@ -473,56 +472,3 @@ def format_stages(result: dict) -> str:
         f"({g_orch['value']:.1%})",
     ]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-
-
-def cmd_bench_stages(args: argparse.Namespace) -> int:
-    """``coba bench stages``: run the benchmark, print the report (or JSON); 0."""
-    from coba_tasks.pipeline.prefect_env import configure_prefect
-
-    configure_prefect()
-    result = bench_stages(
-        args.config,
-        list(args.set or []),
-        steps=args.steps,
-        progress=print_progress,
-    )
-    return print_figures(result, args.json, format_stages)
-
-
-COMMAND = Command(
-    "stages",
-    help="where a training step's time goes: rollout stage vs bare vLLM, Prefect vs plain calls, Parquet, "
-    "verifier, update",
-    description="Run a few training steps through the Prefect flow and the same steps as plain function calls "
-    "on temporary run directories, then time the rollout stage against a bare vllm.LLM.generate with the same "
-    "prompts, budgets and seeds, the Parquet write and read of each of the step's tables, the verifier and the "
-    "GRPO update. Prints the figures and the ratios with their goals (rollout stage / bare vLLM <= 1.10, "
-    "orchestration <= 10% of a step); asserts nothing.",
-    examples=[
-        "coba bench stages",
-        "coba bench stages --steps 5 --json > stages.json",
-        "coba bench stages --config configs/tiny-test.yaml --set data.prompts_per_step=8",
-    ],
-    options=[
-        option(
-            "--config",
-            default="configs/demo-tiny.yaml",
-            help="YAML config (default: the tiny model, configs/demo-tiny.yaml)",
-        ),
-        option(
-            "--set",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
-        ),
-        option("--steps", type=positive_int, default=3, help="training steps in each run (default 3)"),
-        option("--json", action="store_true", help="print the figures as JSON"),
-    ],
-    func=cmd_bench_stages,
-)

@@ -1,0 +1,289 @@
+"""One training step: its five stages as Prefect tasks, named as the stage and the table it writes.
+
+    rollouts(run_dir, t)    budget(t) -> rollouts(t)                 each prompt's budget of completions
+    rewards(run_dir, t)     rollouts(t) -> rewards(t)                every completion scored
+    capability(run_dir, t)  rewards(t) -> capability(t), history(t)  pass rates -> failure rate -> (alpha, beta)
+    budget(run_dir, t)      capability(t), history(t) -> budget(t+1) the allocation for the next step
+    update(run_dir, t)      rollouts(t), rewards(t) -> update(t)     the GRPO update; checkpoints/t+1
+
+and ``evaluate(run_dir, t)``: held-out accuracy of the weights after t updates (eval(t)). ``flows/train.py``
+calls them in this order (``run_step``); ``plain_step`` calls the same bodies without Prefect.
+
+Each body is the stage's work: it reads its inputs from the run directory, calls the stage's pure function
+(``coba_tasks.pipeline.stages``) and returns its table. ``@stage`` makes the task and adds what every stage
+does: skip the body when the table is already done (in its step's manifest), pass the tests' fault hooks,
+write the table (atomically, recorded in the manifest last), run what follows the stage whether it ran or
+was done (the update's weight reload), and add the seconds spent to the run's timing. A task takes the run
+directory and the step (never models or tables); the run's engine, verifier pool and trainer are looked up
+by directory (``run.resources``). The update is not retried by Prefect: it moves the weights, and a resume
+recomputes it from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+from prefect import Task, task
+from prefect.cache_policies import NO_CACHE
+
+from coba_tasks.core.capability import CapabilityTracker
+from coba_tasks.core.grpo import RewardScaleError
+from coba_tasks.engines.engine_sleep import engine_asleep
+from coba_tasks.engines.fsdp_update import fsdp_update
+from coba_tasks.engines.rollout import SamplingConfig
+from coba_tasks.engines.update_batch import NonFiniteUpdateError
+from coba_tasks.pipeline import stages
+from coba_tasks.pipeline.config import Config
+from coba_tasks.pipeline.run import (
+    RunResources,
+    checked_checkpoint,
+    first_step_not_done,
+    previous_checkpoint,
+    resources,
+    start_resources,
+    update_settings,
+)
+from coba_tasks.pipeline.store import Table
+
+ROLLOUT_WEIGHTS_DIR = "rollout_weights"  # LoRA: the merged policy the engine reads (one copy, rewritten)
+
+StageBody = Callable[[RunResources, int], pd.DataFrame]
+
+
+def stage(
+    table: Table, retries: int = 1, fault_hooks: bool = True, then: Callable[[RunResources, int], None] | None = None
+) -> Callable[[StageBody], Task[[str, int], str]]:
+    """Make a stage body ``(res, step) -> table`` the Prefect task ``(run_dir, step) -> table path`` named
+    ``table`` (task runs ``<table>-step-<step>``): skipped when the table is done, else computed, passed
+    through the fault hooks (``fault_hooks``) and written; then ``then(res, step)``, done or not; timed."""
+
+    def make(body: StageBody) -> Task[[str, int], str]:
+        def run_stage(run_dir: str, step: int) -> str:
+            res, t0 = resources(run_dir), time.perf_counter()
+            where = table.output_step(step)
+            if not res.store.is_done(where, table):
+                frame = body(res, step)
+                if fault_hooks:
+                    res.faults.at(step, table)
+                res.store.write_table(where, table, frame)
+            if then is not None:
+                then(res, step)
+            res.timed(table, time.perf_counter() - t0)
+            return str(res.store.table_path(where, table))
+
+        run_stage.__name__ = run_stage.__qualname__ = body.__name__
+        run_stage.__doc__, run_stage.__module__ = body.__doc__, body.__module__
+        options = {"retries": retries, "retry_delay_seconds": 2, "cache_policy": NO_CACHE}
+        return task(run_stage, name=table.value, task_run_name=f"{table.value}-step-{{step}}", **options)
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------
+# The five stages, in the order they run
+
+
+@stage(Table.ROLLOUTS)
+def rollouts(res: RunResources, step: int) -> pd.DataFrame:
+    """Sample each prompt of the step's budget table as many completions as its budget, with the rollout engine."""
+    budget = res.store.read_table(step, Table.BUDGET)
+    return stages.rollout_table(budget, res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
+
+
+@stage(Table.REWARDS)
+def rewards(res: RunResources, step: int) -> pd.DataFrame:
+    """Score every completion with the verifier pool; a step with too many errors or timeouts stops the run."""
+    table = stages.reward_table(res.store.read_table(step, Table.ROLLOUTS), res.prompts, res.pool)
+    stages.check_error_share(table, step, res.cfg.verify.max_error_share)  # raises before the table is written
+    return table
+
+
+@stage(Table.CAPABILITY)
+def capability(res: RunResources, step: int) -> pd.DataFrame:
+    """Fold the step's pass rates into the failure rate and the Beta shape; write the prompt history beside it."""
+    scored = res.store.read_table(step, Table.REWARDS)
+    table, _ = stages.capability_table(step, scored, tracker_before(res, step))
+    # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
+    # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
+    previous = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else stages.empty_history()
+    history = stages.update_history(previous, scored, step, res.cfg.allocation.pass_rate_window)
+    res.store.write_table(step, Table.HISTORY, history)
+    res.store.write_run_table("history", history)
+    return table
+
+
+@stage(Table.BUDGET)
+def budget(res: RunResources, step: int) -> pd.DataFrame:
+    """The allocation at the end of step t: the budget of step t + 1, from this step's history and shape."""
+    tracker = stages.tracker_from_capability(res.store.read_table(step, Table.CAPABILITY))
+    return budget_for(res, step + 1, res.store.read_table(step, Table.HISTORY), tracker)
+
+
+def _reload_policy(res: RunResources, step: int) -> None:
+    """The rollout engine takes the weights the update of ``step`` wrote (also when it was done before);
+    then checkpoints beyond the newest ``run.keep_checkpoints`` are deleted."""
+    res.engine.load_weights(engine_weights(res, step + 1), version=step + 1)
+    res.store.prune_checkpoints(res.cfg.run.keep_checkpoints)
+
+
+@stage(Table.UPDATE, retries=0, then=_reload_policy)
+def update(res: RunResources, step: int) -> pd.DataFrame:
+    """The GRPO update on the step's rollouts; writes checkpoints/<step + 1>. A reward beyond the group
+    statistics' bound or a non-finite update stops the run in one line naming the step (nothing stepped)."""
+    try:
+        return _update(res, step)
+    except (RewardScaleError, NonFiniteUpdateError) as exc:
+        raise type(exc)(f"step {step}: {exc}") from None
+
+
+@stage(Table.EVAL, fault_hooks=False)
+def evaluate(res: RunResources, step: int) -> pd.DataFrame:
+    """Held-out accuracy of the weights after ``step`` updates (those the engine holds now)."""
+    r = res.cfg.run
+    return stages.evaluate(
+        res.test,
+        res.engine,
+        res.pool,
+        r.eval_samples,
+        r.eval_temperature,
+        res.cfg.rollout.max_tokens,
+        r.seed,
+        greedy=r.eval_greedy,
+        top_p=r.eval_top_p,
+        progress=sys.stderr.isatty(),  # the engine's progress bar, on a terminal
+    )
+
+
+STAGES = (rollouts, rewards, capability, budget, update)  # one step, in order
+
+
+# ---------------------------------------------------------------------------------------------
+# What the stages share
+
+
+def sampling(cfg: Config) -> SamplingConfig:
+    """How training rollouts are sampled (the config's rollout section)."""
+    r = cfg.rollout
+    return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+
+
+def tracker_before(res: RunResources, step: int) -> CapabilityTracker:
+    """The capability tracker as it was when step ``step`` started."""
+    if step == 0:
+        a = res.cfg.allocation
+        return CapabilityTracker(kappa=a.kappa, window=a.capability_window, gamma=a.gamma)
+    return stages.tracker_from_capability(res.store.read_table(step - 1, Table.CAPABILITY))
+
+
+def budget_for(res: RunResources, step: int, history: pd.DataFrame, tracker: CapabilityTracker) -> pd.DataFrame:
+    """budget.parquet of ``step``: its batch allocated from ``history`` and the tracker's (alpha, beta)."""
+    cfg = res.cfg
+    batch = stages.batch_for_step(
+        res.prompts["prompt_id"].tolist(), step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
+    )
+    return stages.budget_table(batch, history, tracker, cfg.allocation)
+
+
+def write_first_budget(res: RunResources) -> None:
+    """The budget of step 0 (uniform: no pass rates yet), unless it is done."""
+    if not res.store.is_done(0, Table.BUDGET):
+        res.store.write_table(0, Table.BUDGET, budget_for(res, 0, stages.empty_history(), tracker_before(res, 0)))
+
+
+def _update(res: RunResources, step: int) -> pd.DataFrame:
+    ckpt = res.store.checkpoint_dir(step + 1)
+    rolled = res.store.read_table(step, Table.ROLLOUTS)
+    scored = res.store.read_table(step, Table.REWARDS)
+    adv = stages.advantages_for(rolled, scored)
+    prompt_ids, completion_ids, sampler_logprobs = stages.update_sequences(rolled, res.prompts)
+    tracker = stages.tracker_from_capability(res.store.read_table(step, Table.CAPABILITY))
+    extra_state = {"step": step, "capability": tracker.to_dict()}
+    fsdp = res.cfg.optim.fsdp_processes > 1
+    previous = previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
+    # rollout.sleep_during_update: the engine's GPU memory is free while the update runs; it is awake
+    # again before the new weights are loaded (engine_sleep.json: seconds and memory figures)
+    with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
+        if fsdp:  # a torchrun job of optim.fsdp_processes ranks; it writes the checkpoint itself
+            metrics = fsdp_update(
+                res.cfg.model.path,
+                ckpt,
+                prompt_ids,
+                completion_ids,
+                adv,
+                update_settings(res.cfg),
+                res.cfg.optim.fsdp_processes,
+                checkpoint=previous,
+                seed=res.cfg.run.seed,
+                extra_state=extra_state,
+                sampler_logprobs=sampler_logprobs,
+            )
+        else:
+            metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs)
+    if slept:
+        res.store.write_step_json(step, "engine_sleep", slept)
+    if not fsdp:
+        res.trainer.save_checkpoint(ckpt, extra_state=extra_state)
+    return stages.update_row(step, metrics, rolled, scored)
+
+
+def engine_weights(res: RunResources, version: int) -> Path:
+    """Where the rollout engine reads the policy after ``version`` updates: the checkpoint itself, or with
+    LoRA (an adapter checkpoint) the merged weights the trainer holds, written to ``rollout_weights/``."""
+    if res.cfg.model.lora_rank == 0:
+        return res.store.checkpoint_dir(version)
+    return res.trainer.write_rollout_weights(res.store.root / ROLLOUT_WEIGHTS_DIR)
+
+
+def eval_plan(res: RunResources) -> str:
+    """What an evaluation of the run computes, in words: ``90 + 90 held-out prompts x (4 samples + greedy)``."""
+    r = res.cfg.run
+    sizes = res.test["test_set"].value_counts(sort=False) if "test_set" in res.test else [len(res.test)]
+    kinds = f"{r.eval_samples} sample{'s' if r.eval_samples > 1 else ''} at T {r.eval_temperature:g}"
+    if r.eval_temperature == 0 and r.eval_samples == 1:
+        kinds = "greedy"
+    elif r.eval_greedy:
+        kinds += " + greedy"
+    return f"{' + '.join(str(int(n)) for n in sizes)} held-out prompts x ({kinds})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the steps of an opened run start, and a step without Prefect
+
+
+def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, float]) -> dict[str, float]:
+    """steps/<step>/timing.json: wall seconds per stage of this step (not a stage output: not in the
+    manifest); returns them."""
+    seconds = {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Table.EVAL}
+    res.store.write_step_json(step, "timing", seconds)
+    return seconds
+
+
+def plain_step(run_dir: str | Path, step: int) -> None:
+    """One training step as plain calls: the five stage bodies in order (``Task.fn``, no Prefect), and
+    timing.json."""
+    res = resources(run_dir)
+    before = dict(res.stage_seconds)
+    for stage_task in STAGES:
+        stage_task.fn(str(run_dir), step)
+    write_step_timing(res, step, before)
+
+
+def resume_point(res: RunResources) -> int:
+    """Write the first budget if needed, start the resources on the right weights, and return the first
+    step to run: a continuing run starts from the checkpoint of its first step not done."""
+    write_first_budget(res)
+    first = first_step_not_done(res.store, res.cfg.run.steps)
+    lora = res.cfg.model.lora_rank > 0
+    ckpt = checked_checkpoint(res.store, first) if first > 0 else None
+    # an adapter checkpoint is not a whole model: the engine starts on the base, then takes the merged weights
+    weights = str(ckpt) if ckpt is not None and not lora else res.cfg.model.path
+    start_resources(res, weights, version=first)
+    if ckpt is not None and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
+        res.trainer.load_checkpoint(ckpt)
+        if lora:
+            res.engine.load_weights(engine_weights(res, first), version=first)
+    return first

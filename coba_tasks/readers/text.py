@@ -1,0 +1,195 @@
+"""A run's figures as text: the rows ``coba inspect``, the end of ``coba run`` and the report's headline table
+show (``summary_rows`` of ``figures.run_summary``), step ranges, and the markdown tables of the flows' artifacts."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
+from coba_tasks.readers.figures import NO_SIGNAL_FIX, UPDATE_FIELDS
+
+
+def step_ranges(steps: Sequence[int]) -> str:
+    """'0-5, 8, 10-12' for sorted step numbers.
+
+    >>> step_ranges([0, 1, 2, 3, 4, 5, 8, 10, 11, 12]), step_ranges([])
+    ('0-5, 8, 10-12', '')
+    """
+    out: list[str] = []
+    steps = list(steps)
+    i = 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        out.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def figure_table(title: str, rows: list[tuple[str, Any]]) -> str:
+    """A markdown page of ``rows`` as a two-column table under ``title``: what the flows' artifacts and
+    the report's Prefect summary show.
+
+    >>> print(figure_table("# Step 0", [("rollouts", 128), ("loss", "-0.0123")]), end="")
+    # Step 0
+    <BLANKLINE>
+    | figure | value |
+    |---|---|
+    | rollouts | 128 |
+    | loss | -0.0123 |
+    """
+    return "\n".join([title, "", "| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]) + "\n"
+
+
+def run_status(s: dict[str, Any]) -> str:
+    """ "finished, 10/10 steps done, 347 s" or "not finished (running or stopped), 3/10 steps done"."""
+    planned = s.get("steps_planned")
+    done_text = f"{s.get('steps_done', 0)}/{planned if planned is not None else '?'} steps done"
+    if not s.get("finished"):
+        return f"not finished (running or stopped), {done_text}"
+    wall = s.get("wall_seconds")
+    return f"finished, {done_text}" + (f", {wall:.0f} s" if isinstance(wall, (int, float)) else "")
+
+
+def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """``run_summary``'s figures (or the same read back from JSON) as (label, text) rows: held-out accuracy
+    with its paired gain, greedy, answer rates, F, alpha and beta, budgets, verdicts, the last update."""
+    rows: list[tuple[str, str]] = []
+    latest = s.get("latest_step")
+    step_line = f"{s.get('step_dirs', 0)} directories, last done {_or_dash(s.get('last_step_done'))}"
+    rows.append(("steps", step_line + f", {s.get('total_rollouts', 0):,} rollouts"))
+    if latest is not None and not s.get("finished"):
+        rows.append(("latest step", f"{latest['step']}: " + (", ".join(latest.get("tables") or []) or "nothing yet")))
+    rows += _heldout_rows(s)
+    rows += _capability_rows(s.get("capability") or {})
+    rows += _budget_rows(s.get("budget"))
+    verdicts = s.get("verdicts") or {}
+    if verdicts:
+        total = sum(verdicts.values())
+        cells = [f"{k} {v:,} ({v / total:.0%})" if total else f"{k} {v:,}" for k, v in verdicts.items()]
+        rows.append(("verdicts", "  ".join(cells)))
+    gap = s.get("logprob_gap") or {}
+    if gap.get("max") is not None:
+        rows.append(
+            (
+                "train/rollout log-prob gap",
+                f"mean over steps {_num(gap.get('mean'), '.2e')}, largest token {gap['max']:.2e}",
+            )
+        )
+    quiet = s.get("no_signal") or {}
+    if quiet.get("steps"):
+        n, done = len(quiet["steps"]), s.get("steps_done", 0)
+        rows.append(
+            (
+                "no signal",
+                f"steps {step_ranges(quiet['steps'])} ({n} of {done}, {quiet['longest']} in a row): every group's "
+                f"rollouts scored alike, so the update learned nothing there; {NO_SIGNAL_FIX}",
+            )
+        )
+    upd = s.get("last_update")
+    if upd:
+        cells = [f"{k} {_num(upd[k], '.4g')}" for k in UPDATE_FIELDS if k in upd and k != "lr"]
+        rows.append(("last update", f"step {upd['step']}: " + "  ".join(cells)))
+    return rows
+
+
+def _heldout_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    heldout = s.get("heldout") or []
+    if not heldout:
+        return [("held-out acc", "no eval yet")]
+    first, last = heldout[0], heldout[-1]
+    at = ", ".join(str(h["step"]) for h in heldout)
+    rows = [
+        (
+            "held-out acc",
+            f"{_num(first.get('accuracy'), '.3f')} -> {_num(last.get('accuracy'), '.3f')}"
+            f"  (step {first['step']} -> step {last['step']}; evaluated at {at})",
+        )
+    ]
+    a, b = first.get("by_difficulty") or {}, last.get("by_difficulty") or {}
+    levels = _sorted_levels(set(a) | set(b))
+    if levels:
+        rows.append(
+            ("  by difficulty", "  ".join(f"L{k} {_num(a.get(k), '.2f')}->{_num(b.get(k), '.2f')}" for k in levels))
+        )
+    before, after = s.get("heldout_before") or {}, s.get("heldout_after") or {}
+    for name, g in (s.get("heldout_gain") or {}).items():  # avg@k, paired by prompt: step 0 -> the latest eval
+        b, a = (
+            (before, after)
+            if name == MAIN_TEST_SET
+            else ((x.get("test_sets") or {}).get(name) or {} for x in (before, after))
+        )
+        se = f" ± {g['se']:.3f} s.e." if g.get("se") is not None else ""
+        rows.append(
+            (
+                "  gain",
+                f"{name}: {_num(b.get('accuracy'), '.3f')} -> {_num(a.get('accuracy'), '.3f')}, "
+                f"{_num(g.get('gain'), '+.3f')}{se} over {g.get('prompts', 0)} prompts",
+            )
+        )
+    for key, label, what in (
+        ("greedy", "greedy", ""),
+        ("answered", "answered", " (share of completions with an answer)"),
+        ("boxed", "boxed", " (share of completions with \\boxed{})"),
+    ):
+        b0, b1 = before.get(key), after.get(key)
+        if b0 is not None and b1 is not None and (key != "boxed" or b0 > 0 or b1 > 0):
+            rows.append((f"  {label}", f"{b0:.3f} -> {b1:.3f}{what}"))
+    return rows
+
+
+def _capability_rows(cap: dict[str, Any]) -> list[tuple[str, str]]:
+    first, last = cap.get("first"), cap.get("latest")
+    if not (first and last):
+        return [("failure rate F", "no capability table yet")]
+    f0, f1 = _num(first.get("F"), ".3f"), _num(last.get("F"), ".3f")
+    a0, b0 = _num(first.get("alpha_used"), ".2f"), _num(first.get("beta_used"), ".2f")
+    a1, b1 = _num(last.get("alpha"), ".2f"), _num(last.get("beta"), ".2f")
+    return [
+        ("failure rate F", f"{f0} -> {f1}  (step {first['step']} -> step {last['step']})"),
+        ("alpha, beta", f"({a0}, {b0}) used at step {first['step']} -> ({a1}, {b1}) after step {last['step']}"),
+    ]
+
+
+def _budget_rows(budget: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not budget:
+        return [("budget", "no done step yet")]
+    rows = [
+        (
+            "budget",
+            f"min {_num(budget.get('min'), 'g')}  mean {_num(budget.get('mean'), '.2f')}  "
+            f"max {_num(budget.get('max'), 'g')}  over {budget.get('steps')} steps ({budget.get('rows'):,} prompts)",
+        )
+    ]
+    by_level = budget.get("mean_by_difficulty") or {}
+    if by_level:
+        rows.append(
+            ("  by difficulty", "  ".join(f"L{k} {_num(by_level[k], '.1f')}" for k in _sorted_levels(by_level)))
+        )
+    return rows
+
+
+def _num(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _sorted_levels(levels: Any) -> list[str]:
+    """Difficulty keys (strings, from JSON) in numeric order when they are numbers."""
+    return sorted(levels, key=lambda k: (0, float(k), "") if _is_number(k) else (1, 0.0, str(k)))
+
+
+def _is_number(text: Any) -> bool:
+    try:
+        float(text)
+    except (TypeError, ValueError):
+        return False
+    return True
