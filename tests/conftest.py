@@ -11,12 +11,34 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files that hold a ``slow`` test first, each file's tests in their order: under ``-n 2 --dist
-    loadfile`` (the default) a worker takes the next file when it is free, so long files started last would
-    leave one worker running them alone at the end."""
+# The longest test files, longest first (``pytest --durations``; 2 CPU cores). Under ``-n 2 --dist loadfile``
+# (the default) a worker takes the next file when it is free: these go first, so that no long file starts
+# last and leaves one worker running it alone while the other is idle. test_resume.py leads: its baseline
+# runs in the worker's process and is compared bit for bit with runs in fresh `coba` processes, so it runs
+# before other tests change the worker's process-wide state (vLLM's engine replaces torch.set_num_threads).
+LONGEST_FILES = (
+    "tests/flows/test_resume.py",
+    "tests/flows/test_real_model.py",
+    "tests/flows/test_deploy.py",
+    "tests/flows/test_shipped_configs.py",
+    "tests/flows/test_workers_postgres.py",
+    "tests/commands/test_compare.py",
+    "tests/engines/test_ray_rollout.py",
+    "tests/flows/test_lora_flow.py",
+    "tests/flows/test_fsdp_flow.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``LONGEST_FILES`` first in their order, then the other files that hold a ``slow`` test, then the rest;
+    each file's tests in their order."""
+    root = config.rootpath
+    missing = [f for f in LONGEST_FILES if not (root / f).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: LONGEST_FILES names {missing}, which do not exist: update it")
+    rank = {root / f: i for i, f in enumerate(LONGEST_FILES)}
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a group stays
+    items.sort(key=lambda item: (rank.get(item.path, len(rank)), item.path not in slow_files))  # stable
 
 
 @pytest.fixture(autouse=True)
