@@ -214,13 +214,15 @@ def train_flow(
 
 
 def _eval_text(res: run.RunResources, step: int) -> str:
-    """The evaluation of the weights after ``step`` updates in one line: avg@k (greedy) by level, and each
-    extra held-out set's avg@k."""
+    """The evaluation of the weights after ``step`` updates in one line: avg@k (greedy, pass@k) by level, and
+    each extra held-out set's avg@k."""
     figures = eval_figures(res.store.read_table(step, Table.EVAL))
     levels = " ".join(f"L{k} {v:.2f}" for k, v in figures["by_difficulty"].items())
     text = f"{figures['accuracy']:.3f}" + (
         f" (greedy {figures['greedy']:.3f})" if figures["greedy"] == figures["greedy"] else ""
     )
+    k = max(figures["pass_at_k"], key=int, default="1")
+    text += f"; pass@{k} {figures['pass_at_k'][k]:.3f}" if k != "1" else ""
     text += f"; by level {levels}" if levels else ""
     for name, f in (figures.get("test_sets") or {}).items():
         text += f"; {name} {f['accuracy']:.3f}"

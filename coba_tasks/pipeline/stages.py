@@ -438,7 +438,8 @@ def evaluate(
 
     A sampled evaluation keeps the ``top_p`` nucleus (the paper: avg@16 at temperature 1.0, top-p 0.9).
     With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
-    as ``accuracy`` when the evaluation is greedy already). ``answered`` is the share of a prompt's
+    as ``accuracy`` when the evaluation is greedy already). ``samples`` and ``solved`` count a prompt's
+    sampled completions and the solved ones among them (pass@k's input). ``answered`` is the share of a prompt's
     completions with an answer at all (any verdict but ``no_answer``), ``boxed`` the share that write
     a ``\\boxed{}`` answer (the format math prompts ask for; math-verify also finds unboxed answers).
     A ``test_set`` column of ``test`` (which held-out set a prompt is of) is kept in the table.
@@ -476,6 +477,11 @@ def evaluate(
     out["difficulty"] = test["difficulty"].to_numpy() if "difficulty" in test else -1
     sampled = per_prompt(0)
     out["accuracy"] = sampled["reward"].to_numpy()
+    # what pass@k is computed from (coba_tasks.core.passk): completions drawn and solved, per prompt
+    counts = rewards[rewards["_kind"] == 0].groupby("prompt_id", sort=False)["reward"].agg(["size", "sum"])
+    counts = counts.reindex(test["prompt_id"])
+    out["samples"] = counts["size"].to_numpy().astype(np.int64)
+    out["solved"] = counts["sum"].round().to_numpy().astype(np.int64)
     out["answered"] = sampled["answered"].to_numpy()
     out["boxed"] = sampled["boxed"].to_numpy()
     if greedy:

@@ -21,9 +21,9 @@ from coba_tasks.pipeline.evaluation import EvalSettings
 
 
 @task(name="evaluate-model", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def evaluate_model_task(model_path: str, settings: EvalSettings) -> pd.DataFrame:
+def evaluate_model_task(model_path: str, settings: EvalSettings, progress: bool = False) -> pd.DataFrame:
     """Per-prompt held-out accuracy of the model; the engine and the verifier pool live only in this task."""
-    return evaluation.evaluate_model(model_path, settings)
+    return evaluation.evaluate_model(model_path, settings, progress)
 
 
 @task(name="write-eval-table", retries=1, cache_policy=NO_CACHE)

@@ -1,6 +1,6 @@
 """A run's figures, computed once from its done tables (``coba_tasks.readers.tables``).
 
-- Per table: ``eval_figures`` (held-out avg@k, greedy, answer rates, by level and held-out set),
+- Per table: ``eval_figures`` (held-out avg@k, pass@k, greedy, answer rates, by level and held-out set),
   ``capability_figures``, ``budget_figures``, ``update_figures``; ``step_figures`` gathers those of one
   training step (its progress line, its artifacts and the trackers show them).
 - Per run: ``run_summary``, every figure ``coba inspect``, ``coba report`` and summary.json show;
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from coba_tasks.core.passk import pass_at_ks
 from coba_tasks.engines.verify import count_verdicts
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, Table
@@ -93,6 +94,7 @@ def _set_figures(table: pd.DataFrame) -> dict[str, Any]:
         return float(table[col].astype(float).mean()) if col in table and len(table) else float("nan")
 
     by_level = table.groupby("difficulty")["accuracy"].mean() if "difficulty" in table else pd.Series(dtype=float)
+    counted = {"samples", "solved"} <= set(table.columns)  # tables of runs made before pass@k lack the counts
     return {
         "accuracy": mean("accuracy"),
         "greedy": mean("accuracy_greedy"),
@@ -100,6 +102,8 @@ def _set_figures(table: pd.DataFrame) -> dict[str, Any]:
         "boxed": mean("boxed"),
         "prompts": len(table),
         "by_difficulty": {str(plain(k)): float(v) for k, v in by_level.items()},
+        # k -> mean pass@k over the prompts (unbiased estimator), k = 1 .. completions per prompt
+        "pass_at_k": {str(k): v for k, v in pass_at_ks(table["samples"], table["solved"]).items()} if counted else {},
     }
 
 
@@ -269,6 +273,9 @@ def summary_json(
         "strategy": t.config_value("allocation", "strategy"),
         **{f"heldout_{k}_before": nan(before.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
         **{f"heldout_{k}_after": nan(after.get(k)) for k in ("accuracy", "greedy", "answered", "boxed")},
+        # k -> pass@k (unbiased, over the held-out prompts): the chance one of k completions is solved
+        "heldout_pass_at_k_before": before.get("pass_at_k", {}),
+        "heldout_pass_at_k_after": after.get("pass_at_k", {}),
         "heldout_accuracy_by_difficulty_before": before.get("by_difficulty", {}),
         "heldout_accuracy_by_difficulty_after": after.get("by_difficulty", {}),
         # avg@k gain on each held-out set (data.test's is "test"), paired by prompt, with its standard error

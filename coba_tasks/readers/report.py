@@ -12,7 +12,10 @@ a table counts only when the store says it is done) and writes into ``<run_dir>/
     update.png               the train/rollout log-prob gap (sampler vs trainer, mean and max) and the
                              gradient norm of each step's update
     stage_time.png           seconds per stage, from summary.json (only once the run has finished)
-    index.html               all of the above, a table of headline figures and the paths
+    index.html               all of the above, a table of headline figures, what came back (per evaluated
+                             step a few prompts with their budget, the pass-rate estimate the allocation
+                             used, their completions with rewards and verdicts: ``readers.samples``) and
+                             the paths
 
 Step numbers. Every plot's x axis is the step ``t`` of the run's tables: the rollouts of step ``t``
 come from the weights after ``t`` updates, and ``steps/t/eval.parquet`` evaluates the same weights,
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from coba_tasks.engines.fileio import atomic_write
-from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage
+from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, Table
 from coba_tasks.readers.figures import run_summary
 from coba_tasks.readers.plots import (
     pick_scatter_steps,
@@ -48,6 +51,7 @@ from coba_tasks.readers.plots import (
     plot_verdicts,
     stage_timing,
 )
+from coba_tasks.readers.samples import samples_sql, step_samples_for_eval
 from coba_tasks.readers.tables import RunTables, load_run
 from coba_tasks.readers.text import figure_table, run_status, summary_rows
 
@@ -134,7 +138,7 @@ def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[in
         skipped[STAGE_TIME_PNG] = why
         (out / STAGE_TIME_PNG).unlink(missing_ok=True)  # a stale one would contradict the page
     pngs = [draw(out / name) for name, draw in plots]
-    page = _html(data.store, figures, pngs, skipped, scatter_steps)
+    page = _html(data.store, figures, pngs, skipped, scatter_steps, _samples_html(data))
     html_path = atomic_write(out / INDEX_HTML, lambda f: f.write(page.encode("utf-8")))
     return ReportFiles(html=html_path, pngs=pngs, skipped=skipped)
 
@@ -153,8 +157,47 @@ def write_report(run_dir: str | os.PathLike[str], steps_for_scatter: list[int] |
     return build_report(run_dir, steps_for_scatter).html
 
 
+def _samples_html(t: RunTables) -> str:
+    """Per evaluated step: a few prompts with their budget and pass-rate estimate, and their completions
+    with rewards and verdicts; every text escaped (completions are untrusted)."""
+    e = html.escape
+    parts = []
+    shown: set[int] = set()
+    for eval_step in t.steps_with(Table.EVAL):
+        found = step_samples_for_eval(t, eval_step)
+        if found is None or found[0] in shown:
+            continue
+        step, rows = found
+        shown.add(step)
+        weights = "these weights'" if step == eval_step else f"the weights after {step} updates'"
+        parts.append(f"<h3>Held-out evaluation at step {eval_step}: {weights} training rollouts (step {step})</h3>")
+        for pid, group in rows.groupby("prompt_id", sort=False):
+            first = group.iloc[0]
+            est = first["pass_rate_est"]
+            est_text = "never seen (no estimate)" if est != est else f"{est:.2f}"
+            items = "\n".join(
+                f'<li><span class="verdict">{e(str(r.verdict))}, reward {float(r.reward):g}</span>'
+                f"<pre>{e(str(r.completion))}</pre></li>"
+                for r in group.itertuples()
+                if r.completion == r.completion
+            )
+            parts.append(
+                f'<div class="sample"><p><code>{e(str(pid))}</code>: budget {int(first["budget"])} rollouts, '
+                f'pass-rate estimate used {e(est_text)}</p><pre class="prompt">{e(str(first["prompt"]))}</pre>'
+                f'<ol start="0">{items}</ol></div>'
+            )
+        command = f'coba inspect --run-dir {t.store.root} --sql "{samples_sql(step)}"'
+        parts.append(f"<p>Every completion of step {step}: <code>{e(command)}</code></p>")
+    return "\n".join(parts) or "<p>No evaluated step has training rollouts yet.</p>"
+
+
 def _html(
-    store: RunStore, figures: dict[str, Any], pngs: list[Path], skipped: dict[str, str], scatter: list[int]
+    store: RunStore,
+    figures: dict[str, Any],
+    pngs: list[Path],
+    skipped: dict[str, str],
+    scatter: list[int],
+    samples: str,
 ) -> str:
     e = html.escape
     root = store.root
@@ -193,6 +236,10 @@ figure {{ margin: 1.5em 0; }}
 img {{ max-width: 100%; border: 1px solid #eee; }}
 figcaption {{ color: #555; font-size: 0.9em; }}
 .skipped {{ color: #8a5a00; }}
+pre {{ white-space: pre-wrap; background: #f6f6f6; padding: 0.4em; margin: 0.2em 0 0.6em; max-width: 100%; }}
+pre.prompt {{ background: #eef3fa; }}
+.sample {{ border-left: 3px solid #ccd; padding-left: 0.8em; margin: 1em 0; }}
+.verdict {{ color: #555; font-size: 0.9em; }}
 </style>
 </head>
 <body>
@@ -204,6 +251,8 @@ figcaption {{ color: #555; font-size: 0.9em; }}
 </table>
 <h2>Plots</h2>
 {chr(10).join(figures)}
+<h2>What came back</h2>
+{samples}
 <h2>Paths</h2>
 <table>
 {path_rows}

@@ -138,6 +138,10 @@ def _heldout_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         b0, b1 = before.get(key), after.get(key)
         if b0 is not None and b1 is not None and (key != "boxed" or b0 > 0 or b1 > 0):
             rows.append((f"  {label}", f"{b0:.3f} -> {b1:.3f}{what}"))
+    p0, p1 = before.get("pass_at_k") or {}, after.get("pass_at_k") or {}
+    ks = [k for k in p1 if k in p0 and k != "1"]  # pass@1 is avg@k, shown above
+    if ks:
+        rows.append(("  pass@k", "  ".join(f"@{k} {p0[k]:.3f} -> {p1[k]:.3f}" for k in ks)))
     return rows
 
 

@@ -126,6 +126,7 @@ def step_metrics(t: RunTables, k: int) -> dict[str, float]:
         ev = eval_figures(t.table(k, Table.EVAL))
         out |= {f"heldout/{c}": ev.get(c) for c in ("accuracy", "greedy", "answered", "boxed")}
         out |= {f"heldout/accuracy_L{level}": v for level, v in ev["by_difficulty"].items()}
+        out |= {f"heldout/pass_at_{k}": v for k, v in ev["pass_at_k"].items()}  # MLflow refuses "@" in a name
         for name, figures in (ev.get("test_sets") or {}).items():
             out[f"heldout/{name}/accuracy"] = figures["accuracy"]
     return {key: float(v) for key, v in out.items() if _finite(v)}

@@ -164,7 +164,7 @@ def test_the_flow_refuses_an_existing_out_path_before_evaluating_and_replaces_it
     model, _ = random_checkpoints
     evaluated = []
 
-    def fake_evaluate(model_path, settings):
+    def fake_evaluate(model_path, settings, progress=False):
         evaluated.append(model_path)
         return pd.DataFrame({"prompt_id": ["0"], "difficulty": [1], "accuracy": [1.0], "weight_version": [0]})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import html
 import re
 from pathlib import Path
 
@@ -72,13 +73,13 @@ def _rewards(step: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _rollouts(step: int) -> pd.DataFrame:
+def _rollouts(step: int, completion: str = "1") -> pd.DataFrame:
     n = len(PROMPTS) * GROUP
     return pd.DataFrame(
         {
             "prompt_id": np.repeat(PROMPTS, GROUP),
             "sample_idx": np.tile(np.arange(GROUP), len(PROMPTS)),
-            "completion": ["1"] * n,
+            "completion": [completion] * n,
             "n_tokens": np.ones(n, dtype=np.int64),
             "finish_reason": ["stop"] * n,
             "seed": np.arange(n, dtype=np.int64),
@@ -134,22 +135,26 @@ def _update(step: int) -> pd.DataFrame:
     )
 
 
-def make_run(root: Path, steps: int = 3, finished: bool = True, half_step: str | None = None) -> RunStore:
+def make_run(
+    root: Path, steps: int = 3, finished: bool = True, half_step: str | None = None, completion: str = "1"
+) -> RunStore:
     """A synthetic run: steps 0..steps-1 done, budget for step `steps`, eval at 0 and 3.
 
     half_step: None, "budget" (the next step has only its budget) or "rewards" (it also has
-    rollouts and rewards, but no capability yet).
+    rollouts and rewards, but no capability yet). completion: the text of every rollout.
     """
     store = RunStore(root)
     store.create(
         config_dict={"run": {"steps": steps}, "allocation": {"strategy": "coba"}}, config_hash="abc", versions={}
     )
-    prompts = pd.DataFrame({"prompt_id": PROMPTS, "difficulty": [DIFFICULTY[p] for p in PROMPTS]})
+    prompts = pd.DataFrame(
+        {"prompt_id": PROMPTS, "difficulty": [DIFFICULTY[p] for p in PROMPTS], "prompt": [f"Q{p}?" for p in PROMPTS]}
+    )
     store.write_run_table("prompts", prompts)
     store.write_table(0, "eval", _eval(0))
     for t in range(steps):
         store.write_table(t, "budget", _budget(t))
-        store.write_table(t, "rollouts", _rollouts(t))
+        store.write_table(t, "rollouts", _rollouts(t, completion))
         rewards = _rewards(t)
         store.write_table(t, "rewards", rewards)
         store.write_table(t, "capability", _capability(t, rewards))
@@ -342,3 +347,32 @@ def test_steps_where_no_group_was_mixed_are_counted_and_shown(tmp_path):
     assert "data.difficulties" in rows["no signal"] and "coba inspect" in rows["no signal"]
     clean = run_summary(make_run(tmp_path / "clean", steps=3).root)
     assert clean["no_signal"] == {"steps": [], "longest": 0} and "no signal" not in dict(summary_rows(clean))
+
+
+def test_the_page_shows_what_came_back_escaped_with_budgets_estimates_and_the_sql_for_the_rest(tmp_path):
+    from coba_tasks.readers.samples import COMPLETIONS_SHOWN, PROMPTS_SHOWN, samples_sql
+    from coba_tasks.readers.sql import run_sql
+
+    hostile = '</pre><script>alert("x")</script><img src=x onerror=alert(1)> & 2+2=4'
+    store = make_run(tmp_path / "run", completion=hostile)
+    page = write_report(store.root).read_text()
+    came_back = page[page.index("<h2>What came back</h2>") : page.index("<h2>Paths</h2>")]
+    # evaluations at steps 0 and 3: the rollouts of step 0, and of step 2 (no training step 3 was run)
+    assert "Held-out evaluation at step 0: these weights' training rollouts (step 0)" in came_back
+    assert "Held-out evaluation at step 3: the weights after 2 updates' training rollouts (step 2)" in came_back
+    assert "<script>" not in page and "onerror=alert(1)>" not in page
+    assert came_back.count(html_escape(hostile)) == 2 * PROMPTS_SHOWN * COMPLETIONS_SHOWN
+    budget = _budget(2).sort_values(["budget", "prompt_id"], ascending=[False, True], kind="stable")
+    top = budget.iloc[0]
+    est = "never seen (no estimate)" if np.isnan(top["pass_rate_est"]) else f"{top['pass_rate_est']:.2f}"
+    line = f"<code>{top['prompt_id']}</code>: budget {top['budget']} rollouts, pass-rate estimate used {est}"
+    assert line in came_back
+    assert f"Q{top['prompt_id']}?" in came_back and "correct, reward 1" in came_back
+    # the query the page gives lists every completion of the step
+    assert html_escape(samples_sql(2)) in came_back
+    rest = run_sql(store.root, samples_sql(2))
+    assert len(rest) == len(PROMPTS) * GROUP and set(rest["completion"]) == {hostile}
+
+
+def html_escape(text: str) -> str:
+    return html.escape(text)

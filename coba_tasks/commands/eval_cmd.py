@@ -1,0 +1,156 @@
+"""``coba eval``: held-out figures of a model, a run's checkpoint or a LoRA checkpoint on a dataset.
+
+It runs the ``coba-eval`` flow (``flows.eval``), the evaluation a training run makes (one implementation:
+``coba_tasks.pipeline.stages.evaluate``): avg@k, greedy, pass@k (unbiased, k = 1 .. samples), by
+difficulty and by data source. The settings are a run config's evaluation settings (``--config``; for a
+run's checkpoint its run's config.yaml, else the defaults) with the options given here on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from coba_tasks.commands.args import Command, option, positive_int
+from coba_tasks.commands.console import VERBOSE_OPTION
+
+
+def _non_negative_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}") from None
+    if not x >= 0 or math.isinf(x):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
+    return x
+
+
+def run_config_of(model: str) -> Path | None:
+    """The config.yaml of the run a checkpoint (``<run>/checkpoints/NNNNNN``) belongs to, if there is one.
+
+    >>> run_config_of("models/arith-tiny") is None
+    True
+    """
+    path = Path(model)
+    config = path.parent.parent / "config.yaml"
+    return config if path.parent.name == "checkpoints" and config.is_file() else None
+
+
+def eval_settings_for(args: argparse.Namespace) -> tuple[Any, str]:
+    """The evaluation settings ``args`` ask for, and where their defaults came from."""
+    from coba_tasks.pipeline.config import load_config
+    from coba_tasks.pipeline.evaluation import EvalSettings, eval_settings
+
+    config = args.config or run_config_of(args.model)
+    base = EvalSettings.from_config(load_config(config)) if config else EvalSettings()
+    changes = {
+        "test_path": args.dataset,
+        "samples": args.samples,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_tokens": args.max_tokens,
+        "eval_prompts": args.prompts,
+        "seed": args.seed,
+        "backend": args.backend,
+        "greedy": False if args.no_greedy else None,
+    }
+    if args.temperature == 0 and args.samples is None:  # greedy decoding: one completion says it all
+        changes["samples"] = 1
+    settings = eval_settings(base, **{k: v for k, v in changes.items() if v is not None})
+    return settings, (f"the config {config}" if config else "the defaults")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate; print the figures (or one JSON object with ``--json``)."""
+    from coba_tasks.pipeline.evaluation import check_eval_inputs
+
+    settings, source = eval_settings_for(args)
+    check_eval_inputs(args.model, settings, args.out, args.overwrite)  # before Prefect and the engine start
+    from coba_tasks.commands.prefect_env import configure_prefect
+
+    configure_prefect()
+    from flows.eval import eval_flow
+
+    figures = eval_flow(args.model, settings, args.out, args.overwrite, progress=sys.stderr.isatty())
+    if args.json:
+        print(json.dumps({**figures, "settings": settings.model_dump(), "settings_from": source}, indent=2))
+        return 0
+    s = settings
+    print(
+        f"{args.model} on {s.test_path}: {figures['prompts']} prompts x {s.samples} samples "
+        f"(temperature {s.temperature}, top-p {s.top_p}, at most {s.max_tokens} tokens; settings from {source})"
+    )
+    for label, text in eval_rows(figures, s.samples):
+        print(f"  {label:<10} {text}")
+    return 0
+
+
+def eval_rows(figures: dict[str, Any], samples: int) -> list[tuple[str, str]]:
+    """(label, text) rows of ``coba eval``'s figures.
+
+    >>> f = {"accuracy": 0.5, "greedy": None, "pass_at_k": {"1": 0.5, "2": 0.75}, "answered": 1.0,
+    ...      "boxed": 0.0, "by_difficulty": {"0": 0.5}, "by_data_source": {}, "out_path": None}
+    >>> for row in eval_rows(f, 2): print(row)
+    ('avg@2', '0.500')
+    ('pass@k', '@1 0.500  @2 0.750')
+    ('answered', '1.000 (share of completions with an answer)')
+    ('by level', 'L0 0.500')
+    """
+    rows = [(f"avg@{samples}", f"{figures['accuracy']:.3f}")]
+    if figures.get("greedy") is not None:
+        rows.append(("greedy", f"{figures['greedy']:.3f}"))
+    if len(figures["pass_at_k"]) > 1:
+        rows.append(("pass@k", "  ".join(f"@{k} {v:.3f}" for k, v in figures["pass_at_k"].items())))
+    rows.append(("answered", f"{figures['answered']:.3f} (share of completions with an answer)"))
+    if figures.get("boxed"):
+        rows.append(("boxed", f"{figures['boxed']:.3f} (share of completions with \\boxed{{}})"))
+    if figures["by_difficulty"]:
+        rows.append(("by level", "  ".join(f"L{k} {v:.3f}" for k, v in figures["by_difficulty"].items())))
+    for src, f in figures["by_data_source"].items():
+        k = max(f["pass_at_k"], key=int, default="1")
+        passes = f"  pass@{k} {f['pass_at_k'][k]:.3f}" if k != "1" else ""
+        rows.append((f"{src}", f"avg {f['accuracy']:.3f}{passes}  ({f['prompts']} prompts)"))
+    if figures.get("out_path"):
+        rows.append(("table", str(figures["out_path"])))
+    return rows
+
+
+COMMAND = Command(
+    "eval",
+    help="held-out avg@k, greedy and pass@k of a model or a checkpoint on a dataset",
+    description="Evaluate a model directory, a run's checkpoint or a LoRA checkpoint (merged on the fly after "
+    "its base model is checked) on a Parquet dataset (veRL or prompt/answer), as a training run evaluates: "
+    "avg@k over --samples completions, greedy accuracy, pass@k (unbiased, k = 1 .. samples), by difficulty "
+    "and by data source. Settings come from --config (for a run's checkpoint, its run's config.yaml; else "
+    "the defaults) with these options on top. Runs the coba-eval Prefect flow.",
+    examples=[
+        "coba eval --model runs/demo/checkpoints/000010 --dataset data/arith_chat_test.parquet",
+        "coba eval --model runs/demo/checkpoints/000010 --dataset data/arith_chat_test.parquet --samples 16 --json",
+        "coba eval --model models/smollm2-135m-instruct --dataset data/arith_chat_test.parquet "
+        "--config configs/demo.yaml --prompts 0",
+        "coba eval --model runs/demo/checkpoints/000010 --dataset data/arith_chat_test.parquet "
+        "--out evals/demo-step10.parquet",
+    ],
+    options=[
+        option("--model", required=True, help="a model directory, a run's checkpoint or a LoRA checkpoint"),
+        option("--dataset", required=True, help="held-out prompts: a Parquet file (veRL or prompt/answer)"),
+        option("--config", default=None, help="YAML run config whose evaluation settings to use"),
+        option("--samples", type=positive_int, default=None, help="completions per prompt (avg@k, pass@k)"),
+        option("--temperature", type=_non_negative_float, default=None, help="sampling temperature; 0 = greedy"),
+        option("--top-p", type=float, default=None, help="nucleus of the sampled completions; 1.0 = none"),
+        option("--max-tokens", type=positive_int, default=None, help="most tokens a completion has"),
+        option("--prompts", type=int, default=None, help="a seeded sample of this many prompts; 0 = all"),
+        option("--seed", type=int, default=None, help="seed of the prompt sample and of sampling"),
+        option("--backend", default=None, help="rollout engine: vllm or transformers (default: the config's)"),
+        option("--no-greedy", action="store_true", help="skip the greedy decoding beside the sampled one"),
+        option("--out", default=None, help="write the per-prompt table here (Parquet; never over an existing file)"),
+        option("--overwrite", action="store_true", help="let --out replace an existing file (never an input)"),
+        option("--json", action="store_true", help="print the figures as one JSON object"),
+        VERBOSE_OPTION,
+    ],
+    func=cmd_eval,
+)

@@ -1,0 +1,71 @@
+"""What came back: a few prompts of a step with the budget the allocation gave them, the pass-rate estimate
+it used, and their completions with rewards and verdicts (the report shows them per evaluated step).
+
+    samples = step_samples_for_eval(load_run("runs/demo"), eval_step=10)   # None when no step has them
+
+A held-out evaluation at step ``t`` scores the weights after ``t`` updates; the training rollouts of those
+weights are step ``t``'s. After the last update no training step follows, so the last evaluation is shown
+with the last step that has rollouts. Completions are untrusted text: whoever shows them escapes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from coba_tasks.pipeline.store import Stage
+from coba_tasks.readers.tables import RunTables
+
+PROMPTS_SHOWN = 4  # prompts per step: from the largest budget to the smallest
+COMPLETIONS_SHOWN = 4  # completions per prompt, in sample order
+TEXT_CHARS = 600  # a prompt or completion is cut here (the rest is in the tables)
+NEEDED = (Stage.ROLLOUTS, Stage.REWARDS, Stage.BUDGET)
+
+
+def training_step_for(t: RunTables, eval_step: int) -> int | None:
+    """The training step whose rollouts show the weights evaluated at ``eval_step``: ``eval_step`` itself when
+    its rollouts, rewards and budget are done, else the latest earlier step that has them (None if none)."""
+    steps = [s for s in t.steps if s <= eval_step and set(NEEDED) <= t.done.get(s, set())]
+    return max(steps) if steps else None
+
+
+def step_samples_for_eval(t: RunTables, eval_step: int) -> tuple[int, pd.DataFrame] | None:
+    """(training step, its sample): ``PROMPTS_SHOWN`` prompts spread over the budgets of that step (largest
+    to smallest), each with ``budget``, ``pass_rate_est`` (NaN: never seen), ``prompt`` text, and up to
+    ``COMPLETIONS_SHOWN`` completions (``sample_idx``, ``completion``, ``reward``, ``verdict``), one row per
+    completion; None when no step up to ``eval_step`` has its tables."""
+    step = training_step_for(t, eval_step)
+    if step is None:
+        return None
+    budget = t.table(step, Stage.BUDGET)[["prompt_id", "budget", "pass_rate_est"]]
+    budget = budget.sort_values(["budget", "prompt_id"], ascending=[False, True], kind="stable")
+    picks = np.unique(np.linspace(0, len(budget) - 1, min(PROMPTS_SHOWN, len(budget))).round().astype(int))
+    chosen = budget.iloc[picks].reset_index(drop=True)
+    rollouts = t.table(step, Stage.ROLLOUTS)[["prompt_id", "sample_idx", "completion"]]
+    rewards = t.table(step, Stage.REWARDS)[["prompt_id", "sample_idx", "reward", "verdict"]]
+    rows = rollouts[rollouts["prompt_id"].isin(chosen["prompt_id"])].merge(
+        rewards, on=["prompt_id", "sample_idx"], how="left"
+    )
+    rows = rows.sort_values(["prompt_id", "sample_idx"], kind="stable").groupby("prompt_id").head(COMPLETIONS_SHOWN)
+    out = chosen.merge(rows, on="prompt_id", how="left")  # the chosen order: largest budget first
+    prompts = t.prompts()
+    if prompts is not None and "prompt" in prompts:
+        text = prompts.drop_duplicates("prompt_id").set_index("prompt_id")["prompt"].astype(str)
+        out["prompt"] = out["prompt_id"].map(text).fillna("").str.slice(0, TEXT_CHARS)
+    else:
+        out["prompt"] = ""
+    out["completion"] = out["completion"].astype(str).str.slice(0, TEXT_CHARS)
+    return step, out
+
+
+def samples_sql(step: int) -> str:
+    """The ``coba inspect --sql`` query that lists every completion of ``step`` with its reward and budget.
+
+    >>> samples_sql(3).endswith("where r.step = 3 order by r.prompt_id, r.sample_idx")
+    True
+    """
+    return (
+        "select r.prompt_id, b.budget, b.pass_rate_est, r.sample_idx, r.completion, w.reward, w.verdict "
+        "from rollouts r join rewards w using (step, prompt_id, sample_idx) join budget b using (step, prompt_id) "
+        f"where r.step = {step} order by r.prompt_id, r.sample_idx"
+    )

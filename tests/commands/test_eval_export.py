@@ -1,0 +1,168 @@
+"""After training: ``coba eval`` (avg@k, greedy, pass@k, the per-prompt table) and ``coba export`` (a model
+plain transformers and vLLM load, whose log-probabilities are the trainer's)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import make_random_checkpoint
+from helpers_reward import TEST_PROMPTS, write_flat
+
+from coba_tasks.commands.cli import main as cli_main
+from coba_tasks.core.passk import pass_at_k
+from coba_tasks.engines.export import EXPORT_RECORD, export_checkpoint
+from coba_tasks.engines.update import PolicyTrainer
+from coba_tasks.engines.update_settings import UpdateSettings
+
+PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
+COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]
+ADV = np.array([1.0, -1.0, 0.5, -0.5], dtype=np.float32)
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+# ---------------------------------------------------------------------------------------------
+# coba eval
+
+
+@pytest.mark.slow
+def test_coba_eval_reports_avg_greedy_and_unbiased_pass_at_k_and_writes_the_table(
+    tmp_path, random_checkpoints, prefect_harness, capsys
+):
+    model, _ = random_checkpoints
+    test = write_flat(tmp_path / "test.parquet", TEST_PROMPTS, difficulty=[0, 1] * 5)
+    out = tmp_path / "evals" / "table.parquet"
+    args = ["eval", "--model", str(model), "--dataset", str(test), "--samples", "4", "--temperature", "1.0"]
+    args += ["--max-tokens", "4", "--prompts", "0", "--out", str(out), "--json"]
+    assert cli_main(args) == 0
+    figures = json.loads(capsys.readouterr().out)
+    table = pd.read_parquet(out)
+    assert len(table) == figures["prompts"] == len(TEST_PROMPTS)
+    assert (table["samples"] == 4).all() and table["solved"].between(0, 4).all()
+    assert np.allclose(table["solved"] / 4, table["accuracy"])
+    # pass@k from the table's counts, by the estimator's definition; pass@1 is avg@4
+    assert list(figures["pass_at_k"]) == ["1", "2", "3", "4"]
+    for k in range(1, 5):
+        want = np.mean([pass_at_k(4, int(c), k) for c in table["solved"]])
+        assert figures["pass_at_k"][str(k)] == pytest.approx(want, abs=1e-12)
+    assert figures["pass_at_k"]["1"] == pytest.approx(figures["accuracy"])
+    assert 0 < figures["accuracy"] < figures["pass_at_k"]["4"] <= 1  # the first-char reward: mixed groups
+    assert figures["greedy"] == pytest.approx(table["accuracy_greedy"].mean())
+    assert set(figures["by_difficulty"]) == {"0", "1"}
+    assert list(figures["by_data_source"]) == ["test-first-char"]
+    assert figures["settings"]["samples"] == 4 and figures["settings_from"] == "the defaults"
+
+    # an existing --out is refused before anything runs, and the table stays as it was
+    before = out.read_bytes()
+    assert cli_main(args) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_bytes() == before
+
+    # the text form: the same figures, one line each
+    assert cli_main([*args[:-3], "--no-greedy"]) == 0
+    text = capsys.readouterr().out
+    assert f"avg@4      {figures['accuracy']:.3f}" in text and "pass@k     @1 " in text and "greedy" not in text
+
+
+def test_coba_eval_refuses_a_model_that_is_not_one_in_one_line(tmp_path, capsys):
+    test = write_flat(tmp_path / "test.parquet", TEST_PROMPTS)
+    assert cli_main(["eval", "--model", str(tmp_path), "--dataset", str(test)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: model_path") and "no config.json" in err and "\n" not in err
+
+
+# ---------------------------------------------------------------------------------------------
+# coba export
+
+
+def _trained(tmp_path, lora_rank: int) -> tuple[PolicyTrainer, object]:
+    """A trainer one update past a tiny random base (with a chat template and a generation config), and its
+    checkpoint."""
+    base = make_random_checkpoint(tmp_path / "base", 0)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 7}))
+    settings = UpdateSettings(lr=1e-2, micro_batch_size=2, lora_rank=lora_rank, lora_alpha=8.0)
+    trainer = PolicyTrainer(base, settings)
+    trainer.update(PROMPTS, COMPLETIONS, ADV)
+    return trainer, trainer.save_checkpoint(tmp_path / "checkpoints" / "000001")
+
+
+def _plain_logprobs(model_dir) -> list[torch.Tensor]:
+    """Completion-token log-probabilities of the exported model, with transformers alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p, c in zip(PROMPTS, COMPLETIONS, strict=True):
+            ids = torch.tensor([p + c])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+            out.append(logp[torch.arange(len(p) - 1, len(p) + len(c) - 1), torch.tensor(c)])
+    return out
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_an_export_loads_in_plain_transformers_with_the_trainers_log_probabilities(tmp_path, lora_rank, capsys):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    trainer, ckpt = _trained(tmp_path, lora_rank)
+    trained: list = [None] * len(PROMPTS)
+    trainer._grouped_logprobs(trainer.model, PROMPTS, COMPLETIONS, trained)  # what the trainer's loss uses
+    out = tmp_path / "exported"
+    assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    assert str(out) in capsys.readouterr().out
+
+    for got, want in zip(_plain_logprobs(out), trained, strict=True):
+        assert torch.allclose(got, want.float(), atol=1e-5), (got - want).abs().max()
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", EXPORT_RECORD, "generation_config.json"} <= files
+    assert not any("optimizer" in f or "trainer_state" in f or "adapter" in f or "manifest" in f for f in files)
+    assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
+    assert GenerationConfig.from_pretrained(out).max_new_tokens == 7  # the base model's own
+    record = json.loads((out / EXPORT_RECORD).read_text())
+    assert record["lora_merged"] == bool(lora_rank) and record["checkpoint"] == str(ckpt.resolve())
+
+    # never over an existing directory, never inside the checkpoint
+    assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="inside the checkpoint"):
+        export_checkpoint(ckpt, ckpt / "model")
+
+
+def test_a_lora_export_refuses_another_base_and_leaves_nothing(tmp_path):
+    from coba_tasks.engines.lora import AdapterBaseError
+
+    _, ckpt = _trained(tmp_path, 4)
+    shutil.rmtree(tmp_path / "base")
+    make_random_checkpoint(tmp_path / "base", 1)  # another model at the base's path
+    with pytest.raises(AdapterBaseError, match="is not the one the LoRA adapter"):
+        export_checkpoint(ckpt, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists() and not list(tmp_path.glob(".exported*"))
+
+
+@pytest.mark.slow
+def test_vllm_loads_an_export_and_samples_with_its_log_probabilities(tmp_path):
+    from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend
+
+    _, ckpt = _trained(tmp_path, 4)
+    out = export_checkpoint(ckpt, tmp_path / "exported")
+    engine = make_backend("vllm", str(out), dtype="float32", max_model_len=64, seed=0)
+    try:
+        request = RolloutRequest("p", tuple(PROMPTS[0]), 2, 0)
+        rows = engine.generate([request], SamplingConfig(temperature=1.0, max_tokens=6))
+    finally:
+        engine.close()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for row in rows:
+        ids = torch.tensor([list(PROMPTS[0]) + list(row.token_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1], dim=-1)
+        n = len(PROMPTS[0])
+        want = logp[torch.arange(n - 1, n - 1 + len(row.token_ids)), torch.tensor(row.token_ids)]
+        assert torch.allclose(torch.tensor(row.logprobs, dtype=torch.float32), want, atol=1e-3)
