@@ -251,7 +251,7 @@ pre.prompt {{ background: #eef3fa; }}
 </table>
 <h2>Plots</h2>
 {chr(10).join(figures)}
-<h2>What came back</h2>
+<h2 id="what-came-back">What came back</h2>
 {samples}
 <h2>Paths</h2>
 <table>

@@ -356,7 +356,7 @@ def test_the_page_shows_what_came_back_escaped_with_budgets_estimates_and_the_sq
     hostile = '</pre><script>alert("x")</script><img src=x onerror=alert(1)> & 2+2=4'
     store = make_run(tmp_path / "run", completion=hostile)
     page = write_report(store.root).read_text()
-    came_back = page[page.index("<h2>What came back</h2>") : page.index("<h2>Paths</h2>")]
+    came_back = page[page.index('<h2 id="what-came-back">What came back</h2>') : page.index("<h2>Paths</h2>")]
     # evaluations at steps 0 and 3: the rollouts of step 0, and of step 2 (no training step 3 was run)
     assert "Held-out evaluation at step 0: these weights' training rollouts (step 0)" in came_back
     assert "Held-out evaluation at step 3: the weights after 2 updates' training rollouts (step 2)" in came_back
