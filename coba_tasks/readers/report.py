@@ -236,7 +236,7 @@ figure {{ margin: 1.5em 0; }}
 img {{ max-width: 100%; border: 1px solid #eee; }}
 figcaption {{ color: #555; font-size: 0.9em; }}
 .skipped {{ color: #8a5a00; }}
-pre {{ white-space: pre-wrap; background: #f6f6f6; padding: 0.4em; margin: 0.2em 0 0.6em; max-width: 100%; }}
+pre {{ white-space: pre-wrap; background: #f6f6f6; padding: 0.4em; margin: 0.2em 0 0.6em; box-sizing: border-box; }}
 pre.prompt {{ background: #eef3fa; }}
 .sample {{ border-left: 3px solid #ccd; padding-left: 0.8em; margin: 1em 0; }}
 .verdict {{ color: #555; font-size: 0.9em; }}

@@ -49,8 +49,9 @@ def step_samples_for_eval(t: RunTables, eval_step: int) -> tuple[int, pd.DataFra
     rows = rows.sort_values(["prompt_id", "sample_idx"], kind="stable").groupby("prompt_id").head(COMPLETIONS_SHOWN)
     out = chosen.merge(rows, on="prompt_id", how="left")  # the chosen order: largest budget first
     prompts = t.prompts()
-    if prompts is not None and "prompt" in prompts:
-        text = prompts.drop_duplicates("prompt_id").set_index("prompt_id")["prompt"].astype(str)
+    column = next((c for c in ("prompt_text", "prompt") if prompts is not None and c in prompts), None)
+    if column is not None:  # the user's text (a run's prompts table has prompt_text; older tables prompt)
+        text = prompts.drop_duplicates("prompt_id").set_index("prompt_id")[column].astype(str)
         out["prompt"] = out["prompt_id"].map(text).fillna("").str.slice(0, TEXT_CHARS)
     else:
         out["prompt"] = ""

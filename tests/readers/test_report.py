@@ -148,7 +148,11 @@ def make_run(
         config_dict={"run": {"steps": steps}, "allocation": {"strategy": "coba"}}, config_hash="abc", versions={}
     )
     prompts = pd.DataFrame(
-        {"prompt_id": PROMPTS, "difficulty": [DIFFICULTY[p] for p in PROMPTS], "prompt": [f"Q{p}?" for p in PROMPTS]}
+        {
+            "prompt_id": PROMPTS,
+            "difficulty": [DIFFICULTY[p] for p in PROMPTS],
+            "prompt_text": [f"Q{p}?" for p in PROMPTS],  # the column a run's prompts table has
+        }
     )
     store.write_run_table("prompts", prompts)
     store.write_table(0, "eval", _eval(0))
