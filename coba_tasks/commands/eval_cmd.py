@@ -29,6 +29,20 @@ def _non_negative_float(value: str) -> float:
     return x
 
 
+def _levels(value: str) -> tuple[int, ...]:
+    """``--difficulties``: ``0,1`` or ``all`` (every level).
+
+    >>> _levels("0,2"), _levels("all")
+    ((0, 2), ())
+    """
+    if value.strip() == "all":
+        return ()
+    try:
+        return tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected levels like 0,1 or all, got {value!r}") from None
+
+
 def run_config_of(model: str) -> Path | None:
     """The config.yaml of the run a checkpoint (``<run>/checkpoints/NNNNNN``) belongs to, if there is one.
 
@@ -54,6 +68,7 @@ def eval_settings_for(args: argparse.Namespace) -> tuple[Any, str]:
         "top_p": args.top_p,
         "max_tokens": args.max_tokens,
         "eval_prompts": args.prompts,
+        "difficulties": args.difficulties,
         "seed": args.seed,
         "backend": args.backend,
         "greedy": False if args.no_greedy else None,
@@ -145,6 +160,13 @@ COMMAND = Command(
         option("--max-tokens", type=positive_int, default=None, help="most tokens a completion has"),
         option("--prompts", type=int, default=None, help="a seeded sample of this many prompts; 0 = all"),
         option("--seed", type=int, default=None, help="seed of the prompt sample and of sampling"),
+        option(
+            "--difficulties",
+            type=_levels,
+            default=None,
+            metavar="0,1|all",
+            help="keep the prompts of these levels (default: the config's data.difficulties, as its run did)",
+        ),
         option("--backend", default=None, help="rollout engine: vllm or transformers (default: the config's)"),
         option("--no-greedy", action="store_true", help="skip the greedy decoding beside the sampled one"),
         option("--out", default=None, help="write the per-prompt table here (Parquet; never over an existing file)"),

@@ -257,7 +257,7 @@ def keep_difficulties(df: pd.DataFrame, levels: Sequence[int], path: str | os.Pa
     if not present or present == [-1]:
         raise ConfigError(
             f"data.difficulties = {list(levels)}: {path} has no difficulty levels (extra_info.difficulty or a "
-            "difficulty column); set data.difficulties=[] to keep every row"
+            "difficulty column); set data.difficulties=[] (coba eval: --difficulties all) to keep every row"
         )
     kept = df[df["difficulty"].isin(list(levels))]
     if kept.empty:

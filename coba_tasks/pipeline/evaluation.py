@@ -52,7 +52,7 @@ from coba_tasks.pipeline.config_sections import (
 from coba_tasks.pipeline.data import load_dataset
 from coba_tasks.pipeline.data_problems import DatasetError
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
-from coba_tasks.pipeline.data_run import check_ground_truths
+from coba_tasks.pipeline.data_run import check_ground_truths, keep_difficulties
 
 # each setting's key in a run's config (section, key): its default there, and where from_config reads it
 CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
@@ -64,6 +64,7 @@ CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
     "max_tokens": (RolloutConfig, "max_tokens"),
     "backend": (RolloutConfig, "backend"),
     "eval_prompts": (DataConfig, "eval_prompts"),
+    "difficulties": (DataConfig, "difficulties"),
     "seed": (RunConfig, "seed"),
     "dtype": (ModelConfig, "dtype"),
     "max_model_len": (RolloutConfig, "max_model_len"),
@@ -99,6 +100,7 @@ class EvalSettings(BaseModel):
     max_tokens: int = _setting("max_tokens", "most tokens a completion has", ge=1)
     backend: str = _setting("backend", "rollout engine: vllm or transformers")
     eval_prompts: int = _setting("eval_prompts", "a seeded sample of this many prompts; 0 = all", ge=0)
+    difficulties: tuple[int, ...] = _setting("difficulties", "keep the prompts of these levels; empty = every level")
     seed: int = _setting("seed", "seed of the prompt sample and of sampling")
     dtype: Dtype = _setting("dtype", "weights dtype")
     max_model_len: int = _setting("max_model_len", "engine context; 0 = the model's own", ge=0)
@@ -234,7 +236,7 @@ def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = Fal
     its verifier (an unknown data_source refused, unless ``unknown_sources`` is ``math``), and every
     prompt with room for ``max_tokens`` in the context (``max_model_len``, or the model's own when 0)."""
     s = settings
-    loaded = load_dataset(s.test_path)
+    loaded = keep_difficulties(load_dataset(s.test_path), s.difficulties, s.test_path)  # as a run keeps them
     checked, _ = check_ground_truths(loaded, s.test_path, "error", s.unknown_sources, VERIFY.workers, VERIFY.timeout_s)
     with contextlib.ExitStack() as stack:
         engine_path = model_path

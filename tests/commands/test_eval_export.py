@@ -61,6 +61,11 @@ def test_coba_eval_reports_avg_greedy_and_unbiased_pass_at_k_and_writes_the_tabl
     assert cli_main(args) == 2
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == before
 
+    # the levels a run keeps (data.difficulties), here chosen on the command line
+    assert cli_main([*args[:-3], "--difficulties", "1", "--json"]) == 0
+    level_one = json.loads(capsys.readouterr().out)
+    assert level_one["prompts"] == 5 and list(level_one["by_difficulty"]) == ["1"]
+
     # the text form: the same figures, one line each
     assert cli_main([*args[:-3], "--no-greedy"]) == 0
     text = capsys.readouterr().out

@@ -119,7 +119,7 @@ def test_coba_eval_scores_gsm8k_rows_as_the_run_config_says(tmp_path, random_che
     monkeypatch.setattr(evaluation, "make_backend", lambda *a, **k: Engine())
     monkeypatch.setattr(evaluation, "VerifierPool", pool)
     test = _flat(tmp_path / "g.parquet", ["1+1=", "2+2="], answers=["2", "4"], source="openai/gsm8k")
-    cfg = load_config(None, ["verify.gsm8k_answer=strict", f"data.test={test}"])
+    cfg = load_config(None, ["verify.gsm8k_answer=strict", f"data.test={test}", "data.difficulties=[]"])
     settings = EvalSettings.from_config(cfg).model_copy(update={"backend": "transformers", "max_model_len": 0})
     assert settings.gsm8k_answer == "strict"
     with pytest.raises(Stop):
