@@ -42,6 +42,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
+def _prefect_console_on_a_live_stream():
+    """Prefect's console log handler keeps the stream it was created with: created during a test whose output
+    pytest captured, it writes to that closed capture in later tests of the same worker, and the error it
+    logs about it recurses. Before each test, a handler whose stream is closed writes to the real stderr."""
+    import logging
+    import sys
+
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if hasattr(v, "handlers"))]
+    for handler in (h for lg in loggers for h in lg.handlers):
+        console = getattr(handler, "console", None)
+        stream = getattr(console, "file", None)
+        if stream is not None and getattr(stream, "closed", False):
+            console.file = sys.__stderr__
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _permissions_stay_with_their_test():
     """``coba run`` gives its own process the permissions its config asks for (a model's code, a reward file)
     by setting environment variables; called in-process by a test, they would reach every later test and
