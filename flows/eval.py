@@ -17,19 +17,17 @@ nothing; relative paths are from the working directory (the project, in a deploy
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from coba_tasks.pipeline import deployment
 from coba_tasks.pipeline.evaluation import EvalSettings, check_eval_inputs, eval_settings
 from coba_tasks.pipeline.tasks import evaluate_model_task, write_eval_table_task
-from coba_tasks.readers.figures import eval_figures
+from coba_tasks.readers.figures import eval_table_figures
 from coba_tasks.readers.text import figure_table
 
 
@@ -43,19 +41,6 @@ def artifact_key(model_path: str | Path) -> str:
     name = f"{path.parent.parent.name}-step-{path.name}" if path.parent.name == "checkpoints" else path.name
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:80].strip("-")
     return f"eval-{slug or 'model'}"
-
-
-def eval_table_figures(table: pd.DataFrame) -> dict[str, Any]:
-    """The figures of a per-prompt evaluation table: avg@k (``accuracy``), ``greedy``, ``pass_at_k`` (k -> the
-    unbiased pass@k, k = 1 .. samples), ``answered``, ``boxed``, ``prompts``, ``by_difficulty`` and
-    ``by_data_source`` (source -> accuracy, pass@k, prompts); NaN figures (greedy not measured) are None."""
-    figures = eval_figures(table.drop(columns="test_set", errors="ignore"))
-    sources = table.groupby("data_source", sort=True) if "data_source" in table else []
-    figures["by_data_source"] = {
-        str(src): {k: v for k, v in eval_figures(rows).items() if k in ("accuracy", "pass_at_k", "prompts")}
-        for src, rows in sources
-    }
-    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in figures.items()}
 
 
 @flow(name="coba-eval")

@@ -38,6 +38,24 @@ def positive_int(value: str) -> int:
     return n
 
 
+def non_negative_float(value: str) -> float:
+    """An argparse type: a finite number >= 0, refused with the value named.
+
+    >>> non_negative_float("0.7")
+    0.7
+    >>> non_negative_float("-1")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: must be a number >= 0, got -1
+    """
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
+    return x
+
+
 def option(*flags: str, **keywords: Any) -> Option:
     """One argument as data: ``parser.add_argument(*flags, **keywords)`` when ``add_options`` adds it."""
     return flags, keywords

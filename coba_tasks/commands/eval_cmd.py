@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import Command, option, positive_int
+from coba_tasks.commands.args import Command, non_negative_float, option, positive_int
 from coba_tasks.commands.console import VERBOSE_OPTION
-
-
-def _non_negative_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}") from None
-    if not x >= 0 or math.isinf(x):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
-    return x
 
 
 def _levels(value: str) -> tuple[int, ...]:
@@ -155,7 +144,7 @@ COMMAND = Command(
         option("--dataset", required=True, help="held-out prompts: a Parquet file (veRL or prompt/answer)"),
         option("--config", default=None, help="YAML run config whose evaluation settings to use"),
         option("--samples", type=positive_int, default=None, help="completions per prompt (avg@k, pass@k)"),
-        option("--temperature", type=_non_negative_float, default=None, help="sampling temperature; 0 = greedy"),
+        option("--temperature", type=non_negative_float, default=None, help="sampling temperature; 0 = greedy"),
         option("--top-p", type=float, default=None, help="nucleus of the sampled completions; 1.0 = none"),
         option("--max-tokens", type=positive_int, default=None, help="most tokens a completion has"),
         option("--prompts", type=int, default=None, help="a seeded sample of this many prompts; 0 = all"),

@@ -1,6 +1,7 @@
 """A run's figures, computed once from its done tables (``coba_tasks.readers.tables``).
 
-- Per table: ``eval_figures`` (held-out avg@k, pass@k, greedy, answer rates, by level and held-out set),
+- Per table: ``eval_figures`` (held-out avg@k, pass@k, greedy, answer rates, by level and held-out set;
+  ``eval_table_figures`` adds the data sources, for ``coba eval``),
   ``capability_figures``, ``budget_figures``, ``update_figures``; ``step_figures`` gathers those of one
   training step (its progress line, its artifacts and the trackers show them).
 - Per run: ``run_summary``, every figure ``coba inspect``, ``coba report`` and summary.json show;
@@ -68,6 +69,19 @@ def eval_figures(table: pd.DataFrame) -> dict[str, Any]:
     if sets:
         out["test_sets"] = {name: _set_figures(rows) for name, rows in sets.items()}
     return out
+
+
+def eval_table_figures(table: pd.DataFrame) -> dict[str, Any]:
+    """The figures of a per-prompt evaluation table: avg@k (``accuracy``), ``greedy``, ``pass_at_k`` (k -> the
+    unbiased pass@k, k = 1 .. samples), ``answered``, ``boxed``, ``prompts``, ``by_difficulty`` and
+    ``by_data_source`` (source -> accuracy, pass@k, prompts); NaN figures (greedy not measured) are None."""
+    figures = eval_figures(table.drop(columns="test_set", errors="ignore"))
+    sources = table.groupby("data_source", sort=True) if "data_source" in table else []
+    figures["by_data_source"] = {
+        str(src): {k: v for k, v in eval_figures(rows).items() if k in ("accuracy", "pass_at_k", "prompts")}
+        for src, rows in sources
+    }
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in figures.items()}
 
 
 def paired_gain(before: pd.DataFrame, after: pd.DataFrame, column: str = "accuracy") -> dict[str, float]:
