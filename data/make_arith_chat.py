@@ -1,16 +1,21 @@
-r"""The arithmetic task worded for a chat model: same problems, answers in ``\boxed{}``, integer answers.
+r"""The arithmetic task worded for a chat model: same problems, integer answers at the end of the reply.
 
 Reads ``arith_train.parquet`` and ``arith_test.parquet`` (made by ``make_arith.py``) and writes
 ``arith_chat_train.parquet`` and ``arith_chat_test.parquet``. Every row keeps its problem, its
 ``extra_info`` (index, difficulty, split), its ``ability`` and its ground truth; two things change:
 
-- the user message ``36-48+54=`` becomes
-  ``Compute 36-48+54. Put your final answer within \boxed{}.``, an instruction an instruct model
-  (SmolLM2-135M-Instruct, ``make smollm2``) follows through its chat template;
-- ``data_source`` becomes ``"arith_chat"``, so ``coba_tasks.engines.verify`` scores the integer in the
-  last ``\boxed{}`` (or, without a box, the last integer of the text) instead of the ``arith``
-  verifier's integer at the start. Not math-verify: it evaluates expressions, so the question written
-  back ("9-7") scored as the answer 2, and a model trained on it learned to echo the question.
+- the user message ``36-48+54=`` becomes ``Compute 36-48+54. End your reply with the final answer.``,
+  an instruction an instruct model (SmolLM2-135M-Instruct, ``make smollm2``) follows through its chat
+  template;
+- ``data_source`` becomes ``"arith_chat"``, so ``coba_tasks.engines.verify`` scores the last integer
+  of the reply that is not an operand ("9 - 7 = 2" gives 2), which is what the prompt asks for,
+  instead of the ``arith`` verifier's integer at the start. Not math-verify: it evaluates expressions,
+  so the question written back ("9-7") scored as the answer 2, and a model trained on it learned to
+  echo the question.
+
+The prompts ask for no answer format the reward does not require: an earlier wording asked for
+``\boxed{}``, which the reward did not require, and training taught the model to drop the box (0.11 of
+the completions boxed before, 0.00 after).
 
 It also writes ``arith_chat_test_reworded.parquet``: the held-out problems again, in the same order,
 with the same ids and answers, each worded by one of four other instructions (``REWORDINGS``, chosen
@@ -45,15 +50,15 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`: import fro
     from coba_tasks.pipeline.data import write_verl_parquet
 
 DATA_DIR = Path(__file__).resolve().parent
-DATA_SOURCE = "arith_chat"  # the integer answer (coba_tasks.engines.verify.arith_chat_verifier)
-INSTRUCTION = "Compute {expression}. Put your final answer within \\boxed{{}}."
+DATA_SOURCE = "arith_chat"  # the last integer of the reply (coba_tasks.engines.verify.arith_chat_verifier)
+INSTRUCTION = "Compute {expression}. End your reply with the final answer."
 SPLITS = ("train", "test")
 # other wordings of the same instruction, for a held-out set the training prompts never used
 REWORDINGS = (
-    "What is {expression}? Give your final answer in \\boxed{{}}.",
-    "Calculate {spaced} and write the result as \\boxed{{answer}}.",
-    "Evaluate the expression {spaced}. End your reply with the number in \\boxed{{}}.",
-    "Find the value of {expression}, and put it inside \\boxed{{}}.",
+    "What is {expression}? Give the number last.",
+    "Calculate {spaced} and finish with the result.",
+    "Evaluate the expression {spaced}. The last thing you write is the number.",
+    "Find the value of {expression}, and end with it.",
 )
 
 
@@ -68,7 +73,7 @@ def chat_message(content: str) -> str:
     r"""The chat wording of one arithmetic user message.
 
     >>> chat_message("36-48+54=")
-    'Compute 36-48+54. Put your final answer within \\boxed{}.'
+    'Compute 36-48+54. End your reply with the final answer.'
     """
     return INSTRUCTION.format(expression=expression_of(content))
 
@@ -77,9 +82,9 @@ def reworded_message(content: str, index: int) -> str:
     r"""Another wording of one arithmetic user message: ``REWORDINGS[index % 4]``.
 
     >>> reworded_message("36-48+54=", 0)
-    'What is 36-48+54? Give your final answer in \\boxed{}.'
+    'What is 36-48+54? Give the number last.'
     >>> reworded_message("36-48+54=", 1)
-    'Calculate 36 - 48 + 54 and write the result as \\boxed{answer}.'
+    'Calculate 36 - 48 + 54 and finish with the result.'
     """
     expression = expression_of(content)
     spaced = re.sub(r"(?<=\d)([+*-])", r" \1 ", expression)

@@ -325,12 +325,13 @@ _OPERAND_BEFORE = re.compile(r"\d\s*[-+*/×x]\s*$")  # "9-" or "9 - ": the integ
 
 @register_verifier("arith_chat", in_process=True, check=arith_truth)
 def arith_chat_verifier(completion: str, ground_truth: str) -> Verdict:
-    """The arithmetic task asked of a chat model ("Compute 9-7. Put your final answer within \\boxed{}."):
-    the integer in the last ``\\boxed{}`` of the completion, or, without a box, the last integer of the
-    text that is not the right operand of an operator (in "9-7" or "9 - 7" the 7 is an operand, in
-    "9 - 7 = 2" the 2 is not). The answer to "Compute 9-7" is a number: a box holding an expression
-    (``\\boxed{9-7}``) is ``wrong``, and so is the question written back. math-verify, which evaluates
-    expressions, scored both as correct, and a model trained on it learned to echo the question."""
+    """The arithmetic task asked of a chat model ("Compute 9-7. End your reply with the final answer."):
+    the last integer of the text that is not the right operand of an operator (in "9-7" or "9 - 7" the
+    7 is an operand, in "9 - 7 = 2" the 2 is not); a completion that boxes its answer is read by its
+    last ``\\boxed{}`` instead (files worded for math prompts ask for one). The answer to "Compute 9-7"
+    is a number: a box holding an expression (``\\boxed{9-7}``) is ``wrong``, and so is the question
+    written back. math-verify, which evaluates expressions, scored both as correct, and a model trained
+    on it learned to echo the question."""
     gold = int(ground_truth.strip())  # a non-integer ground truth raises: an `error`, a data problem
     boxes = _BOXED_CONTENT.findall(completion)
     if boxes:

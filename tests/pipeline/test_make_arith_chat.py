@@ -41,7 +41,7 @@ def test_the_reworded_set_holds_the_same_problems_in_other_words() -> None:
             old["data_source"],
         )
         text, before = new["prompt"][0]["content"], old["prompt"][0]["content"]
-        assert text != before and "\\boxed{" in text and not text.startswith("Compute")
+        assert text != before and not text.startswith("Compute")
         assert text.replace(" ", "").count(before.removeprefix("Compute ").split(".")[0]) == 1  # the same expression
         wordings[text.split()[0]] += 1
     assert sorted(wordings) == ["Calculate", "Evaluate", "Find", "What"] and min(wordings.values()) == 125
@@ -57,7 +57,7 @@ def test_same_problems_ids_levels_and_answers(split: str) -> None:
     for old, new in zip(plain, chat, strict=True):
         expression = old["prompt"][0]["content"].removesuffix("=")
         assert new["prompt"] == [
-            {"role": "user", "content": f"Compute {expression}. Put your final answer within \\boxed{{}}."}
+            {"role": "user", "content": f"Compute {expression}. End your reply with the final answer."}
         ]
         assert new["data_source"] == "arith_chat"
         assert (new["ability"], new["reward_model"], new["extra_info"]) == (
@@ -67,13 +67,29 @@ def test_same_problems_ids_levels_and_answers(split: str) -> None:
         )
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_prompts_ask_for_what_the_reward_scores(name: str) -> None:
+    """The reward reads the last integer of the reply: no prompt asks for a format it does not require
+    (an earlier wording asked for \\boxed{}, and training taught the model to drop it), and a reply that
+    does what the prompt says, in any of the wordings, is scored by its last integer."""
+    rows = pq.read_table(DATA_DIR / f"arith_chat_{name}.parquet").to_pylist()
+    texts = {r["prompt"][0]["content"] for r in rows}
+    assert not [t for t in texts if "boxed" in t.lower() or "\\" in t]
+    assert all(re.search(r"\b(end|last|finish)", t, re.IGNORECASE) for t in texts)
+    for row in rows[:50]:
+        truth = row["reward_model"]["ground_truth"]
+        reply = f"We work it out step by step. The answer is {truth}"
+        assert score(reply, truth, "arith_chat").verdict.value == "correct", reply
+        assert score(f"{reply}, and then {int(truth) + 1}", truth, "arith_chat").verdict.value == "wrong"
+
+
 def test_the_loader_reads_the_chat_files() -> None:
     df = load_dataset(DATA_DIR / "arith_chat_test.parquet")
     assert len(df) == 500
     assert sorted(df["difficulty"].value_counts().items()) == [(level, 100) for level in range(5)]
     row = df.iloc[0]
     assert (row["prompt_id"], row["data_source"], row["ground_truth"]) == ("0", "arith_chat", "2")
-    assert row["prompt_text"] == "Compute 8-6. Put your final answer within \\boxed{}."
+    assert row["prompt_text"] == "Compute 8-6. End your reply with the final answer."
 
 
 def test_math_verify_scores_a_boxed_answer() -> None:
