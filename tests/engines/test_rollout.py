@@ -38,6 +38,18 @@ def vllm_engine(random_checkpoints):
     engine.close()
 
 
+def test_an_eager_cpu_engine_compiles_nothing(vllm_engine):
+    """vLLM compiles one sampler helper with torch.compile even with enforce_eager (2-4 s at the first
+    generate of every process on 2 cores, for a rank coba never reads): an eager CPU engine turns it off."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]["total"]
+    rows = vllm_engine.generate(requests(3), SamplingConfig(temperature=1.0, max_tokens=6))
+    assert len(rows) == 3 * len(PROMPTS) and all(len(r.logprobs) == r.n_tokens for r in rows)
+    assert torch._dynamo.config.disable and counters["frames"]["total"] == frames
+
+
 def test_registry_and_bad_input(tmp_path):
     assert backends() == ["transformers", "vllm", "vllm-ray"]
     with pytest.raises(ValueError, match=r"unknown rollout backend 'sglang'.*transformers, vllm"):

@@ -115,7 +115,7 @@ def _coba(args: list[str], kill_at: str | None, log: Path) -> int:
 
 @pytest.mark.slow
 def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
-    tmp_path, baseline, random_checkpoints, first_char_data
+    tmp_path, baseline, random_checkpoints, first_char_data, capsys
 ):
     model, _ = random_checkpoints
     run_dir = tmp_path / "run"
@@ -149,9 +149,14 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
         "Triton",
     ):
         assert chatter not in text, chatter
-    # a finished run: resume says so and changes nothing
-    rc = _coba(resume, None, log)
-    assert rc == 0 and "nothing to resume" in log.read_text()
+    # a finished run: resume says so and changes nothing (in this process: it reads the run and stops)
+    tables = _all_tables(store)
+    capsys.readouterr()
+    assert cli_main(resume) == 0 and "nothing to resume" in capsys.readouterr().out
+    after = _all_tables(store)
+    assert after.keys() == tables.keys()
+    for key in tables:
+        pd.testing.assert_frame_equal(after[key], tables[key], check_exact=True, obj=str(key))
 
 
 @pytest.mark.slow

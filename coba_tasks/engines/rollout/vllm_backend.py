@@ -11,7 +11,8 @@ of the vocabulary; ``sort_free_top_p = False`` gives vLLM's own).
 ``tensor_parallel_size`` (the config's ``rollout.tensor_parallel_size``) splits the engine over that
 many GPUs of its host (vLLM's own tensor parallelism; CUDA only). On CPU the engine runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one executor) unless the caller set that variable: it starts in
-seconds rather than minutes on 2 cores; and prefills are not chunked (see ``VLLMBackend.__init__``).
+seconds rather than minutes on 2 cores; prefills are not chunked, and an eager engine (the default
+there) compiles nothing, vLLM's one torch.compile helper included (see ``VLLMBackend.__init__``).
 
 Engine death. A vLLM engine whose engine-core process died (killed, out of memory, a crash) stays
 dead: every later call raises. ``VLLMBackend`` notices it (``EngineDeadError``, or any error while
@@ -124,6 +125,15 @@ class VLLMBackend(RolloutBackend):
         kwargs["logits_processors"] = [NUCLEUS_PROCESSOR]
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
+        if on_cpu and kwargs["enforce_eager"]:
+            # Eager means eager: vLLM still compiles one helper with torch.compile (the rank of each sampled
+            # token, in its sampler's gather_logprobs), 2-4 s of compilation at the first generate of every
+            # process on 2 cores, for a figure coba never reads. The rank is an integer count, the same
+            # eager; the tokens and log-probabilities do not depend on it. torch.compile is off in this
+            # process from here on (coba compiles nothing else).
+            import torch._dynamo
+
+            torch._dynamo.config.disable = True
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if sleep_mode:
