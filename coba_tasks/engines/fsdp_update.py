@@ -24,7 +24,10 @@ Each rank:
    the gradient norm is the global one (``get_total_norm`` on the sharded gradients, gathered);
 5. gathers the full float32 weights and AdamW state and, on rank 0 only, writes the checkpoint
    with ``coba_tasks.engines.checkpoint.write_checkpoint``: the layout of ``PolicyTrainer.save_checkpoint``, so
-   the rollout engine reloads it and a single-process run resumes from it.
+   the rollout engine reloads it and a single-process run resumes from it;
+6. passes a last barrier and writes its ``rank-<r>.done`` beside the metrics. A job that exits non-zero
+   after every rank wrote its done file (a rank aborting while its process shuts down, seen on CPU)
+   keeps its whole checkpoint and metrics, with a warning; any other failure raises.
 
 Mixed precision stays what the single-process trainer does (float32 sharded weights, forward and
 backward under ``torch.autocast``), so both paths compute the same update. Every rank loads the full
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -58,6 +62,10 @@ from coba_tasks.engines.update_settings import UpdateSettings, make_optimizer
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
 LOG_TAIL_LINES = 60
 STOPPED_FILE = "stopped.txt"  # beside --metrics: why rank 0 stopped the update (NonFiniteUpdateError), one line
+# beside --metrics, one per rank: the rank passed the last barrier, so every rank's part was written
+DONE_FILE = "rank-{rank}.done"
+
+logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(hours=1)  # the other ranks wait at a barrier while rank 0 writes the checkpoint
 
 
@@ -209,6 +217,7 @@ def run_rank(
         dist.init_process_group("nccl", device_id=local, timeout=COLLECTIVE_TIMEOUT)
     else:
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    rank = dist.get_rank()
     try:
         trainer = PolicyTrainer(model_path, settings, seed=seed)
         if checkpoint:
@@ -224,7 +233,8 @@ def run_rank(
         save_sharded_checkpoint(trainer, out, model_path, extra_state)
         if dist.get_rank() == 0:
             Path(metrics_path).write_text(json.dumps(metrics, indent=2))
-        dist.barrier()
+        dist.barrier()  # past it, every rank's part is written: rank 0's checkpoint and metrics included
+        (Path(metrics_path).parent / DONE_FILE.format(rank=rank)).touch()
         return metrics
     finally:
         dist.destroy_process_group()
@@ -344,11 +354,29 @@ def fsdp_update(
                 rc = None
         if rc != 0 and (t / STOPPED_FILE).is_file():
             raise NonFiniteUpdateError((t / STOPPED_FILE).read_text())
+        if rc not in (0, None) and _every_rank_done(t, processes):
+            # On CPU a rank has been seen to abort while its process shut down ("terminate called without
+            # an active exception", gloo's threads at exit), after every rank had passed the last barrier,
+            # so after the checkpoint and the metrics were written whole: the update is done and stays.
+            last = (t / "torchrun.log").read_text(errors="replace").strip().splitlines()[-1:]
+            logger.warning(
+                "FSDP update: every rank finished its part, then the job exited with status "
+                "%s while its processes shut down (%s); the checkpoint and the metrics are whole and kept",
+                rc,
+                last[0] if last else "no output",
+            )
+            rc = 0
         if rc != 0:
             tail = "\n".join((t / "torchrun.log").read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
             why = f"timed out after {timeout_s} s" if rc is None else f"exit status {rc}"
             raise FSDPUpdateError(f"FSDP update in {processes} processes failed ({why}); its last lines:\n{tail}")
         return json.loads((t / "metrics.json").read_text())
+
+
+def _every_rank_done(tmp: Path, processes: int) -> bool:
+    """Every rank of the job wrote its ``DONE_FILE`` and rank 0 its metrics (the job's work is whole)."""
+    done = all((tmp / DONE_FILE.format(rank=r)).is_file() for r in range(processes))
+    return done and (tmp / "metrics.json").is_file()
 
 
 def _settings_from_json(path: str) -> UpdateSettings:
