@@ -22,6 +22,17 @@ TEXT_CHARS = 600  # a prompt or completion is cut here (the rest is in the table
 NEEDED = (Stage.ROLLOUTS, Stage.REWARDS, Stage.BUDGET)
 
 
+def prompt_texts(t: RunTables, prompt_ids: pd.Series, chars: int) -> pd.Series:
+    """The user's text of each prompt id (cut at ``chars``; "" where the run has none): a run's prompts table
+    holds it as ``prompt_text`` (tables of older runs as ``prompt``)."""
+    prompts = t.prompts()
+    column = next((c for c in ("prompt_text", "prompt") if prompts is not None and c in prompts), None)
+    if column is None:
+        return pd.Series("", index=prompt_ids.index)
+    text = prompts.drop_duplicates("prompt_id").set_index("prompt_id")[column].astype(str)
+    return prompt_ids.map(text).fillna("").str.slice(0, chars)
+
+
 def training_step_for(t: RunTables, eval_step: int) -> int | None:
     """The training step whose rollouts show the weights evaluated at ``eval_step``: ``eval_step`` itself when
     its rollouts, rewards and budget are done, else the latest earlier step that has them (None if none)."""
@@ -48,13 +59,7 @@ def step_samples_for_eval(t: RunTables, eval_step: int) -> tuple[int, pd.DataFra
     )
     rows = rows.sort_values(["prompt_id", "sample_idx"], kind="stable").groupby("prompt_id").head(COMPLETIONS_SHOWN)
     out = chosen.merge(rows, on="prompt_id", how="left")  # the chosen order: largest budget first
-    prompts = t.prompts()
-    column = next((c for c in ("prompt_text", "prompt") if prompts is not None and c in prompts), None)
-    if column is not None:  # the user's text (a run's prompts table has prompt_text; older tables prompt)
-        text = prompts.drop_duplicates("prompt_id").set_index("prompt_id")[column].astype(str)
-        out["prompt"] = out["prompt_id"].map(text).fillna("").str.slice(0, TEXT_CHARS)
-    else:
-        out["prompt"] = ""
+    out["prompt"] = prompt_texts(t, out["prompt_id"], TEXT_CHARS)
     out["completion"] = out["completion"].astype(str).str.slice(0, TEXT_CHARS)
     return step, out
 

@@ -43,6 +43,7 @@ from coba_tasks.pipeline.config import Config, check_installed, config_to_dict
 from coba_tasks.pipeline.config_sections import TRACKERS
 from coba_tasks.pipeline.store import RunStore, Stage, Table
 from coba_tasks.readers.figures import budget_figures, capability_figures, eval_figures, update_figures
+from coba_tasks.readers.samples import prompt_texts
 from coba_tasks.readers.tables import RunTables, load_run
 
 TRACKERS_DIR = "trackers"
@@ -142,17 +143,14 @@ def step_samples(t: RunTables, k: int, n: int = SAMPLES) -> pd.DataFrame | None:
     rewards = t.table(s, Stage.REWARDS)[["prompt_id", "sample_idx", "reward", "verdict"]]
     rows = rollouts.merge(rewards, on=["prompt_id", "sample_idx"], how="inner")
     rows = rows.sort_values(["prompt_id", "sample_idx"], kind="stable").drop_duplicates("prompt_id").head(n)
-    prompts = t.prompts()
-    if prompts is not None and {"prompt_id", "prompt"} <= set(prompts.columns):
-        text = prompts.drop_duplicates("prompt_id").set_index("prompt_id")["prompt"].astype(str)
-        rows = rows.assign(prompt=rows["prompt_id"].map(text).fillna("").str.slice(0, SAMPLE_CHARS))
     rows = rows.assign(
         step=s,
+        prompt=prompt_texts(t, rows["prompt_id"], SAMPLE_CHARS),
         completion=rows["completion"].astype(str).str.slice(0, SAMPLE_CHARS),
         reward=rows["reward"].astype(float),
         sample_idx=rows["sample_idx"].astype(int),
     )
-    cols = ["step", "prompt_id", *(["prompt"] if "prompt" in rows else []), "completion", "reward", "verdict"]
+    cols = ["step", "prompt_id", "prompt", "completion", "reward", "verdict"]
     return rows[cols].reset_index(drop=True)
 
 

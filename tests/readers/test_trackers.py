@@ -87,6 +87,11 @@ def test_step_metrics_and_samples_from_the_tables(tmp_path):
         {"prompt_id": "b", "completion": "y", "reward": 0.0},
     ]
     assert trackers.step_samples(t, 0) is None
+    assert (samples["prompt"] == "").all()  # no prompts table: no text, and no error
+    # a run's prompts table holds the user's text as prompt_text (chat files have no plain prompt column)
+    store.write_run_table("prompts", pd.DataFrame({"prompt_id": ["a", "b"], "prompt_text": ["Compute 1+1.", "2-1"]}))
+    samples = trackers.step_samples(trackers.load_run(store.root), 1)
+    assert samples["prompt"].tolist() == ["Compute 1+1.", "2-1"]
     params = trackers.flat_config(cfg)
     assert params["run.steps"] == STEPS and params["optim.lr"] == cfg.optim.lr
 
