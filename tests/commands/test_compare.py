@@ -16,13 +16,23 @@ from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
 from coba_tasks.pipeline.store import RunStore
 
 
+def use_the_sessions_server(monkeypatch) -> None:
+    """The runs' processes talk to the session's Prefect test server (``prefect_harness``): without
+    PREFECT_API_URL in their environment each would start a temporary server of its own (10-40 s on 2 cores)."""
+    from prefect.settings import PREFECT_API_URL
+
+    monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
+
+
 def tiny_compare_args(out, model, **options) -> argparse.Namespace:
-    """The arguments of `coba compare` on configs/tiny-test.yaml with ``model``, one seed, into ``out``."""
+    """The arguments of `coba compare` on configs/tiny-test.yaml with ``model``, one seed, into ``out``; rollouts
+    from transformers (each run is a process of its own, and vLLM's import and start cost about 15 s a process
+    on 2 cores; these tests are about the comparison, the vLLM runs are the flows' tests)."""
     return argparse.Namespace(
         config="configs/tiny-test.yaml",
         seeds=1,
         out=str(out),
-        set=[f"model.path={model}", "data.train_prompts=6"],
+        set=[f"model.path={model}", "data.train_prompts=6", "rollout.backend=transformers"],
         collect_only=False,
         **options,
     )
@@ -238,6 +248,7 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     import flows.train
 
     monkeypatch.setattr(flows.train, "train_flow", not_here)
+    use_the_sessions_server(monkeypatch)
     out = tmp_path / "cmp"
     args = tiny_compare_args(out, model, strategies="uniform,coba", steps=2, eval_samples=2, eval_every=1)
     assert compare.cmd_compare(args) == 0
@@ -317,8 +328,9 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     pd.testing.assert_frame_equal(results, pd.read_parquet(tmp_path / "later" / "results.parquet"))
 
 
-def test_a_run_that_dies_stops_the_comparison_with_its_name(tmp_path, capsys):
+def test_a_run_that_dies_stops_the_comparison_with_its_name(tmp_path, capsys, prefect_harness, monkeypatch):
     """A run whose process fails (here: a model path that does not exist) is named, with how to go on."""
+    use_the_sessions_server(monkeypatch)
     args = tiny_compare_args(
         tmp_path / "cmp", tmp_path / "no-model", strategies="uniform", steps=1, eval_samples=1, eval_every=0
     )
