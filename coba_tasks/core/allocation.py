@@ -12,7 +12,11 @@ The problem solved at every step (docs/method.md):
   ``dp``, the exact oracle; all return the same optimum): ``coba_tasks.core.solvers``.
 
 Pass rates may be NaN for prompts never seen: if every prompt is unseen the
-allocation is uniform whatever the strategy; otherwise unseen prompts count as p = 0.5.
+allocation is uniform whatever the strategy; otherwise unseen prompts count as p = 0.5 (``knapsack``:
+a prompt without an estimate gets its uniform share B_total / M, as the authors' code gives it).
+
+Every strategy keeps B_low <= B_i <= B_up except ``knapsack``, whose surplus to the prompts estimated
+at 0 is not capped (docs/method.md, section 11).
 
 Determinism: the same input gives the same output; among equal marginal gains the prompt that
 comes first in the batch gets the rollout first.
@@ -63,24 +67,29 @@ def plan_allocation(
     """The full ``Allocation`` (budgets, values, gains, tau, groups) of a batch.
 
     Args:
-        pass_rates: (M,) pass rate of each prompt on its last visit, in [0, 1]; NaN = never seen.
+        pass_rates: (M,) pass rate of each prompt on its last visit, in [0, 1]; NaN = never seen
+            (``knapsack``: its estimate, NaN = none; ``coba_tasks.core.knapsack.pooled_estimate``).
         total_budget: B_total, rollouts for the whole batch (M * min_budget <= B_total <= M * max_budget).
         strategy: one of ``strategies()``: "coba", "knapsack", "uniform".
         min_budget: B_low >= 2 (a GRPO group of one has no advantage).
-        max_budget: B_up.
+        max_budget: B_up (``knapsack``: the cap of its knapsack, not of its surplus).
         alpha, beta: the Beta shape from ``CapabilityTracker`` (default: the pre-training (9, 2)).
         tau: "adaptive" (from the spread of pass rates) or a positive number.
         mode: "paper" (solver over all prompts) or "released" (the authors' released code).
-        solver: "heap" (Algorithm 1), "threshold" (closed form) or "dp" (exact DP).
+        solver: "heap" (Algorithm 1), "threshold" (closed form) or "dp" (exact DP); CoBA only
+            (``knapsack`` always runs its DP).
     """
     request = _validate(pass_rates, total_budget, strategy, min_budget, max_budget, alpha, beta, tau, mode, solver)
     if not request.seen.any():
         plan = allocator(Strategy.UNIFORM.value)(request)
-        return replace(plan, strategy=strategy, fallback="every prompt unseen: uniform allocation")
+        unseen = "every prompt unseen" + (" (without an estimate)" if strategy == Strategy.KNAPSACK.value else "")
+        return replace(plan, strategy=strategy, fallback=f"{unseen}: uniform allocation")
     plan = allocator(strategy)(request)
     budgets = plan.budgets
     assert budgets.dtype == np.int64 and int(budgets.sum()) == request.total_budget, "allocator broke the total"
-    assert budgets.min() >= request.min_budget and budgets.max() <= request.max_budget, "allocator broke a bound"
+    assert budgets.min() >= request.min_budget, "allocator broke B_low"
+    # Knapsack-RL caps only its knapsack at B_up: its surplus may lift a prompt above (as the authors' code does)
+    assert budgets.max() <= request.max_budget or strategy == Strategy.KNAPSACK.value, "allocator broke B_up"
     return plan
 
 

@@ -1,7 +1,9 @@
 """Allocation strategies (a registry; ``allocate(..., strategy=NAME)``) and what they exchange.
 
 - ``uniform``: GRPO, B_total / M each, the remainder one at a time in prompt order.
-- ``knapsack``: Knapsack-RL, value (1 - p^N - (1 - p)^N) p (1 - p)^2.
+- ``knapsack``: Knapsack-RL as its authors ship it (``coba_tasks.core.knapsack``): costs from the
+  estimates cap what the knapsack spends, the surplus goes to prompts estimated at 0; value
+  (1 - p^N - (1 - p)^N) p (1 - p)^2.
 - ``coba``: CoBA-RL, V = eta(B, p) * BetaPDF(p; alpha, beta). ``mode="paper"`` runs
   the solver (``coba_tasks.core.solvers``) over all prompts; ``mode="released"`` reproduces the
   authors' released code (only a share of the spare budget goes through the solver, over
@@ -20,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from coba_tasks.core.knapsack import knapsack_rl
 from coba_tasks.core.registry import Registry
-from coba_tasks.core.solvers import CobaProblem, Solver, coba_solve, greedy_extras, solve_mckp_dp
+from coba_tasks.core.solvers import CobaProblem, Solver, coba_solve
 from coba_tasks.core.values import adaptive_tau, coba_value, knapsack_value
 
 VERY_HARD_BELOW = 0.05  # released mode: p < 0.05 is "very hard"
@@ -82,13 +85,13 @@ class Allocation:
 
     Attributes:
         budgets: (M,) int64, the group size of each prompt; sums to the total.
-        pass_rates: (M,) float64, the pass rates used (unseen prompts as 0.5).
+        pass_rates: (M,) float64, the pass rates used (unseen prompts as 0.5; NaN under knapsack).
         values: (M,) float64, each prompt's value under the strategy's own objective
             (CoBA V, Knapsack-RL value; NaN for uniform).
         marginal_gains: (M,) float64, the gain of one more rollout at the final budget under the
-            strategy's objective (NaN for uniform and for prompts at B_up).
+            strategy's objective (NaN for uniform and for prompts at or above B_up).
         groups: (M,) str, released mode's prompt groups ("very_hard", "explore", "very_easy");
-            "all" otherwise.
+            knapsack's ("mixed", "zero", "one", "no_estimate"); "all" otherwise.
         tau: the saturation scale used (NaN where no CoBA value was computed).
         fallback: why the strategy was not applied (e.g. every prompt unseen), or "".
     """
@@ -253,7 +256,7 @@ def coba_objective(budgets: np.ndarray, pass_rates: np.ndarray, alpha: float, be
 
 
 # ---------------------------------------------------------------------------------------------
-# Knapsack-RL
+# Knapsack-RL (the official rule: coba_tasks.core.knapsack)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -266,35 +269,22 @@ def knapsack_gain(n: np.ndarray, p: np.ndarray) -> np.ndarray:
 
 @register_allocator(Strategy.KNAPSACK.value)
 def _knapsack(req: AllocationRequest) -> Allocation:
-    p = req.pass_rates
-    m = p.size
-    budgets = np.full(m, req.min_budget, dtype=np.int64)
-    mixed = np.flatnonzero((p > 0.0) & (p < 1.0))
-    units = min(req.spare, mixed.size * req.cap)
-    if units > 0:
-        n = req.min_budget + np.arange(req.cap + 1, dtype=np.float64)
-        pm = p[mixed][:, None]
-        if req.solver is Solver.DP:
-            budgets[mixed] += solve_mckp_dp(knapsack_value(n[None, :], pm), units)
-        else:  # the value is concave in N, so the greedy is exact (heap and threshold alike)
-            budgets[mixed] += greedy_extras(knapsack_gain(n[None, :-1], pm), units)
-    left = req.spare - units
-    for members in (np.flatnonzero(p == 0.0), np.arange(m)):  # left over: p = 0 first, then all
-        if left > 0 and members.size:
-            left = distribute_proportional(budgets, members, left, np.ones(members.size), req.max_budget)
-    assert left == 0
-    values = knapsack_value(budgets, p)
-    gains = np.where(budgets < req.max_budget, knapsack_gain(budgets, p), np.nan)
+    """Knapsack-RL as its authors ship it; a prompt never seen (NaN) has no estimate. Always the DP
+    (``req.solver`` is for CoBA). Values and gains: NaN for prompts without an estimate."""
+    plan = knapsack_rl(req.pass_rates, req.seen, req.total_budget, req.min_budget, req.max_budget)
+    p = np.where(req.seen, req.pass_rates, np.nan)
+    budgets = plan.budgets
     return Allocation(
         budgets=budgets,
         pass_rates=p,
-        values=values,
-        marginal_gains=gains,
-        groups=np.full(m, "all", dtype=object),
+        values=knapsack_value(budgets, p),
+        marginal_gains=np.where(budgets < req.max_budget, knapsack_gain(budgets, p), np.nan),
+        groups=plan.groups,
         strategy=Strategy.KNAPSACK.value,
         mode="",
-        solver=req.solver.value,
+        solver=Solver.DP.value,
         alpha=req.alpha,
         beta=req.beta,
         tau=float("nan"),
+        extras={"estimated_cost": plan.estimated_cost, "surplus": plan.surplus},
     )

@@ -11,8 +11,9 @@ rollout of prompt i has log-gain ``a0[i] - k[i] * j``, from ``CobaProblem``) and
 - ``dp``: the exact dynamic program (multiple-choice knapsack over the extra rollouts), the
   correctness oracle and the paper's speed reference. O(M * B_total * (B_up - B_low)).
 
-Also the shared greedy loop (``greedy_heap``: the heap solver and Knapsack-RL's ``greedy_extras``)
-and the multiple-choice knapsack DP ``solve_mckp_dp``. Pure numpy: no I/O, no Prefect, no pandas.
+Also the greedy loop of the heap solver (``greedy_heap``) and the multiple-choice knapsack DP
+``solve_mckp_dp`` (the CoBA oracle and Knapsack-RL's program, ``coba_tasks.core.knapsack``).
+Pure numpy: no I/O, no Prefect, no pandas.
 """
 
 from __future__ import annotations
@@ -135,13 +136,6 @@ def heap_extras(a0: np.ndarray, k: np.ndarray, spare: int, cap: int, problem: Co
     return greedy_heap([-a for a in a0l], lambda i, j: kl[i] * j - a0l[i], spare, cap)
 
 
-def greedy_extras(gains: np.ndarray, total: int) -> np.ndarray:
-    """Greedy with a max-heap on an explicit (n, C) table of non-increasing gains; exact for concave values."""
-    _, cap = gains.shape
-    rows = gains.tolist()
-    return greedy_heap([-row[0] for row in rows], lambda i, j: -rows[i][j], total, cap)
-
-
 def _count_above(a0: np.ndarray, k: np.ndarray, cap: int, lam: float) -> np.ndarray:
     """Per prompt, the number of j in [0, cap) with a0 - k * j > lam; (n,) float64 of integers, exact."""
     c = np.ceil((a0 - lam) / k)
@@ -200,18 +194,22 @@ def threshold_extras(a0: np.ndarray, k: np.ndarray, spare: int, cap: int, proble
     return extras
 
 
-def solve_mckp_dp(values: np.ndarray, total: int) -> np.ndarray:
+def solve_mckp_dp(values: np.ndarray, total: int, *, fewest_on_ties: bool = False) -> np.ndarray:
     """Exact multiple-choice knapsack: max sum_i values[i, x_i] s.t. sum_i x_i = total.
 
     Args:
         values: (n, C + 1) value of giving x = 0..C extra units to item i.
         total: units to place, 0 <= total <= n * C.
+        fewest_on_ties: among choices of equal running total, item i takes the smallest x (the
+            Knapsack-RL authors' program); by default the largest.
     Returns:
         x: (n,) int64.
 
     Dynamic program over items; for each item one vectorised max over an (total + 1, C + 1)
     window view of the previous row (no Python loop over budgets or choices), with the reachable
-    range limited to what the items so far can hold. Memory: an (n, total + 1) int16 choice table.
+    range limited to what the items so far can hold. Each running total is the float64 sum
+    best[r - x] + values[i, x], item by item, so ties are exact. Memory: an (n, total + 1) int16
+    choice table.
     """
     n, width = values.shape
     cap = width - 1
@@ -226,7 +224,8 @@ def solve_mckp_dp(values: np.ndarray, total: int) -> np.ndarray:
         # windows[r, j] = best[r + j - cap]: choosing x = cap - j extra units for item i
         windows = sliding_window_view(padded, cap + 1)
         cand = windows + rev[i]
-        j = cand.argmax(axis=1)
+        # argmax takes the first maximum: scanning j = cap - x upwards is the largest x first
+        j = cap - cand[:, ::-1].argmax(axis=1) if fewest_on_ties else cand.argmax(axis=1)
         new = np.full(total + 1, neg)
         new[: reach + 1] = cand[np.arange(reach + 1), j]
         choice[i, : reach + 1] = cap - j

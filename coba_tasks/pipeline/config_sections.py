@@ -291,7 +291,8 @@ class AllocationConfig(Section):
         "paper", "coba variant: paper (heap over all prompts) or released (the authors' released code)"
     )
     solver: Annotated[Text, registered(coba_solvers)] = config_key(
-        "heap", "coba solver: heap (Algorithm 1), threshold (closed form) or dp (exact, slow)"
+        "heap",
+        "coba solver: heap (Algorithm 1), threshold (closed form) or dp (exact, slow); knapsack always runs its DP",
     )
     group_size: StrictInt = config_key(16, "G, the mean group size: B_total = M * G rollouts per step", ge=1)
     min_budget: StrictInt = config_key(
@@ -300,7 +301,11 @@ class AllocationConfig(Section):
         "must be >= 2: a GRPO group of one rollout has no advantage (set allocation.min_budget=2)",
         ge=2,
     )
-    max_budget: StrictInt = config_key(128, "B_up, most rollouts per prompt (>= allocation.min_budget)")
+    max_budget: StrictInt = config_key(
+        128,
+        "B_up, most rollouts per prompt (>= allocation.min_budget); knapsack: the cap of its knapsack, and its"
+        " surplus to prompts estimated at 0 may go above it",
+    )
     schedule: Schedule = config_key(
         "adaptive", "(alpha, beta): adaptive (from F), reversed (explore then exploit) or fixed"
     )
@@ -317,7 +322,9 @@ class AllocationConfig(Section):
     )
     gamma: Number = config_key(10.0, "steepness of the sigmoid applied to the failure rate when it is <= 0.5", gt=0)
     capability_window: StrictInt = config_key(1, "steps in the moving average of the failure rate", ge=1)
-    pass_rate_window: StrictInt = config_key(1, "a prompt's last visits whose pass rates give its p_i", ge=1)
+    pass_rate_window: StrictInt = config_key(
+        1, "a prompt's last visits whose pass rates give its p_i (knapsack pools its newest 16 rollouts instead)", ge=1
+    )
 
     @field_validator("tau", mode="before")
     @classmethod

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from coba_tasks.core.allocation import plan_allocation
-from coba_tasks.core.allocators import Allocation
+from coba_tasks.core.allocators import Allocation, Strategy
 from coba_tasks.core.capability import CapabilityTracker
 from coba_tasks.core.grpo import (
     RewardScaleError,
@@ -34,6 +34,7 @@ from coba_tasks.core.grpo import (
     unbounded_rewards,
     zero_variance_share,
 )
+from coba_tasks.core.knapsack import pool_outcomes, pooled_estimate
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
 
@@ -279,27 +280,47 @@ def tracker_from_capability(capability: pd.DataFrame) -> CapabilityTracker:
 
 
 def update_history(history: pd.DataFrame, rewards: pd.DataFrame, step: int, window: int) -> pd.DataFrame:
-    """Per prompt, its last ``window`` visits' pass rates (the allocator's memory)."""
+    """Per prompt, its last ``window`` visits' pass rates (the allocator's memory) and ``pooled_solved``, the
+    solved flags (1/0, in sample order, oldest first) that Knapsack-RL's estimate averages
+    (``coba_tasks.core.knapsack.pool_outcomes``). A history written before ``pooled_solved`` existed starts
+    every prompt's flags empty."""
     rates = pass_rates(rewards)
+    ordered = rewards.sort_values("sample_idx", kind="stable")
+    flags = solved(ordered).astype(int).groupby(ordered["prompt_id"], sort=False).agg(list)
     hist = {pid: list(v) for pid, v in zip(history["prompt_id"], history["pass_rates"], strict=True)}
     last = dict(zip(history["prompt_id"], history["last_step"], strict=True))
+    pooled = dict(zip(history["prompt_id"], pooled_flags(history), strict=True))
     for pid, rate in rates.items():
         hist[pid] = ([*hist.get(pid, []), float(rate)])[-window:]
         last[pid] = step
+        pooled[pid] = pool_outcomes(pooled.get(pid, []), flags[pid])
     ids = sorted(hist)
     return pd.DataFrame(
         {
             "prompt_id": ids,
             "pass_rates": [hist[i] for i in ids],
             "last_step": np.array([last[i] for i in ids], dtype=np.int64),
+            "pooled_solved": [pooled[i] for i in ids],
         }
     )
+
+
+def pooled_flags(history: pd.DataFrame) -> list[list[int]]:
+    """Each history row's ``pooled_solved`` (empty lists for a history written before that column)."""
+    if "pooled_solved" not in history.columns:
+        return [[] for _ in range(len(history))]
+    return [[int(v) for v in flags] for flags in history["pooled_solved"]]
 
 
 def empty_history() -> pd.DataFrame:
     """History before the first visit."""
     return pd.DataFrame(
-        {"prompt_id": pd.Series([], dtype=object), "pass_rates": pd.Series([], dtype=object), "last_step": []}
+        {
+            "prompt_id": pd.Series([], dtype=object),
+            "pass_rates": pd.Series([], dtype=object),
+            "last_step": [],
+            "pooled_solved": pd.Series([], dtype=object),
+        }
     ).astype({"last_step": np.int64})
 
 
@@ -341,8 +362,14 @@ def section_allocation(est: np.ndarray, alloc: Any, alpha: float, beta: float) -
 
 
 def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: CapabilityTracker, alloc: Any) -> pd.DataFrame:
-    """Budgets for ``batch`` from each prompt's recent pass rate (NaN if never seen) and (alpha, beta)."""
-    known = {pid: float(np.mean(r)) for pid, r in zip(history["prompt_id"], history["pass_rates"], strict=True)}
+    """Budgets for ``batch`` from each prompt's recent pass rate (NaN if never seen) and (alpha, beta).
+
+    Under ``knapsack`` the pass rate is Knapsack-RL's estimate instead: the mean of the prompt's
+    ``pooled_solved`` flags, NaN (no estimate) with fewer than 8 (``pooled_estimate``)."""
+    if alloc.strategy == Strategy.KNAPSACK.value:
+        known = {pid: pooled_estimate(f) for pid, f in zip(history["prompt_id"], pooled_flags(history), strict=True)}
+    else:
+        known = {pid: float(np.mean(r)) for pid, r in zip(history["prompt_id"], history["pass_rates"], strict=True)}
     est = np.array([known.get(pid, np.nan) for pid in batch], dtype=np.float64)
     alpha, beta = schedule_shape(tracker, alloc)
     plan = section_allocation(est, alloc, alpha, beta)

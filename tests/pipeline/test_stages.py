@@ -76,6 +76,36 @@ def test_budget_table_uniform_first_then_from_history():
     assert nxt["budget"].iloc[0] > nxt["budget"].iloc[1]  # (9, 2) before any update: exploit the easy prompt
 
 
+def test_history_pools_the_solved_flags_knapsack_rl_averages():
+    first = rewards_table({"a": [1, 0, 1, 1, 0, 0, 1, 1], "b": [0, 0]}).iloc[::-1]  # rows in another order
+    h = stages.update_history(stages.empty_history(), first, step=0, window=1)
+    h = stages.update_history(h, rewards_table({"a": [0, 0, 0, 0]}), step=1, window=1)
+    rec = h.set_index("prompt_id")
+    assert list(rec.loc["a", "pooled_solved"]) == [1, 0, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0]  # sample order, oldest first
+    assert list(rec.loc["b", "pooled_solved"]) == [0, 0] and rec.loc["a", "pass_rates"] == [0.0]
+    h = stages.update_history(h, rewards_table({"a": [1] * 16}), step=2, window=1)  # 16 or more: that visit alone
+    assert list(h.set_index("prompt_id").loc["a", "pooled_solved"]) == [1] * 16
+    # a history written before the column: the flags start empty
+    old = stages.update_history(h.drop(columns="pooled_solved"), rewards_table({"b": [1, 1]}), step=3, window=1)
+    assert list(old.set_index("prompt_id").loc["b", "pooled_solved"]) == [1, 1]
+
+
+def test_budget_table_knapsack_uses_its_pooled_estimate():
+    alloc = SimpleNamespace(**{**vars(ALLOC), "strategy": "knapsack", "group_size": 8, "max_budget": 32})
+    h = stages.update_history(stages.empty_history(), rewards_table({"a": [1] * 8, "b": [0, 0]}), 0, 1)
+    h = stages.update_history(h, rewards_table({"a": [0] * 4}), 1, 1)
+    table = stages.budget_table(["a", "b", "c"], h, CapabilityTracker(), alloc)
+    # a: 12 flags, estimate 8 / 12 (its last visit's pass rate is 0); b: 2 flags, c: none -> no estimate
+    assert table["pass_rate_est"].iloc[0] == pytest.approx(2 / 3) and table["pass_rate_est"].iloc[1:].isna().all()
+    # start 2, 8, 8 (G); a's cost int(log 0.1 / log(2/3)) = 5 < 6 spare: the surplus 1 goes to b (no estimate
+    # counts with the prompts at 0), the knapsack gives a 5
+    assert table["budget"].tolist() == [7, 9, 8]
+    assert table["group"].tolist() == ["mixed", "no_estimate", "no_estimate"]
+    # before the pooled flags existed: no prompt has an estimate, the budgets are uniform
+    old = stages.budget_table(["a", "b", "c"], h.drop(columns="pooled_solved"), CapabilityTracker(), alloc)
+    assert old["budget"].tolist() == [8, 8, 8] and old["pass_rate_est"].isna().all()
+
+
 def test_advantages_follow_rollout_order_and_groups():
     rewards = rewards_table({"a": [1, 0], "b": [1, 1, 1]})
     rollouts = rewards[["prompt_id", "sample_idx"]].iloc[::-1].reset_index(drop=True)  # another order
