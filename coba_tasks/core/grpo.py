@@ -36,6 +36,11 @@ trainer's ``logp_old`` of the same weights (bf16 kernels, another attention impl
 and, with a mask threshold tau > 1, tokens (token level) or whole sequences (sequence level) whose
 ratio lies outside [1/tau, tau] get weight 0. The normaliser stays sum_{i,j} T_ij.
 
+Prompt weighting (``prompt_loss_weights``, ``optim.prompt_weighting``): under the token mean a prompt
+weighs its T_i = sum_j T_ij tokens, so its weight grows with its rollouts. ``equal`` gives row (i, j)
+the token weight c_ij = N / (M * T_i) (N the batch's tokens, M its prompts) and the normaliser
+sum_{i,j} c_ij T_ij, so that loss = (1/M) sum_i (1/T_i) sum_{j,t} L_ijt: each prompt weighs 1/M.
+
 Micro-batches (gradient accumulation): ``policy_loss`` takes ``token_count``, the normaliser.
 Pass the token count of the *whole* batch to each micro-batch and the micro-batch losses sum to
 the full-batch loss, so their accumulated gradients equal the full-batch gradient.
@@ -363,6 +368,82 @@ def rollout_correction_stats(
         "is_clipped_frac": clipped / n,
         "is_masked_frac": 0.0 if cap is None else int(d.sum()) / n,
     }
+
+
+class PromptWeighting(StrEnum):
+    """How the loss weighs a step's prompts (``optim.prompt_weighting``; ``prompt_loss_weights``)."""
+
+    TOKENS = "tokens"  # every completion token the same (the token mean): a prompt weighs its token count
+    EQUAL = "equal"  # every prompt's group the same: extra rollouts lower its gradient's variance, not raise its weight
+
+
+def prompt_loss_weights(group_ids: torch.Tensor, lengths: torch.Tensor, weighting: str = "tokens") -> torch.Tensor:
+    """Each row's token weight c_r in the loss ``sum_r c_r sum_t L_rt / sum_r c_r T_r``, (n,) float64, no gradient.
+
+    Args:
+        group_ids: (n,) int, the prompt of each row (as ``group_advantages``; any order, any sizes).
+        lengths: (n,) the number of completion tokens T_r of each row.
+        weighting: ``"tokens"``: c_r = 1, the token mean. ``"equal"``: c_r = N / (M * T_i), with N = sum_r T_r
+            the batch's completion tokens, T_i those of row r's group i and M the number of groups with at
+            least one completion token (a group without any has no token to weigh: its rows get 0).
+
+    Under ``equal`` the loss is ``(1/M) sum_i (1/T_i) sum_{t in group i} L_t``: each prompt's group weighs
+    1/M whatever its number of rollouts. M counts every prompt of the batch, those whose rewards are all
+    equal too (their loss is 0, as under ``tokens``, where their tokens count in the normaliser), so when
+    every group has the same token count T, c_r = N / (M * T) = 1 exactly and both weightings give the
+    same loss bit for bit. sum_r c_r T_r = N (within rounding): the normaliser keeps the token mean's scale.
+
+    >>> prompt_loss_weights(torch.tensor([0, 0, 1, 1]), torch.tensor([3, 5, 1, 3]), "equal")
+    tensor([0.7500, 0.7500, 1.5000, 1.5000], dtype=torch.float64)
+    """
+    kind = PromptWeighting(weighting)
+    if group_ids.ndim != 1 or lengths.shape != group_ids.shape:
+        raise ValueError(
+            f"group_ids and lengths must be 1-D of the same length, got {tuple(group_ids.shape)} and "
+            f"{tuple(lengths.shape)}"
+        )
+    t = lengths.detach().to(torch.float64)  # (n,)
+    if bool((t < 0).any()):
+        raise ValueError("lengths must be >= 0")
+    if kind is PromptWeighting.TOKENS or t.numel() == 0:
+        return torch.ones_like(t)
+    uniq, inv = torch.unique(group_ids, return_inverse=True)  # (G,), (n,)
+    per_group = torch.zeros(uniq.numel(), dtype=torch.float64, device=t.device).index_add(0, inv, t)  # (G,) T_i
+    m = float((per_group > 0).sum())
+    t_i = per_group[inv]  # (n,) T_i of each row's group
+    safe = torch.where(t_i > 0, t_i, torch.ones_like(t_i))
+    return torch.where(t_i > 0, float(t.sum()) / (m * safe), torch.zeros_like(t_i))
+
+
+def effective_prompts(
+    group_ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor, advantages: torch.Tensor
+) -> float:
+    """N_eff = (sum_i W_i)^2 / sum_i W_i^2, the effective number of prompts of a loss, over the prompts that
+    carry a gradient (at least one rollout with a non-zero advantage).
+
+    W_i = sum_{r in i} c_r T_r is prompt i's total weight in the loss (``weights`` = c_r, ``prompt_loss_weights``;
+    ``lengths`` = T_r): under ``tokens`` its token count, under ``equal`` N / M for every prompt. N_eff is the
+    number of prompts of equal weight that would give the same spread: under ``equal`` the number of prompts
+    with a gradient; under ``tokens`` fewer when a few prompts hold most tokens (3 prompts of 30 rollouts
+    and 29 of 2, all of one length, give 7.8). 0.0 when no prompt carries a gradient.
+
+    >>> effective_prompts(torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([6, 6, 1, 1, 4, 4]),
+    ...                   torch.ones(6), torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0]))
+    1.3243243243243243
+    """
+    if not (group_ids.shape == lengths.shape == weights.shape == advantages.shape) or group_ids.ndim != 1:
+        raise ValueError(
+            "group_ids, lengths, weights and advantages must be 1-D of one length, got "
+            f"{[tuple(x.shape) for x in (group_ids, lengths, weights, advantages)]}"
+        )
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    zeros = torch.zeros(uniq.numel(), dtype=torch.float64, device=group_ids.device)
+    w = zeros.index_add(0, inv, weights.detach().to(torch.float64) * lengths.detach().to(torch.float64))  # (G,)
+    moves = zeros.index_add(0, inv, (advantages.detach() != 0).to(torch.float64)) > 0  # (G,) carries a gradient
+    w = w[moves & (w > 0)]
+    if w.numel() == 0:
+        return 0.0
+    return math.fsum(w.tolist()) ** 2 / math.fsum((w * w).tolist())
 
 
 def policy_loss(

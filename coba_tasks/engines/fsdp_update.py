@@ -224,8 +224,9 @@ def run_rank(
             trainer.load_checkpoint(checkpoint)
         shard_trainer(trainer, init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),)))
         prompt_ids, completion_ids, advantages, sampler_logprobs = read_batch(rollouts)
+        groups = read_group_ids(rollouts)
         try:  # every rank stops at the same step (the figures checked are summed or global)
-            metrics = trainer.update(prompt_ids, completion_ids, advantages, sampler_logprobs)
+            metrics = trainer.update(prompt_ids, completion_ids, advantages, sampler_logprobs, groups)
         except NonFiniteUpdateError as exc:
             if dist.get_rank() == 0:  # the caller's one line, not a traceback in the job's log
                 (Path(metrics_path).parent / STOPPED_FILE).write_text(str(exc))
@@ -249,9 +250,10 @@ def write_batch(
     completion_ids: Sequence[Sequence[int]],
     advantages: np.ndarray | torch.Tensor,
     sampler_logprobs: Sequence[Sequence[float]] | None = None,
+    group_ids: Sequence[int] | np.ndarray | None = None,
 ) -> Path:
     """One step's update batch as Parquet: prompt_ids, completion_ids (lists of int64), advantage (float64),
-    and the sampler's per-token logprobs (lists of float64) when given."""
+    the sampler's per-token logprobs (lists of float64) and each rollout's prompt (group_id, int64) when given."""
     import pyarrow as pa
 
     from coba_tasks.engines.fileio import write_parquet
@@ -270,6 +272,8 @@ def write_batch(
         table = table.append_column(
             "sampler_logprobs", pa.array([list(map(float, x)) for x in sampler_logprobs], type=pa.list_(pa.float64()))
         )
+    if group_ids is not None:
+        table = table.append_column("group_id", pa.array(np.asarray(group_ids, dtype=np.int64), type=pa.int64()))
     return write_parquet(table, path)
 
 
@@ -285,6 +289,15 @@ def read_batch(path: str | Path) -> tuple[list[list[int]], list[list[int]], np.n
         table.column("advantage").to_numpy(),
         logprobs,
     )
+
+
+def read_group_ids(path: str | Path) -> np.ndarray | None:
+    """The batch's group_id column (each rollout's prompt, for optim.prompt_weighting), None without one."""
+    import pyarrow.parquet as pq
+
+    if "group_id" not in pq.read_schema(str(path)).names:
+        return None
+    return pq.read_table(str(path), columns=["group_id"]).column("group_id").to_numpy()
 
 
 # -- the caller's side ------------------------------------------------------------------------------
@@ -304,11 +317,12 @@ def fsdp_update(
     extra_state: dict[str, Any] | None = None,
     timeout_s: float | None = None,
     sampler_logprobs: Sequence[Sequence[float]] | None = None,
+    group_ids: Sequence[int] | np.ndarray | None = None,
 ) -> dict[str, float]:
     """One GRPO update in ``processes`` FSDP ranks (a torchrun job); writes the checkpoint to ``out_dir``.
 
     The equivalent of ``PolicyTrainer(model_path, settings, seed)``, ``load_checkpoint(checkpoint)``
-    (when given), ``update(...)`` and ``save_checkpoint(out_dir, extra_state)``; returns the update's
+    (when given), ``update(..., group_ids)`` and ``save_checkpoint(out_dir, extra_state)``; returns the update's
     metrics. Raises ``NonFiniteUpdateError`` (one line) when the update stopped on a non-finite loss or
     gradient norm, ``FSDPUpdateError`` with the job's last output lines if it fails otherwise.
     """
@@ -316,7 +330,7 @@ def fsdp_update(
         raise ValueError(f"processes must be >= 1, got {processes}")
     with tempfile.TemporaryDirectory(prefix="coba-fsdp-") as tmp:
         t = Path(tmp)
-        write_batch(t / "batch.parquet", prompt_ids, completion_ids, advantages, sampler_logprobs)
+        write_batch(t / "batch.parquet", prompt_ids, completion_ids, advantages, sampler_logprobs, group_ids)
         (t / "settings.json").write_text(json.dumps(dataclasses.asdict(settings)))
         (t / "extra.json").write_text(json.dumps(extra_state or {}))
         cmd = [

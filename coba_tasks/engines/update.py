@@ -18,6 +18,8 @@ mini-batches: the rollouts are shuffled, seeded by the update count, and cut int
    token's loss is weighted by min(pi_old / pi_sampler, C) from logp_old and the sampler's
    log-probabilities (``coba_tasks.core.grpo.rollout_correction_weights``); the update reports the
    ratio's statistics (``is_*``) whether or not the weight is applied.
+5. Prompt weighting (``prompt_weighting``): ``tokens`` is the token mean above; ``equal`` weighs each
+   prompt's group the same (``coba_tasks.engines.update_batch.PromptWeights``).
 
 Precision: the training model keeps float32 weights and AdamW state whatever ``dtype`` says; with
 ``dtype`` bfloat16 or float16 the forward and backward passes run under ``torch.autocast`` in that
@@ -68,6 +70,7 @@ from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass
 from coba_tasks.engines.update_batch import (
     DataShard,
     NonFiniteUpdateError,
+    PromptWeights,
     check_advantages,
     check_optimizer_step,
     pad_sequences,
@@ -87,6 +90,7 @@ class _Batch(NamedTuple):
     completion_ids: Sequence[Sequence[int]]
     advantages: np.ndarray | torch.Tensor
     sampler_logprobs: Sequence[Sequence[float]] | None
+    prompts: PromptWeights  # how the loss weighs the step's prompts
 
 
 class PolicyTrainer:
@@ -176,8 +180,10 @@ class PolicyTrainer:
         completion_ids: Sequence[Sequence[int]],
         advantages: np.ndarray | torch.Tensor,
         sampler_logprobs: Sequence[Sequence[float]] | None = None,
+        group_ids: Sequence[int] | np.ndarray | None = None,
     ) -> dict[str, float]:
-        """One GRPO update on a step's rollouts; returns its metrics.
+        """One GRPO update on a step's rollouts; returns its metrics. ``group_ids``: each rollout's prompt, for
+        ``prompt_weighting`` (None: the rollouts with identical prompt token ids are one prompt's).
 
         ``sampler_logprobs`` (one list per rollout, one float per completion token: the rollout
         engine's log p of the tokens it sampled) are compared with the trainer's own log p of the same
@@ -188,7 +194,8 @@ class PolicyTrainer:
         if len(prompt_ids) == 0:
             raise ValueError("GRPO update on an empty batch")
         check_advantages(advantages, self.settings.lr)  # never a pass, let alone a step, on a NaN advantage
-        batch = _Batch(prompt_ids, completion_ids, advantages, sampler_logprobs)
+        weights = PromptWeights(self.settings.prompt_weighting, prompt_ids, completion_ids, group_ids)
+        batch = _Batch(prompt_ids, completion_ids, advantages, sampler_logprobs, weights)
         if self.shared_prefix_unavailable() is None:
             return self._update_shared_prefix(batch)
         return self._update_full_sequences(batch)
@@ -254,14 +261,14 @@ class PolicyTrainer:
         totals: dict[str, float],
         trained: torch.Tensor,
     ) -> int:
-        """``update_epochs`` epochs over the ``n`` rows in ``parts`` mini-batches (shuffled when more than
-        one; the order is seeded by the update count, so a resume agrees), one optimizer step each:
-        ``mini_batch(rows, tokens)`` accumulates the gradients of the mini-batch's ``trained`` rows; its
-        token-mean normaliser ``tokens`` counts the completion tokens of all its rows (``tokens_of``; a
-        mini-batch without any is skipped). A mini-batch whose rows are all skipped still makes its
-        optimizer step, with a zero gradient (AdamW's momentum and weight decay move the weights then too),
-        as the update without skipping would. A mini-batch whose loss or gradient norm is not finite stops the
-        update before its optimizer step (``NonFiniteUpdateError``). Returns the optimizer steps made."""
+        """``update_epochs`` epochs over the ``n`` rows in ``parts`` mini-batches (shuffled when more than one;
+        the order is seeded by the update count, so a resume agrees), one optimizer step each: ``mini_batch(rows,
+        tokens)`` accumulates the gradients of the mini-batch's ``trained`` rows; its normaliser ``tokens`` counts
+        the completion tokens of all its rows (``tokens_of``; weighted by prompt under ``equal``; a mini-batch
+        without any is skipped). A mini-batch whose rows are all skipped still makes its optimizer step, with a
+        zero gradient (AdamW's momentum and weight decay move the weights then too), as the update without
+        skipping would. A mini-batch whose loss or gradient norm is not finite stops the update before its
+        optimizer step (``NonFiniteUpdateError``). Returns the optimizer steps made."""
         gen = torch.Generator().manual_seed(self.updates)
         trained = trained.cpu()
         opt_steps, planned = 0, self.settings.update_epochs * parts
@@ -318,7 +325,7 @@ class PolicyTrainer:
             "skipped_rows": int(n - sum(kept)),  # advantage 0, left out of the forward and backward passes
             "skipped_tokens": int(sum(length for length, k in zip(lengths, kept, strict=True) if not k)),
             "diagnostic_rows": int(sum(kept)),  # the rows entropy, logprob_diff_* and is_* cover
-            **is_stats,  # the rollout correction's ratio statistics (measured when it is off too)
+            **is_stats,  # the rollout correction's ratio statistics (measured when off too), the prompt weighting
         }
 
     def _time(self, what: str, since: float) -> None:
@@ -346,7 +353,7 @@ class PolicyTrainer:
         update, within float rounding. With one optimizer step (``mini_batches`` 1, ``update_epochs`` 1)
         logp_old is the same forward's log-probabilities, detached: the weights have not moved yet, so a
         separate pass would compute the same numbers again."""
-        prompt_ids, completion_ids, advantages, sampler_logprobs = batch
+        prompt_ids, completion_ids, advantages, sampler_logprobs, prompts = batch
         s = self.settings
         n = len(prompt_ids)
         adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32), device=self.device)
@@ -388,12 +395,13 @@ class PolicyTrainer:
                 if sampler_rows is not None:  # the rollout correction's weights, from logp_old and the sampler's
                     theirs = padded_rows([sampler_rows[r] for r in idx.tolist()], logp)
                     rc = self._correction_weights(old, theirs, mask)
+                rc = prompts.loss_weights(idx, rc, logp)  # times each row's prompt weight (none under tokens)
                 loss, stats = policy_loss(
                     logp, old, adv[idx], weights, s.clip_low, s.clip_high, token_count=mb_tokens, weights=rc
                 )
                 if self.ref_model is not None:
                     ref = padded_rows([ref_rows[r] for r in idx.tolist()], logp)
-                    kl = masked_mean(kl_penalty(logp, ref, weights), weights, mb_tokens)
+                    kl = masked_mean(prompts.weigh(kl_penalty(logp, ref, weights), idx), weights, mb_tokens)
                     loss = loss + s.kl_coef * kl
                     totals["kl"] += float(kl.detach()) * mb_tokens
                 totals["loss"] += float(loss.detach()) * mb_tokens
@@ -418,9 +426,7 @@ class PolicyTrainer:
                 temperature=self.settings.temperature,
             )
 
-        opt_steps = self._mini_batch_steps(
-            n, parts, lambda rows: float(sum(lengths[int(r)] for r in rows)), mini_batch, totals, trained
-        )
+        opt_steps = self._mini_batch_steps(n, parts, prompts.tokens, mini_batch, totals, trained)
         gap = sampler_gap_rows(
             [old_rows[r] for r in kept_rows],
             None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_rows],
@@ -430,6 +436,7 @@ class PolicyTrainer:
             [old_rows[r] for r in kept_rows],
             None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_rows],
         )
+        is_stats |= prompts.figures(advantages)
         return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths, is_stats)
 
     def _grouped_logprobs(
@@ -462,7 +469,7 @@ class PolicyTrainer:
 
     def _update_full_sequences(self, batch: _Batch) -> dict[str, float]:
         """``update`` on padded ``prompt + completion`` sequences: the reference, and what FSDP ranks run."""
-        prompt_ids, completion_ids, advantages, sampler_logprobs = batch
+        prompt_ids, completion_ids, advantages, sampler_logprobs, prompts = batch
         s = self.settings
         self.timings = {}
         ids, attn, comp = pad_sequences(prompt_ids, completion_ids, self.pad_id)
@@ -519,10 +526,12 @@ class PolicyTrainer:
                     s.clip_low,
                     s.clip_high,
                     token_count=mb_tokens,
-                    weights=None if rc_weights is None else rc_weights[idx],
+                    weights=prompts.loss_weights(idx, None if rc_weights is None else rc_weights[idx], logp),
                 )
                 if ref_logp is not None:
-                    kl = masked_mean(kl_penalty(logp, ref_logp[idx], mask[idx]), mask[idx], mb_tokens)
+                    kl = masked_mean(
+                        prompts.weigh(kl_penalty(logp, ref_logp[idx], mask[idx]), idx), mask[idx], mb_tokens
+                    )
                     loss = loss + s.kl_coef * kl
                     totals["kl"] += float(kl.detach()) * mb_tokens
                 t0 = time.perf_counter()
@@ -535,10 +544,9 @@ class PolicyTrainer:
                 totals["entropy"] += _exact_sum(ent.detach()[mask[idx] > 0])
                 totals["entropy_tokens"] += n_tok
 
-        opt_steps = self._mini_batch_steps(
-            n, parts, lambda rows: float(mask[rows.to(self.device)].sum()), mini_batch, totals, trained
-        )
+        opt_steps = self._mini_batch_steps(n, parts, prompts.tokens, mini_batch, totals, trained)
         lengths = [len(c) for c in completion_ids]
+        is_stats |= prompts.figures(advantages)
         return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths, is_stats)
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -7,7 +7,8 @@ processes'; ``coba_tasks.engines.fsdp_update.DistributedShard`` is its data-para
 ``sampler_gap`` / ``sampler_gap_rows`` (how far the rollout engine's log-probabilities of the sampled
 tokens are from the trainer's: the update's ``logprob_diff_mean`` and ``logprob_diff_max``), and
 ``sampler_padded`` / ``rollout_ratio_stats`` (those figures laid out for the rollout correction, and
-its ``is_*`` statistics).
+its ``is_*`` statistics), and ``PromptWeights`` (how the loss weighs the step's prompts, per mini-batch
+and micro-batch).
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from coba_tasks.core.grpo import RolloutCorrection, rollout_correction_stats, rollout_correction_weights
+from coba_tasks.core.grpo import (
+    PromptWeighting,
+    RolloutCorrection,
+    effective_prompts,
+    prompt_loss_weights,
+    rollout_correction_stats,
+    rollout_correction_weights,
+)
 
 
 class NonFiniteUpdateError(ValueError):
@@ -204,3 +212,69 @@ def rollout_ratio_stats(
         old, theirs, mask, level if applied else "token", cap, mask_threshold if applied else 0.0
     )
     return rollout_correction_stats(ratio, dropped, mask, cap if applied else None)
+
+
+class PromptWeights:
+    """How the update's loss weighs a step's prompts (``optim.prompt_weighting``; docs/method.md).
+
+    ``coba_tasks.core.grpo.prompt_loss_weights`` gives each row a token weight c_r from the *whole step*
+    (its prompt's share: 1 under ``tokens``, N / (M * T_i) under ``equal``); a mini-batch's loss is
+    ``sum_r c_r sum_t L_rt / sum_r c_r T_r`` over its rows, the normaliser counting every row of the
+    mini-batch (those left out of the passes too), as the token mean counts every token. With one
+    mini-batch that is ``(1/M) sum_i (1/T_i) sum_{t in i} L_t`` under ``equal``; with several, each
+    mini-batch weighs its tokens as the step does, normalised over the mini-batch (as the token mean
+    divides by the mini-batch's tokens). Every process of a data-parallel update reads the whole step, so
+    each computes the same weights and normalisers: the summed gradient is the single-process one.
+
+    ``group_ids`` (one per row, the prompt it answers); None groups the rows by identical prompt token ids.
+    """
+
+    def __init__(
+        self,
+        weighting: str,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        group_ids: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        self.weighting = PromptWeighting(weighting)
+        if group_ids is None:
+            first: dict[tuple[int, ...], int] = {}
+            group_ids = [first.setdefault(tuple(int(t) for t in p), len(first)) for p in prompt_ids]
+        self.groups = torch.as_tensor(np.asarray(group_ids, dtype=np.int64))  # (n,)
+        if self.groups.shape != (len(completion_ids),):
+            raise ValueError(f"{self.groups.numel()} group ids for {len(completion_ids)} rollouts")
+        self.lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float64)  # (n,) T_r
+        # (n,) c_r; None under tokens (every weight 1: the update multiplies by nothing, as before)
+        self.row_weights: torch.Tensor | None = None
+        if self.weighting is not PromptWeighting.TOKENS:
+            self.row_weights = prompt_loss_weights(self.groups, self.lengths, self.weighting)
+
+    def tokens(self, rows: torch.Tensor) -> float:
+        """The normaliser of the mini-batch ``rows``: its completion tokens, each weighted by c_r."""
+        rows = rows.cpu()
+        if self.row_weights is None:
+            return float(self.lengths[rows].sum())
+        return float((self.row_weights[rows] * self.lengths[rows]).sum())
+
+    def weigh(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) per-token values of the rows ``idx`` times their rows' c_r; ``x`` itself under tokens."""
+        if self.row_weights is None:
+            return x
+        return x * self.row_weights[idx.cpu()].to(device=x.device, dtype=x.dtype).unsqueeze(-1)
+
+    def loss_weights(self, idx: torch.Tensor, rc: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+        """``policy_loss``'s (B, T) ``weights`` of the rows ``idx``: the rollout correction's ``rc`` (None when
+        off) times the rows' c_r; ``rc`` itself under tokens."""
+        if self.row_weights is None:
+            return rc
+        return self.weigh(torch.ones_like(like).detach() if rc is None else rc, idx)
+
+    def figures(self, advantages: np.ndarray | torch.Tensor) -> dict[str, float | str]:
+        """The update's ``prompt_weighting`` and ``effective_prompts`` (``coba_tasks.core.grpo.effective_prompts``
+        over the prompts with a non-zero advantage, from the step's weights)."""
+        adv = torch.as_tensor(advantages).detach().double().cpu().flatten()
+        c = torch.ones_like(self.lengths) if self.row_weights is None else self.row_weights
+        return {
+            "prompt_weighting": self.weighting.value,
+            "effective_prompts": effective_prompts(self.groups, self.lengths, c, adv),
+        }

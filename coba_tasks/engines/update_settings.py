@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coba_tasks.core.grpo import RolloutCorrection
+from coba_tasks.core.grpo import PromptWeighting, RolloutCorrection
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class UpdateSettings:
     rollout_correction: str = "none"
     rollout_correction_cap: float = 2.0
     rollout_mask_threshold: float = 0.0
+    # how the loss weighs the step's prompts (coba_tasks.core.grpo.prompt_loss_weights): tokens = the token mean
+    # (a prompt weighs its completion tokens), equal = each prompt's group weighs the same
+    prompt_weighting: str = "tokens"
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -56,6 +59,10 @@ class UpdateSettings:
             raise ValueError(
                 f"rollout_correction must be one of {[k.value for k in RolloutCorrection]}, "
                 f"got {self.rollout_correction!r}"
+            )
+        if self.prompt_weighting not in {k.value for k in PromptWeighting}:
+            raise ValueError(
+                f"prompt_weighting must be one of {[k.value for k in PromptWeighting]}, got {self.prompt_weighting!r}"
             )
         if not self.rollout_correction_cap > 0:
             raise ValueError(f"rollout_correction_cap must be > 0, got {self.rollout_correction_cap}")

@@ -87,6 +87,7 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("run", "trackers"): [],
     ("verify", "gsm8k_answer"): "math",
     ("verify", "max_error_share"): 0.5,
+    ("optim", "prompt_weighting"): "tokens",
 }
 
 

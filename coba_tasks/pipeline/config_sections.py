@@ -41,6 +41,8 @@ Schedule = Literal["adaptive", "reversed", "fixed"]  # allocation.schedule: the 
 ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocators.Mode
 # optim.rollout_correction: coba_tasks.core.grpo.RolloutCorrection's values (not imported here: it pulls in torch)
 RolloutCorrectionLevel = Literal["none", "token", "sequence"]
+# optim.prompt_weighting: coba_tasks.core.grpo.PromptWeighting's values (not imported here either)
+PromptWeightingName = Literal["tokens", "equal"]
 DTYPES = get_args(Dtype)
 assert set(get_args(ModeName)) == {m.value for m in Mode}, "allocation.mode's words are Mode's values"
 
@@ -407,6 +409,14 @@ class OptimConfig(Section):
         "tau > 1: tokens (token level) or completions (sequence level) whose ratio is outside [1/tau, tau] are "
         "left out of the loss (veRL's rollout_rs_threshold); 0 = no masking",
         ge=0,
+    )
+    prompt_weighting: PromptWeightingName = config_key(
+        "tokens",
+        "how the loss weighs a step's prompts: tokens = every completion token the same (the token mean, as veRL and "
+        "the paper: a prompt weighs its tokens, so its weight grows with its rollouts); equal = each prompt's group "
+        "the same (1/M, its tokens sharing it: more rollouts lower its gradient's variance, not raise its weight)",
+        "must be tokens (every completion token of the step weighs the same) or equal (every prompt of the step "
+        "weighs the same)",
     )
 
     @model_validator(mode="after")

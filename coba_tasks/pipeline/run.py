@@ -388,6 +388,7 @@ def update_settings(cfg: Config) -> UpdateSettings:
         rollout_correction=o.rollout_correction,
         rollout_correction_cap=o.rollout_correction_cap,
         rollout_mask_threshold=o.rollout_mask_threshold,
+        prompt_weighting=o.prompt_weighting,
     )
 
 

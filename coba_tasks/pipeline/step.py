@@ -200,6 +200,7 @@ def _update(res: RunResources, step: int) -> pd.DataFrame:
     scored = res.store.read_table(step, Table.REWARDS)
     adv = stages.advantages_for(rolled, scored)
     prompt_ids, completion_ids, sampler_logprobs = stages.update_sequences(rolled, res.prompts)
+    groups = pd.factorize(rolled["prompt_id"])[0]  # each rollout's prompt (optim.prompt_weighting)
     tracker = stages.tracker_from_capability(res.store.read_table(step, Table.CAPABILITY))
     extra_state = {"step": step, "capability": tracker.to_dict()}
     fsdp = res.cfg.optim.fsdp_processes > 1
@@ -220,9 +221,10 @@ def _update(res: RunResources, step: int) -> pd.DataFrame:
                 seed=res.cfg.run.seed,
                 extra_state=extra_state,
                 sampler_logprobs=sampler_logprobs,
+                group_ids=groups,
             )
         else:
-            metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs)
+            metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs, groups)
     if slept:
         res.store.write_step_json(step, "engine_sleep", slept)
     if not fsdp:

@@ -9,11 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coba_tasks.core.grpo import (
+    effective_prompts,
     entropy_from_logits,
     group_advantages,
     kl_penalty,
     masked_mean,
     policy_loss,
+    prompt_loss_weights,
     rollout_correction_stats,
     rollout_correction_weights,
     token_logprobs,
@@ -527,3 +529,87 @@ def test_token_level_weights_are_biased_for_a_sequence_advantage():
         loss, _ = policy_loss(logp, old, adv, mask, weights=w)
         (grads[level],) = torch.autograd.grad(loss, theta, retain_graph=True)
     assert not torch.allclose(grads["token"], grads["sequence"], rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt weighting
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.lists(st.integers(0, 5), min_size=1, max_size=14),
+    data=st.data(),
+)
+def test_equal_prompt_weights_give_each_prompt_the_same_weight(groups, data):
+    """Ragged, unsorted groups, completions of 0 to 6 tokens: the loss sum_r c_r sum_t L_rt / sum_r c_r T_r with
+    the equal weights is (1/M) sum_i (1/T_i) sum_{t in i} L_t, M the groups with a token, in float64 within
+    1e-12; through ``policy_loss`` (weights c_r, token_count sum_r c_r T_r) as well. Under tokens every weight
+    is 1. sum_r c_r T_r is the batch's token count."""
+    n = len(groups)
+    lengths = data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    g = torch.tensor(groups)
+    t = torch.tensor(lengths)
+    width = max([*lengths, 1])
+    mask = torch.arange(width).unsqueeze(0) < t.unsqueeze(1)  # (n, W)
+    gen = torch.Generator().manual_seed(len(groups) * 7 + sum(lengths))
+    loss_t = torch.randn(n, width, generator=gen, dtype=torch.float64)  # the per-token losses L_rt
+    assert torch.equal(prompt_loss_weights(g, t, "tokens"), torch.ones(n, dtype=torch.float64))
+    c = prompt_loss_weights(g, t, "equal")
+    if sum(lengths) == 0:
+        assert torch.equal(c, torch.zeros(n, dtype=torch.float64))
+        return
+    assert float((c * t).sum()) == pytest.approx(sum(lengths), rel=1e-12)
+    per_group = {}  # written out: each group's token mean, then the mean over the groups with a token
+    for r, gid in enumerate(groups):
+        tok, total = per_group.get(gid, (0, 0.0))
+        per_group[gid] = (tok + lengths[r], total + math.fsum(loss_t[r, : lengths[r]].tolist()))
+    want = sum(total / tok for tok, total in per_group.values() if tok) / sum(1 for tok, _ in per_group.values() if tok)
+    weighted = float(torch.where(mask, loss_t, 0.0).sum(-1).mul(c).sum() / (c * t).sum())
+    assert weighted == pytest.approx(want, rel=1e-12, abs=1e-12)
+    # through policy_loss at rho = 1: L_rt = -A_r, so the loss is -(1/M) sum_i (1/T_i) sum_{r in i} A_r T_r
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    logp = torch.randn(n, width, generator=gen, dtype=torch.float64)
+    got, _ = policy_loss(logp, logp, adv, mask, token_count=float((c * t).sum()), weights=c.unsqueeze(-1) * mask)
+    per_group = {}
+    for r, gid in enumerate(groups):
+        tok, total = per_group.get(gid, (0, 0.0))
+        per_group[gid] = (tok + lengths[r], total - float(adv[r]) * lengths[r])
+    want = sum(total / tok for tok, total in per_group.values() if tok) / sum(1 for tok, _ in per_group.values() if tok)
+    assert float(got) == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_equal_prompt_weights_edges():
+    """Every group with as many tokens: every weight is exactly 1 (the token mean, bit for bit). A group without
+    a completion token weighs nothing and is not counted in M. Shapes and names are checked."""
+    even = prompt_loss_weights(torch.tensor([3, 3, 1, 1, 1, 8]), torch.tensor([4, 2, 1, 2, 3, 6]), "equal")
+    assert torch.equal(even, torch.ones(6, dtype=torch.float64))
+    c = prompt_loss_weights(torch.tensor([0, 0, 1, 2]), torch.tensor([2, 2, 0, 1]), "equal")
+    assert c.tolist() == [5 / (2 * 4), 5 / (2 * 4), 0.0, 5 / (2 * 1)]
+    with pytest.raises(ValueError, match="'prompts' is not a valid PromptWeighting"):
+        prompt_loss_weights(torch.tensor([0]), torch.tensor([1]), "prompts")
+    with pytest.raises(ValueError, match="1-D of the same length"):
+        prompt_loss_weights(torch.tensor([0, 1]), torch.tensor([1]), "equal")
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        prompt_loss_weights(torch.tensor([0, 1]), torch.tensor([1, -1]), "equal")
+    assert prompt_loss_weights(torch.zeros(0, dtype=torch.long), torch.zeros(0), "equal").numel() == 0
+
+
+def test_effective_prompts_counts_the_prompts_with_a_gradient():
+    """Under tokens (sum T_i)^2 / sum T_i^2 over the prompts with a non-zero advantage; under equal their number;
+    an all-equal group (advantage 0 everywhere) is left out, a group with one 0 among others is not; 0.0
+    without any. 3 prompts of 30 rollouts and 29 of 2 (one length): 148^2 / (3 * 30^2 + 29 * 2^2)."""
+    g = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    t = torch.tensor([3, 1, 2, 5, 5, 1, 1, 1, 1])
+    adv = torch.tensor([0.5, 0.0, -0.5, 0.0, 0.0, 1.0, -1.0, 1.0, -1.0])
+    tokens = effective_prompts(g, t, prompt_loss_weights(g, t, "tokens"), adv)
+    assert tokens == pytest.approx((6 + 4) ** 2 / (6**2 + 4**2), rel=1e-15)
+    assert effective_prompts(g, t, prompt_loss_weights(g, t, "equal"), adv) == pytest.approx(2.0, rel=1e-15)
+    assert effective_prompts(g, t, torch.ones(9), torch.zeros(9)) == 0.0
+    sizes = torch.tensor([30] * 3 + [2] * 29)
+    big = torch.repeat_interleave(torch.arange(32), sizes)
+    ones = torch.ones(big.numel())
+    assert effective_prompts(big, ones, ones, ones) == pytest.approx(148**2 / (3 * 900 + 29 * 4), rel=1e-15)
+    assert effective_prompts(big, ones, prompt_loss_weights(big, ones, "equal"), ones) == pytest.approx(32, rel=1e-14)
+    with pytest.raises(ValueError, match="1-D of one length"):
+        effective_prompts(g, t, torch.ones(8), adv)

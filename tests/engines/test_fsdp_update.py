@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from coba_tasks.core.grpo import group_advantages
-from coba_tasks.engines.fsdp_update import FSDPUpdateError, fsdp_update, read_batch, write_batch
+from coba_tasks.engines.fsdp_update import FSDPUpdateError, fsdp_update, read_batch, read_group_ids, write_batch
 from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_batch import DataShard
 from coba_tasks.engines.update_settings import UpdateSettings
@@ -84,6 +84,11 @@ def test_batch_file_round_trips(tmp_path):
     logprobs = [[-0.5 - k for k in range(len(x))] for x in completions]
     *_, lp = read_batch(write_batch(tmp_path / "c.parquet", prompts, completions, adv, logprobs))
     assert lp == logprobs
+    # each rollout's prompt, for optim.prompt_weighting: kept when given, None when not
+    assert read_group_ids(tmp_path / "b.parquet") is None
+    groups = np.repeat(np.arange(len(GROUP_SIZES)), GROUP_SIZES)[::-1]
+    path = write_batch(tmp_path / "d.parquet", prompts, completions, adv, group_ids=groups)
+    assert np.array_equal(read_group_ids(path), groups) and read_batch(path)[0] == prompts
 
 
 def test_fsdp_processes_is_checked_and_hash_neutral_at_its_default():
@@ -180,6 +185,33 @@ def test_fsdp_update_from_the_base_model(random_checkpoints, tmp_path):
     assert metrics["loss"] == pytest.approx(expected_metrics["loss"], abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(expected_metrics["grad_norm"], rel=1e-5)
     assert metrics["tokens"] == expected_metrics["tokens"] and metrics["optimizer_steps"] == 1
+
+
+@pytest.mark.slow
+def test_fsdp_update_weighs_each_prompt_the_same(random_checkpoints, tmp_path):
+    """optim.prompt_weighting=equal over 2 ranks and 2 mini-batches: the group ids travel in the batch file and
+    every rank weighs its rows with the whole step's weights and each mini-batch's normaliser, so the update is
+    the single-process one (group 2's four rollouts are two prompts here, which its prompt tokens alone would
+    not say: the update that groups by prompt tokens has another loss and gradient norm)."""
+    a, _ = random_checkpoints
+    s = UpdateSettings(lr=1e-3, micro_batch_size=2, mini_batches=2, eps=1e-5, prompt_weighting="equal")
+    batch = ragged_batch(4)
+    groups = np.array([0, 0, 1, 1, 1, 2, 2, 3, 3])
+    single = PolicyTrainer(a, s)
+    before = weights(single)
+    expected_metrics = single.update(*batch, None, groups)
+    expected = weights(single)
+    by_prompt = PolicyTrainer(a, s).update(*batch)  # no group ids: group 2's rollouts are one prompt's
+    metrics = fsdp_update(a, tmp_path / "fsdp", *batch, s, 2, extra_state={"step": 0}, timeout_s=300, group_ids=groups)
+    got = load_file(str(tmp_path / "fsdp" / "model.safetensors"))
+    step_size, diff = max_diff(expected, before), max_diff(got, expected)
+    assert diff <= REL_TOL * step_size
+    assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=1e-5, abs=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(expected_metrics["grad_norm"], rel=1e-5)
+    assert metrics["prompt_weighting"] == "equal" and metrics["optimizer_steps"] == 2
+    assert metrics["effective_prompts"] == pytest.approx(4.0, rel=1e-12) == expected_metrics["effective_prompts"]
+    assert by_prompt["effective_prompts"] == pytest.approx(3.0, rel=1e-12)
+    assert by_prompt["grad_norm"] != pytest.approx(expected_metrics["grad_norm"], rel=1e-3)
 
 
 def test_a_failed_job_says_why(tmp_path, monkeypatch):

@@ -389,6 +389,25 @@ def test_on_bad_rows_is_error_or_skip_and_only_skip_changes_the_hash():
     assert config_from_dict(without) == cfg  # an older run's config.yaml (no such key) loads with the default
 
 
+def test_prompt_weighting_is_tokens_or_equal_and_hash_neutral_at_tokens():
+    """optim.prompt_weighting: tokens (the default, the token mean) or equal; at its default a run keeps the hash
+    it had before the key existed; the update is told it (coba_tasks.pipeline.run.update_settings)."""
+    from coba_tasks.pipeline.run import update_settings
+
+    cfg = load_config(TINY_DEMO)
+    assert cfg.optim.prompt_weighting == "tokens" and update_settings(cfg).prompt_weighting == "tokens"
+    assert HASH_NEUTRAL_DEFAULTS[("optim", "prompt_weighting")] == "tokens"
+    without = config_to_dict(cfg)
+    del without["optim"]["prompt_weighting"]
+    assert config_from_dict(without) == cfg  # an older run's config.yaml loads with the default
+    assert config_hash(apply_overrides(cfg, ["optim.prompt_weighting=tokens"])) == config_hash(cfg)
+    equal = apply_overrides(cfg, ["optim.prompt_weighting=equal"])
+    assert update_settings(equal).prompt_weighting == "equal" and config_hash(equal) != config_hash(cfg)
+    with pytest.raises(ConfigError, match=r"^optim\.prompt_weighting = 'prompts': must be tokens .* or equal") as info:
+        apply_overrides(cfg, ["optim.prompt_weighting=prompts"])
+    assert "\n" not in str(info.value)
+
+
 def test_sections_validate_when_built_directly():
     with pytest.raises(ConfigError, match=r"optim\.lr = -1\.0"):
         OptimConfig(lr=-1)
