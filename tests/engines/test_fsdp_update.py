@@ -161,8 +161,12 @@ def test_two_fsdp_processes_give_the_single_process_update_and_checkpoint(random
 
 
 @pytest.mark.slow
-def test_fsdp_update_from_the_base_model(random_checkpoints, tmp_path):
-    """Step 0: no checkpoint to continue from (fresh AdamW state), one mini-batch, no KL.
+def test_fsdp_update_from_the_base_model_weighs_each_prompt_the_same(random_checkpoints, tmp_path):
+    """Step 0: no checkpoint to continue from (fresh AdamW state), no KL, optim.prompt_weighting=equal over 2
+    ranks and 2 mini-batches: the group ids travel in the batch file and every rank weighs its rows with the
+    whole step's weights and each mini-batch's normaliser, so the update is the single-process one (group 2's
+    four rollouts are two prompts here, which its prompt tokens alone would not say: the update that groups by
+    prompt tokens has another loss and gradient norm).
 
     AdamW's first step is lr * g / (|g| + eps): where |g| is near eps, a gradient that differs in its
     last bits (summed over ranks in another order) moves the weight measurably differently. Measured
@@ -170,29 +174,6 @@ def test_fsdp_update_from_the_base_model(random_checkpoints, tmp_path):
     size (all of it at weights with |g| ~ 1e-8); with eps 1e-6, 4e-4. eps 1e-5 keeps that amplification
     out of the check.
     """
-    a, _ = random_checkpoints
-    s = UpdateSettings(lr=1e-3, micro_batch_size=4, eps=1e-5)
-    batch = ragged_batch(3)
-    single = PolicyTrainer(a, s)
-    before = weights(single)
-    expected_metrics = single.update(*batch)
-    expected = weights(single)
-    metrics = fsdp_update(a, tmp_path / "fsdp", *batch, s, 2, extra_state={"step": 0}, timeout_s=300)
-    got = load_file(str(tmp_path / "fsdp" / "model.safetensors"))
-    step_size, diff = max_diff(expected, before), max_diff(got, expected)
-    print(f"\nupdate size {step_size:.3e}, FSDP vs single-process max abs weight difference {diff:.3e}")
-    assert diff <= REL_TOL * step_size
-    assert metrics["loss"] == pytest.approx(expected_metrics["loss"], abs=1e-6)
-    assert metrics["grad_norm"] == pytest.approx(expected_metrics["grad_norm"], rel=1e-5)
-    assert metrics["tokens"] == expected_metrics["tokens"] and metrics["optimizer_steps"] == 1
-
-
-@pytest.mark.slow
-def test_fsdp_update_weighs_each_prompt_the_same(random_checkpoints, tmp_path):
-    """optim.prompt_weighting=equal over 2 ranks and 2 mini-batches: the group ids travel in the batch file and
-    every rank weighs its rows with the whole step's weights and each mini-batch's normaliser, so the update is
-    the single-process one (group 2's four rollouts are two prompts here, which its prompt tokens alone would
-    not say: the update that groups by prompt tokens has another loss and gradient norm)."""
     a, _ = random_checkpoints
     s = UpdateSettings(lr=1e-3, micro_batch_size=2, mini_batches=2, eps=1e-5, prompt_weighting="equal")
     batch = ragged_batch(4)
@@ -209,6 +190,7 @@ def test_fsdp_update_weighs_each_prompt_the_same(random_checkpoints, tmp_path):
     assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=1e-5, abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(expected_metrics["grad_norm"], rel=1e-5)
     assert metrics["prompt_weighting"] == "equal" and metrics["optimizer_steps"] == 2
+    assert metrics["tokens"] == expected_metrics["tokens"]
     assert metrics["effective_prompts"] == pytest.approx(4.0, rel=1e-12) == expected_metrics["effective_prompts"]
     assert by_prompt["effective_prompts"] == pytest.approx(3.0, rel=1e-12)
     assert by_prompt["grad_norm"] != pytest.approx(expected_metrics["grad_norm"], rel=1e-3)

@@ -424,13 +424,18 @@ def test_a_run_with_the_rollout_correction_reports_its_ratios(
     tmp_path, prefect_harness, random_checkpoints, first_char_data
 ):
     """optim.rollout_correction=token with a mask threshold: the run trains and its update table has the ratio
-    statistics; on CPU in float32 the sampler and the trainer agree to ~1e-5, so every ratio is ~1."""
+    statistics; on CPU in float32 the sampler and the trainer agree to ~1e-5, so every ratio is ~1.
+
+    The same run weighs each prompt the same (optim.prompt_weighting=equal; its weights multiply the rollout
+    correction's): the setting reaches the update, and the update table says so: effective_prompts is the
+    number of the step's prompts whose rewards are not all equal (each weighs 1/M; the others carry no
+    gradient)."""
     from flows.train import train_flow
 
     model, _ = random_checkpoints
     overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=2", *data_overrides(first_char_data)]
     extra = ["optim.rollout_correction=token", "optim.rollout_correction_cap=2.0", "optim.rollout_mask_threshold=5"]
-    cfg = load_config("configs/tiny-test.yaml", [*overrides, *extra])
+    cfg = load_config("configs/tiny-test.yaml", [*overrides, *extra, "optim.prompt_weighting=equal"])
     run_dir = tmp_path / "run"
     train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
     store = RunStore.open(run_dir)
@@ -439,32 +444,10 @@ def test_a_run_with_the_rollout_correction_reports_its_ratios(
         assert abs(update["is_ratio_mean"] - 1) < 1e-3 and update["is_ratio_max"] < 1.01, step
         assert update["is_clipped_frac"] == 0.0 and update["is_masked_frac"] == 0.0, step
         assert math.isfinite(update["loss"]) and update["grad_norm"] > 0, step
-
-
-@pytest.mark.slow
-def test_a_run_that_weighs_each_prompt_the_same_reports_its_effective_prompts(
-    tmp_path, prefect_harness, random_checkpoints, first_char_data
-):
-    """optim.prompt_weighting=equal reaches the update, and the update table says so: effective_prompts is the
-    number of the step's prompts whose rewards are not all equal (each weighs 1/M; the others carry no
-    gradient)."""
-    from flows.train import train_flow
-
-    model, _ = random_checkpoints
-    overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=2", *data_overrides(first_char_data)]
-    cfg = load_config("configs/tiny-test.yaml", [*overrides, "optim.prompt_weighting=equal"])
-    run_dir = tmp_path / "run"
-    train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
-    store = RunStore.open(run_dir)
-    mixed = []
-    for step in range(2):
-        update = store.read_table(step, Stage.UPDATE).iloc[0]
         rewards = store.read_table(step, Stage.REWARDS)
-        mixed.append(int((rewards.groupby("prompt_id")["reward"].nunique() > 1).sum()))
-        assert update["prompt_weighting"] == "equal", step
-        assert update["effective_prompts"] == pytest.approx(mixed[-1], rel=1e-12), step
-        assert math.isfinite(update["loss"]), step
-    assert max(mixed) > 0  # the reward is earned by some completions, not by all
+        mixed = int((rewards.groupby("prompt_id")["reward"].nunique() > 1).sum())
+        assert update["prompt_weighting"] == "equal" and mixed > 0, step
+        assert update["effective_prompts"] == pytest.approx(mixed, rel=1e-12), step
 
 
 def test_the_step_line_warns_when_no_group_has_been_mixed_for_several_steps():
