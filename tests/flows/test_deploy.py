@@ -163,6 +163,7 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                 # flow starts), no config_path of its own: keys left out take config.py's defaults
                 whole = yaml.safe_load(config_path.read_text())
                 whole["run"].update(name="deploy-json", steps=1)
+                whole["rollout"]["backend"] = "transformers"  # vLLM on a worker is the run above's
                 json_dir = tmp_path / "run-json"
                 json_id = run_deployment(procs, "coba-train/coba-train", config=whole, run_dir=json_dir)
                 run = wait_final(client, json_id, worker)
@@ -205,10 +206,14 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                     ),
                     ("out_path = ", "coba-eval/coba-eval", {"model_path": checkpoint, "out_path": elsewhere}),
                 ]
-                refused = {}
+                refused = {}  # submitted through the API (a `prefect deployment run` process each costs seconds)
                 for i, (fragment, name, params) in enumerate(cases):
                     run_dir_param = {"run_dir": tmp_path / f"r{i}"} if name.startswith("coba-train") else {}
-                    refused[run_deployment(procs, name, **params, **run_dir_param)] = fragment
+                    parameters = {
+                        k: v if isinstance(v, list) else str(v) for k, v in {**params, **run_dir_param}.items()
+                    }
+                    deployment = client.read_deployment_by_name(name)
+                    refused[client.create_flow_run_from_deployment(deployment.id, parameters=parameters).id] = fragment
                 for refused_id, fragment in refused.items():
                     run = wait_final(client, refused_id, worker)
                     assert run.state.is_failed(), f"{fragment!r}: ended {run.state_name}"
