@@ -15,10 +15,12 @@ its own, so a finished run's memory goes back to the system. Held-out accuracy i
 at temperature 1 and greedily every ``eval_every`` steps.
 
 Then the runs are read back into tables in ``<out>/`` (``coba_tasks.commands.compare_tables`` lists
-them): runs, results (accuracy against steps and rollouts spent), steps (the schedule and the share
-of rollouts with a non-zero advantage), budgets by level and by pass-rate estimate, class transitions,
-``final.json`` (gain per strategy, the paired difference to uniform GRPO with its 95 % interval and
-the smallest difference the design detects, where the rollouts went) and ``compare.png``.
+them): runs, results (accuracy against steps and rollouts spent), steps (the schedule, the share
+of rollouts with a non-zero advantage and the mechanisms of ``coba_tasks.readers.mechanisms``: the
+estimates' error against the realized pass rates, N_eff, mixed groups, first solved, pass@2), budgets by
+level and by pass-rate estimate, class transitions, the estimates' error by age, ``final.json`` (gain per
+strategy, the paired difference to uniform GRPO with its 95 % interval and the smallest difference the
+design detects, where the rollouts went and the mechanisms' means) and ``compare.png``.
 
     coba compare --strategies uniform,knapsack,coba --seeds 3 --steps 24
 """

@@ -11,18 +11,24 @@ what the row is about:
     steps.parquet        strategy, seed, step, S, F, alpha, beta, alloc_alpha, alloc_beta (the Beta the step's
                          budgets were allocated with), rollouts, effective gradient ratio (share of groups
                          with non-zero reward variance), effective rollout ratio (share of rollouts in such
-                         groups: the samples with a non-zero advantage) and first_solved (prompts with a
-                         correct rollout for the first time in the run)
+                         groups: the samples with a non-zero advantage), first_solved (prompts with a
+                         correct rollout for the first time in the run) and ``mechanisms.STEP_COLUMNS``:
+                         prompts, estimated, estimate_mae, estimate_bias, estimate_corr, estimate_age_mean
+                         (the estimates the budget was allocated with against the realized pass rates),
+                         effective_prompts (N_eff of the update), mixed_groups, train_pass_at_2
     budget_by_level.parquet      strategy, seed, step, difficulty, prompts, mean and total budget
     budget_by_pass_rate.parquet  strategy, seed, pass_rate_bin, prompts, rollouts: where the rollouts went, by
                          the pass-rate estimate each prompt was allocated with (``unseen``: no visit yet)
     transitions.parquet  strategy, seed, from_class, to_class, prompts: how a prompt's class (all wrong /
                          mixed / all right) changes from one visit to the next
+    estimate_by_age.parquet  strategy, seed, age, prompts, estimate_mae, estimate_bias: the estimates' error
+                         over the run by their age (``mechanisms.by_age``)
 
 ``assemble`` adds the rows of runs finished in an earlier sitting (``--out``'s own tables, then those
 of ``--kept``) for the runs that have no directory here. ``final_table`` (gain per strategy),
 ``paired_table`` (the paired difference to a baseline with its 95 % interval and the smallest
-difference the design detects) and ``mechanism_table`` (where each strategy's rollouts went) are what
+difference the design detects) and ``mechanism_table`` (where each strategy's rollouts went, N_eff, the
+estimates' error, mixed groups, first-solved prompts, pass@2) are what
 ``coba compare`` prints and writes to ``final.json``; ``plot`` draws ``compare.png``.
 """
 
@@ -43,7 +49,18 @@ from coba_tasks.engines.fileio import atomic_write, write_parquet
 
 CLASSES = ("all_wrong", "mixed", "all_right")
 KEYS = ["strategy", "seed"]
-TABLES = ("runs", "results", "steps", "budget_by_level", "budget_by_pass_rate", "transitions")
+TABLES = ("runs", "results", "steps", "budget_by_level", "budget_by_pass_rate", "transitions", "estimate_by_age")
+# the per-step mechanisms mechanism_table averages (over steps, then seeds); NaN for tables made before them
+STEP_MEANS = (
+    "effective_prompts",
+    "mixed_groups",
+    "prompts",
+    "estimate_mae",
+    "estimate_bias",
+    "estimate_corr",
+    "estimate_age_mean",
+    "train_pass_at_2",
+)
 # the pass-rate estimate a prompt was allocated with, in bins (right-closed; exact 0 and 1 apart)
 PASS_RATE_BINS = ("unseen", "0", "(0, 0.25]", "(0.25, 0.5]", "(0.5, 0.75]", "(0.75, 1)", "1")
 POWER = 0.8  # the power at which the smallest detectable difference is given
@@ -103,13 +120,15 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
     from coba_tasks.pipeline import stages
     from coba_tasks.pipeline.store import Stage, Table
     from coba_tasks.readers.figures import eval_figures
+    from coba_tasks.readers.mechanisms import STEP_COLUMNS, by_age, run_mechanisms
 
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
     planned = t.config_value("run", "steps")
     prompts = t.prompts()
     level = prompts.set_index("prompt_id")["difficulty"] if prompts is not None and "difficulty" in prompts else None
     visits: dict[str, list[tuple[int, float]]] = {}
-    solved: set[str] = set()
+    mech = run_mechanisms(t)
+    per_step = mech.steps.set_index("step")[[c for c in STEP_COLUMNS if c != "step"]].to_dict("index")
     spent = 0  # rollouts of the steps before this one: what the model evaluated at this step trained on
     by_bin: dict[str, list[int]] = {}
     for step in t.steps:
@@ -127,9 +146,6 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
             rates = stages.pass_rates(rewards)
             sizes = rewards.groupby("prompt_id").size()
             mixed = ((rates > 0) & (rates < 1)).reindex(sizes.index)
-            correct = rewards[rewards["verdict"] == "correct"]["prompt_id"].unique()
-            first = {str(p) for p in correct} - solved
-            solved |= first
             out["steps"].append(
                 {
                     **key,
@@ -142,7 +158,8 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
                     "effective_gradient_ratio": 1.0 - float(cap["zero_variance_groups"]),
                     # share of the step's rollouts in groups with non-zero reward variance (non-zero advantage)
                     "effective_rollout_ratio": float(sizes[mixed].sum() / sizes.sum()),
-                    "first_solved": len(first),
+                    # estimates against realized pass rates, N_eff, mixed groups, first solved, pass@2
+                    **per_step.get(step, {c: math.nan for c in STEP_COLUMNS if c != "step"}),
                 }
             )
             spent += int(sizes.sum())
@@ -179,6 +196,7 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
     for a in CLASSES:
         for b in CLASSES:
             out["transitions"].append({**key, "from_class": a, "to_class": b, "prompts": counts.get((a, b), 0)})
+    out["estimate_by_age"] += [{**key, **r} for r in by_age(mech.rows).to_dict("records")]
     summary = t.summary_file() or {}
     out["runs"].append(
         {
@@ -354,9 +372,14 @@ def paired_table(results: pd.DataFrame, baseline: str = "uniform") -> pd.DataFra
 
 def mechanism_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Per strategy (means over seeds): share of rollouts with a non-zero advantage, prompts solved for the
-    first time per run, the share of rollouts by the pass-rate estimate they were allocated with, and
-    the steps on the explore side of the schedule (alloc_alpha below ``EXPLORE_ALPHA``)."""
+    first time per run, the share of rollouts by the pass-rate estimate they were allocated with, the
+    steps on the explore side of the schedule (alloc_alpha below ``EXPLORE_ALPHA``), the means over steps
+    of ``STEP_MEANS`` (N_eff, mixed groups, prompts, the estimates' MAE, bias, correlation and age, pass@2;
+    NaN for tables made before them) and, from ``estimate_by_age``, the MAE and bias of the estimates one
+    step old (``estimate_mae_age1``, ``estimate_bias_age1``) and older (``..._older``), over every run's
+    estimated prompts."""
     steps, by_bin = tables["steps"], tables["budget_by_pass_rate"]
+    ages = tables.get("estimate_by_age", pd.DataFrame())
     if steps.empty:
         return pd.DataFrame()
     rows = []
@@ -371,6 +394,13 @@ def mechanism_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
             "train_pass_rate_last": float(per_seed.apply(lambda g: g.sort_values("step")["S"].iloc[-1]).mean()),
             "explore_steps_per_run": float(per_seed["alloc_alpha"].apply(lambda a: (a < EXPLORE_ALPHA).sum()).mean()),
         }
+        for col in STEP_MEANS:  # mean over steps per seed (NaN steps left out), then over seeds
+            row[col] = float(per_seed[col].mean().mean()) if col in s and s[col].notna().any() else math.nan
+        mine = ages[ages["strategy"] == strategy] if "age" in ages else pd.DataFrame(columns=["age", "prompts"])
+        for name, part in (("age1", mine[mine["age"] == 1]), ("older", mine[mine["age"] > 1])):
+            n = part["prompts"].sum()
+            for col in ("estimate_mae", "estimate_bias"):
+                row[f"{col}_{name}"] = float((part[col] * part["prompts"]).sum() / n) if n else math.nan
         if not by_bin.empty:
             b = by_bin[by_bin["strategy"] == strategy].groupby("pass_rate_bin")["rollouts"].sum()
             total = b.sum()
@@ -430,7 +460,32 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
                 f"{r['first_solved_per_run']:.1f}/run, explore steps {r['explore_steps_per_run']:.1f}/run; "
                 f"by pass rate: {bins}"
             )
+        lines.append("")
+        lines.append(
+            "per step (means over steps and seeds): N_eff of the update, mixed groups of the prompts, pass@2 of the "
+            "groups; the estimates the budget used against the realized pass rates (MAE, bias = realized - "
+            "estimate, r), their age in steps, MAE and bias by age"
+        )
+        lines += [_mechanism_line(r) for r in mechanism.to_dict("records")]
     return "\n".join(lines)
+
+
+def _mechanism_line(r: dict[str, Any]) -> str:
+    """One strategy's per-step mechanisms as text ("n/a" for what its tables do not hold)."""
+
+    def num(key: str, spec: str) -> str:
+        v = r.get(key, math.nan)
+        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+    if all(num(c, "g") == "n/a" for c in STEP_MEANS):
+        return f"  {r['strategy']:<15} n/a (its tables were collected before these were measured)"
+    return (
+        f"  {r['strategy']:<15} N_eff {num('effective_prompts', '.2f')}, mixed {num('mixed_groups', '.1f')} of "
+        f"{num('prompts', '.1f')}, pass@2 {num('train_pass_at_2', '.3f')}; estimates MAE {num('estimate_mae', '.3f')}"
+        f", bias {num('estimate_bias', '+.3f')}, r {num('estimate_corr', '.2f')}, age {num('estimate_age_mean', '.1f')}"
+        f"; age 1: MAE {num('estimate_mae_age1', '.3f')} bias {num('estimate_bias_age1', '+.3f')}, older: MAE "
+        f"{num('estimate_mae_older', '.3f')} bias {num('estimate_bias_older', '+.3f')}"
+    )
 
 
 def write_final(out: Path, final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataFrame) -> None:

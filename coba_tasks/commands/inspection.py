@@ -1,11 +1,13 @@
 """``coba inspect``: look inside a run directory, also while the run is still going.
 
-Four views of a run, all read-only (nothing is ever written into the run directory):
+The views of a run, all read-only (nothing is ever written into the run directory):
 
 * ``run_summary`` / ``format_summary``: steps done, held-out accuracy, the failure rate and
   (alpha, beta), budget statistics, verdict counts, rollouts, wall time (when finished);
 * ``show_table``: one stage's table of one step (``steps/NNNNNN/<stage>.parquet``);
-* ``run_sql``: a SELECT over every done table of the run with DuckDB, one view per stage.
+* ``run_sql``: a SELECT over every done table of the run with DuckDB, one view per stage;
+* ``show_mechanisms``: per step, the estimates the allocation used against the pass rates realized, N_eff,
+  mixed groups, first-solved prompts and pass@2; or the estimates' error by age; or per allocated prompt.
 
 Only *done* tables are read: a table counts when its entry is in the step's manifest and its file
 exists (``RunStore.is_done``). File lists come from the manifests, never from a glob, so the
@@ -33,10 +35,12 @@ from coba_tasks.readers.sql import run_sql
 from coba_tasks.readers.views import (
     DEFAULT_LIMIT,
     FORMATS,
+    MECHANISM_VIEWS,
     TABLE_NAMES,
     format_summary,
     render,
     select_columns,
+    show_mechanisms,
     show_prompts,
     show_table,
 )
@@ -51,6 +55,8 @@ EPILOG = """examples:
   coba inspect --run-dir runs/demo --step 3 --stage rollouts --columns prompt_id,completion,n_tokens
   coba inspect --run-dir runs/demo --step 0 --stage eval --format csv > eval0.csv
   coba inspect --run-dir runs/demo --prompts --limit 3  # the prompts exactly as the model saw them
+  coba inspect --run-dir runs/demo --mechanisms          # per step: estimate error, N_eff, mixed, pass@2
+  coba inspect --run-dir runs/demo --mechanisms age      # the estimates' error by their age
   coba inspect --run-dir runs/demo --sql "select step, F, alpha, beta from capability order by step"
   coba inspect --run-dir runs/demo --format json --sql \\
       "select b.step, avg(r.reward) from rewards r join budget b using (step, prompt_id) group by 1"
@@ -92,6 +98,15 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="the training prompts as the model saw them (rendered text and token count; --columns for more)",
     )
+    parser.add_argument(
+        "--mechanisms",
+        nargs="?",
+        const="steps",
+        choices=MECHANISM_VIEWS,
+        default=None,
+        help="per step: the allocation's estimates against the realized pass rates, N_eff, mixed groups, first "
+        "solved, pass@2 (steps, the default); the estimates' error by age (age); per allocated prompt (prompts)",
+    )
     parser.set_defaults(func=cmd_inspect)
     return parser
 
@@ -102,8 +117,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if (args.step is None) != (args.stage is None):
         missing = "--stage" if args.stage is None else "--step"
         raise ValueError(f"--step and --stage go together: {missing} is missing (e.g. --step 0 --stage rewards)")
-    if sum([table_mode, args.sql is not None, bool(getattr(args, "prompts", False))]) > 1:
-        raise ValueError("choose one of --step/--stage, --sql and --prompts")
+    mechanisms = getattr(args, "mechanisms", None)
+    if sum([table_mode, args.sql is not None, bool(getattr(args, "prompts", False)), mechanisms is not None]) > 1:
+        raise ValueError("choose one of --step/--stage, --sql, --prompts and --mechanisms")
     if args.json and args.fmt not in (None, "json"):
         raise ValueError(f"--json and --format {args.fmt} contradict each other")
     fmt = "json" if args.json else (args.fmt or "table")
@@ -121,6 +137,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         limit = DEFAULT_LIMIT if args.limit is None else args.limit
         print(show_prompts(args.run_dir, limit=limit, columns=columns, fmt=fmt))
         return 0
+    if mechanisms is not None:
+        print(show_mechanisms(args.run_dir, mechanisms, limit=args.limit, columns=columns, fmt=fmt))
+        return 0
     if args.sql is not None:
         df = run_sql(args.run_dir, args.sql)
         df = select_columns(df, columns, "the query result")
@@ -130,7 +149,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(render(df, fmt, total=total))
         return 0
     if columns is not None or args.limit is not None or fmt == "csv":
-        raise ValueError("--columns, --limit and --format csv apply to --step/--stage or --sql, not to the summary")
+        raise ValueError(
+            "--columns, --limit and --format csv apply to --step/--stage, --sql or --mechanisms, not to the summary"
+        )
     summary = run_summary(args.run_dir)
     print(json.dumps(summary, indent=2) if fmt == "json" else format_summary(summary))
     return 0

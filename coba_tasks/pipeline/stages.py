@@ -361,11 +361,15 @@ def section_allocation(est: np.ndarray, alloc: Any, alpha: float, beta: float) -
     )
 
 
-def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: CapabilityTracker, alloc: Any) -> pd.DataFrame:
+def budget_table(
+    batch: Sequence[str], history: pd.DataFrame, tracker: CapabilityTracker, alloc: Any, step: int | None = None
+) -> pd.DataFrame:
     """Budgets for ``batch`` from each prompt's recent pass rate (NaN if never seen) and (alpha, beta).
 
     Under ``knapsack`` the pass rate is Knapsack-RL's estimate instead: the mean of the prompt's
-    ``pooled_solved`` flags, NaN (no estimate) with fewer than 8 (``pooled_estimate``)."""
+    ``pooled_solved`` flags, NaN (no estimate) with fewer than 8 (``pooled_estimate``). ``estimate_age``:
+    ``step`` (the step the budget is for; None: the history's newest visit + 1) minus the prompt's last
+    visit, NaN where there is no estimate (``estimate_ages``)."""
     if alloc.strategy == Strategy.KNAPSACK.value:
         known = {pid: pooled_estimate(f) for pid, f in zip(history["prompt_id"], pooled_flags(history), strict=True)}
     else:
@@ -377,6 +381,7 @@ def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: Capabilit
         {
             "prompt_id": list(batch),
             "pass_rate_est": est,
+            "estimate_age": estimate_ages(batch, est, history, step),
             "budget": plan.budgets,
             "value": plan.values,
             "marginal_gain": plan.marginal_gains,
@@ -388,6 +393,20 @@ def budget_table(batch: Sequence[str], history: pd.DataFrame, tracker: Capabilit
             "fallback": plan.fallback,
         }
     )
+
+
+def estimate_ages(batch: Sequence[str], est: np.ndarray, history: pd.DataFrame, step: int | None) -> np.ndarray:
+    """Per prompt of ``batch``: how many steps before ``step`` its last visit was (the newest visit its estimate
+    ``est`` holds), NaN without an estimate; ``step`` None: the step after the history's newest visit.
+
+    >>> h = pd.DataFrame({"prompt_id": ["a", "b"], "last_step": [4, 2]})
+    >>> estimate_ages(["a", "b", "c"], np.array([0.5, np.nan, np.nan]), h, None).tolist()
+    [1.0, nan, nan]
+    """
+    last = dict(zip(history["prompt_id"], history["last_step"], strict=True))
+    now = step if step is not None else (int(history["last_step"].max()) + 1 if len(history) else 0)
+    ages = [now - last[p] if p in last and np.isfinite(e) else np.nan for p, e in zip(batch, est, strict=True)]
+    return np.array(ages, dtype=np.float64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def budget_for(res: RunResources, step: int, history: pd.DataFrame, tracker: Cap
     batch = stages.batch_for_step(
         res.prompts["prompt_id"].tolist(), step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
     )
-    return stages.budget_table(batch, history, tracker, cfg.allocation)
+    return stages.budget_table(batch, history, tracker, cfg.allocation, step)
 
 
 def write_first_budget(res: RunResources) -> None:

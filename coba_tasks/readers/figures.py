@@ -5,7 +5,9 @@
   ``capability_figures``, ``budget_figures``, ``update_figures``; ``step_figures`` gathers those of one
   training step (its progress line, its artifacts and the trackers show them).
 - Per run: ``run_summary``, every figure ``coba inspect``, ``coba report`` and summary.json show;
-  ``summary_json`` flattens it, with the timings the flow measured, into summary.json.
+  ``summary_json`` flattens it, with the timings the flow measured, into summary.json. Its
+  ``mechanisms`` (estimates against realized pass rates, N_eff, mixed groups, first solved, pass@2) come
+  from ``coba_tasks.readers.mechanisms``.
 - ``no_signal_streak`` / ``no_signal_steps``: steps whose every group scored alike (nothing learned).
 """
 
@@ -25,6 +27,7 @@ from coba_tasks.core.passk import pass_at_ks
 from coba_tasks.engines.verify import count_verdicts
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, Table
+from coba_tasks.readers.mechanisms import mechanism_summary, run_mechanisms
 from coba_tasks.readers.tables import RunTables, load_run, ordered
 
 CAPABILITY_FIELDS = ("F", "S", "alpha_used", "beta_used", "alpha", "beta")
@@ -174,7 +177,10 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
     mean, max, rows, steps and ``mean_by_difficulty`` over the budgets used by done steps),
     ``verdicts`` (verdict -> count), ``total_rollouts`` (rows of the done rollouts tables),
     ``last_update`` (the latest update row's loss, grad_norm, ...) and ``logprob_gap`` (the mean
-    over done updates of their mean train/rollout log-prob gap, and the largest token gap).
+    over done updates of their mean train/rollout log-prob gap, and the largest token gap), ``mechanisms``
+    (``mechanisms.mechanism_summary``: the means over steps of the estimates' error against the realized
+    pass rates, N_eff, mixed groups and pass@2, first-solved prompts, the estimates' error by age; None
+    before a step has rewards).
 
     Raises:
         ValueError: ``run_dir`` is not a run directory (``StoreError``), or a done table is corrupt.
@@ -236,6 +242,7 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
         "last_update": last_update,
         "logprob_gap": {"mean": gap_mean, "max": gap_max},
         "no_signal": no_signal_steps(t),
+        "mechanisms": mechanism_summary(run_mechanisms(t)),
     }
     return plain(summary)
 
@@ -305,6 +312,8 @@ def summary_json(
         "total_rollouts": s["total_rollouts"],
         "verdicts": s["verdicts"],
         "steps_without_signal": s["no_signal"]["steps"],  # steps whose every group scored alike: nothing learned
+        # means over steps: estimate vs realized pass rate, N_eff, mixed groups, pass@2; first solved in all
+        "mechanisms": s["mechanisms"],
         "logprob_gap_mean": nan(s["logprob_gap"]["mean"]),  # over steps: |sampler - trainer| log p of completion tokens
         "logprob_gap_max": nan(s["logprob_gap"]["max"]),  # the largest token gap of any step
         "wall_seconds": wall,

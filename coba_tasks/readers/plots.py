@@ -22,6 +22,7 @@ from coba_tasks.engines.fileio import atomic_write
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.store import SUMMARY_FILE, Stage, Table
 from coba_tasks.readers.figures import split_test_sets
+from coba_tasks.readers.mechanisms import PASS_AT, by_age, run_mechanisms
 from coba_tasks.readers.tables import VERDICTS, RunTables
 from coba_tasks.readers.text import step_ranges
 
@@ -348,6 +349,56 @@ def plot_update(run: RunTables, path: Path) -> Path:
         _no_data(norm_ax, "no update yet")
     norm_ax.set_title("gradient norm (before clipping)")
     norm_ax.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_mechanisms(run: RunTables, path: Path) -> Path:
+    """Per step: N_eff of the update beside the mixed groups and the prompts; the estimates the budget was
+    allocated with against the pass rates realized (MAE, bias, correlation) and pass@2; and by the
+    estimates' age, their MAE and bias over the run (``coba_tasks.readers.mechanisms``)."""
+    plt = _pyplot()
+    m = run_mechanisms(run)
+    s = m.steps
+    fig, (n_ax, e_ax, a_ax) = plt.subplots(1, 3, figsize=(15.0, 4.2), layout="constrained")
+    if len(s):
+        steps = s["step"].astype(int).tolist()
+        for col, style, label in (
+            ("prompts", ":", "prompts"),
+            ("mixed_groups", "s--", "mixed groups (non-zero advantage)"),
+            ("effective_prompts", "o-", "N_eff of the update"),
+        ):
+            n_ax.plot(steps, s[col].astype(float), style, ms=4, label=label)
+        _step_axis(n_ax, steps)
+        n_ax.set_ylim(bottom=0)
+        n_ax.legend(fontsize=9, frameon=False)
+        for col, style, label in (
+            ("estimate_mae", "o-", "MAE |estimate - realized|"),
+            ("estimate_bias", "s--", "bias (realized - estimate)"),
+            ("estimate_corr", "^:", "correlation"),
+            (f"train_pass_at_{PASS_AT}", "-", f"pass@{PASS_AT} of the groups"),
+        ):
+            e_ax.plot(steps, s[col].astype(float), style, ms=4, label=label)
+        e_ax.axhline(0.0, color="0.6", lw=0.8)
+        _step_axis(e_ax, steps)
+        e_ax.legend(fontsize=9, frameon=False)
+    else:
+        _no_data(n_ax, "no step with rewards yet")
+        _no_data(e_ax, "no step with rewards yet")
+    n_ax.set_title("prompts, mixed groups and N_eff per step")
+    e_ax.set_title("the allocation's estimates against the realized pass rates")
+    ages = by_age(m.rows)
+    if len(ages):
+        x = np.arange(len(ages))
+        a_ax.bar(x - 0.2, ages["estimate_mae"].astype(float), 0.4, label="MAE")
+        a_ax.bar(x + 0.2, ages["estimate_bias"].astype(float), 0.4, label="bias (realized - estimate)")
+        a_ax.set_xticks(x, [f"{a}\n({n})" for a, n in zip(ages["age"], ages["prompts"], strict=True)])
+        a_ax.axhline(0.0, color="0.6", lw=0.8)
+        a_ax.set_xlabel("age of the estimate in steps (prompts)")
+        a_ax.legend(fontsize=9, frameon=False)
+    else:
+        _no_data(a_ax, "no estimated prompt yet")
+    a_ax.set_title("the estimates' error by their age (all steps)")
+    a_ax.grid(True, alpha=0.3)
     return _save(fig, path)
 
 

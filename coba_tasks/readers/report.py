@@ -11,6 +11,8 @@ a table counts only when the store says it is done) and writes into ``<run_dir>/
     verdicts.png             verdict counts per step (stacked bars)
     update.png               the train/rollout log-prob gap (sampler vs trainer, mean and max) and the
                              gradient norm of each step's update
+    mechanisms.png           per step N_eff, mixed groups, the estimates' error against the realized pass
+                             rates and pass@2; the estimates' error by age (``readers.mechanisms``)
     stage_time.png           seconds per stage, from summary.json (only once the run has finished)
     index.html               all of the above, a table of headline figures, what came back (per evaluated
                              step a few prompts with their budget, the pass-rate estimate the allocation
@@ -45,6 +47,7 @@ from coba_tasks.readers.plots import (
     plot_accuracy,
     plot_budget_hist,
     plot_capability,
+    plot_mechanisms,
     plot_scatter,
     plot_stage_time,
     plot_update,
@@ -61,9 +64,19 @@ SCATTER_PNG = "budget_vs_pass_rate.png"
 BUDGET_HIST_PNG = "budget_hist.png"
 VERDICTS_PNG = "verdicts.png"
 UPDATE_PNG = "update.png"
+MECHANISMS_PNG = "mechanisms.png"
 STAGE_TIME_PNG = "stage_time.png"
 INDEX_HTML = "index.html"
-PLOT_FILES = (ACCURACY_PNG, CAPABILITY_PNG, SCATTER_PNG, BUDGET_HIST_PNG, VERDICTS_PNG, UPDATE_PNG, STAGE_TIME_PNG)
+PLOT_FILES = (
+    ACCURACY_PNG,
+    CAPABILITY_PNG,
+    SCATTER_PNG,
+    BUDGET_HIST_PNG,
+    VERDICTS_PNG,
+    UPDATE_PNG,
+    MECHANISMS_PNG,
+    STAGE_TIME_PNG,
+)
 
 _CAPTIONS = {
     ACCURACY_PNG: "Held-out accuracy of the weights after t updates (overall, and one thin line per difficulty "
@@ -77,6 +90,11 @@ _CAPTIONS = {
     UPDATE_PNG: "Left: |sampler log p - trainer log p| over the completion tokens of step t (mean and max): the "
     "rollout engine and the trainer should agree on the policy they share; a stale weight reload, another "
     "tokenization or a dtype difference shows here. Right: the gradient norm of step t's update (before clipping).",
+    MECHANISMS_PNG: "Left: per step t, the prompts, those whose rewards differ (mixed groups: a non-zero "
+    "advantage) and N_eff = (sum W_i)^2 / sum W_i^2 of the update over them (W_i a prompt's weight in the loss: its "
+    "tokens under the token mean). Middle: the pass-rate estimates budget(t) was allocated with against the pass "
+    "rates realized at t (prompts with an estimate only): mean absolute error, bias and correlation; and pass@2 of "
+    "the step's groups. Right: the same error and bias by the estimate's age, the steps since the visit it came from.",
     STAGE_TIME_PNG: "Wall-clock seconds spent in each stage over the whole run (summary.json).",
 }
 
@@ -127,6 +145,7 @@ def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[in
         (BUDGET_HIST_PNG, lambda p: plot_budget_hist(data, p)),
         (VERDICTS_PNG, lambda p: plot_verdicts(data, p)),
         (UPDATE_PNG, lambda p: plot_update(data, p)),
+        (MECHANISMS_PNG, lambda p: plot_mechanisms(data, p)),
     ]
     skipped: dict[str, str] = {}
     stage_seconds, why = stage_timing(summary)

@@ -89,10 +89,74 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
                 f"rollouts scored alike, so the update learned nothing there; {NO_SIGNAL_FIX}",
             )
         )
+    rows += mechanism_rows(s.get("mechanisms"))
     upd = s.get("last_update")
     if upd:
         cells = [f"{k} {_num(upd[k], '.4g')}" for k in UPDATE_FIELDS if k in upd and k != "lr"]
         rows.append(("last update", f"step {upd['step']}: " + "  ".join(cells)))
+    return rows
+
+
+AGES_SHOWN = 5  # the text rows show estimates of ages 1 .. 5 one by one and the older ones together
+
+
+def mechanism_rows(m: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """``run_summary``'s ``mechanisms`` as rows: N_eff, mixed groups, first solved and pass@2, the estimates
+    against the realized pass rates, and the same by the estimates' age.
+
+    >>> m = {"steps": 2, "prompts": 8.0, "effective_prompts": 3.25, "mixed_groups": 5.5, "first_solved": 7,
+    ...      "train_pass_at_2": 0.5, "estimated": 12, "estimate_mae": 0.2, "estimate_bias": 0.125,
+    ...      "estimate_corr": 0.5, "estimate_age_mean": 1.5,
+    ...      "by_age": [{"age": 1, "prompts": 6, "estimate_mae": 0.1, "estimate_bias": 0.05},
+    ...                 {"age": 2, "prompts": 2, "estimate_mae": 0.3, "estimate_bias": 0.2},
+    ...                 {"age": 7, "prompts": 1, "estimate_mae": 0.5, "estimate_bias": -0.5},
+    ...                 {"age": 9, "prompts": 3, "estimate_mae": 0.1, "estimate_bias": 0.1}]}
+    >>> for label, text in mechanism_rows(m):
+    ...     print(f"{label:<16} {text}")
+    mechanisms       means over 2 steps: N_eff 3.25, mixed groups 5.5 of 8.0 prompts, pass@2 0.500; first solved 7
+      estimates      MAE 0.200, bias +0.125 (realized - estimate), r 0.50, age 1.5 steps (12 estimated prompts)
+      by age         1: 6 prompts MAE 0.100 bias +0.050  2: 2 prompts MAE 0.300 bias +0.200  >5: 4 prompts MAE 0.200 \
+bias -0.050
+    """
+    if not m:
+        return []
+    rows = [
+        (
+            "mechanisms",
+            f"means over {m['steps']} steps: N_eff {_num(m.get('effective_prompts'), '.2f')}, mixed groups "
+            f"{_num(m.get('mixed_groups'), '.1f')} of {_num(m.get('prompts'), '.1f')} prompts, pass@2 "
+            f"{_num(m.get('train_pass_at_2'), '.3f')}; first solved {m.get('first_solved', 0)}",
+        )
+    ]
+    if not m.get("estimated"):
+        return [*rows, ("  estimates", "none yet (no prompt had an estimate when it was allocated)")]
+    rows.append(
+        (
+            "  estimates",
+            f"MAE {_num(m.get('estimate_mae'), '.3f')}, bias {_num(m.get('estimate_bias'), '+.3f')} (realized - "
+            f"estimate), r {_num(m.get('estimate_corr'), '.2f')}, age {_num(m.get('estimate_age_mean'), '.1f')} "
+            f"steps ({m['estimated']:,} estimated prompts)",
+        )
+    )
+    ages = m.get("by_age") or []
+    shown = [a for a in ages if a["age"] <= AGES_SHOWN]
+    older = [a for a in ages if a["age"] > AGES_SHOWN]
+    if older:
+        n = sum(a["prompts"] for a in older)
+        shown.append(
+            {
+                "age": f">{AGES_SHOWN}",
+                "prompts": n,
+                **{k: sum(a[k] * a["prompts"] for a in older) / n for k in ("estimate_mae", "estimate_bias")},
+            }
+        )
+    if shown:
+        cells = [
+            f"{a['age']}: {a['prompts']:,} prompts MAE {_num(a['estimate_mae'], '.3f')} bias "
+            f"{_num(a['estimate_bias'], '+.3f')}"
+            for a in shown
+        ]
+        rows.append(("  by age", "  ".join(cells)))
     return rows
 
 

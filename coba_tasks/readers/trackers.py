@@ -43,6 +43,7 @@ from coba_tasks.pipeline.config import Config, check_installed, config_to_dict
 from coba_tasks.pipeline.config_sections import TRACKERS
 from coba_tasks.pipeline.store import RunStore, Stage, Table
 from coba_tasks.readers.figures import budget_figures, capability_figures, eval_figures, update_figures
+from coba_tasks.readers.mechanisms import step_mechanisms
 from coba_tasks.readers.samples import prompt_texts
 from coba_tasks.readers.tables import RunTables, load_run
 
@@ -110,6 +111,8 @@ def step_metrics(t: RunTables, k: int) -> dict[str, float]:
         out["train/rollouts"] = len(rewards)
     if Stage.BUDGET in done:
         out |= {f"budget/{k}": v for k, v in budget_figures(t.table(s, Stage.BUDGET)).items()}
+    if {Stage.BUDGET, Stage.REWARDS} <= done:  # readers.mechanisms: estimates against realized pass rates, N_eff
+        out |= {f"mechanisms/{name}": v for name, v in step_mechanisms(t, s)[0].items()}
     if Stage.UPDATE in done:
         upd = update_figures(t.table(s, Stage.UPDATE))
         for c in ("loss", "grad_norm", "clip_frac", "entropy", "kl", "lr", "tokens"):

@@ -5,6 +5,8 @@
   rollouts, wall time (when finished);
 * ``show_table``: one stage's table of one step (``steps/NNNNNN/<stage>.parquet``);
 * ``show_prompts``: the run's training prompts as the model saw them;
+* ``show_mechanisms``: the mechanisms of each step (``coba_tasks.readers.mechanisms``), the estimates'
+  error by age, or each allocated prompt's estimate beside its realized pass rate;
 * ``render``: a DataFrame as an aligned ``table`` (long cells cut), ``csv`` or ``json``.
 
 Also the checks of what a caller passes (run directory, stage, step, format, limit, columns), shared
@@ -27,6 +29,7 @@ import pandas as pd
 
 from coba_tasks.pipeline.store import RunStore
 from coba_tasks.readers.figures import plain
+from coba_tasks.readers.mechanisms import by_age, run_mechanisms
 from coba_tasks.readers.tables import TABLE_ORDER, load_run, ordered
 from coba_tasks.readers.text import run_status, step_ranges, summary_rows
 
@@ -131,6 +134,39 @@ def show_prompts(
     df = select_columns(df, columns, "prompts")
     total = len(df)
     return render(df.head(limit) if limit else df, fmt, total=total)
+
+
+MECHANISM_VIEWS: tuple[str, ...] = ("steps", "age", "prompts")  # what `coba inspect --mechanisms` shows
+_MECHANISM_NOTES = {
+    "steps": "(per step t: the estimates budget(t) allocated with against the pass rates realized at t, over the "
+    "estimated prompts; effective_prompts = N_eff of the update; mixed_groups: prompts with a non-zero advantage)",
+    "age": "(the estimated prompts of every step by the age of their estimate: steps since the visit it came from; "
+    "bias = mean realized - estimate)",
+    "prompts": "(per allocated prompt of step t: the estimate budget(t) used, the pass rate realized at t, the "
+    "estimate's age in steps; seen: it had an estimate)",
+}
+
+
+def show_mechanisms(
+    run_dir: str | os.PathLike[str],
+    view: str = "steps",
+    limit: int | None = None,
+    columns: Sequence[str] | None = None,
+    fmt: str = "table",
+) -> str:
+    """One of ``MECHANISM_VIEWS`` of the run, formatted: ``steps`` (``mechanisms.STEP_COLUMNS``, one row per
+    step), ``age`` (``mechanisms.by_age`` over every step) or ``prompts`` (``mechanisms.estimate_rows`` of
+    every step)."""
+    if view not in MECHANISM_VIEWS:
+        raise ValueError(f"unknown mechanisms view {view!r}; views: {', '.join(MECHANISM_VIEWS)}")
+    _check_format(fmt)
+    limit = _check_limit(limit)
+    open_run(run_dir)
+    m = run_mechanisms(load_run(run_dir))
+    df = {"steps": m.steps, "age": by_age(m.rows), "prompts": m.rows}[view]
+    df = select_columns(df, columns, f"the {view} view of --mechanisms")
+    total = len(df)
+    return render(df.head(limit) if limit else df, fmt, total=total, note=_MECHANISM_NOTES[view])
 
 
 def render(df: pd.DataFrame, fmt: str = "table", total: int | None = None, note: str | None = None) -> str:

@@ -144,7 +144,84 @@ def _tables(strategy: str, seed: int, accuracy: float, config_hash: str = "h") -
         "budget_by_level": pd.DataFrame([{**key, "step": 0, "difficulty": 1, "prompts": 4, "total_budget": 16}]),
         "budget_by_pass_rate": pd.DataFrame([{**key, "pass_rate_bin": "unseen", "prompts": 4, "rollouts": 16}]),
         "transitions": pd.DataFrame([{**key, "from_class": "mixed", "to_class": "mixed", "prompts": 0}]),
+        "estimate_by_age": pd.DataFrame([{**key, "age": 1, "prompts": 4, "estimate_mae": 0.25, "estimate_bias": 0.1}]),
     }
+
+
+def _mechanism_run(root, strategy: str, seed: int) -> None:
+    """A finished 2-step run of `coba compare` written by hand: prompts a, b (step 0, uniform) then a, c."""
+    store = RunStore(root / f"{strategy}-seed{seed}")
+    store.create(config_dict={"run": {"steps": 2}, "allocation": {"strategy": strategy}}, config_hash="h", versions={})
+    steps = {  # prompt -> (estimate, age, verdicts)
+        0: {"a": (math.nan, math.nan, "cw"), "b": (math.nan, math.nan, "wwww")},
+        1: {"a": (0.5, 1.0, "cccc"), "c": (math.nan, math.nan, "cw")},
+    }
+    for step, groups in steps.items():
+        budget = {"prompt_id": list(groups), "pass_rate_est": [g[0] for g in groups.values()]}
+        budget |= {"estimate_age": [g[1] for g in groups.values()], "budget": [len(g[2]) for g in groups.values()]}
+        store.write_table(step, "budget", pd.DataFrame(budget).assign(alpha=2.0, beta=3.0))
+        rows = [(pid, j, v) for pid, g in groups.items() for j, v in enumerate(g[2])]
+        store.write_table(
+            step,
+            "rewards",
+            pd.DataFrame(
+                {
+                    "prompt_id": [r[0] for r in rows],
+                    "sample_idx": [r[1] for r in rows],
+                    "reward": [float(r[2] == "c") for r in rows],
+                    "verdict": ["correct" if r[2] == "c" else "wrong" for r in rows],
+                }
+            ),
+        )
+        cap = {"S": 0.5, "F": 0.5, "alpha_used": 2.0, "beta_used": 3.0, "alpha": 2.0, "beta": 3.0}
+        store.write_table(step, "capability", pd.DataFrame([{**cap, "zero_variance_groups": 0.5}]))
+        store.write_table(step, "update", pd.DataFrame([{"step": step, "effective_prompts": 1.0 + step}]))
+    store.write_json("summary.json", {"wall_seconds": 1.0})
+
+
+def test_collect_measures_the_mechanisms_of_each_step(tmp_path):
+    _mechanism_run(tmp_path, "coba", 0)
+    tables = ct.collect([tmp_path / "coba-seed0"])
+    steps = tables["steps"].set_index("step")
+    assert steps["effective_prompts"].tolist() == [1.0, 2.0] and steps["mixed_groups"].tolist() == [1, 1]
+    assert steps["first_solved"].tolist() == [1, 1] and steps["estimated"].tolist() == [0, 1]
+    assert steps["train_pass_at_2"].tolist() == [0.5, 1.0]  # pass@2 of (a, b) = (1, 0), of (a, c) = (1, 1)
+    assert math.isnan(steps.loc[0, "estimate_mae"]) and steps.loc[1, "estimate_mae"] == 0.5
+    assert steps.loc[1, "estimate_bias"] == 0.5 and steps.loc[1, "estimate_age_mean"] == 1.0
+    assert tables["estimate_by_age"].drop(columns=["strategy", "seed"]).to_dict("records") == [
+        {"age": 1, "prompts": 1, "estimate_mae": 0.5, "estimate_bias": 0.5}
+    ]
+
+
+def test_mechanism_table_averages_the_steps_then_the_seeds_and_prints_them():
+    one = _tables("coba", 0, 0.5)
+    two = _tables("coba", 1, 0.5)
+    extra = {"effective_prompts": 4.0, "mixed_groups": 6, "prompts": 8, "estimate_mae": 0.2, "estimate_bias": 0.15}
+    extra |= {"estimate_corr": 0.5, "estimate_age_mean": 2.0, "train_pass_at_2": 0.6}
+    one["steps"] = pd.concat(
+        [one["steps"].assign(**extra), one["steps"].assign(**{**extra, "step": 1, "effective_prompts": 2.0})]
+    )
+    two["steps"] = two["steps"].assign(**{**extra, "effective_prompts": 12.0, "estimate_corr": math.nan})
+    two["estimate_by_age"] = pd.concat(
+        [two["estimate_by_age"], two["estimate_by_age"].assign(age=3, prompts=2, estimate_mae=0.5, estimate_bias=-0.5)]
+    )
+    old = _tables("uniform", 0, 0.5)  # a run collected before the mechanisms were measured
+    old["steps"] = old["steps"].drop(columns="first_solved").assign(first_solved=2)
+    old["estimate_by_age"] = pd.DataFrame()
+    tables = _join(one, two, old)
+    mech = ct.mechanism_table(tables).set_index("strategy")
+    assert mech.loc["coba", "effective_prompts"] == (3.0 + 12.0) / 2  # seed 0: steps 4 and 2; seed 1: 12
+    assert mech.loc["coba", "estimate_corr"] == 0.5  # seed 1 has none
+    assert mech.loc["coba", "mixed_groups"] == 6 and mech.loc["coba", "train_pass_at_2"] == pytest.approx(0.6)
+    assert mech.loc["coba", "estimate_mae_age1"] == 0.25 and mech.loc["coba", "estimate_bias_age1"] == 0.1
+    assert mech.loc["coba", "estimate_mae_older"] == 0.5 and mech.loc["coba", "estimate_bias_older"] == -0.5
+    assert mech.loc["uniform", ["effective_prompts", "estimate_mae", "estimate_mae_age1"]].isna().all()
+    text = ct.format_report(ct.final_table(tables["results"]), pd.DataFrame(), ct.mechanism_table(tables))
+    assert (
+        "  coba            N_eff 7.50, mixed 6.0 of 8.0, pass@2 0.600; estimates MAE 0.200, bias +0.150, r 0.50, "
+        "age 2.0; age 1: MAE 0.250 bias +0.100, older: MAE 0.500 bias -0.500" in text
+    )
+    assert "  uniform         n/a (its tables were collected before these were measured)" in text
 
 
 def _join(*tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
@@ -202,7 +279,7 @@ def test_out_refuses_to_drop_an_earlier_run_made_with_another_config(tmp_path):
     with pytest.raises(ValueError) as refused:
         compare.cmd_compare(args)
     assert str(refused.value) == (
-        f"coba-seed0 in the tables in {out} (6 rows of an earlier sitting) was trained with another config "
+        f"coba-seed0 in the tables in {out} (7 rows of an earlier sitting) was trained with another config "
         f"(hash h, this one {_run_hash(args, 'coba', 0)}): use the same config and options, or another --out"
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -260,6 +337,13 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     steps = pd.read_parquet(out / "steps.parquet")
     ratios = steps[["effective_gradient_ratio", "effective_rollout_ratio"]].stack()
     assert len(steps) == 4 and ratios.between(0, 1).all()
+    # the mechanisms per step: N_eff from each update table; nothing estimated at step 0 (every prompt unseen)
+    assert (
+        steps["effective_prompts"].notna().all() and (steps["effective_prompts"] <= steps["mixed_groups"] + 1e-9).all()
+    )
+    assert (steps.loc[steps["step"] == 0, "estimated"] == 0).all() and (steps["prompts"] == 4).all()
+    assert set(pd.read_parquet(out / "estimate_by_age.parquet").columns) >= {"strategy", "seed", "age", "prompts"}
+    assert "per step (means over steps and seeds): N_eff of the update" in printed
     # the Beta parameters of each step's allocation, as its budget table records them
     coba_steps = steps[steps["strategy"] == "coba"].set_index("step")
     for step in (0, 1):

@@ -653,10 +653,10 @@ def test_cli_errors(run: Path):
         (["--stage", "rewards"], "--step and --stage go together: --step is missing"),
         (
             ["--step", "0", "--stage", "rewards", "--sql", "select 1"],
-            "choose one of --step/--stage, --sql and --prompts",
+            "choose one of --step/--stage, --sql, --prompts and --mechanisms",
         ),
         (["--json", "--format", "csv"], "contradict"),
-        (["--limit", "3"], "apply to --step/--stage or --sql"),
+        (["--limit", "3"], "apply to --step/--stage, --sql or --mechanisms"),
         (["--sql", "drop view budget"], "read-only: only SELECT"),
         (["--step", "2", "--stage", "update"], "not done at step 2"),
     ]:
@@ -669,9 +669,71 @@ def test_cli_errors(run: Path):
         parse("--step", "0")  # --run-dir is required
 
 
+def test_cli_mechanisms(tmp_path: Path, capsys):
+    """--mechanisms: per step, by the estimates' age, per allocated prompt; the figures are the readers'
+    (tests/readers/test_mechanisms.py), this is what the command prints."""
+    store = RunStore(tmp_path / "r")
+    store.create(config_dict=CONFIG, config_hash="abc", versions={})
+    store.write_table(0, "budget", budget([2, 2]).assign(pass_rate_est=float("nan")))
+    store.write_table(0, "rollouts", rollouts([("p0", 0, [1]), ("p0", 1, [2, 3]), ("p1", 0, [4]), ("p1", 1, [5])], 0))
+    store.write_table(
+        0,
+        "rewards",
+        rewards([("p0", 0, 1.0, "correct"), ("p0", 1, 0.0, "wrong"), ("p1", 0, 0.0, "wrong"), ("p1", 1, 0.0, "wrong")]),
+    )
+    store.write_table(0, "history", history(0))
+    store.write_table(1, "budget", budget([2, 2]).assign(pass_rate_est=[0.5, 0.5], estimate_age=1.0))
+    store.write_table(1, "rollouts", rollouts([("p0", 0, [1]), ("p0", 1, [2]), ("p1", 0, [3]), ("p1", 1, [4])], 1))
+    store.write_table(
+        1,
+        "rewards",
+        rewards(
+            [("p0", 0, 1.0, "correct"), ("p0", 1, 1.0, "correct"), ("p1", 0, 1.0, "correct"), ("p1", 1, 0.0, "wrong")]
+        ),
+    )
+
+    def cli(*argv: str) -> str:
+        args = parse("--run-dir", str(store.root), *argv)
+        assert args.func(args) == 0
+        return capsys.readouterr().out
+
+    steps = json.loads(cli("--mechanisms", "--format", "json"))
+    assert [(r["step"], r["estimated"], r["mixed_groups"], r["first_solved"]) for r in steps] == [
+        (0, 0, 1, 1),
+        (1, 2, 1, 1),
+    ]
+    assert steps[1]["estimate_mae"] == 0.25 and steps[1]["estimate_bias"] == 0.25 and steps[1]["estimate_corr"] is None
+    # N_eff from the tokens (the update tables are not written): p0's 3 tokens at step 0, p1's 2 at step 1
+    assert [r["effective_prompts"] for r in steps] == [1.0, 1.0] and steps[0]["train_pass_at_2"] == 0.5
+    text = cli("--mechanisms", "age").splitlines()
+    assert text[0].split() == ["age", "prompts", "estimate_mae", "estimate_bias"] and text[1].split() == [
+        "1",
+        "2",
+        "0.25",
+        "0.25",
+    ]
+    assert text[2].startswith("(the estimated prompts of every step by the age of their estimate")
+    prompts = cli("--mechanisms", "prompts", "--format", "csv", "--columns", "step,prompt_id,estimate,realized,age")
+    assert prompts.splitlines() == [
+        "step,prompt_id,estimate,realized,age",
+        "0,p0,,0.5,",
+        "0,p1,,0.0,",
+        "1,p0,0.5,1.0,1.0",
+        "1,p1,0.5,0.5,1.0",
+    ]
+    assert cli("--mechanisms", "--limit", "1").splitlines()[2] == "(1 of 2 rows shown)"
+    with pytest.raises(ValueError, match="choose one of --step/--stage, --sql, --prompts and --mechanisms"):
+        cli("--mechanisms", "--prompts")
+    with pytest.raises(ValueError, match="unknown column 'bogus' in the steps view of --mechanisms"):
+        cli("--mechanisms", "--columns", "bogus")
+    with pytest.raises(SystemExit):
+        parse("--run-dir", str(store.root), "--mechanisms", "bogus")
+
+
 def test_cli_help_has_examples():
     parser = argparse.ArgumentParser(prog="coba")
     sub = add_inspect_parser(parser.add_subparsers())
     text = sub.format_help()
     assert "examples:" in text and "--sql" in text and "coba inspect --run-dir" in text
     assert all(name in text for name in TABLE_NAMES)
+    assert "--mechanisms [{steps,age,prompts}]" in text and "--mechanisms age" in text

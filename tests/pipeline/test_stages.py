@@ -106,6 +106,21 @@ def test_budget_table_knapsack_uses_its_pooled_estimate():
     assert old["budget"].tolist() == [8, 8, 8] and old["pass_rate_est"].isna().all()
 
 
+def test_budget_table_records_the_age_of_each_estimate():
+    """estimate_age: the step the budget is for minus the prompt's last visit; NaN without an estimate."""
+    h = stages.update_history(stages.empty_history(), rewards_table({"a": [1, 0], "b": [0, 1]}), 3, 1)
+    h = stages.update_history(h, rewards_table({"b": [1, 1], "c": [0, 0]}), 5, 1)
+    table = stages.budget_table(["a", "b", "c", "d"], h, CapabilityTracker(), ALLOC, step=6)
+    ages = table["estimate_age"].tolist()
+    assert ages[:3] == [3.0, 1.0, 1.0] and np.isnan(ages[3])  # a seen at 3, b and c at 5, d never
+    inferred = stages.budget_table(["a", "b", "c", "d"], h, CapabilityTracker(), ALLOC)  # step: newest visit + 1
+    assert inferred["estimate_age"].iloc[:3].tolist() == [3.0, 1.0, 1.0]
+    assert stages.budget_table(["a"], stages.empty_history(), CapabilityTracker(), ALLOC)["estimate_age"].isna().all()
+    # knapsack: a prompt seen but without an estimate (fewer than 8 pooled flags) has no age either
+    knap = SimpleNamespace(**{**vars(ALLOC), "strategy": "knapsack"})
+    assert stages.budget_table(["a", "b"], h, CapabilityTracker(), knap, step=6)["estimate_age"].isna().all()
+
+
 def test_advantages_follow_rollout_order_and_groups():
     rewards = rewards_table({"a": [1, 0], "b": [1, 1, 1]})
     rollouts = rewards[["prompt_id", "sample_idx"]].iloc[::-1].reset_index(drop=True)  # another order

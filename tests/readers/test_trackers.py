@@ -79,6 +79,11 @@ def test_step_metrics_and_samples_from_the_tables(tmp_path):
     assert (m["update/clip_frac"], m["update/entropy"]) == (0.1, 2.0)
     assert m["update/sampler_trainer_gap"] == 0.01 and m["time/update_seconds"] == 2.0 and m["time/step_seconds"] == 3
     assert "heldout/accuracy" not in m
+    # the step's mechanisms (readers.mechanisms): a mixed, b not; no verdict correct, so pass@2 0; no estimate,
+    # and no n_tokens to weigh N_eff by: those are not logged
+    assert (m["mechanisms/prompts"], m["mechanisms/mixed_groups"], m["mechanisms/estimated"]) == (2, 1, 0)
+    assert m["mechanisms/train_pass_at_2"] == 0.0
+    assert "mechanisms/estimate_mae" not in m and "mechanisms/effective_prompts" not in m
     m0 = trackers.step_metrics(t, 0)
     assert m0["heldout/accuracy"] == 0.5 and m0["heldout/accuracy_L2"] == 1.0 and "update/loss" not in m0
     samples = trackers.step_samples(t, 1)

@@ -1,0 +1,296 @@
+"""How the allocation's mechanisms worked at each step of a run, computed once from its done tables.
+
+Per allocated prompt of step t (``estimate_rows``):
+
+    estimate   the pass rate budget(t) allocated with (``pass_rate_est``; NaN where the allocation had none)
+    realized   its pass rate at step t: the share of its rollouts in rewards(t) with verdict ``correct``
+               (``coba_tasks.pipeline.stages.pass_rates``)
+    age        how many steps before t the visit its estimate came from was (budget(t)'s ``estimate_age``;
+               for a run made before that column, t minus the prompt's ``last_step`` in history(t - 1));
+               NaN for a prompt never seen
+    seen       it had an estimate and an age (with neither column nor history: an estimate)
+
+Per step (``step_rows``, one row per step with a budget and rewards; ``STEP_COLUMNS``):
+
+    prompts            the step's prompts (groups in rewards(t))
+    estimated          those the allocation had an estimate of (``seen``)
+    estimate_mae       mean |estimate - realized| over the estimated prompts
+    estimate_bias      mean (realized - estimate) over them: > 0 when they did better than estimated
+    estimate_corr      Pearson's r of estimate and realized over them; NaN with fewer than 3 or without spread
+    estimate_age_mean  the mean age of their estimates (steps)
+    effective_prompts  N_eff = (sum_i W_i)^2 / sum_i W_i^2 over the prompts with a gradient, W_i a prompt's
+                       weight in the loss: update(t)'s ``effective_prompts`` (``coba_tasks.core.grpo``); a run
+                       made before that column trained under the token mean, so there W_i is the prompt's
+                       completion tokens (rollouts(t)'s ``n_tokens``) over its prompts with mixed rewards;
+                       NaN when neither table says
+    mixed_groups       prompts whose rewards are not all equal: the ones with a non-zero advantage
+    first_solved       prompts with a correct rollout at step t and none at an earlier step of the run
+    train_pass_at_2    the mean over the step's prompts of the unbiased pass@2 of its group
+                       (``coba_tasks.core.passk``): defined for every group, as allocation.min_budget >= 2;
+                       pass@1 is the pass rate S
+
+``step_mechanisms`` gives one step's figures but ``first_solved`` (the trackers log them as ``mechanisms/...``);
+``by_age`` groups the estimated prompts of all steps by age (prompts, MAE, bias per age);
+``mechanism_summary`` gives the run's means over steps (``run_summary``'s ``mechanisms``). The held-out
+pass@k is the eval table's (``figures.eval_figures``). No torch here: ``coba inspect`` stays quick.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from coba_tasks.core.passk import mean_pass_at_k
+from coba_tasks.engines.verify import VerdictKind
+from coba_tasks.pipeline.store import Stage, Table
+from coba_tasks.readers.tables import RunTables
+
+PASS_AT = 2  # k of the training groups' pass@k: every group has at least allocation.min_budget >= 2 rollouts
+MIN_CORR_PROMPTS = 3  # fewer estimated prompts than this: no correlation
+STEP_COLUMNS = (
+    "step",
+    "prompts",
+    "estimated",
+    "estimate_mae",
+    "estimate_bias",
+    "estimate_corr",
+    "estimate_age_mean",
+    "effective_prompts",
+    "mixed_groups",
+    "first_solved",
+    f"train_pass_at_{PASS_AT}",
+)
+AGE_COLUMNS = ("age", "prompts", "estimate_mae", "estimate_bias")
+ROW_COLUMNS = ("step", "prompt_id", "budget", "estimate", "realized", "age", "seen")
+
+
+@dataclass(frozen=True)
+class Mechanisms:
+    """A run's mechanisms: ``steps`` (one row per step, ``STEP_COLUMNS``) and ``rows`` (one per allocated
+    prompt of those steps, ``ROW_COLUMNS``)."""
+
+    steps: pd.DataFrame
+    rows: pd.DataFrame
+
+
+def _solved(rewards: pd.DataFrame) -> pd.Series:
+    return rewards["verdict"].astype(str) == str(VerdictKind.CORRECT)
+
+
+def realized_rates(rewards: pd.DataFrame) -> pd.Series:
+    """Per prompt (index prompt_id): the share of its rollouts solved, ``stages.pass_rates`` without torch."""
+    return _solved(rewards).groupby(rewards["prompt_id"].astype(str), sort=False).mean()
+
+
+def estimate_rows(
+    budget: pd.DataFrame, rewards: pd.DataFrame, step: int, last_visit: dict[str, int] | None = None
+) -> pd.DataFrame:
+    """Per prompt of ``budget`` (the budget step ``step`` consumed): ``ROW_COLUMNS``. ``last_visit``
+    (prompt -> last_step of history(step - 1)) gives the ages when the budget has no ``estimate_age``.
+
+    >>> b = pd.DataFrame({"prompt_id": ["a", "b"], "budget": [2, 4], "pass_rate_est": [0.5, np.nan]})
+    >>> r = pd.DataFrame({"prompt_id": ["a", "a", "b", "b", "b", "b"], "verdict": ["correct"] + ["wrong"] * 5})
+    >>> estimate_rows(b, r, 3, {"a": 1, "b": 2})[["prompt_id", "estimate", "realized", "age", "seen"]]
+      prompt_id  estimate  realized  age   seen
+    0         a       0.5       0.5  2.0   True
+    1         b       NaN       0.0  NaN  False
+    """
+    ids = budget["prompt_id"].astype(str)
+    nan = pd.Series(np.nan, index=budget.index)
+    estimate = pd.to_numeric(budget["pass_rate_est"], errors="coerce") if "pass_rate_est" in budget else nan
+    if "estimate_age" in budget:
+        age, known = pd.to_numeric(budget["estimate_age"], errors="coerce"), True
+    elif last_visit is not None:
+        last = ids.map(last_visit).astype(float)
+        age, known = (step - last).where(estimate.notna()), True
+    else:
+        age, known = nan, False
+    realized = ids.map(realized_rates(rewards)).astype(float)
+    seen = estimate.notna() & (age.notna() if known else True)
+    return pd.DataFrame(
+        {
+            "step": step,
+            "prompt_id": ids.to_numpy(),
+            "budget": budget["budget"].to_numpy() if "budget" in budget else np.nan,
+            "estimate": estimate.to_numpy(dtype=np.float64),
+            "realized": realized.to_numpy(dtype=np.float64),
+            "age": age.to_numpy(dtype=np.float64),
+            "seen": seen.to_numpy(dtype=bool),
+        }
+    )
+
+
+def estimate_figures(rows: pd.DataFrame) -> dict[str, float]:
+    """``estimated``, ``estimate_mae``, ``estimate_bias``, ``estimate_corr`` and ``estimate_age_mean`` of
+    ``estimate_rows`` (the seen prompts that were rolled out; NaN figures when there is none)."""
+    seen = rows[rows["seen"] & rows["realized"].notna()]
+    est, real = seen["estimate"].to_numpy(dtype=np.float64), seen["realized"].to_numpy(dtype=np.float64)
+    n = len(seen)
+    return {
+        "estimated": n,
+        "estimate_mae": float(np.mean(np.abs(est - real))) if n else math.nan,
+        "estimate_bias": float(np.mean(real - est)) if n else math.nan,
+        "estimate_corr": pearson(est, real),
+        "estimate_age_mean": float(seen["age"].mean()) if n and seen["age"].notna().any() else math.nan,
+    }
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    """Pearson's r of ``x`` and ``y``; NaN with fewer than ``MIN_CORR_PROMPTS`` pairs or when one has no spread.
+
+    >>> pearson(np.array([0.0, 0.5, 1.0]), np.array([0.25, 0.25, 1.0])), pearson(np.array([0.5] * 3), np.arange(3.0))
+    (0.8660254037844387, nan)
+    """
+    if len(x) < MIN_CORR_PROMPTS:
+        return math.nan
+    dx, dy = x - x.mean(), y - y.mean()
+    sxx, syy = float(dx @ dx), float(dy @ dy)
+    if sxx <= 0.0 or syy <= 0.0:
+        return math.nan
+    return float(dx @ dy) / math.sqrt(sxx * syy)
+
+
+def mixed_prompts(rewards: pd.DataFrame) -> pd.Series:
+    """Per prompt (index prompt_id): whether its rewards are not all equal (its advantages are not all 0)."""
+    return rewards.groupby(rewards["prompt_id"].astype(str), sort=False)["reward"].nunique() > 1
+
+
+def token_effective_prompts(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> float:
+    """N_eff of an update under the token mean, from its tables: W_i = prompt i's completion tokens
+    (``n_tokens``), over the prompts with mixed rewards; 0.0 when none is mixed, NaN without ``n_tokens``.
+    The same as ``coba_tasks.core.grpo.effective_prompts`` with every row weight 1.
+
+    >>> ro = pd.DataFrame({"prompt_id": list("aabbcc"), "sample_idx": [0, 1] * 3, "n_tokens": [6, 6, 1, 1, 4, 4]})
+    >>> token_effective_prompts(ro, ro.assign(reward=[1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
+    1.3243243243243243
+    """
+    if "n_tokens" not in rollouts or rollouts.empty:
+        return math.nan
+    tokens = rollouts.assign(prompt_id=rollouts["prompt_id"].astype(str)).groupby("prompt_id")["n_tokens"].sum()
+    mixed = mixed_prompts(rewards)
+    w = tokens.reindex(mixed[mixed].index).dropna().to_numpy(dtype=np.float64)
+    w = w[w > 0]
+    return math.fsum(w) ** 2 / math.fsum(w * w) if len(w) else 0.0
+
+
+def effective_prompts_of(t: RunTables, step: int) -> float:
+    """The step's N_eff: the update table's ``effective_prompts``, else ``token_effective_prompts`` (see the
+    module docstring), else NaN."""
+    done = t.done.get(step, set())
+    if Stage.UPDATE in done:
+        update = t.table(step, Stage.UPDATE)
+        if "effective_prompts" in update and len(update):
+            return float(update["effective_prompts"].iloc[0])
+    if {Stage.ROLLOUTS, Stage.REWARDS} <= done:
+        return token_effective_prompts(_rollout_tokens(t, step), t.table(step, Stage.REWARDS))
+    return math.nan
+
+
+def _rollout_tokens(t: RunTables, step: int) -> pd.DataFrame:
+    """prompt_id and n_tokens of rollouts(step), read alone (the table's token ids and log-probs are most of
+    its bytes; the file is not hashed, as ``coba inspect --sql`` reads it); empty without ``n_tokens``."""
+    import pyarrow.parquet as pq
+
+    path = t.store.table_path(step, Stage.ROLLOUTS)
+    if "n_tokens" not in pq.read_schema(path).names:
+        return pd.DataFrame()
+    return pd.read_parquet(path, columns=["prompt_id", "n_tokens"])
+
+
+def group_figures(rewards: pd.DataFrame) -> dict[str, float]:
+    """``prompts``, ``mixed_groups`` and ``train_pass_at_2`` of a rewards table.
+
+    >>> r = pd.DataFrame({"prompt_id": list("aabbbb"), "reward": [1.0, 0, 1, 0, 0, 0]})
+    >>> group_figures(r.assign(verdict=["correct", "wrong", "correct", "wrong", "wrong", "wrong"]))
+    {'prompts': 2, 'mixed_groups': 2, 'train_pass_at_2': 0.75}
+    """
+    counts = _solved(rewards).groupby(rewards["prompt_id"].astype(str), sort=False).agg(["size", "sum"])
+    ok = counts["size"] >= PASS_AT
+    pass_at = mean_pass_at_k(counts["size"][ok].to_numpy(), counts["sum"][ok].to_numpy(), PASS_AT)
+    return {
+        "prompts": len(counts),
+        "mixed_groups": int(mixed_prompts(rewards).sum()),
+        f"train_pass_at_{PASS_AT}": pass_at,
+    }
+
+
+def _last_visits(t: RunTables, step: int) -> dict[str, int] | None:
+    """prompt -> last_step of history(step - 1) (an empty history before step 0); None when it is not done."""
+    if step == 0:
+        return {}
+    if Table.HISTORY not in t.done.get(step - 1, set()):
+        return None
+    h = t.table(step - 1, Table.HISTORY)
+    return dict(zip(h["prompt_id"].astype(str), h["last_step"].astype(int), strict=True))
+
+
+def step_mechanisms(t: RunTables, step: int) -> tuple[dict[str, float], pd.DataFrame]:
+    """The figures of step ``step`` but ``first_solved`` (which needs the steps before it) and its
+    ``estimate_rows``; its budget and rewards tables must be done."""
+    rewards = t.table(step, Stage.REWARDS)
+    rows = estimate_rows(t.table(step, Stage.BUDGET), rewards, step, _last_visits(t, step))
+    figures = {**group_figures(rewards), **estimate_figures(rows), "effective_prompts": effective_prompts_of(t, step)}
+    return figures, rows
+
+
+def run_mechanisms(t: RunTables) -> Mechanisms:
+    """The mechanisms of every step of ``t`` with a done budget and rewards table."""
+    solved: set[str] = set()
+    steps, rows = [], []
+    for step in t.steps_with(Stage.REWARDS):
+        rewards = t.table(step, Stage.REWARDS)
+        correct = set(rewards["prompt_id"][_solved(rewards)].astype(str))
+        first = correct - solved
+        solved |= correct
+        if Stage.BUDGET not in t.done[step]:
+            continue
+        figures, r = step_mechanisms(t, step)
+        rows.append(r)
+        steps.append({"step": step, **figures, "first_solved": len(first)})
+    frame = pd.DataFrame(steps, columns=list(STEP_COLUMNS))
+    every = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=list(ROW_COLUMNS))
+    return Mechanisms(steps=frame, rows=every)
+
+
+def by_age(rows: pd.DataFrame) -> pd.DataFrame:
+    """The estimated prompts of ``estimate_rows`` (any number of steps) by the age of their estimate:
+    ``AGE_COLUMNS`` (age in steps, ascending; prompts; MAE; bias = mean realized - estimate).
+
+    >>> rows = pd.DataFrame({"estimate": [0.5, 0.5, 0.0], "realized": [1.0, 0.25, 0.5], "age": [1.0, 1.0, 3.0]})
+    >>> by_age(rows.assign(seen=True))
+       age  prompts  estimate_mae  estimate_bias
+    0    1        2         0.375          0.125
+    1    3        1         0.500          0.500
+    """
+    seen = rows[rows["seen"].astype(bool) & rows["realized"].notna() & rows["age"].notna()]
+    if seen.empty:
+        return pd.DataFrame(columns=list(AGE_COLUMNS))
+    err = seen["realized"] - seen["estimate"]
+    g = pd.DataFrame({"age": seen["age"].astype(int), "abs": err.abs(), "err": err}).groupby("age", sort=True)
+    out = pd.DataFrame({"prompts": g.size(), "estimate_mae": g["abs"].mean(), "estimate_bias": g["err"].mean()})
+    return out.reset_index()[list(AGE_COLUMNS)]
+
+
+def mechanism_summary(m: Mechanisms) -> dict[str, Any] | None:
+    """The run's means over its steps (``steps``, ``estimated`` and ``first_solved``: totals), with
+    ``by_age`` as records; None before any step has a budget and rewards."""
+    s = m.steps
+    if s.empty:
+        return None
+
+    def mean(col: str) -> float:
+        v = pd.to_numeric(s[col], errors="coerce")
+        return float(v.mean()) if v.notna().any() else math.nan
+
+    means = ("prompts", "estimate_mae", "estimate_bias", "estimate_corr", "estimate_age_mean", "effective_prompts")
+    return {
+        "steps": len(s),
+        "estimated": int(s["estimated"].sum()),
+        **{c: mean(c) for c in (*means, "mixed_groups", f"train_pass_at_{PASS_AT}")},
+        "first_solved": int(s["first_solved"].sum()),
+        "by_age": by_age(m.rows).to_dict("records"),
+    }
