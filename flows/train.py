@@ -5,9 +5,11 @@
     coba run --config configs/tiny-test.yaml --run-dir runs/t --steps 2 --set optim.lr=3e-5
 
 This module only composes. ``run_step`` calls the five stage tasks of ``coba_tasks.pipeline.step`` by name,
-in order; each task's body is that stage's work (skipped when its table is done). Tasks pass the run
-directory and a step number: the long-lived resources of a run (the rollout engine, the verifier pool, the
-training model) live in the flow process and are looked up by directory (``coba_tasks.pipeline.run``).
+in order (under ``allocation.estimator = pilot``: the pilot, its rewards and the step's own budget first, no
+budget after capability); each task's body is that stage's work (skipped when its table is done). Tasks
+pass the run directory and a step number: the long-lived resources of a run (the rollout engine, the
+verifier pool, the training model) live in the flow process and are looked up by directory
+(``coba_tasks.pipeline.run``).
 What the flow shows of a step (its progress line, its artifacts, the trackers, summary.json) is read back
 from the tables by ``coba_tasks.readers``.
 """
@@ -29,15 +31,26 @@ from coba_tasks.pipeline.step import (
     capability,
     eval_plan,
     evaluate,
+    pilot,
+    pilot_rewards,
+    piloted,
     resume_point,
     rewards,
     rollouts,
+    step_budget,
     update,
     write_step_timing,
 )
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers import trackers
-from coba_tasks.readers.figures import NO_SIGNAL_FIX, NO_SIGNAL_STEPS, eval_figures, no_signal_streak, step_figures
+from coba_tasks.readers.figures import (
+    NO_SIGNAL_FIX,
+    NO_SIGNAL_STEPS,
+    budget_figures,
+    eval_figures,
+    no_signal_streak,
+    step_figures,
+)
 from coba_tasks.readers.figures import summary_json as make_summary_json
 from coba_tasks.readers.text import figure_table
 
@@ -50,15 +63,24 @@ def run_step(run_dir: str, step: int) -> None:
     """
     res, t0 = run.resources(run_dir), time.perf_counter()
     seconds_before = dict(res.stage_seconds)
+    k = res.cfg.allocation.pilot_rollouts if piloted(res.cfg) else 0
+    if k:  # allocation.estimator = pilot: the step allocates its own budget, after its pilot
+        pilot(run_dir, step)
+        pilot_rewards(run_dir, step)
+        step_budget(run_dir, step)
     rollouts(run_dir, step)
     rewards(run_dir, step)
     capability(run_dir, step)
-    budget(run_dir, step)  # the allocation for step + 1
+    if not k:
+        budget(run_dir, step)  # the allocation for step + 1
     update(run_dir, step)
     seconds = write_step_timing(res, step, seconds_before)
     figures = step_figures(res.store, step)
+    if k:  # the budgets this step allocated are its own
+        figures["budget"] = budget_figures(res.store.read_table(step, Table.BUDGET))
     quiet = no_signal_streak(res.store, step)  # steps in a row whose every group scored alike
-    line = step_line(step, res.cfg.run.steps, figures, seconds, time.perf_counter() - t0, no_signal=quiet)
+    elapsed = time.perf_counter() - t0
+    line = step_line(step, res.cfg.run.steps, figures, seconds, elapsed, no_signal=quiet, pilot=k)
     log = get_run_logger()
     (log.warning if quiet >= NO_SIGNAL_STEPS else log.info)(line)
     _post_step_artifacts(res, step, figures)
@@ -71,13 +93,15 @@ def step_line(
     seconds: dict[str, float],
     elapsed: float,
     no_signal: int = 0,
+    pilot: int = 0,
 ) -> str:
     """The step's progress line: pass rate, failure rate and Beta shape, the next budgets, the update, time.
 
     ``figures``: the stage figures of the step (``rollouts``, ``rewards``, ``capability``, ``budget``,
     ``update``); ``seconds``: the step's seconds per stage; ``elapsed``: the step's wall seconds;
     ``no_signal``: how many steps in a row, ending at this one, had no mixed group (every advantage 0): from
-    ``NO_SIGNAL_STEPS`` on, the line says that nothing is learned and what to change.
+    ``NO_SIGNAL_STEPS`` on, the line says that nothing is learned and what to change. ``pilot``: the pilot's
+    rollouts per prompt under ``allocation.estimator = pilot``, whose ``budget`` figures are the step's own.
 
     >>> print(step_line(2, 10, {
     ...     "rollouts": {"rollouts": 128},
@@ -100,7 +124,8 @@ beta 2.80; next budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52; 50 s (rol
         f"{figures['rollouts']['rollouts']} rollouts correct"
         + "".join(f", {x}" for x in notes)
         + f"); F {cap['F']:.2f} -> alpha {cap['alpha']:.2f} beta "
-        f"{cap['beta']:.2f}; next budgets {budget['min']}-{budget['max']} (mean {budget['mean']:.1f}); loss "
+        f"{cap['beta']:.2f}; {'budgets' if pilot else 'next budgets'} {budget['min']}-{budget['max']} (mean "
+        f"{budget['mean']:.1f}{f', a pilot of {pilot} each' if pilot else ''}); loss "
         f"{upd['loss']:+.4f}, grad norm {upd['grad_norm']:.2f}; {elapsed:.0f} s ({parts})" + _no_signal_text(no_signal)
     )
 
@@ -115,11 +140,12 @@ def _no_signal_text(steps: int) -> str:
 
 
 def _post_step_artifacts(res: run.RunResources, step: int, figures: dict[str, dict[str, Any]]) -> None:
-    allocated = res.store.read_table(step + 1, Table.BUDGET)
+    at = step if piloted(res.cfg) else step + 1  # the budget this step allocated (after a pilot: its own)
+    allocated = res.store.read_table(at, Table.BUDGET)
     create_table_artifact(
-        key=f"budget-step-{step + 1:06d}",
+        key=f"budget-step-{at:06d}",
         table=allocated[["prompt_id", "pass_rate_est", "budget", "value", "marginal_gain"]].round(4).to_dict("records"),
-        description=f"rollout budgets allocated for step {step + 1}",
+        description=f"rollout budgets allocated for step {at}",
     )
     shown = {**figures["capability"], **figures["update"]}
     create_markdown_artifact(

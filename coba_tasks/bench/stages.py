@@ -47,7 +47,8 @@ from coba_tasks.pipeline.store import Stage, Table
 
 GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
 EVAL_PROMPTS = 16  # held-out prompts per evaluation in the benchmark's runs (unless --set data.eval_prompts=...)
-STEP_TABLES = tuple(t.value for t in Table if t is not Table.EVAL)
+# a step's tables (the pilot's only under allocation.estimator = pilot, which the benchmark does not time)
+STEP_TABLES = tuple(t.value for t in Table if t not in (Table.EVAL, Table.PILOT, Table.PILOT_REWARDS))
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:

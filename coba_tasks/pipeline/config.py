@@ -88,6 +88,10 @@ HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
     ("verify", "gsm8k_answer"): "math",
     ("verify", "max_error_share"): 0.5,
     ("optim", "prompt_weighting"): "tokens",
+    ("allocation", "estimator"): "last",
+    ("allocation", "prior_strength"): 2.0,
+    ("allocation", "posterior_decay"): 0.5,
+    ("allocation", "pilot_rollouts"): 2,
 }
 
 

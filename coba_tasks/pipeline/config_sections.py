@@ -13,7 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BeforeValidator, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from coba_tasks.core.allocators import Mode, strategies
+from coba_tasks.core.allocators import Mode, Strategy, strategies
+from coba_tasks.core.estimators import DEFAULT_DECAY, DEFAULT_PILOT_ROLLOUTS, DEFAULT_PRIOR_STRENGTH, Estimator
 from coba_tasks.core.solvers import coba_solvers
 from coba_tasks.engines.rollout import backends
 from coba_tasks.engines.verify import Gsm8kAnswer
@@ -39,12 +40,14 @@ PromptFormat = Literal["auto", "chat", "raw"]  # data.prompt_format (coba_tasks.
 UnknownSources = Literal["error", "math"]  # verify.unknown_sources (coba_tasks.pipeline.data_run)
 Schedule = Literal["adaptive", "reversed", "fixed"]  # allocation.schedule: the paper's ablations reverse or fix it
 ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocators.Mode
+EstimatorName = Literal["last", "posterior", "pilot"]  # allocation.estimator: coba_tasks.core.estimators.Estimator
 # optim.rollout_correction: coba_tasks.core.grpo.RolloutCorrection's values (not imported here: it pulls in torch)
 RolloutCorrectionLevel = Literal["none", "token", "sequence"]
 # optim.prompt_weighting: coba_tasks.core.grpo.PromptWeighting's values (not imported here either)
 PromptWeightingName = Literal["tokens", "equal"]
 DTYPES = get_args(Dtype)
 assert set(get_args(ModeName)) == {m.value for m in Mode}, "allocation.mode's words are Mode's values"
+assert set(get_args(EstimatorName)) == {e.value for e in Estimator}, "allocation.estimator's words are Estimator's"
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # run.trackers: the experiment trackers a run can log to
 MAIN_TEST_SET = "test"  # the eval table's test_set of data.test; an extra test's is its file name without .parquet
@@ -327,6 +330,33 @@ class AllocationConfig(Section):
     pass_rate_window: StrictInt = config_key(
         1, "a prompt's last visits whose pass rates give its p_i (knapsack pools its newest 16 rollouts instead)", ge=1
     )
+    estimator: EstimatorName = config_key(
+        "last",
+        "each prompt's p_i for coba and uniform: last (mean pass rate of its last pass_rate_window visits), "
+        "posterior (a Beta posterior, decayed per visit, prior from the global pass rate) or pilot (that "
+        "posterior after a first wave of pilot_rollouts per prompt of the step itself); knapsack keeps its own",
+        "must be last (the last visits' pass rate), posterior (a decayed Beta posterior per prompt) or pilot "
+        "(the posterior after a pilot wave of the step's own rollouts)",
+    )
+    prior_strength: Number = config_key(
+        DEFAULT_PRIOR_STRENGTH,
+        "posterior, pilot: s, the prior's weight in rollouts: Beta(s * pbar, s * (1 - pbar)), pbar the pass rate "
+        "of every rollout scored so far",
+        gt=0,
+    )
+    posterior_decay: Number = config_key(
+        DEFAULT_DECAY,
+        "posterior, pilot: d in [0, 1], each visit multiplies a prompt's counts by d before adding its "
+        "successes and failures (1 never forgets; 0 keeps the last visit only)",
+        ge=0,
+        le=1,
+    )
+    pilot_rollouts: StrictInt = config_key(
+        DEFAULT_PILOT_ROLLOUTS,
+        "pilot: k, the first wave's rollouts per prompt (1 <= k <= min_budget); they stay in their groups and the "
+        "step's total stays B_total",
+        ge=1,
+    )
 
     @field_validator("tau", mode="before")
     @classmethod
@@ -350,6 +380,18 @@ class AllocationConfig(Section):
     def _budgets(self) -> AllocationConfig:
         if self.max_budget < self.min_budget:
             self._fail("max_budget", f"must be >= allocation.min_budget ({self.min_budget})")
+        if self.estimator != Estimator.LAST and self.strategy == Strategy.KNAPSACK:
+            self._fail(
+                "estimator",
+                "knapsack has its own estimate (the mean of a prompt's newest 16 rollouts); set "
+                "allocation.estimator=last with knapsack, or allocation.strategy=coba or uniform",
+            )
+        if self.estimator == Estimator.PILOT and self.pilot_rollouts > self.min_budget:
+            self._fail(
+                "pilot_rollouts",
+                f"must be <= allocation.min_budget ({self.min_budget}): every budget holds its pilot's rollouts; "
+                f"set allocation.pilot_rollouts to at most {self.min_budget}",
+            )
         return self
 
 

@@ -10,6 +10,11 @@ makes every output computed after it stale. Outputs are ordered by when they are
     update(t) + checkpoints/t+1  steps/t/update.parquet
     eval(t + 1)                  steps/t+1/eval.parquet      (held-out accuracy of those weights)
 
+Under ``allocation.estimator = pilot`` step t starts with pilot(t) and pilot_rewards(t), sampled with the
+weights after update(t - 1), and its budget(t) is allocated after them: the three come after eval(t) and
+before rollouts(t), so a rerun of update(t - 1) invalidates the pilot of step t, and one of the pilot or
+budget of step t everything of step t from there.
+
 ``plan_rerun`` lists the stage's own output and everything after it in that order (and the
 checkpoints and summary.json that go with them); ``apply_rerun`` removes them (manifest entries
 first, then files), after which resuming the run recomputes them.
@@ -24,14 +29,28 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coba_tasks.pipeline.store import RunStore, Stage, Table, inside_run
+from coba_tasks.core.estimators import Estimator
+from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table, inside_run
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
-RERUNNABLE = (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.UPDATE, Table.EVAL)
+RERUNNABLE = (
+    Stage.BUDGET,
+    Stage.ROLLOUTS,
+    Stage.REWARDS,
+    Stage.CAPABILITY,
+    Stage.UPDATE,
+    Table.EVAL,
+    Table.PILOT,
+    Table.PILOT_REWARDS,
+)
 
 
-def _order(step_dir: int, name: str) -> tuple[int, int]:
-    """Position of table ``name`` in ``steps/<step_dir>/`` in the order outputs are computed."""
+def _order(step_dir: int, name: str, piloted: bool = False) -> tuple[int, int]:
+    """Position of table ``name`` in ``steps/<step_dir>/`` in the order outputs are computed (``piloted``: a run
+    whose steps start with a pilot and allocate their own budget after it)."""
+    pilot = {Table.PILOT: -3, Table.PILOT_REWARDS: -2, **({Stage.BUDGET: -1} if piloted else {})}
+    if name in pilot:  # a step's first outputs: after eval(t), which measures the weights they sample with
+        return (step_dir, pilot[name])
     if name == Stage.BUDGET:  # budget(t + 1) comes after capability(t), before update(t)
         return (step_dir - 1, 3) if step_dir > 0 else (-1, 9)
     if name == Table.EVAL:  # eval(t + 1) measures the weights after update(t)
@@ -75,21 +94,22 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if require_done and not store.is_done(step, stage):
-        done = [n for n in (*Stage, Table.EVAL) if store.is_done(step, n)]
+        done = [n for n in (Table.PILOT, Table.PILOT_REWARDS, *Stage, Table.EVAL) if store.is_done(step, n)]
         raise ValueError(
             f"{stage} is not done at step {step} (done there: {', '.join(done) or 'nothing'}); "
             "`coba resume` computes what is missing"
         )
-    start = _order(step, stage)
+    piloted = _piloted(store)
+    start = _order(step, stage, piloted)
     plan = RerunPlan(step=step, stage=stage)
     if stage == Table.EVAL:  # nothing reads a held-out evaluation: it invalidates only itself
         plan.tables.append((step, stage))
     else:
         for s in store.steps():
             for name in store.manifest(s):
-                if name in tuple(Table) and _order(s, name) >= start:
+                if name in tuple(Table) and _order(s, name, piloted) >= start:
                     plan.tables.append((s, name))
-    plan.tables.sort(key=lambda t: _order(*t))
+    plan.tables.sort(key=lambda t: _order(*t, piloted))
     updates = [s for s, name in plan.tables if name == Stage.UPDATE]
     ckpt_root = store.root / "checkpoints"
     if updates and ckpt_root.is_dir():
@@ -103,6 +123,15 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
     return plan
 
 
+def _piloted(store: RunStore) -> bool:
+    """Whether the run's steps start with a pilot (its config's ``allocation.estimator``)."""
+    try:
+        allocation = store.read_config().get("allocation") or {}
+    except StoreError:
+        return False
+    return isinstance(allocation, dict) and allocation.get("estimator") == Estimator.PILOT
+
+
 def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:
     """Every table listed in a manifest that is missing, truncated, altered or unreadable:
     (step directory, table, reason), in the order the tables were computed."""
@@ -112,8 +141,8 @@ def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:
             reason = store.damage(s, name)
             if reason is not None:
                 out.append((s, name, reason))
-    known = tuple(Table)
-    return sorted(out, key=lambda t: _order(t[0], t[1]) if t[1] in known else (10**9, 0))
+    known, piloted = tuple(Table), _piloted(store)
+    return sorted(out, key=lambda t: _order(t[0], t[1], piloted) if t[1] in known else (10**9, 0))
 
 
 def plan_repair(store: RunStore) -> RerunPlan | None:

@@ -27,6 +27,7 @@ import torch
 from coba_tasks.core.allocation import plan_allocation
 from coba_tasks.core.allocators import Allocation, Strategy
 from coba_tasks.core.capability import CapabilityTracker
+from coba_tasks.core.estimators import DEFAULT_DECAY, DEFAULT_PRIOR_STRENGTH, Estimator
 from coba_tasks.core.grpo import (
     RewardScaleError,
     group_advantages,
@@ -37,6 +38,14 @@ from coba_tasks.core.grpo import (
 from coba_tasks.core.knapsack import pool_outcomes, pooled_estimate
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
+from coba_tasks.pipeline.estimates import (
+    POSTERIOR_COLUMNS,
+    POSTERIOR_DTYPES,
+    batch_estimates,
+    counts_after_visit,
+    list_column,
+    posterior_state,
+)
 
 BOXED = "\\boxed{"  # the answer format of math prompts ("put your final answer within \\boxed{}")
 
@@ -85,14 +94,16 @@ def rollout_table(
     sampling: SamplingConfig,
     run_seed: int,
     step: int,
+    wave: int = 0,
 ) -> pd.DataFrame:
     """Generate ``budget.budget`` completions per prompt; one row per completion.
 
     ``prompts`` holds each prompt's ``prompt_token_ids`` (``coba_tasks.pipeline.data_prompts.render_prompts``): the
     engine receives those ids, the same the update trains on. Column ``logprobs`` is the sampler's
-    log-probability of each completion token.
+    log-probability of each completion token. ``wave``: which wave of the step's groups this is (its seeds,
+    ``rollout_seed``; 1 is the second wave after a pilot, ``coba_tasks.pipeline.pilot``).
     """
-    return rollout_tables([(budget, sampling)], prompts, engine, run_seed, step)[0]
+    return rollout_tables([(budget, sampling)], prompts, engine, run_seed, step, wave=wave)[0]
 
 
 def rollout_tables(
@@ -102,6 +113,7 @@ def rollout_tables(
     run_seed: int,
     step: int,
     progress: bool = False,
+    wave: int = 0,
 ) -> list[pd.DataFrame]:
     """``rollout_table`` of each (budget, sampling) batch, generated in one engine call where the backend can
     (``generate_many``, with its progress bar when ``progress``): a sampled and a greedy evaluation share
@@ -115,7 +127,7 @@ def rollout_tables(
                 prompt_id=pid,
                 prompt_token_ids=tuple(ids[pid]),
                 n=int(b),
-                seed=rollout_seed(run_seed, step, pid),
+                seed=rollout_seed(run_seed, step, pid, wave),
                 prompt=text[pid],
             )
             for pid, b in zip(budget["prompt_id"], budget["budget"], strict=True)
@@ -279,21 +291,40 @@ def tracker_from_capability(capability: pd.DataFrame) -> CapabilityTracker:
     return CapabilityTracker.from_dict(json.loads(capability["tracker_state"].iloc[0]))
 
 
-def update_history(history: pd.DataFrame, rewards: pd.DataFrame, step: int, window: int) -> pd.DataFrame:
-    """Per prompt, its last ``window`` visits' pass rates (the allocator's memory) and ``pooled_solved``, the
-    solved flags (1/0, in sample order, oldest first) that Knapsack-RL's estimate averages
-    (``coba_tasks.core.knapsack.pool_outcomes``). A history written before ``pooled_solved`` existed starts
-    every prompt's flags empty."""
+def update_history(
+    history: pd.DataFrame,
+    rewards: pd.DataFrame,
+    step: int,
+    window: int,
+    prior_strength: float = DEFAULT_PRIOR_STRENGTH,
+    decay: float = DEFAULT_DECAY,
+) -> pd.DataFrame:
+    """Per prompt, its last ``window`` visits' pass rates (the allocator's memory) and rollouts
+    (``visit_rollouts``), ``pooled_solved``, the solved flags (1/0, in sample order, oldest first) that
+    Knapsack-RL's estimate averages (``coba_tasks.core.knapsack.pool_outcomes``), and the Beta posterior's
+    counts after this visit with the rollouts scored and solved so far (``coba_tasks.pipeline.estimates``:
+    prior strength s, decay per visit d). A history written before a column existed starts it empty."""
     rates = pass_rates(rewards)
     ordered = rewards.sort_values("sample_idx", kind="stable")
     flags = solved(ordered).astype(int).groupby(ordered["prompt_id"], sort=False).agg(list)
     hist = {pid: list(v) for pid, v in zip(history["prompt_id"], history["pass_rates"], strict=True)}
     last = dict(zip(history["prompt_id"], history["last_step"], strict=True))
     pooled = dict(zip(history["prompt_id"], pooled_flags(history), strict=True))
+    sizes = dict(zip(history["prompt_id"], list_column(history, "visit_rollouts"), strict=True))
+    post = posterior_state(history).to_dict("index")  # prompt_id -> {posterior_a, ..., rollouts_solved}
+    counts, visits = counts_after_visit(history, rewards, prior_strength, decay)
     for pid, rate in rates.items():
         hist[pid] = ([*hist.get(pid, []), float(rate)])[-window:]
+        sizes[pid] = ([*sizes.get(pid, []), int(visits.loc[pid, "rollouts"])])[-window:]
         last[pid] = step
         pooled[pid] = pool_outcomes(pooled.get(pid, []), flags[pid])
+        was = post.get(pid, {"rollouts_scored": 0.0, "rollouts_solved": 0.0})
+        post[pid] = {
+            "posterior_a": counts.loc[pid, "a"],
+            "posterior_b": counts.loc[pid, "b"],
+            "rollouts_scored": was["rollouts_scored"] + visits.loc[pid, "rollouts"],
+            "rollouts_solved": was["rollouts_solved"] + visits.loc[pid, "successes"],
+        }
     ids = sorted(hist)
     return pd.DataFrame(
         {
@@ -301,6 +332,8 @@ def update_history(history: pd.DataFrame, rewards: pd.DataFrame, step: int, wind
             "pass_rates": [hist[i] for i in ids],
             "last_step": np.array([last[i] for i in ids], dtype=np.int64),
             "pooled_solved": [pooled[i] for i in ids],
+            "visit_rollouts": [[int(n) for n in sizes.get(i, [])] for i in ids],
+            **{c: np.array([post[i][c] for i in ids], dtype=POSTERIOR_DTYPES[c]) for c in POSTERIOR_COLUMNS},
         }
     )
 
@@ -314,14 +347,10 @@ def pooled_flags(history: pd.DataFrame) -> list[list[int]]:
 
 def empty_history() -> pd.DataFrame:
     """History before the first visit."""
-    return pd.DataFrame(
-        {
-            "prompt_id": pd.Series([], dtype=object),
-            "pass_rates": pd.Series([], dtype=object),
-            "last_step": [],
-            "pooled_solved": pd.Series([], dtype=object),
-        }
-    ).astype({"last_step": np.int64})
+    lists = {c: pd.Series([], dtype=object) for c in ("prompt_id", "pass_rates", "pooled_solved", "visit_rollouts")}
+    numbers = {"last_step": np.int64, **POSTERIOR_DTYPES}
+    columns = ("prompt_id", "pass_rates", "last_step", "pooled_solved", "visit_rollouts", *POSTERIOR_COLUMNS)
+    return pd.DataFrame({c: lists[c] if c in lists else pd.Series([], dtype=numbers[c]) for c in columns})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,26 +391,41 @@ def section_allocation(est: np.ndarray, alloc: Any, alpha: float, beta: float) -
 
 
 def budget_table(
-    batch: Sequence[str], history: pd.DataFrame, tracker: CapabilityTracker, alloc: Any, step: int | None = None
+    batch: Sequence[str],
+    history: pd.DataFrame,
+    tracker: CapabilityTracker,
+    alloc: Any,
+    pilot: pd.DataFrame | None = None,
+    step: int | None = None,
 ) -> pd.DataFrame:
-    """Budgets for ``batch`` from each prompt's recent pass rate (NaN if never seen) and (alpha, beta).
+    """Budgets for ``batch`` from each prompt's estimate and (alpha, beta), with the allocation's inputs:
+    ``estimator``, the estimate (``pass_rate_est``, NaN: none) and ``estimate_rollouts``, the rollouts it rests
+    on (``coba_tasks.pipeline.estimates.batch_estimates``), and ``pilot_rollouts``.
 
-    Under ``knapsack`` the pass rate is Knapsack-RL's estimate instead: the mean of the prompt's
-    ``pooled_solved`` flags, NaN (no estimate) with fewer than 8 (``pooled_estimate``). ``estimate_age``:
-    ``step`` (the step the budget is for; None: the history's newest visit + 1) minus the prompt's last
-    visit, NaN where there is no estimate (``estimate_ages``)."""
+    Under ``knapsack`` the estimate is Knapsack-RL's own: the mean of the prompt's ``pooled_solved`` flags,
+    NaN (no estimate) with fewer than 8 (``pooled_estimate``), resting on those flags. Under the ``pilot``
+    estimator ``pilot`` is the step's pilot rewards: the estimates are the posterior after them, and the
+    budgets, step total B_total and bounds [B_low, B_up] as always, count the pilot's rollouts (every budget
+    is at least B_low >= k, its second wave the rest). ``estimate_age``: ``step`` (the step the budget is for;
+    None: the history's newest visit + 1) minus the visit the estimate's newest rollouts come from: 0 under
+    ``pilot`` (this step's), NaN where there is no estimate (``estimate_ages``)."""
+    estimator = getattr(alloc, "estimator", Estimator.LAST.value)
     if alloc.strategy == Strategy.KNAPSACK.value:
-        known = {pid: pooled_estimate(f) for pid, f in zip(history["prompt_id"], pooled_flags(history), strict=True)}
+        flags = dict(zip(history["prompt_id"], pooled_flags(history), strict=True))
+        est = np.array([pooled_estimate(flags.get(pid, [])) for pid in batch], dtype=np.float64)
+        rests = np.array([len(flags.get(pid, [])) for pid in batch], dtype=np.float64)
+        rests[np.isnan(est)] = 0.0
     else:
-        known = {pid: float(np.mean(r)) for pid, r in zip(history["prompt_id"], history["pass_rates"], strict=True)}
-    est = np.array([known.get(pid, np.nan) for pid in batch], dtype=np.float64)
+        est, rests = batch_estimates(batch, history, alloc, pilot)
     alpha, beta = schedule_shape(tracker, alloc)
     plan = section_allocation(est, alloc, alpha, beta)
+    k = int(alloc.pilot_rollouts) if estimator == Estimator.PILOT else 0
+    assert (plan.budgets >= k).all(), "a budget below the pilot's rollouts (allocation.pilot_rollouts > min_budget)"
     return pd.DataFrame(
         {
             "prompt_id": list(batch),
             "pass_rate_est": est,
-            "estimate_age": estimate_ages(batch, est, history, step),
+            "estimate_age": estimate_ages(batch, est, history, step) if pilot is None else np.where(np.isnan(est), np.nan, 0.0),
             "budget": plan.budgets,
             "value": plan.values,
             "marginal_gain": plan.marginal_gains,
@@ -391,6 +435,9 @@ def budget_table(
             "tau": plan.tau,
             "strategy": alloc.strategy,
             "fallback": plan.fallback,
+            "estimator": estimator,
+            "estimate_rollouts": rests,
+            "pilot_rollouts": np.full(len(batch), k, dtype=np.int64),
         }
     )
 

@@ -7,7 +7,13 @@
     update(run_dir, t)      rollouts(t), rewards(t) -> update(t)     the GRPO update; checkpoints/t+1
 
 and ``evaluate(run_dir, t)``: held-out accuracy of the weights after t updates (eval(t)). ``flows/train.py``
-calls them in this order (``run_step``); ``plain_step`` calls the same bodies without Prefect.
+calls them in this order (``run_step``); ``plain_step`` calls the same bodies without Prefect. Under
+``allocation.estimator = pilot`` (``coba_tasks.pipeline.pilot``) a step starts with its pilot, the pilot's
+rewards and its own budget, and has no budget stage after capability (``step_stages``):
+
+    pilot(run_dir, t)          the batch of t -> pilot(t)             k rollouts per prompt, current policy
+    pilot_rewards(run_dir, t)  pilot(t) -> pilot_rewards(t)           the pilot scored
+    step_budget(run_dir, t)    history(t-1), capability(t-1), pilot_rewards(t) -> budget(t)
 
 Each body is the stage's work: it reads its inputs from the run directory, calls the stage's pure function
 (``coba_tasks.pipeline.stages``) and returns its table. ``@stage`` makes the task and adds what every stage
@@ -31,11 +37,13 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from coba_tasks.core.capability import CapabilityTracker
+from coba_tasks.core.estimators import Estimator
 from coba_tasks.core.grpo import RewardScaleError
 from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import SamplingConfig
 from coba_tasks.engines.update_batch import NonFiniteUpdateError
+from coba_tasks.pipeline import pilot as pilot_waves
 from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.run import (
@@ -55,16 +63,21 @@ StageBody = Callable[[RunResources, int], pd.DataFrame]
 
 
 def stage(
-    table: Table, retries: int = 1, fault_hooks: bool = True, then: Callable[[RunResources, int], None] | None = None
+    table: Table,
+    retries: int = 1,
+    fault_hooks: bool = True,
+    then: Callable[[RunResources, int], None] | None = None,
+    own_step: bool = False,
 ) -> Callable[[StageBody], Task[[str, int], str]]:
     """Make a stage body ``(res, step) -> table`` the Prefect task ``(run_dir, step) -> table path`` named
     ``table`` (task runs ``<table>-step-<step>``): skipped when the table is done, else computed, passed
-    through the fault hooks (``fault_hooks``) and written; then ``then(res, step)``, done or not; timed."""
+    through the fault hooks (``fault_hooks``) and written (into the directory ``table.output_step(step)``,
+    or ``step``'s own with ``own_step``); then ``then(res, step)``, done or not; timed."""
 
     def make(body: StageBody) -> Task[[str, int], str]:
         def run_stage(run_dir: str, step: int) -> str:
             res, t0 = resources(run_dir), time.perf_counter()
-            where = table.output_step(step)
+            where = step if own_step else table.output_step(step)
             if not res.store.is_done(where, table):
                 frame = body(res, step)
                 if fault_hooks:
@@ -84,20 +97,55 @@ def stage(
 
 
 # ---------------------------------------------------------------------------------------------
-# The five stages, in the order they run
+# The stages, in the order they run (a pilot run's three first, and no ``budget``: ``step_stages``)
+
+
+@stage(Table.PILOT)
+def pilot(res: RunResources, step: int) -> pd.DataFrame:
+    """allocation.estimator = pilot: the first wave, allocation.pilot_rollouts completions of each prompt of the
+    step's batch, from the current policy (each group's usual seed)."""
+    plan = pilot_waves.pilot_budget(batch_of(res, step), res.cfg.allocation.pilot_rollouts)
+    return stages.rollout_table(plan, res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
+
+
+@stage(Table.PILOT_REWARDS)
+def pilot_rewards(res: RunResources, step: int) -> pd.DataFrame:
+    """The pilot scored, as the rewards stage scores (and stops on too many errors or timeouts)."""
+    table = stages.reward_table(res.store.read_table(step, Table.PILOT), res.prompts, res.pool)
+    stages.check_error_share(table, step, res.cfg.verify.max_error_share)
+    return table
+
+
+@stage(Table.BUDGET, own_step=True)
+def step_budget(res: RunResources, step: int) -> pd.DataFrame:
+    """allocation.estimator = pilot: the budget of step t, allocated at its start on the posterior after its
+    pilot (history and shape of step t - 1); every budget holds the pilot's k and they sum to B_total."""
+    history = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else stages.empty_history()
+    scored = res.store.read_table(step, Table.PILOT_REWARDS)
+    return budget_for(res, step, history, tracker_before(res, step), pilot=scored)
 
 
 @stage(Table.ROLLOUTS)
 def rollouts(res: RunResources, step: int) -> pd.DataFrame:
-    """Sample each prompt of the step's budget table as many completions as its budget, with the rollout engine."""
+    """Sample each prompt of the step's budget table as many completions as its budget, with the rollout engine
+    (after a pilot: the rest of its budget, beside the pilot's)."""
     budget = res.store.read_table(step, Table.BUDGET)
-    return stages.rollout_table(budget, res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
+    args = (res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
+    if piloted(res.cfg):
+        return pilot_waves.second_wave_table(budget, res.store.read_table(step, Table.PILOT), *args)
+    return stages.rollout_table(budget, *args)
 
 
 @stage(Table.REWARDS)
 def rewards(res: RunResources, step: int) -> pd.DataFrame:
-    """Score every completion with the verifier pool; a step with too many errors or timeouts stops the run."""
-    table = stages.reward_table(res.store.read_table(step, Table.ROLLOUTS), res.prompts, res.pool)
+    """Score every completion with the verifier pool (after a pilot: its rewards kept, the rest scored); a step
+    with too many errors or timeouts stops the run."""
+    rolled = res.store.read_table(step, Table.ROLLOUTS)
+    if piloted(res.cfg):
+        scored = res.store.read_table(step, Table.PILOT_REWARDS)
+        table = pilot_waves.merged_reward_table(rolled, scored, res.prompts, res.pool)
+    else:
+        table = stages.reward_table(rolled, res.prompts, res.pool)
     stages.check_error_share(table, step, res.cfg.verify.max_error_share)  # raises before the table is written
     return table
 
@@ -110,7 +158,8 @@ def capability(res: RunResources, step: int) -> pd.DataFrame:
     # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
     # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
     previous = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else stages.empty_history()
-    history = stages.update_history(previous, scored, step, res.cfg.allocation.pass_rate_window)
+    a = res.cfg.allocation
+    history = stages.update_history(previous, scored, step, a.pass_rate_window, a.prior_strength, a.posterior_decay)
     res.store.write_table(step, Table.HISTORY, history)
     res.store.write_run_table("history", history)
     return table
@@ -159,6 +208,17 @@ def evaluate(res: RunResources, step: int) -> pd.DataFrame:
 
 
 STAGES = (rollouts, rewards, capability, budget, update)  # one step, in order
+PILOT_STAGES = (pilot, pilot_rewards, step_budget, rollouts, rewards, capability, update)  # one step under pilot
+
+
+def piloted(cfg: Config) -> bool:
+    """Whether the run's steps start with a pilot (``allocation.estimator = pilot``)."""
+    return cfg.allocation.estimator == Estimator.PILOT
+
+
+def step_stages(cfg: Config) -> tuple[Task[[str, int], str], ...]:
+    """The stage tasks of one step of the run, in order."""
+    return PILOT_STAGES if piloted(cfg) else STAGES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,18 +239,25 @@ def tracker_before(res: RunResources, step: int) -> CapabilityTracker:
     return stages.tracker_from_capability(res.store.read_table(step - 1, Table.CAPABILITY))
 
 
-def budget_for(res: RunResources, step: int, history: pd.DataFrame, tracker: CapabilityTracker) -> pd.DataFrame:
-    """budget.parquet of ``step``: its batch allocated from ``history`` and the tracker's (alpha, beta)."""
+def batch_of(res: RunResources, step: int) -> list[str]:
+    """The prompt ids of ``step``'s batch."""
     cfg = res.cfg
-    batch = stages.batch_for_step(
-        res.prompts["prompt_id"].tolist(), step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle
-    )
-    return stages.budget_table(batch, history, tracker, cfg.allocation, step)
+    ids = res.prompts["prompt_id"].tolist()
+    return stages.batch_for_step(ids, step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
+
+
+def budget_for(
+    res: RunResources, step: int, history: pd.DataFrame, tracker: CapabilityTracker, pilot: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """budget.parquet of ``step``: its batch allocated from ``history`` (and the pilot's rewards ``pilot``) and
+    the tracker's (alpha, beta)."""
+    return stages.budget_table(batch_of(res, step), history, tracker, res.cfg.allocation, pilot, step)
 
 
 def write_first_budget(res: RunResources) -> None:
-    """The budget of step 0 (uniform: no pass rates yet), unless it is done."""
-    if not res.store.is_done(0, Table.BUDGET):
+    """The budget of step 0 (uniform: no pass rates yet), unless it is done; under the pilot estimator, none
+    (step 0 allocates its own after its pilot)."""
+    if not piloted(res.cfg) and not res.store.is_done(0, Table.BUDGET):
         res.store.write_table(0, Table.BUDGET, budget_for(res, 0, stages.empty_history(), tracker_before(res, 0)))
 
 
@@ -265,11 +332,11 @@ def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, fl
 
 
 def plain_step(run_dir: str | Path, step: int) -> None:
-    """One training step as plain calls: the five stage bodies in order (``Task.fn``, no Prefect), and
+    """One training step as plain calls: the stage bodies in order (``Task.fn``, no Prefect), and
     timing.json."""
     res = resources(run_dir)
     before = dict(res.stage_seconds)
-    for stage_task in STAGES:
+    for stage_task in step_stages(res.cfg):
         stage_task.fn(str(run_dir), step)
     write_step_timing(res, step, before)
 

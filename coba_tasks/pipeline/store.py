@@ -39,14 +39,12 @@ Steps, stages and tables. ``Stage`` lists the five stages of one step in pipelin
 tables of a step directory. A table is addressed by ``(step, name)``, the step whose directory holds it
 (the one rule of where a table lives, ``Table``: a budget is in the directory of the step that uses it).
 
-Integrity. ``read_table`` checks the file's size and sha256 against its manifest entry (unless
-``verify=False``); a mismatch or an unreadable file raises ``StoreError`` naming the file and
-pointing to ``coba resume --repair``, which recomputes it. ``is_done`` only checks that the entry
-and the file exist (no hashing), so asking is cheap.
+Integrity. ``read_table`` checks the file's size and sha256 against its manifest entry (unless ``verify=False``);
+a mismatch or an unreadable file raises ``StoreError`` naming the file and pointing to ``coba resume --repair``,
+which recomputes it. ``is_done`` only checks that the entry and the file exist (no hashing), so asking is cheap.
 
-One process writes a run directory at a time: the training flow holds its ``.lock``
-(``coba_tasks.pipeline.runlock``); atomic renames keep readers from seeing half a file. This module
-is in the pipeline layer (I/O, no Prefect).
+One process writes a run directory at a time: the training flow holds its ``.lock`` (``coba_tasks.pipeline.runlock``);
+atomic renames keep readers from seeing half a file. This module is in the pipeline layer (I/O, no Prefect).
 """
 
 from __future__ import annotations
@@ -98,14 +96,17 @@ class Table(StrEnum):
     before any step), so ``steps/t/budget.parquet`` is the budget step t consumed and the last directory
     holds the budget of a step that never ran. ``history`` is the per-prompt pass-rate memory the
     capability stage writes beside its table, and ``eval`` the held-out evaluation of the weights after t
-    updates. ``output_step`` gives the directory a table computed during step t goes to.
+    updates. ``output_step`` gives the directory a table computed during step t goes to. Under the pilot
+    estimator a step allocates its own budget at its start, after its ``pilot`` and ``pilot_rewards``.
 
     >>> [t.value for t in Table]
-    ['budget', 'rollouts', 'rewards', 'capability', 'update', 'history', 'eval']
+    ['pilot', 'pilot_rewards', 'budget', 'rollouts', 'rewards', 'capability', 'update', 'history', 'eval']
     >>> Table.REWARDS.output_step(7), Table.BUDGET.output_step(7)
     (7, 8)
     """
 
+    PILOT = "pilot"
+    PILOT_REWARDS = "pilot_rewards"
     BUDGET = "budget"
     ROLLOUTS = "rollouts"
     REWARDS = "rewards"

@@ -34,8 +34,8 @@ from coba_tasks.readers.tables import TABLE_ORDER, load_run, ordered
 from coba_tasks.readers.text import run_status, step_ranges, summary_rows
 
 # The per-step tables, in the order a step produces them (budget first: it is written into the
-# step's directory before the step runs). ``history`` is the per-step snapshot of the pass-rate
-# history, ``eval`` the held-out evaluation (only on evaluated steps).
+# step's directory before the step runs; a pilot run's pilot tables before it). ``history`` is the per-step
+# snapshot of the pass-rate history, ``eval`` the held-out evaluation (only on evaluated steps).
 TABLE_NAMES: tuple[str, ...] = TABLE_ORDER  # what `coba inspect --stage` shows: every table of a step
 FORMATS: tuple[str, ...] = ("table", "csv", "json")
 DEFAULT_LIMIT = 20
@@ -105,7 +105,9 @@ def show_table(
     if limit:
         df = df.head(limit)
     note = None
-    if stage == "budget":
+    if stage == "budget" and "pilot" in done:  # allocation.estimator = pilot: the step allocated it, after its pilot
+        note = f"(the budget step {step} uses, allocated by step {step} after its pilot)"
+    elif stage == "budget":
         note = f"(the budget step {step} uses, allocated at the end of step {step - 1})" if step else None
     return render(df, fmt, total=total, note=note)
 

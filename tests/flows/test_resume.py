@@ -296,6 +296,81 @@ def test_a_run_stopped_at_an_epoch_boundary_resumes_the_remaining_steps(
     assert_updates_moved(store, model, steps)
 
 
+@pytest.mark.slow
+def test_a_pilot_run_keeps_b_total_and_resumes_between_its_waves_exactly(
+    tmp_path, prefect_harness, random_checkpoints, first_char_data
+):
+    """allocation.estimator=pilot, 2 steps: each step starts with a pilot of k rollouts per prompt and allocates
+    its own budget after it. Every step's rollouts number B_total, each group holds its pilot's rollouts (the
+    same rows and rewards) beside a second wave of other seeds, and every budget is within its bounds. A run
+    that fails after step 1's pilot is recorded (in the allocation, before the second wave) and is resumed
+    equals the uninterrupted run table for table and weight for weight, without sampling its pilot again."""
+    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
+    from coba_tasks.readers.views import show_table
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    steps, key = 2, ["prompt_id", "sample_idx"]
+    overrides = [*_overrides(model, first_char_data, "transformers"), f"run.steps={steps}", "run.eval_every=0"]
+    cfg = load_config(ROOT / "configs/tiny-test.yaml", [*overrides, "allocation.estimator=pilot"])
+    a, m, k = cfg.allocation, cfg.data.prompts_per_step, cfg.allocation.pilot_rollouts
+    train_flow(run_dir=str(tmp_path / "straight"), config=config_to_dict(cfg))
+    ref = RunStore.open(tmp_path / "straight")
+    for step in range(steps):
+        budget, pilot = ref.read_table(step, Table.BUDGET), ref.read_table(step, Table.PILOT)
+        rollouts, rewards = ref.read_table(step, Stage.ROLLOUTS), ref.read_table(step, Stage.REWARDS)
+        assert int(budget["budget"].sum()) == len(rollouts) == len(rewards) == m * a.group_size, step
+        assert budget["budget"].between(a.min_budget, a.max_budget).all() and (budget["pilot_rollouts"] == k).all()
+        assert (budget["estimator"] == "pilot").all() and budget["pass_rate_est"].notna().all()
+        sizes = dict(zip(budget["prompt_id"], budget["budget"], strict=True))
+        assert rollouts.groupby("prompt_id").size().to_dict() == sizes
+        # the pilot's k per prompt are the first k of its group, row for row, with the rewards they were given
+        assert len(pilot) == m * k and (pilot["weight_version"] == step).all()
+        first = rollouts["sample_idx"] < k
+        pd.testing.assert_frame_equal(rollouts[first].reset_index(drop=True), pilot, check_exact=True)
+        scored = rewards.merge(rollouts[key].assign(first=first), on=key)["first"].to_numpy()
+        pd.testing.assert_frame_equal(
+            rewards[scored].reset_index(drop=True), ref.read_table(step, Table.PILOT_REWARDS), check_exact=True
+        )
+        assert set(rollouts.loc[~first, "seed"]).isdisjoint(pilot["seed"])  # the second wave: seeds of its own
+    # step 0: the prior (s = 2 at pbar 0.5) decayed by half, plus the pilot's k: each estimate rests on 3
+    assert (ref.read_table(0, Table.BUDGET)["estimate_rollouts"] == 1.0 + k).all()
+    assert not ref.is_done(steps, Table.BUDGET)  # each step allocates its own: none for a step after the last
+    assert "allocated by step 1 after its pilot" in show_table(ref.root, 1, "budget")
+
+    run_dir, fail = tmp_path / "stopped", tmp_path / "fail-at"
+    fail.write_text("1:budget")
+    os.environ[FAIL_FILE_ENV] = str(fail)
+    try:
+        state = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg), return_state=True)
+    finally:
+        del os.environ[FAIL_FILE_ENV]
+    assert state.is_failed()
+    store = RunStore.open(run_dir)
+    assert store.is_done(1, Table.PILOT_REWARDS) and not store.is_done(1, Stage.BUDGET)
+    assert not store.is_done(1, Stage.ROLLOUTS)
+    recorded = _pilot_file(store, 1)
+    summary = train_flow(run_dir=str(run_dir), resume=True)
+    assert summary["steps"] == steps and summary["total_rollouts"] == steps * m * a.group_size
+    assert _pilot_file(store, 1) == recorded  # the pilot recorded before the failure is the one the step went on with
+    ours, theirs = _all_tables(store), _all_tables(ref)
+    assert sorted(ours) == sorted(theirs)
+    for name in ours:
+        pd.testing.assert_frame_equal(ours[name], theirs[name], check_exact=True, obj=str(name))
+    for step in range(1, steps + 1):
+        wa = load_file(str(store.checkpoint_dir(step) / "model.safetensors"))
+        wb = load_file(str(ref.checkpoint_dir(step) / "model.safetensors"))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wb), step
+    _assert_same_trainer_state(store, ref, steps)
+    assert_updates_moved(store, model, steps)
+
+
+def _pilot_file(store: RunStore, step: int) -> tuple:
+    """A pilot table's manifest entry, inode and modification time: all the same only if it was not written again."""
+    stat = store.table_path(step, Table.PILOT).stat()
+    return store.manifest(step)[Table.PILOT], stat.st_ino, stat.st_mtime_ns
+
+
 def _fake_run(root: Path, steps: int = 3) -> RunStore:
     """A run directory with every table of ``steps`` steps (tiny frames) and checkpoint dirs."""
     store = RunStore(root)
@@ -339,6 +414,31 @@ def test_plan_rerun_orders_outputs_as_computed(tmp_path):
     assert (0, "eval") not in plan.tables and (0, "rollouts") in plan.tables and len(plan.checkpoints) == 3
     # a held-out evaluation is read by nothing
     assert plan_rerun(store, 3, Table.EVAL).tables == [(3, "eval")]
+
+
+def test_plan_rerun_orders_a_pilot_runs_outputs_as_computed(tmp_path):
+    """allocation.estimator=pilot: step t starts with its pilot and pilot rewards (sampled with the weights of
+    update(t - 1)) and then allocates its own budget; a rerun invalidates them in that order."""
+    store = RunStore(tmp_path / "r")
+    store.create({"run": {"steps": 2}, "allocation": {"estimator": "pilot"}}, "h", {})
+    df = pd.DataFrame({"x": [1]})
+    store.write_table(0, Table.EVAL, df)
+    for t in range(2):
+        for name in (Table.PILOT, Table.PILOT_REWARDS, Stage.BUDGET, *STEP_REST):
+            store.write_table(t, name, df)
+        store.checkpoint_dir(t + 1).mkdir(parents=True)
+    store.write_table(2, Table.EVAL, df)
+    step1 = [(1, n) for n in ("pilot", "pilot_rewards", "budget", "rollouts", "rewards", "capability", "history")]
+    assert plan_rerun(store, 0, Stage.UPDATE).tables == [(0, "update"), *step1, (1, "update"), (2, "eval")]
+    assert plan_rerun(store, 1, Stage.BUDGET).tables == [*step1[2:], (1, "update"), (2, "eval")]
+    assert plan_rerun(store, 1, Table.PILOT_REWARDS).tables[:2] == [(1, "pilot_rewards"), (1, "budget")]
+    first = plan_rerun(store, 0, Stage.BUDGET).tables  # budget(0) follows pilot(0) and eval(0)
+    assert first[0] == (0, "budget") and (0, "pilot") not in first and (0, "eval") not in first
+    with pytest.raises(ValueError, match=r"done there: pilot, pilot_rewards, rollouts"):
+        plan_rerun(store, 1, Table.EVAL)
+
+
+STEP_REST = (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Table.HISTORY, Stage.UPDATE)
 
 
 def test_apply_rerun_removes_exactly_the_plan(tmp_path):

@@ -466,6 +466,9 @@ def test_the_step_line_warns_when_no_group_has_been_mixed_for_several_steps():
     assert "no group has had a non-zero advantage for 2 steps in a row" in warned
     assert "nothing is learned" in warned and "data.difficulties" in warned
     assert "no group" not in step_line(1, 2, figures, {}, 10.0)
+    assert "; next budgets 4-4 (mean 4.0); " in plain
+    # allocation.estimator=pilot: the budgets are the step's own, allocated after a pilot of k each
+    assert "; budgets 4-4 (mean 4.0, a pilot of 2 each); " in step_line(0, 2, figures, {}, 10.0, pilot=2)
 
 
 @pytest.mark.slow

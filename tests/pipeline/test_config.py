@@ -408,6 +408,39 @@ def test_prompt_weighting_is_tokens_or_equal_and_hash_neutral_at_tokens():
     assert "\n" not in str(info.value)
 
 
+def test_estimator_keys_default_to_the_last_visit_and_keep_the_hash():
+    """allocation.estimator (last, posterior, pilot), prior_strength, posterior_decay and pilot_rollouts: at their
+    defaults a run keeps the hash it had before the keys existed; knapsack refuses another estimator (it has its
+    own), and the pilot's k cannot exceed min_budget (every budget holds the pilot's rollouts)."""
+    cfg = load_config(TINY_DEMO)
+    a = cfg.allocation
+    assert (a.estimator, a.prior_strength, a.posterior_decay, a.pilot_rollouts) == ("last", 2.0, 0.5, 2)
+    keys = ("estimator", "prior_strength", "posterior_decay", "pilot_rollouts")
+    without = config_to_dict(cfg)
+    for key in keys:
+        assert HASH_NEUTRAL_DEFAULTS[("allocation", key)] == getattr(a, key)
+        del without["allocation"][key]
+    assert config_from_dict(without) == cfg  # an older run's config.yaml loads with the defaults
+    same = ["allocation.estimator=last", "allocation.prior_strength=2", "allocation.posterior_decay=0.5"]
+    assert config_hash(apply_overrides(cfg, same)) == config_hash(cfg)
+    changes = ("estimator=posterior", "estimator=pilot", "prior_strength=4", "posterior_decay=1", "pilot_rollouts=1")
+    for change in changes:
+        assert config_hash(apply_overrides(cfg, [f"allocation.{change}"])) != config_hash(cfg), change
+    with pytest.raises(ConfigError, match=r"^allocation\.estimator = 'recent': must be last .* or pilot") as info:
+        apply_overrides(cfg, ["allocation.estimator=recent"])
+    assert "\n" not in str(info.value)
+    knapsack = ["allocation.strategy=knapsack", "allocation.estimator=posterior"]
+    with pytest.raises(ConfigError, match=r"^allocation\.estimator = 'posterior': knapsack has its own estimate"):
+        apply_overrides(cfg, knapsack)
+    assert apply_overrides(cfg, ["allocation.strategy=uniform", "allocation.estimator=pilot"]).allocation.estimator
+    with pytest.raises(ConfigError, match=r"^allocation\.pilot_rollouts = 3: must be <= allocation\.min_budget \(2\)"):
+        apply_overrides(cfg, ["allocation.estimator=pilot", "allocation.pilot_rollouts=3"])
+    assert apply_overrides(cfg, ["allocation.pilot_rollouts=3"]).allocation.pilot_rollouts == 3  # unused: no pilot
+    for bad in ("pilot_rollouts=0", "posterior_decay=1.5", "posterior_decay=-0.1", "prior_strength=0"):
+        with pytest.raises(ConfigError, match=rf"^allocation\.{bad.split('=')[0]} = "):
+            apply_overrides(cfg, [f"allocation.{bad}"])
+
+
 def test_sections_validate_when_built_directly():
     with pytest.raises(ConfigError, match=r"optim\.lr = -1\.0"):
         OptimConfig(lr=-1)

@@ -147,3 +147,217 @@ def test_schedule_shape_adaptive_reversed_fixed():
     assert schedule_shape(tracker, AllocationConfig(schedule="fixed", fixed_alpha=2, fixed_beta=3)) == (2.0, 3.0)
     with pytest.raises(ValueError, match=r"allocation\.schedule"):
         AllocationConfig(schedule="linear")
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimators (allocation.estimator): last, posterior, pilot
+
+
+VISITS = [  # three steps' rewards: a prompt visited once, twice, thrice; g and h never
+    {"a": [1, 0, 0, 0], "b": [1, 1, 1, 0], "c": [0, 0], "d": [1, 1, 1, 1, 1, 1]},
+    {"a": [1, 1], "e": [0, 1, 0, 0, 0, 0, 0, 1], "f": [0] * 8},
+    {"a": [1, 0, 1, 0, 1, 1, 1, 1, 1, 0], "b": [0, 0, 0, 0], "f": [1, 0]},
+]
+BATCH = ["a", "b", "c", "d", "e", "f", "g", "h"]
+
+
+def _after_visits(window: int = 1) -> tuple[pd.DataFrame, CapabilityTracker]:
+    h, tracker = stages.empty_history(), CapabilityTracker()
+    for t, groups in enumerate(VISITS):
+        r = rewards_table(groups)
+        h = stages.update_history(h, r, t, window)
+        tracker.update(stages.pass_rates(r).to_numpy())
+    return h, tracker
+
+
+def _alloc(**keys) -> SimpleNamespace:
+    return SimpleNamespace(**{**vars(ALLOC), "group_size": 6, "max_budget": 16, **keys})
+
+
+def test_the_last_estimator_allocates_as_before_and_says_what_its_estimates_rest_on():
+    """estimator=last (the default) gives the budgets the allocation gave before estimators were a choice
+    (pinned: computed with the code before), whatever the strategy; the table says which estimator and how
+    many rollouts each estimate rests on (those of the visits averaged; none for a prompt never visited)."""
+    pinned = {
+        (1, ()): [6, 2, 2, 2, 2, 12, 11, 11],
+        (1, (("mode", "released"),)): [6, 6, 5, 2, 2, 9, 9, 9],
+        (1, (("strategy", "uniform"),)): [6] * 8,
+        (1, (("strategy", "knapsack"),)): [5, 6, 6, 6, 7, 6, 6, 6],
+        (2, ()): [2, 6, 2, 2, 2, 2, 16, 16],
+        (2, (("mode", "released"),)): [2, 2, 9, 2, 2, 2, 15, 14],
+    }
+    for (window, keys), budgets in pinned.items():
+        h, tracker = _after_visits(window)
+        before = stages.budget_table(BATCH, h, tracker, _alloc(**dict(keys)))  # no estimator key: as before
+        table = stages.budget_table(BATCH, h, tracker, _alloc(estimator="last", **dict(keys)))
+        pd.testing.assert_frame_equal(table, before, check_exact=True)
+        assert table["budget"].tolist() == budgets, (window, keys)
+        assert (table["estimator"] == "last").all() and (table["pilot_rollouts"] == 0).all()
+    h, tracker = _after_visits(window=2)
+    table = stages.budget_table(BATCH, h, tracker, _alloc(estimator="last"))
+    assert table["pass_rate_est"].tolist()[:2] == [0.85, 0.375]  # a: (1 + 0.7) / 2, b: (0.75 + 0) / 2
+    assert table["estimate_rollouts"].tolist() == [12.0, 8.0, 2.0, 6.0, 8.0, 10.0, 0.0, 0.0]  # a: 2 + 10
+    knapsack = stages.budget_table(BATCH, h, tracker, _alloc(strategy="knapsack"))
+    # Knapsack-RL's own estimate rests on its pooled flags (none: no estimate)
+    assert knapsack["estimate_rollouts"].tolist() == [16.0, 8.0, 0.0, 0.0, 8.0, 10.0, 0.0, 0.0]
+    # a history written before the visits' rollouts were kept: the same estimates, resting on an unknown number
+    old = stages.budget_table(BATCH, h.drop(columns="visit_rollouts"), tracker, _alloc())
+    assert old["budget"].tolist() == table["budget"].tolist()
+    assert old["estimate_rollouts"].isna().tolist() == [True] * 6 + [False] * 2  # never visited: 0
+
+
+def test_history_carries_the_posterior_counts_from_visit_to_visit():
+    """Each visit decays a prompt's counts by d and adds its successes and failures; a prompt's first visit
+    starts from the prior s * (pbar, 1 - pbar), pbar the pass rate of the rollouts scored before it."""
+    h = stages.update_history(stages.empty_history(), rewards_table({"a": [1, 0, 0, 0], "b": [0, 0]}), 0, 2)
+    rec = h.set_index("prompt_id")
+    # nothing scored before step 0: pbar = 0.5, prior (1, 1), decayed to (0.5, 0.5), then the visit
+    assert (rec.loc["a", "posterior_a"], rec.loc["a", "posterior_b"]) == (1.5, 3.5)
+    assert (rec.loc["b", "posterior_a"], rec.loc["b", "posterior_b"]) == (0.5, 2.5)
+    assert (rec.loc["a", "rollouts_scored"], rec.loc["a", "rollouts_solved"]) == (4, 1)
+    h = stages.update_history(h, rewards_table({"a": [1, 1], "c": [0, 0, 0, 1]}), 1, 2)
+    rec = h.set_index("prompt_id")
+    assert (rec.loc["a", "posterior_a"], rec.loc["a", "posterior_b"]) == (2.75, 1.75)  # 0.5 * (1.5, 3.5) + (2, 0)
+    # c's prior from pbar = 1 / 6 (one of the 6 rollouts of step 0 solved): (1/3, 5/3), decayed, then (1, 3)
+    assert rec.loc["c", "posterior_a"] == pytest.approx(1 / 6 + 1) and rec.loc["c", "posterior_b"] == pytest.approx(
+        5 / 6 + 3
+    )
+    assert list(rec.loc["a", "visit_rollouts"]) == [4, 2] and list(rec.loc["b", "visit_rollouts"]) == [2]
+    assert h["rollouts_scored"].sum() == 12 and h["rollouts_solved"].sum() == 4
+    assert h["rollouts_scored"].dtype == np.int64 and h["posterior_a"].dtype == np.float64
+    # the prior strength and decay are the run's
+    other = stages.update_history(stages.empty_history(), rewards_table({"a": [1, 0]}), 0, 1, prior_strength=4, decay=1)
+    assert (other["posterior_a"].iloc[0], other["posterior_b"].iloc[0]) == (3.0, 3.0)
+    # a history written before these columns: no posterior yet (the prior at the next visit), no rollouts
+    old = h[["prompt_id", "pass_rates", "last_step", "pooled_solved"]]
+    again = stages.update_history(old, rewards_table({"a": [0, 0]}), 2, 2).set_index("prompt_id")
+    assert (again.loc["a", "posterior_a"], again.loc["a", "posterior_b"]) == (0.5, 2.5)  # pbar 0.5, decayed + (0, 2)
+    assert again.loc["a", "rollouts_scored"] == 2 and np.isnan(again.loc["c", "posterior_a"])
+
+
+def test_budget_table_posterior_allocates_on_the_posterior_mean():
+    """estimator=posterior: each prompt's estimate is its posterior mean, resting on a + b; a prompt never
+    visited gets the prior (pbar, s); before any rollout is scored every estimate is NaN (uniform)."""
+    from coba_tasks.core.estimators import counts_before, global_pass_rate, posterior_mean
+
+    h, tracker = _after_visits()
+    alloc = _alloc(estimator="posterior", prior_strength=2.0, posterior_decay=0.5)
+    table = stages.budget_table(BATCH, h, tracker, alloc)
+    rec = h.set_index("prompt_id").reindex(BATCH)
+    pbar = global_pass_rate(h["rollouts_solved"].sum(), h["rollouts_scored"].sum())
+    a, b = counts_before(rec["posterior_a"], rec["posterior_b"], pbar, 2.0)
+    np.testing.assert_array_equal(table["pass_rate_est"], posterior_mean(a, b))
+    np.testing.assert_array_equal(table["estimate_rollouts"], a + b)
+    assert table["pass_rate_est"].iloc[6] == pytest.approx(pbar) and table["estimate_rollouts"].iloc[6] == 2.0
+    assert 0 < table["pass_rate_est"].iloc[2] < 0.5  # c: 0/2 at its only visit, not estimated at 0
+    assert int(table["budget"].sum()) == 8 * 6 and table["budget"].between(2, 16).all()
+    assert (table["estimator"] == "posterior").all() and table["fallback"].eq("").all()
+    last = stages.budget_table(BATCH, h, tracker, _alloc())
+    assert table["budget"].tolist() != last["budget"].tolist()
+    first = stages.budget_table(BATCH, stages.empty_history(), CapabilityTracker(), alloc)
+    assert first["budget"].tolist() == [6] * 8 and first["pass_rate_est"].isna().all()
+    assert "unseen" in first["fallback"].iloc[0] and (first["estimate_rollouts"] == 0).all()
+
+
+def test_budget_table_pilot_allocates_the_rest_on_the_posterior_after_the_pilot():
+    """estimator=pilot: the estimate is the posterior after the pilot's k rollouts per prompt joined the visit;
+    every budget counts the pilot's k (>= B_low >= k) and they sum to B_total; the table records k."""
+    from coba_tasks.core.estimators import counts_before, global_pass_rate, posterior_mean, visit
+
+    h, tracker = _after_visits()
+    alloc = _alloc(estimator="pilot", prior_strength=2.0, posterior_decay=0.5, pilot_rollouts=2)
+    outcomes = [[1, 1], [0, 0], [1, 0], [1, 1], [0, 0], [0, 1], [1, 1], [0, 0]]
+    pilot = rewards_table(dict(zip(BATCH, outcomes, strict=True))).iloc[::-1]  # rows in any order
+    table = stages.budget_table(BATCH, h, tracker, alloc, pilot)
+    rec = h.set_index("prompt_id").reindex(BATCH)
+    pbar = global_pass_rate(h["rollouts_solved"].sum(), h["rollouts_scored"].sum())  # before the pilot
+    a, b = counts_before(rec["posterior_a"], rec["posterior_b"], pbar, 2.0)
+    won = np.array([sum(o) for o in outcomes])
+    a, b = visit(a, b, won, 2 - won, 0.5)
+    np.testing.assert_array_equal(table["pass_rate_est"], posterior_mean(a, b))
+    np.testing.assert_array_equal(table["estimate_rollouts"], a + b)
+    assert int(table["budget"].sum()) == 8 * 6 and table["budget"].between(2, 16).all()
+    assert (table["pilot_rollouts"] == 2).all() and (table["estimator"] == "pilot").all()
+    # at step 0 the pilot is all there is: estimates from it, not the uniform fallback
+    first = stages.budget_table(BATCH, stages.empty_history(), CapabilityTracker(), alloc, pilot)
+    assert first["pass_rate_est"].notna().all() and first["fallback"].eq("").all()
+    assert first["pass_rate_est"].iloc[0] == pytest.approx(2.5 / 3) and first["estimate_rollouts"].iloc[0] == 3.0
+    with pytest.raises(ValueError, match="needs the pilot's rewards"):
+        stages.budget_table(BATCH, h, tracker, alloc)
+    with pytest.raises(ValueError, match="no rollouts of prompt h"):
+        stages.budget_table(BATCH, h, tracker, alloc, pilot[pilot["prompt_id"] != "h"])
+
+
+class _Engine:
+    """Each request's n rows, the completion naming its seed and index."""
+
+    def __init__(self):
+        self.requests = []
+
+    def generate_many(self, batches, progress=False):
+        from coba_tasks.engines.rollout import Rollout
+
+        out = []
+        for requests, _ in batches:
+            self.requests += requests
+            out.append(
+                [
+                    Rollout(r.prompt_id, j, f"{r.seed}/{j}", (j,), 1, "stop", r.seed, 3, (-0.5,))
+                    for r in requests
+                    for j in range(r.n)
+                ]
+            )
+        return out
+
+
+class _Pool:
+    """Scores a completion right when its index in the wave is even; counts what it scored."""
+
+    def __init__(self):
+        self.scored = 0
+
+    def score(self, items):
+        from coba_tasks.engines.verify import Verdict, VerdictKind
+
+        self.scored += len(items)
+        even = [int(c.split("/")[1]) % 2 == 0 for c, *_ in items]
+        return [Verdict(float(e), VerdictKind.CORRECT if e else VerdictKind.WRONG, "x", "") for e in even]
+
+
+def test_the_second_wave_joins_the_pilots_groups_with_seeds_of_its_own():
+    """The step's rollouts after a pilot: each prompt's pilot rows, then B_i - k more numbered on from k, sampled
+    with the second wave's seed; a prompt whose budget is its pilot gets none. Its rewards keep the pilot's
+    (not scored again) and score the rest."""
+    from coba_tasks.engines.rollout import SamplingConfig, rollout_seed
+    from coba_tasks.pipeline import pilot as waves
+
+    prompts = pd.DataFrame(
+        {
+            "prompt_id": ["p", "q"],
+            "prompt_token_ids": [[1, 2], [3]],
+            "prompt_rendered": ["1+1=", "2+2="],
+            "ground_truth": ["2", "4"],
+            "data_source": ["arith", "arith"],
+        }
+    )
+    engine, sampling = _Engine(), SamplingConfig()
+    first = stages.rollout_table(waves.pilot_budget(["q", "p"], 2), prompts, engine, sampling, 7, 4)
+    assert first["seed"].tolist() == [rollout_seed(7, 4, "q")] * 2 + [rollout_seed(7, 4, "p")] * 2
+    budget = pd.DataFrame({"prompt_id": ["q", "p"], "budget": [5, 2]})
+    both = waves.second_wave_table(budget, first, prompts, engine, sampling, 7, 4)
+    assert [(r.prompt_id, r.n) for r in engine.requests[2:]] == [("q", 3)]  # p's budget is its pilot
+    assert both["prompt_id"].tolist() == ["q"] * 5 + ["p"] * 2
+    assert both["sample_idx"].tolist() == [0, 1, 2, 3, 4, 0, 1]
+    pilot_seed, second = rollout_seed(7, 4, "q"), rollout_seed(7, 4, "q", wave=1)
+    assert second != pilot_seed and both["seed"].tolist()[:5] == [pilot_seed] * 2 + [second] * 3
+    assert both["completion"].tolist()[2:5] == [f"{second}/0", f"{second}/1", f"{second}/2"]
+    assert list(both.columns) == list(first.columns) and both.dtypes.equals(first.dtypes)
+    pool = _Pool()
+    pilot_rewards = stages.reward_table(first, prompts, pool).assign(detail="pilot")
+    rewards = waves.merged_reward_table(both, pilot_rewards, prompts, pool)
+    assert pool.scored == 4 + 3  # the pilot once, the second wave once
+    assert rewards[["prompt_id", "sample_idx"]].equals(both[["prompt_id", "sample_idx"]])
+    assert rewards["detail"].tolist() == ["pilot", "pilot", "", "", "", "pilot", "pilot"]
+    assert rewards["reward"].tolist() == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]  # by index in its wave
+    with pytest.raises(ValueError, match="not the budget's"):
+        waves.second_wave_table(budget, first[first["prompt_id"] == "q"], prompts, engine, sampling, 7, 4)

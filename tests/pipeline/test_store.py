@@ -186,10 +186,13 @@ def test_json_path_through_a_symlink_out_of_the_run_is_refused(run: RunStore, tm
 
 def test_stage_enum_is_in_pipeline_order_and_budget_goes_to_the_next_step() -> None:
     assert [s.value for s in Stage] == ["rollouts", "rewards", "capability", "budget", "update"]
-    assert set(Table) == {*(s.table for s in Stage), Table.HISTORY, Table.EVAL} and len(Table) == 7
+    extra = {Table.HISTORY, Table.EVAL, Table.PILOT, Table.PILOT_REWARDS}  # the pilot's: allocation.estimator=pilot
+    assert set(Table) == {*(s.table for s in Stage), *extra} and len(Table) == 9
     assert all(name == Stage.REWARDS for name in (Table.REWARDS, "rewards"))  # any of the three names a table
     assert [s.output_step(4) for s in Stage] == [4, 4, 4, 5, 4]
-    assert [t.output_step(4) for t in Table] == [5, 4, 4, 4, 4, 4, 4]  # budget first: written for the next step
+    # the pilot's tables first (a step under the pilot estimator starts with them), then budget: written for the
+    # next step (under the pilot estimator, by the step itself after its pilot: step.step_budget)
+    assert [t.output_step(4) for t in Table] == [4, 4, 5, 4, 4, 4, 4, 4, 4]
 
 
 # ---------------------------------------------------------------------------------------------

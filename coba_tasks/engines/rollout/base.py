@@ -10,8 +10,9 @@ are imported only when used:
 - ``vllm-ray`` (``ray_backend``): several vLLM engines as Ray actors, requests sharded by budget;
 - ``transformers`` (``hf_backend``): ``model.generate``, where vLLM cannot run, and the tests' reference.
 
-Seeds derive from (run seed, step, prompt id) through ``rollout_seed``: the same step of the same
-run gives the same rollouts whatever else happened in between (a rerun reproduces them).
+Seeds derive from (run seed, step, prompt id) through ``rollout_seed`` (and the wave, for a group sampled in
+two): the same step of the same run gives the same rollouts whatever else happened in between (a rerun
+reproduces them).
 """
 
 from __future__ import annotations
@@ -29,9 +30,16 @@ import numpy as np
 SEED_MASK = 0x7FFF_FFFF  # vLLM and torch both take a 31-bit seed
 
 
-def rollout_seed(run_seed: int, step: int, prompt_id: str) -> int:
-    """Seed of one prompt's group at one step: a stable hash of (run seed, step, prompt id)."""
-    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt_id}".encode(), digest_size=8).digest()
+def rollout_seed(run_seed: int, step: int, prompt_id: str, wave: int = 0) -> int:
+    """Seed of one prompt's group at one step: a stable hash of (run seed, step, prompt id). A group sampled in
+    two waves (``allocation.estimator = pilot``: the pilot, then the rest) seeds its second wave (``wave`` 1)
+    with the wave's number hashed too, so the two never share a seed; wave 0 is every other group's seed.
+
+    >>> rollout_seed(0, 3, "p1") == rollout_seed(0, 3, "p1", wave=0) != rollout_seed(0, 3, "p1", wave=1)
+    True
+    """
+    key = f"{run_seed}:{step}:{prompt_id}" + (f":wave{wave}" if wave else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & SEED_MASK
 
 
