@@ -40,8 +40,8 @@ class Carrier:
         for root, cfg in list(self.runs.items()):
             try:
                 point = fork.fork_point(res.store, cfg)
-                if point is None:
-                    continue  # not decided before the carrier's next steps
+                if point is None or point.step > step:
+                    continue  # not decided yet, or after steps the carrier has still to finish
                 fork.fork_run(res.store, root, cfg, point)
                 self.log(f"{root.name}: {forked_text(res.store.root.name, point.step, cfg.run.steps)}")
             except Exception as exc:  # a fork that fails never stops the carrier: that run trains from its start

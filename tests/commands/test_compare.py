@@ -301,6 +301,43 @@ def test_a_comparison_forks_the_later_runs_of_a_seed_or_trains_them_from_their_s
     assert calls == [("coba-seed0", False, [])] and "[2/2] coba-seed0: training 3 steps" in printed
 
 
+def test_the_first_run_forks_each_carried_run_at_the_boundary_of_its_fork_point(tmp_path):
+    """The watcher in the first run's process forks a run at the first step boundary that has all the fork
+    needs (its fork point, and every step before it done), and once; one it cannot fork is said and left
+    to train from its start. The first run here is laid out by ``fake_run`` (coba parts at step 2)."""
+    from coba_tasks.pipeline.run import RunResources
+
+    planned = compare.plan_runs(
+        [("uniform", 0), ("coba", 0)], 3, "configs/tiny-test.yaml", ["data.train_prompts=8"], 2, 1
+    )
+    store = fake_run(tmp_path / "uniform-seed0", planned[("uniform", 0)][1], 3)
+    res = RunResources(cfg=planned[("uniform", 0)][1], store=store, prompts=pd.DataFrame(), test=pd.DataFrame())
+    said: list[str] = []
+    carrier = cf.Carrier({tmp_path / "coba-seed0": planned[("coba", 0)][1]}, log=said.append)
+    # resumed inside step 1, after its budget stage: coba's fork point (2) is known, step 1 is not done yet
+    update = store.read_table(1, Table.UPDATE)
+    store.invalidate(1, Table.UPDATE)
+    carrier(res, 1)
+    assert not (tmp_path / "coba-seed0").exists() and not said
+    store.write_table(1, Table.UPDATE, update)
+    carrier(res, 2)
+    assert said == [
+        "coba-seed0: forked from uniform-seed0 before step 3/3, sharing its steps 1-2 and their evaluations: "
+        "training 1 step"
+    ]
+    assert RunStore.open(tmp_path / "coba-seed0").read_config()["allocation"]["strategy"] == "coba"
+    carrier(res, 3)
+    assert len(said) == 1  # once
+    # a run whose fork needs a checkpoint the first run no longer holds: said, left to train from its start
+    shutil.rmtree(store.checkpoint_dir(2))
+    late = cf.Carrier({tmp_path / "knapsack-seed0": planned[("coba", 0)][1]}, log=said.append)
+    late(res, 3)
+    assert not (tmp_path / "knapsack-seed0").exists() and said[-1].startswith("knapsack-seed0: not forked from")
+    assert said[-1].endswith("it trains from its start") and "checkpoints/000002 is missing" in said[-1]
+    late(res, 3)
+    assert len(said) == 2
+
+
 def _assert_forked_equals_from_the_start(forked: RunStore, scratch: RunStore, carrier: RunStore) -> None:
     """A forked run and the same run trained from its start: every table, manifest entry and checkpoint file
     bit for bit; run.json but for its creation time; only timing differs elsewhere. The forked run did not
