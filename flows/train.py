@@ -212,6 +212,7 @@ def train_flow(
         evaluate(directory, 0)
         log.info(f"held-out accuracy before training: {_eval_text(res, 0)}")
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
+        run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
         for step in range(first, cfg.run.steps):
             # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
             # bodies (the same code a plain function call would run), measured in this run
@@ -224,6 +225,7 @@ def train_flow(
                 evaluate(directory, step + 1)
                 log.info(f"held-out accuracy after step {step + 1}: {_eval_text(res, step + 1)}")
             trk.log_new()
+            run.step_boundary(res, step + 1)
         log.info(f"held-out evaluation after training: {eval_plan(res)}")
         evaluate(directory, cfg.run.steps)
         log.info(f"held-out accuracy after training: {_eval_text(res, cfg.run.steps)}")

@@ -11,6 +11,8 @@ moves the policy (toward those characters).
   ``data_source``) scored by it; the fixture ``first_char_data`` (conftest.py) writes one train/test pair
   per session.
 - ``assert_updates_moved``: each update of a run had a gradient and changed the weights.
+- ``write_first_char_reward_file``: the same reward as a reward file (``verify.reward_function``), for
+  processes this module is not imported in.
 - ``python_with_first_char``: the argv of ``python -m MODULE ARGS`` in a process that has the verifier
   (``coba run`` / ``coba resume`` / ``prefect flow-run retry`` as subprocesses score these prompts too).
 
@@ -47,6 +49,21 @@ def first_char_verifier(completion: str, ground_truth: str) -> Verdict:
 
 if FIRST_CHAR not in registered_verifiers():
     register_verifier(FIRST_CHAR, in_process=True)(first_char_verifier)
+
+
+FIRST_CHAR_REWARD_FILE = """\
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    head = solution_str[:1]
+    return 1.0 if head.isascii() and (head.islower() or head.isdigit()) else 0.0
+"""
+
+
+def write_first_char_reward_file(root: Path) -> Path:
+    """``first_char_verifier`` as a reward file (``verify.reward_function``), for runs in processes that do not
+    import this module (``coba compare`` trains each run in a spawned process): it scores every prompt."""
+    path = root / "first_char_reward.py"
+    path.write_text(FIRST_CHAR_REWARD_FILE)
+    return path
 
 
 def write_flat(path: Path, prompts: Sequence[str], difficulty: Sequence[int] | None = None) -> Path:

@@ -12,7 +12,10 @@ tables. A run or row is kept or resumed only when the config hash it was made wi
 command gives that run; another config is refused in one line before anything trains (a resumed run
 goes on with the config it started with, so it would mix two configs). Each run trains in a process of
 its own, so a finished run's memory goes back to the system. Held-out accuracy is measured as avg@k
-at temperature 1 and greedily every ``eval_every`` steps.
+at temperature 1 and greedily every ``eval_every`` steps. Within a seed the runs are one run until the
+first allocation that differs: the first run trains those steps once and forks the others from it
+(``coba_tasks.commands.compare_fork``; bit for bit what training them from their start gives), unless
+``--no-fork``.
 
 Then the runs are read back into tables in ``<out>/`` (``coba_tasks.commands.compare_tables`` lists
 them): runs, results (accuracy against steps and rollouts spent), steps (the schedule, the share
@@ -169,9 +172,13 @@ def run_all(
     config_path: str | None = None,
     earlier: dict[tuple[str, int], Earlier] | None = None,
     log: Log = print,
+    fork: bool = True,
 ) -> list[Path]:
     """Train every (strategy, seed) of ``order`` that has not finished, here or in an earlier sitting
-    (``earlier``); returns the run directories of this sitting. ``check_configs`` has checked them."""
+    (``earlier``); returns the run directories of this sitting. ``check_configs`` has checked them. With
+    ``fork``, the runs of a seed share the steps before their allocations part (``compare_fork``)."""
+    from coba_tasks.commands import compare_fork as cf
+
     runs = []
     earlier = earlier or {}
     for i, (strategy, seed) in enumerate(order, start=1):
@@ -194,9 +201,20 @@ def run_all(
             log(f"{where}: finished in an earlier sitting, kept (its rows from {earlier[(strategy, seed)].where})")
             continue
         runs.append(run_dir)
+        if fork and not (run_dir / "run.json").is_file():  # from a run of its seed trained before (or kept)
+            cf.fork_from_siblings(run_dir, cfg, [out / f"{s}-seed{k}" for s, k in order if k == seed and s != strategy])
         resume = (run_dir / "run.json").is_file()
-        log(f"{where}: " + ("resuming where it stopped" if resume else f"training {steps} steps"))
-        _train_in_own_process(config_path, ov, run_dir, resume)
+        forked = cf.fork_record(run_dir, steps) if resume else None
+        doing = "resuming where it stopped" if resume else f"training {steps} steps"
+        log(f"{where}: {cf.forked_text(*forked, steps) if forked else doing}")
+        # the later runs of its seed that it can carry (not those kept from an earlier sitting's tables):
+        # forked from it where their allocations part
+        later = [key for key in order[i:] if key[1] == seed and key not in earlier]
+        carried = cf.carried_runs(out, cfg, later, planned) if fork else []
+        if carried:
+            log(f"{where}: forks {', '.join(f'{s}-seed{k}' for s, k in carried)} from it where their allocations part")
+        carry = [(str(out / f"{s}-seed{k}"), planned[(s, k)][0]) for s, k in carried]
+        _train_in_own_process(config_path, ov, run_dir, resume, carry)
         summary = json.loads((run_dir / "summary.json").read_text())
         log(
             f"{where}: held-out {summary['heldout_accuracy_before']:.3f} -> "
@@ -210,18 +228,32 @@ class RunFailedError(RuntimeError):
     """A run of the comparison ended without finishing (its process exited with an error or was killed)."""
 
 
-def _train_one(config_path: str | None, overrides: list[str], run_dir: str, resume: bool) -> None:
-    """The training flow of one run of the comparison (the target of its own process)."""
+def _train_one(
+    config_path: str | None, overrides: list[str], run_dir: str, resume: bool, carry: list[tuple[str, list[str]]]
+) -> None:
+    """The training flow of one run of the comparison (the target of its own process), which forks the runs
+    of ``carry`` ((run directory, overrides) pairs) from it."""
     from flows.train import train_flow
 
+    if carry:
+        from coba_tasks.commands.compare_fork import carry as carry_runs
+        from coba_tasks.pipeline.config import load_config
+
+        carry_runs(run_dir, [(d, load_config(config_path, ov)) for d, ov in carry])
     if resume:
         train_flow(run_dir=run_dir, resume=True)
     else:
         train_flow(config_path=config_path, overrides=overrides, run_dir=run_dir)
 
 
-def _train_in_own_process(config_path: str | None, overrides: list[str], run_dir: Path, resume: bool) -> None:
-    """Train one run in a spawned process and wait for it.
+def _train_in_own_process(
+    config_path: str | None,
+    overrides: list[str],
+    run_dir: Path,
+    resume: bool,
+    carry: Sequence[tuple[str, list[str]]] = (),
+) -> None:
+    """Train one run in a spawned process (which forks the runs of ``carry`` from it) and wait for it.
 
     A process per run gives the memory of a finished run (an in-process vLLM engine, the model and its
     optimizer state) back to the system: in one process, a SmolLM2 comparison grew by about 3 GB a run
@@ -231,7 +263,9 @@ def _train_in_own_process(config_path: str | None, overrides: list[str], run_dir
     import multiprocessing
 
     proc = multiprocessing.get_context("spawn").Process(
-        target=_train_one, args=(config_path, list(overrides), str(run_dir), resume), name=f"coba-{run_dir.name}"
+        target=_train_one,
+        args=(config_path, list(overrides), str(run_dir), resume, [(d, list(ov)) for d, ov in carry]),
+        name=f"coba-{run_dir.name}",
     )
     proc.start()
     try:
@@ -287,7 +321,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         configure_prefect()
         try:
-            run_all(out, order, planned, args.steps, args.config, earlier)
+            run_all(out, order, planned, args.steps, args.config, earlier, fork=not getattr(args, "no_fork", False))
         except RunFailedError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -336,6 +370,12 @@ COMMAND = Command(
             default=None,
             metavar="DIR",
             help="the tables of an earlier sitting (e.g. docs/compare-demo): its finished runs are not trained again",
+        ),
+        option(
+            "--no-fork",
+            action="store_true",
+            help="train every run from its start (by default the runs of a seed share the steps before their "
+            "allocations part: the first run's, forked for the others)",
         ),
         VERBOSE_OPTION,
     ],

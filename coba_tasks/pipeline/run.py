@@ -85,6 +85,25 @@ def resources(run_dir: str | Path) -> RunResources:
     return _RUNS[str(Path(run_dir).resolve())]
 
 
+BoundaryWatcher = Callable[[RunResources, int], None]
+_WATCHERS: dict[str, BoundaryWatcher] = {}
+
+
+def watch_boundaries(run_dir: str | Path, watcher: BoundaryWatcher) -> None:
+    """Have the training flow call ``watcher(res, t)`` in this process each time the run in ``run_dir``
+    stands between two steps (``step_boundary``); ``coba compare`` forks its other strategies' runs there."""
+    _WATCHERS[str(Path(run_dir).resolve())] = watcher
+
+
+def step_boundary(res: RunResources, step: int) -> None:
+    """The run stands before ``step``: its steps before it done (updates, checkpoints), the budget of ``step``
+    written and the evaluations due done, the one of the weights after ``step`` updates included. The flow
+    calls this before the first step it trains and after each step; a watcher of the run is called."""
+    watcher = _WATCHERS.get(str(res.store.root.resolve()))
+    if watcher is not None:
+        watcher(res, step)
+
+
 # ---------------------------------------------------------------------------------------------
 # Opening, starting and closing a run
 

@@ -421,11 +421,12 @@ def budget_table(
     plan = section_allocation(est, alloc, alpha, beta)
     k = int(alloc.pilot_rollouts) if estimator == Estimator.PILOT else 0
     assert (plan.budgets >= k).all(), "a budget below the pilot's rollouts (allocation.pilot_rollouts > min_budget)"
+    ages = estimate_ages(batch, est, history, step) if pilot is None else np.where(np.isnan(est), np.nan, 0.0)
     return pd.DataFrame(
         {
             "prompt_id": list(batch),
             "pass_rate_est": est,
-            "estimate_age": estimate_ages(batch, est, history, step) if pilot is None else np.where(np.isnan(est), np.nan, 0.0),
+            "estimate_age": ages,
             "budget": plan.budgets,
             "value": plan.values,
             "marginal_gain": plan.marginal_gains,

@@ -153,13 +153,7 @@ def rewards(res: RunResources, step: int) -> pd.DataFrame:
 @stage(Table.CAPABILITY)
 def capability(res: RunResources, step: int) -> pd.DataFrame:
     """Fold the step's pass rates into the failure rate and the Beta shape; write the prompt history beside it."""
-    scored = res.store.read_table(step, Table.REWARDS)
-    table, _ = stages.capability_table(step, scored, tracker_before(res, step))
-    # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
-    # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
-    previous = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else stages.empty_history()
-    a = res.cfg.allocation
-    history = stages.update_history(previous, scored, step, a.pass_rate_window, a.prior_strength, a.posterior_decay)
+    table, history = capability_and_history(res, step)
     res.store.write_table(step, Table.HISTORY, history)
     res.store.write_run_table("history", history)
     return table
@@ -237,6 +231,17 @@ def tracker_before(res: RunResources, step: int) -> CapabilityTracker:
         a = res.cfg.allocation
         return CapabilityTracker(kappa=a.kappa, window=a.capability_window, gamma=a.gamma)
     return stages.tracker_from_capability(res.store.read_table(step - 1, Table.CAPABILITY))
+
+
+def capability_and_history(res: RunResources, step: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The capability and history tables of ``step``, from its rewards and the tables of ``step - 1``."""
+    scored = res.store.read_table(step, Table.REWARDS)
+    table, _ = stages.capability_table(step, scored, tracker_before(res, step))
+    # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
+    # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
+    previous = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else stages.empty_history()
+    a = res.cfg.allocation
+    return table, stages.update_history(previous, scored, step, a.pass_rate_window, a.prior_strength, a.posterior_decay)
 
 
 def batch_of(res: RunResources, step: int) -> list[str]:

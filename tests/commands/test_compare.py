@@ -6,14 +6,20 @@ import argparse
 import json
 import math
 import re
+import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
+from helpers_fork import fake_run
+from helpers_reward import assert_updates_moved, write_first_char_reward_file
 
 from coba_tasks.commands import compare
+from coba_tasks.commands import compare_fork as cf
 from coba_tasks.commands import compare_tables as ct
+from coba_tasks.pipeline.config import load_config
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
-from coba_tasks.pipeline.store import RunStore
+from coba_tasks.pipeline.store import RunStore, Table
 
 
 def use_the_sessions_server(monkeypatch) -> None:
@@ -314,6 +320,136 @@ def test_a_run_in_out_made_with_another_config_is_neither_kept_nor_resumed(tmp_p
         compare.check_configs(out, [("uniform", 0)], planned, {})
 
 
+def _fake_training(calls: list, steps: int):
+    """A stand-in for ``compare._train_in_own_process``: records the call; a run started from scratch is laid
+    out as the flow would (``fake_run``), and every run gets a summary.json."""
+
+    def train(config_path, overrides, run_dir, resume, carry=()):
+        calls.append((run_dir.name, resume, [Path(d).name for d, _ in carry]))
+        if not resume:
+            fake_run(run_dir, load_config(config_path, overrides), steps)
+        figures = ("accuracy", "greedy")
+        summary = {f"heldout_{k}_{when}": 0.5 for k in figures for when in ("before", "after")}
+        (run_dir / "summary.json").write_text(json.dumps({**summary, "wall_seconds": 1.0}))
+
+    return train
+
+
+def test_a_comparison_forks_the_later_runs_of_a_seed_or_trains_them_from_their_start(tmp_path, monkeypatch):
+    """The first run of a seed carries the later ones (forked in its process, where their allocations part);
+    a run with no directory is forked from a run of its seed already there (a comparison made before
+    forking, or whose first run could not fork it), else trained from its start, as every run is with
+    --no-fork. Runs laid out by ``fake_run``: pool 8, 4 prompts a step, so coba parts from uniform at step 2."""
+    order = compare.run_order(["uniform", "coba"], 1)
+    planned = compare.plan_runs(order, 3, "configs/tiny-test.yaml", ["data.train_prompts=8"], 2, 1)
+    calls: list = []
+    monkeypatch.setattr(compare, "_train_in_own_process", _fake_training(calls, 3))
+    printed: list[str] = []
+    compare.run_all(tmp_path / "a", order, planned, 3, "configs/tiny-test.yaml", log=printed.append)
+    # uniform was to fork coba in its process; the stand-in did not, so coba is forked from its directory
+    assert calls == [("uniform-seed0", False, ["coba-seed0"]), ("coba-seed0", True, [])]
+    assert "[1/2] uniform-seed0: forks coba-seed0 from it where their allocations part" in printed
+    assert (
+        "[2/2] coba-seed0: forked from uniform-seed0 before step 3/3, sharing its steps 1-2 and their "
+        "evaluations: training 1 step"
+    ) in printed
+    forked = RunStore.open(tmp_path / "a" / "coba-seed0")
+    assert cf.fork_record(forked.root, 3) == ("uniform-seed0", 2)
+    forked.write_table(2, Table.ROLLOUTS, pd.DataFrame({"prompt_id": ["p0"], "sample_idx": [0]}))
+    assert cf.fork_record(forked.root, 3) is None  # it has begun its own steps: a stopped run, resumed
+
+    calls.clear()
+    compare.run_all(tmp_path / "b", order, planned, 3, "configs/tiny-test.yaml", log=printed.append, fork=False)
+    assert calls == [("uniform-seed0", False, []), ("coba-seed0", False, [])]
+
+    # a run kept from an earlier sitting's tables is not carried (it would be trained again)
+    calls.clear()
+    earlier = {("coba", 0): compare.Earlier("h", "the tables in kept", 6, "another --out")}
+    compare.run_all(tmp_path / "k", order, planned, 3, "configs/tiny-test.yaml", earlier, log=printed.append)
+    assert calls == [("uniform-seed0", False, [])] and not (tmp_path / "k" / "coba-seed0").exists()
+
+    # the checkpoint the fork would continue from is gone (run.keep_checkpoints): trained from its start
+    calls.clear()
+    (tmp_path / "c").mkdir()
+    fake_run(tmp_path / "c" / "uniform-seed0", planned[("uniform", 0)][1], 3)
+    (tmp_path / "c" / "uniform-seed0" / "summary.json").write_text("{}")
+    shutil.rmtree(tmp_path / "c" / "uniform-seed0" / "checkpoints" / "000002")
+    compare.run_all(tmp_path / "c", order, planned, 3, "configs/tiny-test.yaml", log=printed.append)
+    assert calls == [("coba-seed0", False, [])] and "[2/2] coba-seed0: training 3 steps" in printed
+
+
+def test_the_first_run_forks_each_carried_run_at_the_boundary_of_its_fork_point(tmp_path):
+    """The watcher in the first run's process forks a run at the first step boundary that has all the fork
+    needs (its fork point, and every step before it done), and once; one it cannot fork is said and left
+    to train from its start. The first run here is laid out by ``fake_run`` (coba parts at step 2)."""
+    from coba_tasks.pipeline.run import RunResources
+
+    planned = compare.plan_runs(
+        [("uniform", 0), ("coba", 0)], 3, "configs/tiny-test.yaml", ["data.train_prompts=8"], 2, 1
+    )
+    store = fake_run(tmp_path / "uniform-seed0", planned[("uniform", 0)][1], 3)
+    res = RunResources(cfg=planned[("uniform", 0)][1], store=store, prompts=pd.DataFrame(), test=pd.DataFrame())
+    said: list[str] = []
+    carrier = cf.Carrier({tmp_path / "coba-seed0": planned[("coba", 0)][1]}, log=said.append)
+    # resumed inside step 1, after its budget stage: coba's fork point (2) is known, step 1 is not done yet
+    update = store.read_table(1, Table.UPDATE)
+    store.invalidate(1, Table.UPDATE)
+    carrier(res, 1)
+    assert not (tmp_path / "coba-seed0").exists() and not said
+    store.write_table(1, Table.UPDATE, update)
+    carrier(res, 2)
+    assert said == [
+        "coba-seed0: forked from uniform-seed0 before step 3/3, sharing its steps 1-2 and their evaluations: "
+        "training 1 step"
+    ]
+    assert RunStore.open(tmp_path / "coba-seed0").read_config()["allocation"]["strategy"] == "coba"
+    carrier(res, 3)
+    assert len(said) == 1  # once
+    # a run whose fork needs a checkpoint the first run no longer holds: said, left to train from its start
+    shutil.rmtree(store.checkpoint_dir(2))
+    late = cf.Carrier({tmp_path / "knapsack-seed0": planned[("coba", 0)][1]}, log=said.append)
+    late(res, 3)
+    assert not (tmp_path / "knapsack-seed0").exists() and said[-1].startswith("knapsack-seed0: not forked from")
+    assert said[-1].endswith("it trains from its start") and "checkpoints/000002 is missing" in said[-1]
+    late(res, 3)
+    assert len(said) == 2
+
+
+def _assert_forked_equals_from_the_start(forked: RunStore, scratch: RunStore, carrier: RunStore) -> None:
+    """A forked run and the same run trained from its start: every table, manifest entry and checkpoint file
+    bit for bit; run.json but for its creation time; only timing differs elsewhere. The forked run did not
+    train the shared steps: their timing records and checkpoints are the carrier's."""
+
+    def tables(store: RunStore) -> dict:
+        out = {(s, n): store.read_table(s, n) for s in store.steps() for n in store.manifest(s)}
+        return out | {(-1, n): store.read_run_table(n) for n in ("prompts", "history")}
+
+    ta, tb = tables(forked), tables(scratch)
+    assert sorted(ta) == sorted(tb) and len(ta) == 4 * 7 - 3  # steps 0-2 all 7 tables; step 3 budget and eval
+    for key in ta:
+        pd.testing.assert_frame_equal(ta[key], tb[key], check_exact=True, obj=str(key))
+    for s in forked.steps():
+        no_time = [{n: {k: v for k, v in e.items() if k != "written_at"} for n, e in st.manifest(s).items()}
+                   for st in (forked, scratch)]  # fmt: skip
+        assert no_time[0] == no_time[1], s
+    for k in range(1, 4):
+        fa, fb = forked.checkpoint_dir(k), scratch.checkpoint_dir(k)
+        files = sorted(p.relative_to(fa) for p in fa.rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(fb) for p in fb.rglob("*") if p.is_file()) and files, k
+        assert all((fa / f).read_bytes() == (fb / f).read_bytes() for f in files), k
+    ra, rb = forked.run_info, scratch.run_info
+    assert {k for k in ra.keys() | rb.keys() if ra.get(k) != rb.get(k)} == {"created"}
+    assert (forked.root / "config.yaml").read_bytes() == (scratch.root / "config.yaml").read_bytes()
+    sa, sb = (json.loads((s.root / "summary.json").read_text()) for s in (forked, scratch))
+    timing = {"wall_seconds", "stage_seconds", "step_seconds_mean", "prefect_overhead_seconds_per_step", "run_dir"}
+    assert {k for k in sa if sa[k] != sb[k]} <= timing and sa.keys() == sb.keys()
+    for s in (0, 1):  # the shared steps were timed once, in the carrier's process
+        assert (forked.step_dir(s) / "timing.json").read_bytes() == (carrier.step_dir(s) / "timing.json").read_bytes()
+    for k in (1, 2):
+        ours, theirs = (st.checkpoint_dir(k) / "model.safetensors" for st in (forked, carrier))
+        assert ours.stat().st_ino == theirs.stat().st_ino
+
+
 @pytest.mark.slow
 def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_checkpoints, capsys, monkeypatch):
     model, _ = random_checkpoints
@@ -327,16 +463,34 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     monkeypatch.setattr(flows.train, "train_flow", not_here)
     use_the_sessions_server(monkeypatch)
     out = tmp_path / "cmp"
-    args = tiny_compare_args(out, model, strategies="uniform,coba", steps=2, eval_samples=2, eval_every=1)
+    args = tiny_compare_args(out, model, strategies="uniform,coba", steps=3, eval_samples=2, eval_every=1)
+    # a pool of 8 prompts, 4 a step: steps 0 and 1 visit unseen prompts, which every strategy allocates
+    # uniformly, so coba is uniform's run until step 2; a reward the random model earns (helpers_reward), so
+    # the pass rates differ (coba's budget of step 2 is its own) and every update moves the weights
+    reward = write_first_char_reward_file(tmp_path)
+    args.set = [*args.set, "data.train_prompts=8", f"verify.reward_function={reward}"]
     assert compare.cmd_compare(args) == 0
     printed = capsys.readouterr().out
     assert "uniform" in printed and "non-zero advantage" in printed
+    assert "[1/2] uniform-seed0: forks coba-seed0 from it where their allocations part" in printed
+    assert (
+        "[2/2] coba-seed0: forked from uniform-seed0 before step 3/3, sharing its steps 1-2 and their "
+        "evaluations: training 1 step"
+    ) in printed
+    # coba trained from its start (--no-fork, alone in another directory) is the forked coba, bit for bit
+    scratch = argparse.Namespace(**{**vars(args), "out": str(tmp_path / "scratch"), "strategies": "coba"})
+    assert compare.cmd_compare(argparse.Namespace(**vars(scratch), no_fork=True)) == 0
+    assert "[1/1] coba-seed0: training 3 steps" in capsys.readouterr().out
+    forked, carrier = RunStore.open(out / "coba-seed0"), RunStore.open(out / "uniform-seed0")
+    _assert_forked_equals_from_the_start(forked, RunStore.open(tmp_path / "scratch" / "coba-seed0"), carrier)
+    assert_updates_moved(forked, model, 3)
+    assert forked.read_table(2, "budget")["budget"].tolist() != carrier.read_table(2, "budget")["budget"].tolist()
     results = pd.read_parquet(out / "results.parquet")
-    assert sorted(set(results["strategy"])) == ["coba", "uniform"] and sorted(set(results["step"])) == [0, 1, 2]
+    assert sorted(set(results["strategy"])) == ["coba", "uniform"] and sorted(set(results["step"])) == [0, 1, 2, 3]
     assert results[["accuracy", "accuracy_greedy"]].notna().all().all()
     steps = pd.read_parquet(out / "steps.parquet")
     ratios = steps[["effective_gradient_ratio", "effective_rollout_ratio"]].stack()
-    assert len(steps) == 4 and ratios.between(0, 1).all()
+    assert len(steps) == 6 and ratios.between(0, 1).all()
     # the mechanisms per step: N_eff from each update table; nothing estimated at step 0 (every prompt unseen)
     assert (
         steps["effective_prompts"].notna().all() and (steps["effective_prompts"] <= steps["mixed_groups"] + 1e-9).all()
@@ -376,9 +530,9 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     )
     assert "paired difference to uniform on the same seed" in printed and "where the rollouts went" in printed
     spent = results.set_index(["strategy", "step"])["rollouts_spent"]
-    assert spent.loc[("coba", 2)] == 2 * 4 * 4  # two steps of M * G rollouts trained on
+    assert spent.loc[("coba", 3)] == 3 * 4 * 4  # three steps of M * G rollouts trained on
     by_bin = pd.read_parquet(out / "budget_by_pass_rate.parquet")
-    assert (by_bin.groupby("strategy")["rollouts"].sum() == 2 * 4 * 4).all()
+    assert (by_bin.groupby("strategy")["rollouts"].sum() == 3 * 4 * 4).all()
 
     # a later sitting in another directory: the finished runs come from the kept tables, none trains again
     later = argparse.Namespace(**{**vars(args), "out": str(tmp_path / "later"), "kept": str(out)})
@@ -393,7 +547,7 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
         compare.cmd_compare(other)
 
     # a run in --out made with another config is neither kept nor resumed
-    other_here = argparse.Namespace(**{**vars(args), "steps": 3, "set": [*args.set, "optim.lr=0.5"]})
+    other_here = argparse.Namespace(**{**vars(args), "steps": 4, "set": [*args.set, "optim.lr=0.5"]})
     with pytest.raises(ValueError, match=rf"^uniform-seed0 in {re.escape(str(out))} was trained with another config"):
         compare.cmd_compare(other_here)
     assert "kept" not in capsys.readouterr().out

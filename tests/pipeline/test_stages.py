@@ -278,9 +278,11 @@ def test_budget_table_pilot_allocates_the_rest_on_the_posterior_after_the_pilot(
     np.testing.assert_array_equal(table["estimate_rollouts"], a + b)
     assert int(table["budget"].sum()) == 8 * 6 and table["budget"].between(2, 16).all()
     assert (table["pilot_rollouts"] == 2).all() and (table["estimator"] == "pilot").all()
+    assert (table["estimate_age"] == 0).all()  # the estimate's newest rollouts are this step's pilot
     # at step 0 the pilot is all there is: estimates from it, not the uniform fallback
     first = stages.budget_table(BATCH, stages.empty_history(), CapabilityTracker(), alloc, pilot)
     assert first["pass_rate_est"].notna().all() and first["fallback"].eq("").all()
+    assert (first["estimate_age"] == 0).all()
     assert first["pass_rate_est"].iloc[0] == pytest.approx(2.5 / 3) and first["estimate_rollouts"].iloc[0] == 3.0
     with pytest.raises(ValueError, match="needs the pilot's rewards"):
         stages.budget_table(BATCH, h, tracker, alloc)
