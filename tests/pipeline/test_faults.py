@@ -19,14 +19,16 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import test_resume
 from char_prompts import char_ids
 from helpers_reward import assert_updates_moved
+from scripts_loader import load_script
 
 from coba_tasks.engines import fileio
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
 from coba_tasks.pipeline import store as store_module
 from coba_tasks.pipeline.store import RunStore, Stage
+
+test_resume = load_script("tests/flows/test_resume.py")  # its helpers, whatever test directories pytest was given
 
 PROMPTS = ["37+58=", "1+2=", "99*9=", "(4-7)*3=", "12+"]
 SAMPLE = SamplingConfig(temperature=1.0, max_tokens=8)
