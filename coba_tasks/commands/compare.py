@@ -54,6 +54,16 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "coba-reversed": ("allocation.strategy=coba", "allocation.mode=paper", "allocation.schedule=reversed"),
     "coba-fixed": ("allocation.strategy=coba", "allocation.mode=paper", "allocation.schedule=fixed"),
 }
+# CoBA-RL (paper mode, adaptive schedule) with one mechanism changed: a lower cap, a higher floor, equal prompt
+# weights in the loss, the decayed posterior or the pilot wave as the estimate (docs/method.md sections 2, 15)
+_COBA = PRESETS["coba"]
+PRESETS |= {
+    "coba-cap16": (*_COBA, "allocation.max_budget=16"),
+    "coba-min4": (*_COBA, "allocation.min_budget=4"),
+    "coba-equal": (*_COBA, "optim.prompt_weighting=equal"),
+    "coba-posterior": (*_COBA, "allocation.estimator=posterior"),
+    "coba-pilot": (*_COBA, "allocation.estimator=pilot"),
+}
 Log = Callable[[str], None]
 
 
@@ -82,9 +92,27 @@ def run_overrides(strategy: str, seed: int, steps: int, eval_samples: int, eval_
     ]
 
 
-def run_order(strategies: Sequence[str], seeds: int) -> list[tuple[str, int]]:
-    """(strategy, seed) pairs seed by seed: every strategy on seed 0 first, so a stopped comparison is paired."""
-    return [(s, k) for k in range(seeds) for s in strategies]
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: ``"3"`` -> [0, 1, 2]; ``"100-104"`` -> [100, ..., 104]; ``"0,7,9"`` -> [0, 7, 9]."""
+    try:
+        if "," in text:
+            seeds = [int(part) for part in text.split(",") if part.strip()]
+        elif "-" in text.strip().lstrip("-"):
+            first, last = (int(part) for part in text.strip().split("-", 1))
+            seeds = list(range(first, last + 1))
+        else:
+            seeds = list(range(int(text)))
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: give N (seeds 0..N-1, N >= 1), A-B (A <= B) or a list like 0,7,9")
+    return seeds
+
+
+def run_order(strategies: Sequence[str], seeds: int | Sequence[int]) -> list[tuple[str, int]]:
+    """(strategy, seed) pairs seed by seed: every strategy on the first seed first, so a stopped comparison is
+    paired. ``seeds``: N (0..N-1) or the seeds themselves."""
+    return [(s, k) for k in (range(seeds) if isinstance(seeds, int) else seeds) for s in strategies]
 
 
 class Earlier(NamedTuple):
@@ -292,6 +320,7 @@ EXAMPLES = [
     "coba compare --seeds 1 --steps 4 --set data.train_prompts=256 --out runs/compare-quick",
     "coba compare --out runs/compare --collect-only      # redraw tables and plot from the runs there",
     "coba compare --seeds 5 --steps 12 --out runs/compare-demo --kept docs/compare-demo   # continue a comparison",
+    "coba compare --strategies uniform,coba-posterior --seeds 100-109 --steps 12 --out runs/confirm   # fresh seeds",
 ]
 
 
@@ -300,7 +329,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from coba_tasks.commands import compare_tables as ct
 
     strategies = parse_strategies(args.strategies)
-    for name in ("seeds", "steps", "eval_samples"):
+    seeds = parse_seeds(str(args.seeds))
+    for name in ("steps", "eval_samples"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     out = Path(args.out)
@@ -310,7 +340,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"--kept {kept_dir}: no runs.parquet there (the tables of an earlier coba compare)")
     own = ct.read_tables(out)  # an earlier sitting's tables, which this one rewrites
     earlier = earlier_runs(out, own, kept_dir, kept)
-    order = run_order(strategies, args.seeds)
+    order = run_order(strategies, seeds)
     # the finished runs in --out's tables that this command does not list stay in them
     listed = [*order, *(key for key in ct.finished_runs(own) if key not in order)]
     planned = plan_runs(listed, args.steps, args.config, args.set or [], args.eval_samples, args.eval_every)
@@ -353,12 +383,18 @@ COMMAND = Command(
     "in --out's own tables that have no directory there, or that this command does not list, stay in its tables. "
     "A run made with another config than this command gives it (another --steps, --set...) is refused. "
     f"Strategies: {', '.join(PRESETS)} "
-    "(coba-reversed: explore then exploit; coba-fixed: allocation.fixed_alpha/fixed_beta at every step).",
+    "(coba-reversed: explore then exploit; coba-fixed: allocation.fixed_alpha/fixed_beta at every step; "
+    "coba-cap16, coba-min4: max_budget 16, min_budget 4; coba-equal: optim.prompt_weighting=equal; "
+    "coba-posterior, coba-pilot: that allocation.estimator).",
     examples=EXAMPLES,
     options=[
         option("--config", default=None, help="YAML config (default configs/demo.yaml)"),
         option("--strategies", default="uniform,knapsack,coba,coba-released", help="comma-separated"),
-        option("--seeds", type=int, default=3, help="seeds 0..N-1 per strategy (default 3)"),
+        option(
+            "--seeds",
+            default="3",
+            help="N: seeds 0..N-1 per strategy (default 3); A-B: seeds A..B; or a list like 0,7,9",
+        ),
         option("--steps", type=int, default=24, help="training steps per run (default 24)"),
         option("--eval-samples", type=int, default=4, help="k of avg@k at temperature 1 (default 4)"),
         option("--eval-every", type=int, default=6, help="evaluate every N steps (default 6)"),

@@ -80,6 +80,37 @@ def test_final_table_means_and_spread():
 
 def test_runs_go_seed_by_seed_so_a_stopped_comparison_is_paired():
     assert compare.run_order(["uniform", "coba"], 2) == [("uniform", 0), ("coba", 0), ("uniform", 1), ("coba", 1)]
+    assert compare.run_order(["uniform", "coba"], [100, 101]) == [
+        ("uniform", 100), ("coba", 100), ("uniform", 101), ("coba", 101),
+    ]  # fmt: skip
+
+
+def test_seeds_are_a_count_a_range_or_a_list_and_anything_else_is_refused_in_one_line():
+    assert compare.parse_seeds("3") == [0, 1, 2] and compare.parse_seeds("100-103") == [100, 101, 102, 103]
+    assert compare.parse_seeds("0,7,9") == [0, 7, 9] and compare.parse_seeds("5-5") == [5]
+    for bad in ("0", "-2", "9-3", "a", "1,1", "", "3-x"):
+        with pytest.raises(ValueError, match=r"--seeds .*give N"):
+            compare.parse_seeds(bad)
+
+
+def test_the_mechanism_arms_are_coba_with_one_key_changed():
+    """Each of the experiment's arms is the coba preset plus the one key it names, and loads as a config."""
+    from coba_tasks.pipeline.fork import differing_keys
+
+    root = Path(__file__).resolve().parents[2]
+    coba = load_config(root / "configs/demo.yaml", list(compare.PRESETS["coba"]))
+    changed = {
+        "coba-cap16": ("allocation.max_budget", 16),
+        "coba-min4": ("allocation.min_budget", 4),
+        "coba-equal": ("optim.prompt_weighting", "equal"),
+        "coba-posterior": ("allocation.estimator", "posterior"),
+        "coba-pilot": ("allocation.estimator", "pilot"),
+    }
+    for name, (key, value) in changed.items():
+        cfg = load_config(root / "configs/demo.yaml", list(compare.PRESETS[name]))
+        assert differing_keys(coba, cfg) == [key], name
+        section, field = key.split(".")
+        assert getattr(getattr(cfg, section), field) == value, name
 
 
 def test_pass_rate_bins():
