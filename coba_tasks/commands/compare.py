@@ -376,9 +376,10 @@ COMMAND = Command(
     help="uniform vs knapsack vs CoBA-RL (and ablations) on the same rollout budget",
     description="Train one run per (strategy, seed) from the same config (same model start, data, rollouts per "
     "step, steps and seeds; only the allocation differs), seed by seed, then write the tables (runs, results, "
-    "steps, budget_by_level, budget_by_pass_rate, transitions), final.json and compare.png into --out and print "
-    "the gain per strategy, the paired difference to uniform with its 95 % interval and the smallest detectable "
-    "difference, and where the rollouts went. Finished runs are kept (here or, with --kept, in an earlier "
+    "steps, budget_by_level, budget_by_pass_rate, transitions, estimate_by_age), final.json and compare.png into "
+    "--out and print the gain per strategy, the paired difference to uniform with its 95 % interval and the "
+    "smallest detectable difference, where the rollouts went and the mechanisms per step (the estimates' error, "
+    "N_eff, mixed groups, pass@2). Finished runs are kept (here or, with --kept, in an earlier "
     "sitting's tables) and stopped ones resumed, so the command continues where it stopped; the finished runs "
     "in --out's own tables that have no directory there, or that this command does not list, stay in its tables. "
     "A run made with another config than this command gives it (another --steps, --set...) is refused. "

@@ -85,6 +85,10 @@ def test_runs_go_seed_by_seed_so_a_stopped_comparison_is_paired():
     ]  # fmt: skip
 
 
+def test_the_help_names_every_table_compare_writes():
+    assert all(name in compare.COMMAND.description for name in ct.TABLES)
+
+
 def test_seeds_are_a_count_a_range_or_a_list_and_anything_else_is_refused_in_one_line():
     assert compare.parse_seeds("3") == [0, 1, 2] and compare.parse_seeds("100-103") == [100, 101, 102, 103]
     assert compare.parse_seeds("0,7,9") == [0, 7, 9] and compare.parse_seeds("5-5") == [5]
