@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -90,6 +91,22 @@ def baseline(tmp_path_factory, prefect_harness, random_checkpoints, first_char_d
     run_dir = tmp_path_factory.mktemp("baseline") / "run"
     train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
     return RunStore.open(run_dir)
+
+
+def _failed_run(run_dir: Path, cfg: dict, at: str, fail: Path) -> tuple[Any, RunStore]:
+    """A new run of ``cfg`` that fails at ``at`` (``"<step>:<stage>"``, through ``COBA_FAIL_FILE``, whose file
+    ``fail`` stays for the caller to remove or keep): its final state, checked failed, and its store."""
+    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
+    from flows.train import train_flow
+
+    fail.write_text(at)
+    os.environ[FAIL_FILE_ENV] = str(fail)
+    try:
+        state = train_flow(run_dir=str(run_dir), config=cfg, return_state=True)
+    finally:
+        del os.environ[FAIL_FILE_ENV]
+    assert state.is_failed()
+    return state, RunStore.open(run_dir)
 
 
 def _coba(args: list[str], kill_at: str | None, log: Path) -> int:
@@ -305,7 +322,6 @@ def test_a_pilot_run_keeps_b_total_and_resumes_between_its_waves_exactly(
     same rows and rewards) beside a second wave of other seeds, and every budget is within its bounds. A run
     that fails after step 1's pilot is recorded (in the allocation, before the second wave) and is resumed
     equals the uninterrupted run table for table and weight for weight, without sampling its pilot again."""
-    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
     from coba_tasks.readers.views import show_table
     from flows.train import train_flow
 
@@ -339,14 +355,7 @@ def test_a_pilot_run_keeps_b_total_and_resumes_between_its_waves_exactly(
     assert "allocated by step 1 after its pilot" in show_table(ref.root, 1, "budget")
 
     run_dir, fail = tmp_path / "stopped", tmp_path / "fail-at"
-    fail.write_text("1:budget")
-    os.environ[FAIL_FILE_ENV] = str(fail)
-    try:
-        state = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg), return_state=True)
-    finally:
-        del os.environ[FAIL_FILE_ENV]
-    assert state.is_failed()
-    store = RunStore.open(run_dir)
+    _, store = _failed_run(run_dir, config_to_dict(cfg), "1:budget", fail)
     assert store.is_done(1, Table.PILOT_REWARDS) and not store.is_done(1, Stage.BUDGET)
     assert not store.is_done(1, Stage.ROLLOUTS)
     recorded = _pilot_file(store, 1)
@@ -497,21 +506,11 @@ def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
-    from flows.train import train_flow
-
     model, _ = random_checkpoints
     cfg = load_config(ROOT / "configs/tiny-test.yaml", _overrides(model, first_char_data))
     run_dir = tmp_path / "run"
     fail = tmp_path / "fail-at"
-    fail.write_text("1:rewards")
-    os.environ[FAIL_FILE_ENV] = str(fail)
-    try:
-        state = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg), return_state=True)
-    finally:
-        del os.environ[FAIL_FILE_ENV]
-    assert state.is_failed()
-    store = RunStore.open(run_dir)
+    state, store = _failed_run(run_dir, config_to_dict(cfg), "1:rewards", fail)
     assert store.is_done(1, Stage.ROLLOUTS) and not store.is_done(1, Stage.REWARDS)
     written = {(s, n): e["written_at"] for s in store.steps() for n, e in store.manifest(s).items()}
 
