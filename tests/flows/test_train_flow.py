@@ -202,7 +202,10 @@ def test_keep_checkpoints_prunes_old_ones_and_a_resume_that_needs_one_says_so(
     from flows.train import train_flow
 
     model, _ = random_checkpoints
+    # rollouts from transformers: the subject is the checkpoints, not the engine (an in-process vLLM engine's
+    # start and close cost seconds a run)
     overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=3", "run.keep_checkpoints=1"]
+    overrides.append("rollout.backend=transformers")
     cfg = load_config("configs/tiny-test.yaml", [*overrides, *data_overrides(first_char_data)])
     run_dir = tmp_path / "run"
     train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
@@ -398,6 +401,7 @@ def test_released_mode_runs_through_a_run(tmp_path, prefect_harness, random_chec
 
     model, _ = random_checkpoints
     overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=3", "allocation.mode=released"]
+    overrides.append("rollout.backend=transformers")  # the subject is the allocation, not the engine
     cfg = load_config("configs/tiny-test.yaml", [*overrides, *data_overrides(first_char_data)])
     run_dir = tmp_path / "run"
     train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
@@ -489,7 +493,7 @@ def test_a_run_that_can_learn_nothing_says_so(tmp_path, prefect_harness, random_
     monkeypatch.setattr(train, "get_run_logger", lambda: Recording(real().logger, {}))
     model, _ = random_checkpoints
     overrides = [f"model.path={model}", "data.train_prompts=8", "data.eval_prompts=2", "run.steps=2"]
-    cfg = load_config("configs/tiny-test.yaml", overrides)
+    cfg = load_config("configs/tiny-test.yaml", [*overrides, "rollout.backend=transformers"])  # not the engine's
     summary = train.train_flow(run_dir=str(tmp_path / "run"), config=config_to_dict(cfg))
 
     assert summary["steps_without_signal"] == [0, 1]

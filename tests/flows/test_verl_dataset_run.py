@@ -39,6 +39,7 @@ def test_a_training_step_from_a_verl_gsm8k_file(tmp_path, long_context_model):
         "verify.gsm8k_answer=flexible",
         "run.steps=1",
         "rollout.max_model_len=160",
+        "rollout.backend=transformers",  # the subject is the dataset, not the engine
     ]
     cfg = load_config("configs/tiny-test.yaml", overrides)
     root = (tmp_path / "run").resolve()

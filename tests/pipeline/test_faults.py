@@ -323,7 +323,8 @@ SHORT_RUN = ["run.steps=2", "run.eval_every=0"]  # after test_resume's overrides
 def _short_config(model: Path, data: tuple[Path, Path]) -> dict:
     from coba_tasks.pipeline.config import config_to_dict, load_config
 
-    overrides = [*test_resume._overrides(model, data), *SHORT_RUN]
+    # rollouts from transformers: the subject is the table writes, not the engine (whose deaths are above)
+    overrides = [*test_resume._overrides(model, data, "transformers"), *SHORT_RUN]
     return config_to_dict(load_config(test_resume.ROOT / "configs/tiny-test.yaml", overrides))
 
 
