@@ -263,6 +263,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
     # the 95k weights more than 1e-3 of the update's size (1e-4) apart, at most 8.4e-7; the rest closer;
     # tests/test_fsdp_update.py saw the same. eps 1e-5 keeps that amplification out of the comparison.
     data = [f"data.train={train_file}", f"data.test={test_file}", "optim.eps=1e-5"]
+    data.append("rollout.backend=transformers")  # the subject is the update, not the engine (seconds a run)
     real, calls = stage_step.fsdp_update, []
 
     def recording(model_path, out_dir, *args, **kwargs):
