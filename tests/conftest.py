@@ -8,6 +8,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# OpenMP threads that wait sleep instead of spinning (read when torch loads its OpenMP runtime, after this
+# line; the runs' processes inherit it). Two xdist workers and their processes each run torch's threads on
+# 2 cores: spinning threads took the cores from the threads with work, and a step that takes a minute
+# alone took more than ten (the shipped-configs test's warm-up beside a training run: 79 s with passive
+# waiting, killed after 10 min without it). Results do not depend on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
