@@ -265,7 +265,6 @@ def test_a_run_stopped_at_an_epoch_boundary_resumes_the_remaining_steps(
     equal to an uninterrupted run (a resume that lost its place in the epoch would run no step, or others)."""
     from helpers_reward import TRAIN_PROMPTS, write_flat
 
-    from coba_tasks.pipeline.faults import FAIL_FILE_ENV
     from flows.train import train_flow
 
     model, _ = random_checkpoints
@@ -283,15 +282,7 @@ def test_a_run_stopped_at_an_epoch_boundary_resumes_the_remaining_steps(
         assert chatter not in text, chatter
 
     run_dir = tmp_path / "stopped"
-    fail = tmp_path / "fail-at"
-    fail.write_text("2:rollouts")
-    os.environ[FAIL_FILE_ENV] = str(fail)
-    try:
-        state = train_flow(run_dir=str(run_dir), config=cfg, return_state=True)
-    finally:
-        del os.environ[FAIL_FILE_ENV]
-    assert state.is_failed()
-    store = RunStore.open(run_dir)
+    _, store = _failed_run(run_dir, cfg, "2:rollouts", tmp_path / "fail-at")
     assert store.is_done(1, Stage.UPDATE) and store.is_done(2, Stage.BUDGET) and not store.is_done(2, Stage.ROLLOUTS)
     epoch0 = [*store.read_table(0, Stage.BUDGET)["prompt_id"], *store.read_table(1, Stage.BUDGET)["prompt_id"]]
     assert len(set(epoch0)) == 8  # steps 0-1 were exactly one pass over the pool
