@@ -9,17 +9,18 @@ import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # OpenMP threads that wait sleep instead of spinning (read when torch loads its OpenMP runtime, after this
-# line; the runs' processes inherit it). Two xdist workers and their processes each run torch's threads on
+# line; the runs' processes inherit it). The xdist workers and their processes each run torch's threads on
 # 2 cores: spinning threads took the cores from the threads with work, and a step that takes a minute
 # alone took more than ten (the shipped-configs test's warm-up beside a training run: 79 s with passive
-# waiting, killed after 10 min without it). Results do not depend on it.
+# waiting, killed after 10 min without it). It is what lets a third worker use the time the others wait
+# (pyproject.toml, -n 3). Results do not depend on it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-# The longest test files, longest first (``pytest --durations``; 2 CPU cores). Under ``-n 2 --dist loadfile``
+# The longest test files, longest first (``pytest --durations``; 2 CPU cores). Under ``-n 3 --dist loadfile``
 # (the default) a worker takes the next file when it is free: these go first, so that no long file starts
-# last and leaves one worker running it alone while the other is idle. test_resume.py leads: its baseline
+# last and leaves one worker running it alone while the others are idle. test_resume.py leads: its baseline
 # runs in the worker's process and is compared bit for bit with runs in fresh `coba` processes, so it runs
 # before other tests change the worker's process-wide state (vLLM's engine replaces torch.set_num_threads).
 LONGEST_FILES = (
