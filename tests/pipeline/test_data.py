@@ -748,6 +748,25 @@ def test_raw_format_keeps_the_tokenizers_bos_so_sampler_and_trainer_see_one_sequ
     assert completion_ids == [[5, 2], [7]] and logprobs == [[-0.1, -0.2], [-0.3]]
 
 
+def test_a_tokenizer_without_a_rust_backend_gives_the_same_ids() -> None:
+    """The fast path (the backend's batch encoder) and a tokenizer's own call agree; a tokenizer without a
+    backend (a slow, Python one) is called as it is."""
+    tok = _char_tokenizer(bos=True, template=CHAT_TEMPLATE)
+
+    class Slow:  # what render_prompts uses of a tokenizer, without backend_tokenizer
+        chat_template = tok.chat_template
+        apply_chat_template = tok.apply_chat_template
+
+        def __call__(self, texts, add_special_tokens):
+            return tok(texts, add_special_tokens=add_special_tokens)
+
+    for fmt in ("chat", "raw"):
+        fast, _ = render_prompts(_chat_frame(), tok, fmt)
+        slow, _ = render_prompts(_chat_frame(), Slow(), fmt)
+        assert fast["prompt_token_ids"].tolist() == slow["prompt_token_ids"].tolist(), fmt
+    assert fast["prompt_token_ids"][0][0] == tok.bos_token_id  # raw: the post-processor's BOS on both paths
+
+
 def test_chat_format_without_a_template_is_refused_and_a_failing_template_names_the_row() -> None:
     with pytest.raises(ValueError, match=r"data\.prompt_format=chat but the model's tokenizer has no chat template"):
         render_prompts(_chat_frame(), _char_tokenizer(), "chat")
