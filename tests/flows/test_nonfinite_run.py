@@ -39,6 +39,25 @@ def _open(tmp_path, model, overrides):
     return res, root
 
 
+def _stop_message(tmp_path, model, overrides, error: type[Exception], stopping_step: int) -> tuple[RunStore, str]:
+    """Open a run, run its steps up to ``stopping_step``, which must raise ``error``, and close it; the run's
+    store and the error's message, which is one line."""
+    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import step as stage_step
+
+    res, root = _open(tmp_path, model, overrides)
+    try:
+        for step in range(stopping_step):
+            stage_step.plain_step(root, step)
+        with pytest.raises(error) as info:
+            stage_step.plain_step(root, stopping_step)
+    finally:
+        run.close_run(res)
+    message = str(info.value)
+    assert "\n" not in message
+    return RunStore.open(root), message
+
+
 def _finite_checkpoints(store: RunStore) -> list[int]:
     """The steps of the run's checkpoints, after checking that every tensor in them is finite."""
     steps = []
@@ -55,23 +74,12 @@ def test_a_diverging_learning_rate_stops_the_run_at_the_step_it_turns_non_finite
 ):
     """optim.lr = 1e6: the first update moves every weight by ~1e6, the second's gradient overflows; the run
     stops there naming the step and the setting, with the first checkpoint kept and no second one."""
-    from coba_tasks.pipeline import run
-    from coba_tasks.pipeline import step as stage_step
-
-    res, root = _open(tmp_path, random_checkpoints[0], [*data_overrides(first_char_data), "optim.lr=1e6"])
-    try:
-        stage_step.plain_step(root, 0)
-        with pytest.raises(NonFiniteUpdateError) as info:
-            stage_step.plain_step(root, 1)
-    finally:
-        run.close_run(res)
-    message = str(info.value)
-    assert "\n" not in message
+    overrides = [*data_overrides(first_char_data), "optim.lr=1e6"]
+    store, message = _stop_message(tmp_path, random_checkpoints[0], overrides, NonFiniteUpdateError, 1)
     assert re.match(
         r"^step 1: the GRPO update's (loss|gradient norm) is (nan|inf|-inf) at optimizer step 1 of 1: ", message
     )
     assert "optim.lr (now 1e+06)" in message
-    store = RunStore.open(root)
     assert store.is_done(0, Stage.UPDATE) and not store.is_done(1, Stage.UPDATE)
     assert _finite_checkpoints(store) == [1]
 
@@ -81,9 +89,6 @@ def test_a_reward_beyond_the_bound_stops_the_run_naming_the_step_the_prompt_and_
     tmp_path, random_checkpoints, monkeypatch
 ):
     from helpers_reward import TEST_PROMPTS, TRAIN_PROMPTS
-
-    from coba_tasks.pipeline import run
-    from coba_tasks.pipeline import step as stage_step
 
     monkeypatch.setenv("COBA_ALLOW_REWARD_FILES", "1")  # the Python API, like a worker allowed to run reward files
     reward = tmp_path / "huge_reward.py"
@@ -100,15 +105,7 @@ def test_a_reward_beyond_the_bound_stops_the_run_naming_the_step_the_prompt_and_
         f"verify.reward_function={reward}",
         "data.eval_prompts=2",
     ]
-    res, root = _open(tmp_path, random_checkpoints[0], overrides)
-    try:
-        with pytest.raises(RewardScaleError) as info:
-            stage_step.plain_step(root, 0)
-    finally:
-        run.close_run(res)
-    message = str(info.value)
-    assert "\n" not in message
+    store, message = _stop_message(tmp_path, random_checkpoints[0], overrides, RewardScaleError, 0)
     assert re.match(r"^step 0: prompt \S+ \(sample \d+\): reward 1e\+200 is beyond \+/- 1e\+30, ", message), message
-    store = RunStore.open(root)
     assert store.is_done(0, Stage.REWARDS) and not store.is_done(0, Stage.UPDATE)
     assert not (store.root / "checkpoints").exists() or _finite_checkpoints(store) == []
