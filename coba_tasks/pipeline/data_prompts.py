@@ -96,7 +96,7 @@ def _token_ids(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> li
     if not texts:
         return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode_batch_fast"):
+    if backend is None:  # a slow (Python) tokenizer
         return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
     return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
