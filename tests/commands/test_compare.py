@@ -98,7 +98,8 @@ def test_seeds_are_a_count_a_range_or_a_list_and_anything_else_is_refused_in_one
 
 
 def test_the_mechanism_arms_are_coba_with_one_key_changed():
-    """Each of the experiment's arms is the coba preset plus the one key it names, and loads as a config."""
+    """Each of the experiment's arms is the coba preset plus the one key it names (the combination: its three keys),
+    and loads as a config."""
     from coba_tasks.pipeline.fork import differing_keys
 
     root = Path(__file__).resolve().parents[2]
@@ -115,6 +116,14 @@ def test_the_mechanism_arms_are_coba_with_one_key_changed():
         assert differing_keys(coba, cfg) == [key], name
         section, field = key.split(".")
         assert getattr(getattr(cfg, section), field) == value, name
+    combined = load_config(root / "configs/demo.yaml", list(compare.PRESETS["coba-pilot-equal-cap16"]))
+    keys = ("allocation.estimator", "optim.prompt_weighting", "allocation.max_budget")
+    assert differing_keys(coba, combined) == sorted(keys)
+    assert (combined.allocation.estimator, combined.optim.prompt_weighting, combined.allocation.max_budget) == (
+        "pilot",
+        "equal",
+        16,
+    )
 
 
 def test_pass_rate_bins():
