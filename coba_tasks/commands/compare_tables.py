@@ -420,10 +420,11 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
     def spread(x: float) -> str:  # a standard deviation, which one seed does not have
         return "-" if math.isnan(x) else f"{x:.3f}"
 
+    w = max([15, *(len(str(s)) for s in final["strategy"])])  # the strategy column fits the longest name
     passes = [c.removesuffix("_after") for c in final.columns if c.startswith("pass_at_") and c.endswith("_after")]
     shown = [("avg", "avg@k"), ("greedy", "greedy")] + [(p, p.replace("_at_", "@")) for p in passes]
     lines = [
-        f"{'strategy':<15} {'seeds':>5}  "
+        f"{'strategy':<{w}} {'seeds':>5}  "
         + "".join(f"{label + ' before -> after (std)':<30} {'gain (std)':<18} " for _, label in shown)
         + f"{'avg@k gain / 1k rollouts':<10}"
     ]
@@ -435,7 +436,7 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
 
     for r in final.to_dict("records"):
         row = "".join(cells(r, m) for m, _ in shown)
-        lines.append(f"{r['strategy']:<15} {r['seeds']:>5}  {row}{r['avg_gain_per_1k_rollouts']:+.4f}")
+        lines.append(f"{r['strategy']:<{w}} {r['seeds']:>5}  {row}{r['avg_gain_per_1k_rollouts']:+.4f}")
     if not paired.empty:
         lines.append("")
         lines.append(
@@ -443,7 +444,7 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
             f"mean [95 % interval], smallest difference detectable with {POWER:.0%} power"
         )
         for r in paired.itertuples():
-            head = f"  {r.strategy:<15} {r.measure:<7} {r.pairs} seeds  {r.mean:+.3f}"
+            head = f"  {r.strategy:<{w}} {r.measure:<7} {r.pairs} seeds  {r.mean:+.3f}"
             if r.pairs < 2:  # no spread to make an interval from
                 lines.append(f"{head}  (the interval and the detectable difference need 2 paired seeds)")
             else:
@@ -456,7 +457,7 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
                 f"{name} {r[f'rollouts_share {name}']:.2f}" for name in PASS_RATE_BINS if f"rollouts_share {name}" in r
             )
             lines.append(
-                f"  {r['strategy']:<15} non-zero advantage {r['nonzero_advantage_share']:.3f}, first solved "
+                f"  {r['strategy']:<{w}} non-zero advantage {r['nonzero_advantage_share']:.3f}, first solved "
                 f"{r['first_solved_per_run']:.1f}/run, explore steps {r['explore_steps_per_run']:.1f}/run; "
                 f"by pass rate: {bins}"
             )
@@ -466,21 +467,21 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
             "groups; the estimates the budget used against the realized pass rates (MAE, bias = realized - "
             "estimate, r), their age in steps, MAE and bias by age"
         )
-        lines += [_mechanism_line(r) for r in mechanism.to_dict("records")]
+        lines += [_mechanism_line(r, w) for r in mechanism.to_dict("records")]
     return "\n".join(lines)
 
 
-def _mechanism_line(r: dict[str, Any]) -> str:
-    """One strategy's per-step mechanisms as text ("n/a" for what its tables do not hold)."""
+def _mechanism_line(r: dict[str, Any], w: int) -> str:
+    """One strategy's per-step mechanisms as text ("n/a" for what its tables do not hold), its name ``w`` wide."""
 
     def num(key: str, spec: str) -> str:
         v = r.get(key, math.nan)
         return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
     if all(num(c, "g") == "n/a" for c in STEP_MEANS):
-        return f"  {r['strategy']:<15} n/a (its tables were collected before these were measured)"
+        return f"  {r['strategy']:<{w}} n/a (its tables were collected before these were measured)"
     return (
-        f"  {r['strategy']:<15} N_eff {num('effective_prompts', '.2f')}, mixed {num('mixed_groups', '.1f')} of "
+        f"  {r['strategy']:<{w}} N_eff {num('effective_prompts', '.2f')}, mixed {num('mixed_groups', '.1f')} of "
         f"{num('prompts', '.1f')}, pass@2 {num('train_pass_at_2', '.3f')}; estimates MAE {num('estimate_mae', '.3f')}"
         f", bias {num('estimate_bias', '+.3f')}, r {num('estimate_corr', '.2f')}, age {num('estimate_age_mean', '.1f')}"
         f"; age 1: MAE {num('estimate_mae_age1', '.3f')} bias {num('estimate_bias_age1', '+.3f')}, older: MAE "

@@ -619,3 +619,22 @@ def test_a_run_that_dies_stops_the_comparison_with_its_name(tmp_path, capsys, pr
     assert compare.cmd_compare(args) == 1
     err = capsys.readouterr().err
     assert f"run {tmp_path / 'cmp' / 'uniform-seed0'} did not finish" in err and "again to resume" in err
+
+
+def test_the_report_columns_line_up_for_a_strategy_name_longer_than_the_default_width():
+    """coba-pilot-equal-cap16 (22 characters) pushed its rows out of line with the header and the other rows."""
+    long = "coba-pilot-equal-cap16"
+    tables = _join(_tables("uniform", 0, 0.5), _tables(long, 0, 0.6), _tables("uniform", 1, 0.5), _tables(long, 1, 0.7))
+    tables["steps"] = tables["steps"].assign(effective_prompts=5.0)
+    results = tables["results"]  # and a step-0 evaluation of each run, so the final table has a before
+    results = pd.concat([results, results.assign(step=0, accuracy=0.2, accuracy_greedy=0.2)], ignore_index=True)
+    text = ct.format_report(ct.final_table(results), ct.paired_table(results), ct.mechanism_table(tables))
+    lines = text.splitlines()
+    header = lines[0]
+    rows = [line for line in lines if line.startswith((long, "uniform"))]
+    assert len(rows) == 2
+    assert {row.index(" 2  ") for row in rows} == {header.index("seeds") + 3}  # the seeds column
+    paired = [line for line in lines if line.lstrip().startswith(long) and " avg " in line]
+    assert paired and all(line.index("avg") == len(f"  {long} ") for line in paired)
+    mech = [line for line in lines if "N_eff" in line and line.lstrip().startswith(("uniform", long))]
+    assert len(mech) == 2 and len({line.index("N_eff") for line in mech}) == 1
