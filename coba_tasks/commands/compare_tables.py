@@ -324,7 +324,8 @@ def final_table(results: pd.DataFrame, runs: pd.DataFrame | None = None) -> pd.D
 def paired_difference(diffs: Sequence[float], power: float = POWER) -> dict[str, float]:
     """Mean of paired differences, its 95 % t interval, and the smallest true difference a two-sided 5 %
     paired t-test of this many pairs detects with probability ``power``, at the measured spread:
-    (t_{0.975, n-1} + t_{power, n-1}) * sd / sqrt(n). NaN where fewer than 2 pairs."""
+    (t_{0.975, n-1} + t_{power, n-1}) * sd / sqrt(n). NaN where fewer than 2 pairs, and where all the
+    differences are equal (to float rounding): a t-test of zero spread is undefined, not p = 0."""
     from scipy import stats
 
     d = np.asarray(diffs, dtype=float)
@@ -333,6 +334,9 @@ def paired_difference(diffs: Sequence[float], power: float = POWER) -> dict[str,
     if n < 2:
         nan = math.nan
         return {"pairs": n, "mean": mean, "sd": nan, "ci_low": nan, "ci_high": nan, "mdd": nan, "p": nan}
+    if np.allclose(d, d[0], rtol=0.0, atol=1e-12):
+        nan = math.nan
+        return {"pairs": n, "mean": mean, "sd": 0.0, "ci_low": nan, "ci_high": nan, "mdd": nan, "p": nan}
     sd = float(d.std(ddof=1))
     se = sd / math.sqrt(n)
     t975 = float(stats.t.ppf(0.975, n - 1))
@@ -447,6 +451,8 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
             head = f"  {r.strategy:<{w}} {r.measure:<7} {r.pairs} seeds  {r.mean:+.3f}"
             if r.pairs < 2:  # no spread to make an interval from
                 lines.append(f"{head}  (the interval and the detectable difference need 2 paired seeds)")
+            elif r.sd == 0:  # no spread: the t interval is undefined
+                lines.append(f"{head}  (all {r.pairs} differences equal: no spread for an interval)")
             else:
                 lines.append(f"{head} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]  detectable {r.mdd:.3f}")
     if not mechanism.empty:

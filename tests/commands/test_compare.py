@@ -147,6 +147,23 @@ def test_paired_difference_interval_and_smallest_detectable_difference():
     assert one["mean"] == 0.4 and math.isnan(one["ci_low"]) and math.isnan(one["mdd"]) and math.isnan(one["p"])
 
 
+def test_paired_differences_that_are_all_equal_give_no_interval_and_the_report_says_why():
+    """Knapsack's pass@4 was one prompt of 90 below uniform's on all five exploration seeds: the report said
+    [-0.011, -0.011], detectable 0.000 and p = 0, a t-test of zero spread, which is undefined."""
+    base, arm = [67, 67, 68, 68, 68], [66, 66, 67, 67, 67]
+    d = ct.paired_difference([a / 90 - b / 90 for a, b in zip(arm, base, strict=True)])
+    assert d["pairs"] == 5 and d["mean"] == pytest.approx(-1 / 90) and d["sd"] == 0.0
+    assert all(math.isnan(d[k]) for k in ("ci_low", "ci_high", "mdd", "p"))
+    rows = [("knapsack", k, a / 90) for k, a in enumerate(arm)] + [("uniform", k, b / 90) for k, b in enumerate(base)]
+    results = pd.DataFrame(
+        [{"strategy": s, "seed": k, "step": 4, "accuracy": a, "accuracy_greedy": 0.5} for s, k, a in rows]
+    )
+    results = pd.concat([results, results.assign(step=0, accuracy=0.2)], ignore_index=True)
+    text = ct.format_report(ct.final_table(results), ct.paired_table(results), pd.DataFrame())
+    line = next(x for x in text.splitlines() if x.lstrip().startswith("knapsack") and " avg " in x)
+    assert "-0.011" in line and "all 5 differences equal" in line and "detectable" not in line and "nan" not in line
+
+
 def test_paired_table_pairs_by_seed_and_uses_the_last_evaluation():
     rows = []
     for strategy, finals in (("uniform", [0.5, 0.6, 0.7]), ("coba", [0.6, 0.6, 0.9])):
@@ -175,8 +192,9 @@ def test_the_report_of_one_seed_says_what_it_cannot_give_instead_of_nan():
     )
     two = pd.concat([results, results.assign(seed=1)])
     assert "1 seeds" not in ct.format_report(ct.final_table(two), ct.paired_table(two), pd.DataFrame())
-    assert "2 seeds  -0.050 [-0.050, -0.050]  detectable 0.000" in ct.format_report(
-        ct.final_table(two), ct.paired_table(two), pd.DataFrame()
+    varied = pd.concat([results, results.assign(seed=1, accuracy=results["accuracy"] + [0.0, 0.0, 0.0, 0.02])])
+    assert "2 seeds  -0.040 [-0.167, +0.087]  detectable " in ct.format_report(
+        ct.final_table(varied), ct.paired_table(varied), pd.DataFrame()
     )
 
 
