@@ -341,7 +341,7 @@ def paired_difference(diffs: Sequence[float], power: float = POWER) -> dict[str,
     se = sd / math.sqrt(n)
     t975 = float(stats.t.ppf(0.975, n - 1))
     mdd = (t975 + float(stats.t.ppf(power, n - 1))) * se
-    p = float(2 * stats.t.sf(abs(mean) / se, n - 1)) if se > 0 else (0.0 if mean else 1.0)
+    p = float(2 * stats.t.sf(abs(mean) / se, n - 1))  # se > 0: equal differences returned above
     return {
         "pairs": n,
         "mean": mean,
