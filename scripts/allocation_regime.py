@@ -33,6 +33,7 @@ import pandas as pd
 
 from coba_tasks.commands.compare_tables import PASS_RATE_BINS
 from coba_tasks.core.allocation import plan_allocation
+from coba_tasks.core.values import mixed_group_probability as mixed_probability
 
 # the interior bins of the kept tables (between "0" and "1") and the range each covers
 _EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -66,11 +67,6 @@ def estimate_sampler(kept: Path, strategy: str):
         return p
 
     return draw, [tuple(map(float, row)) for row in shapes.to_numpy()]
-
-
-def mixed_probability(budgets: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """P(a group of B rollouts at pass rate p holds a success and a failure) = 1 - p^B - (1 - p)^B."""
-    return 1.0 - p**budgets - (1.0 - p) ** budgets
 
 
 def effective_number(weights: np.ndarray) -> float:

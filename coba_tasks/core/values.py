@@ -87,12 +87,16 @@ def coba_gain_params(p: np.ndarray, alpha: float, beta: float, tau: float) -> tu
     return a, k
 
 
-def knapsack_value(n: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """Knapsack-RL value(N, p) = (1 - p^N - (1 - p)^N) * p * (1 - p)^2; broadcasts.
-
-    1 - p^N - (1 - p)^N is the probability that a group of N rollouts holds both a success and a
-    failure (a non-zero GRPO gradient); it is 0 for p in {0, 1}.
-    """
+def mixed_group_probability(n: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """1 - p^N - (1 - p)^N: the probability that a group of N rollouts at pass rate p holds both a success
+    and a failure (a non-zero GRPO gradient); 0 for p in {0, 1}; broadcasts."""
     n = np.asarray(n, dtype=np.float64)
     p = np.asarray(p, dtype=np.float64)
-    return (1.0 - p**n - (1.0 - p) ** n) * p * (1.0 - p) ** 2
+    return 1.0 - p**n - (1.0 - p) ** n
+
+
+def knapsack_value(n: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """Knapsack-RL value(N, p) = (1 - p^N - (1 - p)^N) * p * (1 - p)^2 (``mixed_group_probability`` times
+    p (1 - p)^2); broadcasts."""
+    p = np.asarray(p, dtype=np.float64)
+    return mixed_group_probability(n, p) * p * (1.0 - p) ** 2
