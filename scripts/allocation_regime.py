@@ -33,6 +33,7 @@ import pandas as pd
 
 from coba_tasks.commands.compare_tables import PASS_RATE_BINS
 from coba_tasks.core.allocation import plan_allocation
+from coba_tasks.core.values import effective_number
 from coba_tasks.core.values import mixed_group_probability as mixed_probability
 
 # the interior bins of the kept tables (between "0" and "1") and the range each covers
@@ -67,12 +68,6 @@ def estimate_sampler(kept: Path, strategy: str):
         return p
 
     return draw, [tuple(map(float, row)) for row in shapes.to_numpy()]
-
-
-def effective_number(weights: np.ndarray) -> float:
-    """(sum w)^2 / sum w^2; 0 when every weight is 0."""
-    total = float(np.sum(weights**2))
-    return float(np.sum(weights) ** 2 / total) if total > 0 else 0.0
 
 
 def regime_rows(

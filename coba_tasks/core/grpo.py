@@ -56,6 +56,8 @@ from enum import StrEnum
 
 import torch
 
+from coba_tasks.core.values import effective_number
+
 LOG_RATIO_MAX = 20.0  # |log ratio| is clamped before exp so a stray token cannot overflow
 ADV_EPS = 1e-6
 # |reward| <= 1e30 keeps a group's statistics finite in float64 (max ~1.8e308): its sum stays below n * 1e30
@@ -440,10 +442,7 @@ def effective_prompts(
     zeros = torch.zeros(uniq.numel(), dtype=torch.float64, device=group_ids.device)
     w = zeros.index_add(0, inv, weights.detach().to(torch.float64) * lengths.detach().to(torch.float64))  # (G,)
     moves = zeros.index_add(0, inv, (advantages.detach() != 0).to(torch.float64)) > 0  # (G,) carries a gradient
-    w = w[moves & (w > 0)]
-    if w.numel() == 0:
-        return 0.0
-    return math.fsum(w.tolist()) ** 2 / math.fsum((w * w).tolist())
+    return effective_number(w[moves & (w > 0)].cpu().numpy())
 
 
 def policy_loss(

@@ -22,6 +22,8 @@ Everything here is numpy in, numpy out: no I/O.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from scipy import special
 
@@ -93,6 +95,21 @@ def mixed_group_probability(n: np.ndarray, p: np.ndarray) -> np.ndarray:
     n = np.asarray(n, dtype=np.float64)
     p = np.asarray(p, dtype=np.float64)
     return 1.0 - p**n - (1.0 - p) ** n
+
+
+def effective_number(weights: np.ndarray) -> float:
+    """N_eff = (sum w)^2 / sum w^2 of non-negative weights (shape (M,)): the number of equal weights with the
+    same spread, M when all are equal, 1 when one holds everything; 0.0 when every weight is 0. Sums with
+    ``math.fsum``, so the order of the weights does not change the result.
+
+    >>> effective_number(np.array([1.0, 1.0, 2.0]))
+    2.6666666666666665
+    """
+    w = np.asarray(weights, dtype=np.float64).ravel()
+    if w.size and (not np.all(np.isfinite(w)) or w.min() < 0):
+        raise ValueError(f"weights must be finite and non-negative, got min {w.min()}")
+    square = math.fsum((w * w).tolist())
+    return math.fsum(w.tolist()) ** 2 / square if square > 0 else 0.0
 
 
 def knapsack_value(n: np.ndarray, p: np.ndarray) -> np.ndarray:

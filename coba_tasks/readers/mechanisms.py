@@ -45,6 +45,7 @@ import numpy as np
 import pandas as pd
 
 from coba_tasks.core.passk import mean_pass_at_k
+from coba_tasks.core.values import effective_number
 from coba_tasks.engines.verify import VerdictKind
 from coba_tasks.pipeline.store import Stage, Table
 from coba_tasks.readers.tables import RunTables
@@ -172,9 +173,7 @@ def token_effective_prompts(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> fl
         return math.nan
     tokens = rollouts.assign(prompt_id=rollouts["prompt_id"].astype(str)).groupby("prompt_id")["n_tokens"].sum()
     mixed = mixed_prompts(rewards)
-    w = tokens.reindex(mixed[mixed].index).dropna().to_numpy(dtype=np.float64)
-    w = w[w > 0]
-    return math.fsum(w) ** 2 / math.fsum(w * w) if len(w) else 0.0
+    return effective_number(tokens.reindex(mixed[mixed].index).dropna().to_numpy(dtype=np.float64))
 
 
 def effective_prompts_of(t: RunTables, step: int) -> float:

@@ -15,9 +15,6 @@ def test_a_group_is_mixed_with_the_binomial_probability_and_never_at_0_or_1():
     script = load_script("scripts/allocation_regime.py")
     got = script.mixed_probability(np.array([2.0, 2.0, 8.0, 3.0]), np.array([0.5, 0.0, 1.0, 0.25]))
     assert got.tolist() == pytest.approx([0.5, 0.0, 0.0, 1 - 0.25**3 - 0.75**3])
-    assert script.effective_number(np.array([1.0, 1.0, 1.0, 1.0])) == pytest.approx(4.0)
-    assert script.effective_number(np.array([3.0, 0.0, 0.0])) == pytest.approx(1.0)
-    assert script.effective_number(np.zeros(3)) == 0.0
 
 
 def test_when_floor_and_cap_equal_the_group_size_coba_is_uniform_and_so_are_its_figures():

@@ -13,6 +13,7 @@ from coba_tasks.core.values import (
     beta_density,
     coba_gain_params,
     coba_value,
+    effective_number,
     knapsack_value,
     saturation,
 )
@@ -104,3 +105,16 @@ def test_knapsack_value_concave_in_n():
         v = knapsack_value(n, p)
         d = np.diff(v)
         assert np.all(d >= 0) and np.all(np.diff(d) <= 1e-15)
+
+
+def test_effective_number_counts_equal_weights_and_falls_as_one_weight_grows():
+    assert effective_number(np.ones(4)) == 4.0
+    assert effective_number(np.array([3.0, 0.0, 0.0])) == 1.0
+    assert effective_number(np.zeros(3)) == 0.0 and effective_number(np.array([])) == 0.0
+    # 3 prompts of 30 rollouts and 29 of 2: 148^2 / (3 * 900 + 29 * 4)
+    w = np.array([30.0] * 3 + [2.0] * 29)
+    assert effective_number(w) == pytest.approx(148**2 / (3 * 900 + 29 * 4), rel=1e-15)
+    assert effective_number(w[::-1]) == effective_number(w)
+    for bad in (np.array([1.0, -1.0]), np.array([1.0, np.nan])):
+        with pytest.raises(ValueError, match="finite and non-negative"):
+            effective_number(bad)
