@@ -31,14 +31,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from coba_tasks.commands.compare_tables import PASS_RATE_BINS
+from coba_tasks.commands.compare_tables import INTERIOR_PASS_RATE_BINS as INTERIOR_BINS
 from coba_tasks.core.allocation import plan_allocation
 from coba_tasks.core.values import effective_number
 from coba_tasks.core.values import mixed_group_probability as mixed_probability
-
-# the interior bins of the kept tables (between "0" and "1") and the range each covers
-_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
-INTERIOR_BINS = {name: (_EDGES[i], _EDGES[i + 1]) for i, name in enumerate(PASS_RATE_BINS[2:6])}
 
 
 def estimate_sampler(kept: Path, strategy: str):

@@ -62,7 +62,14 @@ STEP_MEANS = (
     "train_pass_at_2",
 )
 # the pass-rate estimate a prompt was allocated with, in bins (right-closed; exact 0 and 1 apart)
-PASS_RATE_BINS = ("unseen", "0", "(0, 0.25]", "(0.25, 0.5]", "(0.5, 0.75]", "(0.75, 1)", "1")
+# the bins strictly between 0 and 1 and the range of pass rates each covers (low excluded, high included but 1)
+INTERIOR_PASS_RATE_BINS = {
+    "(0, 0.25]": (0.0, 0.25),
+    "(0.25, 0.5]": (0.25, 0.5),
+    "(0.5, 0.75]": (0.5, 0.75),
+    "(0.75, 1)": (0.75, 1.0),
+}
+PASS_RATE_BINS = ("unseen", "0", *INTERIOR_PASS_RATE_BINS, "1")
 POWER = 0.8  # the power at which the smallest detectable difference is given
 # the paper's capability schedule (its Fig. 5, Qwen2.5-7B-Instruct): alpha from about 8 down to about 3
 PAPER_ALPHA_RANGE = (3.0, 8.0)
@@ -77,10 +84,7 @@ def pass_rate_bin(rate: float) -> str:
         return "0"
     if rate >= 1.0:
         return "1"
-    for edge, name in ((0.25, "(0, 0.25]"), (0.5, "(0.25, 0.5]"), (0.75, "(0.5, 0.75]")):
-        if rate <= edge:
-            return name
-    return "(0.75, 1)"
+    return next(name for name, (_, high) in INTERIOR_PASS_RATE_BINS.items() if rate <= high)
 
 
 def _class_of(rate: float) -> str:

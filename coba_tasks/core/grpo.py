@@ -442,7 +442,7 @@ def effective_prompts(
     zeros = torch.zeros(uniq.numel(), dtype=torch.float64, device=group_ids.device)
     w = zeros.index_add(0, inv, weights.detach().to(torch.float64) * lengths.detach().to(torch.float64))  # (G,)
     moves = zeros.index_add(0, inv, (advantages.detach() != 0).to(torch.float64)) > 0  # (G,) carries a gradient
-    return effective_number(w[moves & (w > 0)].cpu().numpy())
+    return effective_number(w[moves].cpu().numpy())
 
 
 def policy_loss(
