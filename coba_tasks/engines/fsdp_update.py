@@ -79,6 +79,8 @@ class FSDPUpdateError(RuntimeError):
 class DistributedShard(DataShard):
     """One rank's share of each mini-batch, and the collectives ``PolicyTrainer.update`` needs."""
 
+    distributed = True
+
     def __init__(self, rank: int, world: int, device: torch.device) -> None:
         self.rank, self.world, self.device = rank, world, device
 

@@ -140,12 +140,18 @@ class _MergedLora(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         x, weight, a, b = ctx.saved_tensors
         s = ctx.scaling
-        grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        # Under torch.autocast the forward multiplied in the autocast dtype (its output's, so grad's) while
+        # the backward runs outside autocast: the products here are made in grad's dtype too, and each input
+        # gets its gradient in its own dtype (float32 adapters under bf16 autocast). Without autocast every
+        # dtype is the same and nothing is cast.
+        dtype = grad.dtype
+        grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(dtype)
+        wc, ac, bc = weight.to(dtype), a.to(dtype), b.to(dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:  # the input gradient through the merged weight, made again here
-            grad_x = (grad2 @ torch.addmm(weight, b, a, alpha=s)).view(x.shape)
-        grad_a = torch.mm((grad2 @ b).t(), x2).mul_(s)  # s (g B)^T x
-        grad_b = torch.mm(grad2.t(), x2 @ a.t()).mul_(s)  # s g^T (x A^T)
+            grad_x = (grad2 @ torch.addmm(wc, bc, ac, alpha=s)).view(x.shape).to(x.dtype)
+        grad_a = torch.mm((grad2 @ bc).t(), x2).mul_(s).to(a.dtype)  # s (g B)^T x
+        grad_b = torch.mm(grad2.t(), x2 @ ac.t()).mul_(s).to(b.dtype)  # s g^T (x A^T)
         return grad_x, None, None, grad_a, grad_b, None
 
 

@@ -204,7 +204,7 @@ class PolicyTrainer:
         """Why this trainer updates on full sequences; None when it encodes each group's prompt once."""
         if not self.settings.shared_prefix:
             return "optim.shared_prefix is false"
-        if self.shard.world > 1:
+        if self.shard.distributed:  # one FSDP process too: the shared-prefix pass calls submodules FSDP does not gather
             return "data-parallel (FSDP) processes run the full-sequence update in step with each other"
         return supports_shared_prefix(self.model)
 

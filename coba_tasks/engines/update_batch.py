@@ -94,6 +94,7 @@ class DataShard:
 
     rank: int = 0
     world: int = 1
+    distributed: bool = False  # the policy is sharded across processes (FSDP), one process included
 
     def mine(self, rows: torch.Tensor) -> torch.Tensor:
         """This process's share of ``rows`` (all of them in one process)."""

@@ -242,3 +242,23 @@ def test_a_rank_that_aborts_at_exit_after_the_work_is_whole_keeps_the_update(tmp
     monkeypatch.setattr(module.subprocess, "run", _fake_job(range(1), -6))  # rank 1 never finished
     with pytest.raises(FSDPUpdateError, match=r"2 processes failed \(exit status -6\)"):
         fsdp_update(*args)
+
+
+@pytest.mark.slow
+def test_one_fsdp_process_gives_the_single_process_update(tied_checkpoints, tmp_path):
+    """One rank (the device check's FSDP check): a sharded policy runs the full-sequence update, as ranks of
+    more processes do. It took the shared-prefix pass before, whose submodule calls FSDP does not gather
+    ("aten.embedding.default got mixed torch.Tensor and DTensor"), and the job failed."""
+    a, _ = tied_checkpoints
+    s = UpdateSettings(lr=1e-3, micro_batch_size=2, eps=1e-5)
+    batch = ragged_batch(5)
+    single = PolicyTrainer(a, s)
+    before = weights(single)
+    expected_metrics = single.update(*batch)
+    expected = weights(single)
+    metrics = fsdp_update(a, tmp_path / "fsdp", *batch, s, 1, extra_state={"step": 0}, timeout_s=300)
+    got = load_file(str(tmp_path / "fsdp" / "model.safetensors"))
+    got = {k: got.get(k, got.get("model.embed_tokens.weight")) for k in expected}  # tied: stored once
+    assert max_diff(got, expected) <= REL_TOL * max_diff(expected, before)
+    assert metrics["grad_norm"] == pytest.approx(expected_metrics["grad_norm"], rel=1e-5)
+    assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=1e-5, abs=1e-6)

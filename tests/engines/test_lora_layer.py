@@ -27,14 +27,15 @@ def _lora_model(dtype: torch.dtype, targets="all-linear"):
     return peft_model.get_base_model(), len(tok)
 
 
-def _loss_and_grads(model, ids, weights, *, peft_forward: bool, monkeypatch):
+def _loss_and_grads(model, ids, weights, *, peft_forward: bool, monkeypatch, autocast=None):
     with monkeypatch.context() as m:
         if peft_forward:
             m.setattr(MergedLoraLinear, "forward", PeftLoraLinear.forward)
         model.zero_grad(set_to_none=True)
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-        logits = model(inputs_embeds=embeds).logits
-        loss = (logits.log_softmax(-1) * weights).sum()
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            logits = model(inputs_embeds=embeds).logits
+        loss = (logits.to(weights.dtype).log_softmax(-1) * weights).sum()
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return logits.detach(), grads, embeds.grad.clone()
@@ -60,6 +61,22 @@ def test_the_merged_product_is_peft_s_layer(dtype, tol, monkeypatch):
     for name in peft[1]:
         assert rel(ours[1][name], peft[1][name]) < tol, name
         assert float(peft[1][name].abs().max()) > 0, name
+
+
+def test_under_bf16_autocast_the_merged_product_trains_as_peft_s_layer(monkeypatch):
+    """The update's mixed precision (float32 adapters, products in bf16 under torch.autocast): the backward runs
+    outside autocast, so it must cast as the forward did (it raised "expected m1 and m2 to have the same dtype"
+    before); the gradients are float32, as the adapters, and agree with peft's within bf16 rounding."""
+    model, vocab = _lora_model(torch.float32)
+    ids = torch.randint(0, vocab, (3, 11), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(3, 11, vocab, generator=torch.Generator().manual_seed(2))
+    ours = _loss_and_grads(model, ids, weights, peft_forward=False, monkeypatch=monkeypatch, autocast=torch.bfloat16)
+    peft = _loss_and_grads(model, ids, weights, peft_forward=True, monkeypatch=monkeypatch, autocast=torch.bfloat16)
+    assert ours[2].dtype == torch.float32
+    for name in peft[1]:
+        assert ours[1][name].dtype == torch.float32, name
+        cos = torch.nn.functional.cosine_similarity(ours[1][name].flatten(), peft[1][name].flatten(), dim=0)
+        assert float(cos) > 0.99, name
 
 
 def test_the_fast_path_is_what_runs_and_the_engine_gets_its_weights():

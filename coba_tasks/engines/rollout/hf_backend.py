@@ -1,17 +1,23 @@
 """The ``transformers`` rollout backend: ``model.generate`` on CPU or GPU, where vLLM cannot run.
 
-The same interface and rows as the vLLM backend (it is the tests' reference for them). Each prompt's
-group is sampled in a fork of the global RNG seeded with the prompt's seed, so a group does not depend
-on the rest of the batch. Sleep moves the model to CPU memory. The sampler log-probabilities are
-of the distribution each token was sampled from (generate's processed scores: after temperature and
-top-p), as the trainer computes them (log_softmax(logits / T)) and as the vLLM backend records them.
+The same interface and rows as the vLLM backend (it is the tests' reference for them). Groups are generated
+in batches (prompts of one length together, left-padded where lengths differ, at most ``max_num_seqs``
+sequences and, on CUDA, as many as ``gpu_memory_utilization`` leaves room for: ``rows_that_fit``). Each
+group draws its tokens with a ``torch.Generator`` of its own, seeded with the group's seed, so a group does
+not depend on the rest of the batch: it gets the tokens the same group sampled alone gets (up to float
+rounding of a padded batch).
 
-Only the sampling settings coba-rl controls reach ``generate`` (``generation_config``: sampling or
-greedy, temperature, top-p, no top-k, the token budget, the tokenizer's eos and pad ids). A model
-directory's own ``generation_config.json`` (a repetition penalty, an n-gram ban, min-p, top-k...:
-Qwen2.5-Instruct ships one) is set aside when the model loads, since ``generate`` fills every setting
-left unset from it: the rollouts are then drawn from log_softmax(z / T), the distribution the trainer
-computes, and greedy decoding takes argmax z.
+Memory grows with sequences x length, not x vocabulary: ``_GroupSampler``, the last logits processor,
+keeps each step's log-probability of the drawn tokens, one float per sequence, and no step's scores.
+The sampler log-probabilities are of the distribution each token was drawn from: log_softmax of the
+scores after temperature and top-p (transformers' own warpers), as the trainer computes them
+(log_softmax(logits / T)) and as the vLLM backend records them; greedy decoding takes argmax z.
+
+Only the sampling settings coba-rl controls reach ``generate`` (``generation_config``: greedy selection of
+the token ``_GroupSampler`` leaves (no sampling warper runs in greedy mode), the token budget, the tokenizer's
+eos and pad ids; every other logits processor off). A model directory's own ``generation_config.json`` (a
+repetition penalty, an n-gram ban, min-p, top-k...: Qwen2.5-Instruct ships one) is set aside when the model
+loads, since ``generate`` fills every setting left unset from it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
 from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
+
+MAX_NUM_SEQS = 256  # sequences per generate call at most (vLLM's default max_num_seqs)
+# float32 (sequences x vocabulary) tensors alive at once in one decoding step: the model's last logits, their
+# float32 copy, the warped scores, the probabilities, their log-softmax, the forced scores
+_VOCAB_ROWS_PER_SEQ = 6
 
 
 @register_backend("transformers")
@@ -34,17 +48,20 @@ class TransformersBackend(RolloutBackend):
         dtype: str = "float32",
         device: str | None = None,
         trust_remote_code: bool = False,
-        batch_prompts: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        max_num_seqs: int = MAX_NUM_SEQS,
         **_: Any,
     ) -> None:
         super().__init__()
-        import torch
         from transformers import AutoTokenizer
 
-        self._torch = torch
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = getattr(torch, dtype) if dtype != "auto" else torch.float32
         self.trust_remote_code = trust_remote_code
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_num_seqs = max_num_seqs
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self._load(model_path)
 
@@ -59,22 +76,74 @@ class TransformersBackend(RolloutBackend):
         self.model_path = str(path)
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
-        torch = self._torch
         self.check_requests(requests)
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        rows: list[Rollout] = []
+        groups: list[list[Rollout]] = [[] for _ in requests]
+        for batch in self._batches(requests, sampling.max_tokens):
+            made = self._generate_batch([requests[i] for i in batch], sampling, eos, pad)
+            for i, rows in zip(batch, made, strict=True):
+                groups[i] = rows
+        return [row for rows in groups for row in rows]
+
+    def _batches(self, requests: Sequence[RolloutRequest], max_tokens: int) -> list[list[int]]:
+        """The requests' indices cut into the batches of one ``generate`` call each: by prompt length (equal
+        lengths need no padding), a group never split, at most ``max_rows`` sequences a batch (one group
+        alone when it is larger)."""
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_token_ids))
+        longest = max(len(r.prompt_token_ids) for r in requests)
+        max_rows = self.max_rows(longest, max_tokens)
+        batches: list[list[int]] = []
+        rows = 0
+        for i in order:
+            n = requests[i].n
+            if batches and rows + n <= max_rows:
+                batches[-1].append(i)
+                rows += n
+            else:
+                batches.append([i])
+                rows = n
+        return batches
+
+    def max_rows(self, prompt_len: int, max_tokens: int) -> int:
+        """Sequences per ``generate`` call: ``max_num_seqs``, and on CUDA at most what fits in the share
+        ``gpu_memory_utilization`` of the GPU's memory beside what is allocated already (the weights)."""
+        if self.device == "cpu" or not torch.cuda.is_available():
+            return self.max_num_seqs
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device)
+        fit = rows_that_fit(self.model.config, prompt_len, max_tokens, budget, self.dtype)
+        return max(1, min(self.max_num_seqs, fit))
+
+    def _generate_batch(
+        self, requests: Sequence[RolloutRequest], sampling: SamplingConfig, eos: int | None, pad: int | None
+    ) -> list[list[Rollout]]:
+        """One ``generate`` call for the groups of ``requests``: each group's rows."""
+        longest = max(len(r.prompt_token_ids) for r in requests)
+        ids, mask, spans = [], [], []
         for r in requests:
-            ids = torch.tensor([r.prompt_token_ids], dtype=torch.long, device=self.device)  # (1, P)
-            config = generation_config(sampling, r.n, eos, pad)
-            with torch.random.fork_rng(devices=[] if self.device == "cpu" else None), torch.no_grad():
-                torch.manual_seed(r.seed)
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-            new_tokens = out.sequences[:, ids.shape[1] :]  # (n, L)
-            logits = torch.stack(out.scores, dim=1).float()  # (n, L, V): what each token was drawn from
-            token_logp = logits.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (n, L)
-            for j, (seq, logp) in enumerate(zip(new_tokens.tolist(), token_logp.tolist(), strict=True)):
-                finish = "length"
+            gap = longest - len(r.prompt_token_ids)  # left padding: every prompt ends where generation starts
+            row = [pad if pad is not None else 0] * gap + list(r.prompt_token_ids)
+            start = len(ids)
+            ids += [row] * r.n
+            mask += [[0] * gap + [1] * len(r.prompt_token_ids)] * r.n
+            spans.append((start, start + r.n, r.seed))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # (B, P)
+        sampler = _GroupSampler(spans, sampling, self.device)
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.tensor(mask, dtype=torch.long, device=self.device),
+                generation_config=generation_config(sampling, eos, pad),
+                logits_processor=LogitsProcessorList([sampler]),
+            )
+        new_tokens = out[:, longest:].tolist()  # (B, L)
+        token_logp = sampler.token_logprobs().tolist()  # (B, >= L)
+        groups = []
+        for r, (start, end, _) in zip(requests, spans, strict=True):
+            rows = []
+            for j, b in enumerate(range(start, end)):
+                seq, finish = new_tokens[b], "length"
                 if eos in seq:
                     seq = seq[: seq.index(eos) + 1]
                     finish = "stop"
@@ -89,10 +158,11 @@ class TransformersBackend(RolloutBackend):
                         finish_reason=finish,
                         seed=r.seed,
                         weight_version=self.weight_version,
-                        logprobs=tuple(logp[: len(seq)]),
+                        logprobs=tuple(token_logp[b][: len(seq)]),
                     )
                 )
-        return rows
+            groups.append(rows)
+        return groups
 
     def load_weights(self, path: str | Path, version: int) -> None:
         self._load(path)
@@ -102,7 +172,7 @@ class TransformersBackend(RolloutBackend):
         """Move the model to CPU memory until ``wake_up`` (a no-op on CPU)."""
         if self.device != "cpu" and self.model is not None:
             self.model.to("cpu")
-            self._torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
         if self.device != "cpu" and self.model is not None:
@@ -110,6 +180,63 @@ class TransformersBackend(RolloutBackend):
 
     def close(self) -> None:
         self.model = None
+
+
+class _GroupSampler(LogitsProcessor):
+    """The last logits processor of a batch's ``generate``: it draws every sequence's next token itself and
+    leaves ``generate`` (greedy) only that token.
+
+    For each group (rows ``start:end``, seed ``seed``) the token is drawn by ``torch.multinomial`` with the
+    group's own generator from softmax of the scores after temperature and top-p (transformers'
+    ``TemperatureLogitsWarper`` and ``TopPLogitsWarper``, as ``generate``'s sampling applies them); greedy
+    (temperature 0) takes argmax z. The drawn token's log-probability under those scores is kept, one
+    (B,) tensor a step: ``token_logprobs``."""
+
+    def __init__(self, spans: Sequence[tuple[int, int, int]], sampling: SamplingConfig, device: str) -> None:
+        self.greedy = sampling.temperature == 0.0
+        self.warpers = LogitsProcessorList()
+        if not self.greedy and sampling.temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if not self.greedy and sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+        self.groups = [(start, end, torch.Generator(device=device).manual_seed(seed)) for start, end, seed in spans]
+        self.steps: list[torch.Tensor] = []  # (B,) per decoding step
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = self.warpers(input_ids, scores)  # (B, V) float32
+        if self.greedy:
+            tokens = scores.argmax(-1)
+        else:
+            probs = scores.softmax(-1)
+            tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+            for start, end, gen in self.groups:
+                tokens[start:end] = torch.multinomial(probs[start:end], num_samples=1, generator=gen).squeeze(1)
+            del probs
+        self.steps.append(scores.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))  # (B,)
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(-1, tokens[:, None], 0.0)
+
+    def token_logprobs(self) -> torch.Tensor:
+        """(B, steps): each sequence's log-probability of the token drawn at each step."""
+        return torch.stack(self.steps, dim=1)
+
+
+def rows_that_fit(config: Any, prompt_len: int, max_tokens: int, budget_bytes: float, dtype: torch.dtype) -> int:
+    """How many sequences of ``prompt_len + max_tokens`` tokens one ``generate`` call can hold in
+    ``budget_bytes``: each takes its key-value cache (2 x layers x key-value heads x head size per token, in
+    ``dtype``), the prefill's widest activation (prompt x MLP width, three of them) and a few float32 rows of
+    the vocabulary (``_VOCAB_ROWS_PER_SEQ``)."""
+    text = getattr(config, "text_config", config)
+    layers = text.num_hidden_layers
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    width = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    size = torch.tensor([], dtype=dtype).element_size()
+    per_token = 2 * layers * kv_heads * head_dim * size
+    per_row = per_token * (prompt_len + max_tokens) + 3 * prompt_len * width * size
+    per_row += _VOCAB_ROWS_PER_SEQ * text.vocab_size * 4
+    return int(budget_bytes // per_row) if budget_bytes > 0 else 0
 
 
 def _neutral_generation_config() -> Any:
@@ -120,28 +247,18 @@ def _neutral_generation_config() -> Any:
     return GenerationConfig()
 
 
-def generation_config(sampling: SamplingConfig, n: int, eos: int | None, pad: int | None) -> Any:
-    """The ``GenerationConfig`` of one prompt's group: ``n`` completions, sampled at the temperature and
-    top-p of ``sampling`` with no top-k (greedy at temperature 0), at most ``sampling.max_tokens`` new
-    tokens, stopping at ``eos``; every logits processor beyond those is off."""
+def generation_config(sampling: SamplingConfig, eos: int | None, pad: int | None) -> Any:
+    """The ``GenerationConfig`` of one batch: greedy selection (``_GroupSampler`` draws the tokens and leaves
+    one), at most ``sampling.max_tokens`` new tokens, stopping at ``eos``; every logits processor beyond
+    the sampler's is off."""
     from transformers import GenerationConfig
 
-    greedy = sampling.temperature == 0.0
     return GenerationConfig(
         max_new_tokens=sampling.max_tokens,
-        do_sample=not greedy,
-        num_return_sequences=n,
+        do_sample=False,
+        num_return_sequences=1,
         pad_token_id=pad,
         eos_token_id=eos,
-        return_dict_in_generate=True,
-        output_scores=True,  # processed logits (after temperature and top-p): the sampling distribution
-        temperature=1.0 if greedy else sampling.temperature,
-        top_p=1.0 if greedy else sampling.top_p,
-        top_k=0,
-        min_p=None,
-        typical_p=1.0,
-        epsilon_cutoff=0.0,
-        eta_cutoff=0.0,
         repetition_penalty=1.0,
         no_repeat_ngram_size=0,
         min_new_tokens=0,

@@ -1,0 +1,102 @@
+"""scripts/device_check.py, the check that runs first on a lent GPU machine, run here at its tiny size so that
+it cannot rot: every check passes on the CPU, each in its own process under its cap, and its figures are the
+ones the GPU run reports; its pieces (token counts, the pytest report's reading, the wheel set) checked alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from scripts_loader import load_script
+
+device_check = load_script("scripts/device_check.py")
+
+
+@pytest.mark.slow
+def test_every_check_passes_at_the_tiny_size_on_cpu(random_checkpoints, tmp_path, capsys):
+    """The whole check as the GPU machine runs it, at the tiny size: seven checks, one line each, the report
+    with each check's figures; the agreements it asserts hold here (float32 paths within 1e-3 of the reference
+    gradient, the sampler's log-probs within 1e-3 of the trainer's, a checkpoint reloaded bit for bit, one FSDP
+    rank giving the single-process weights)."""
+    model, _ = random_checkpoints
+    out = tmp_path / "check"
+    args = ["--size", "tiny", "--out", str(out), "--tiny-model", str(model), "--tests", "tests/core/test_passk.py"]
+    assert device_check.main([*args, "--budget", "900"]) == 0, capsys.readouterr().out
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[1].rstrip(":") for line in lines[:-1]] == list(device_check.CHECKS)
+    assert all(line.startswith("ok") for line in lines[:-1]) and lines[-1].startswith("7/7 checks passed")
+    report = json.loads((out / device_check.REPORT).read_text())
+    figures = {c["name"]: c["figures"] for c in report["checks"]}
+    variants = figures["update"]["variants"]
+    assert set(variants) == set(device_check.UPDATE_VARIANTS)
+    assert variants["fp32-full-skip"]["grad_rel_diff"] < 1e-3 and variants["fp32-shared-skip"]["grad_rel_diff"] < 1e-3
+    assert variants["fp32-full-skip"]["skipped_rows"] == figures["update"]["zero_advantage_rows"] > 0
+    assert all(v["tokens_per_s"] > 0 and v["peak_gib"] > 0 for v in variants.values())
+    assert figures["rollout"]["logprob_gap_float32"]["max"] < 1e-3
+    assert figures["checkpoint"]["tensors_that_differ"] == [] and figures["checkpoint"]["updates_after_load"] == 1
+    assert figures["fsdp"]["largest_weight_difference"] <= 1e-3 * figures["fsdp"]["largest_update"]
+    assert figures["train"]["weight_versions"] == [[0], [2]] and 0 <= figures["train"]["avg_after"] <= 1
+    assert len(figures["tests"]["passed"]) > 0 and figures["tests"]["failed"] == {}
+    # a second run replaces the folder it made; a folder it did not make is refused
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert device_check.main(["--size", "tiny", "--out", str(tmp_path / "other"), "--only", "env"]) == 2
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_a_check_past_its_cap_or_the_budget_fails_with_the_reason(tmp_path, capsys):
+    out = tmp_path / "check"
+    out.mkdir()
+    args = argparse.Namespace(size="tiny", tiny_model="models/arith-tiny", tests="tests/core", min_gain=None)
+    result = device_check._run_child("env", args, 0.5, out)  # importing torch alone takes longer
+    assert not result["ok"] and result["detail"].startswith("no result within its cap of 0 s")
+    assert device_check.main(["--size", "tiny", "--out", str(tmp_path / "b"), "--budget", "5"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "FAIL  env: skipped: 5 s of the budget left" and lines[-1].startswith("0/7 checks passed")
+    with pytest.raises(SystemExit):
+        device_check.main(["--only", "env,nothing"])
+    assert "unknown check(s) nothing" in capsys.readouterr().err
+
+
+def test_update_token_counts_follow_each_path():
+    """Two groups: prompt A (3 tokens) with completions of 2 and 4 tokens and advantages +1 and -1; prompt B
+    (5 tokens) with one completion of 1 token at advantage 0."""
+    prompts = [[1, 2, 3], [1, 2, 3], [4, 5, 6, 7, 8]]
+    completions = [[9, 9], [9, 9, 9, 9], [9]]
+    adv, groups = [1.0, -1.0, 0.0], [0, 0, 1]
+    assert device_check.update_tokens(prompts, completions, adv, groups, shared=False, skip=False) == (18, 18)
+    assert device_check.update_tokens(prompts, completions, adv, groups, shared=False, skip=True) == (12, 12)
+    assert device_check.update_tokens(prompts, completions, adv, groups, shared=True, skip=False) == (3 + 5 + 7, 0)
+    assert device_check.update_tokens(prompts, completions, adv, groups, shared=True, skip=True) == (3 + 6, 0)
+
+
+def test_the_pytest_report_is_read_as_passed_failed_skipped_and_missing_packages(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        """<?xml version="1.0"?><testsuites><testsuite>
+        <testcase classname="tests.engines.test_a" name="test_ok"/>
+        <testcase classname="tests.engines.test_a" name="test_far">
+        <failure message="assert 0.2 &lt; 1e-4&#10;second line">trace</failure></testcase>
+        <testcase classname="tests.engines.test_b" name="test_vllm"><error message="ModuleNotFoundError: No module
+        named 'vllm'"/></testcase>
+        <testcase classname="tests.core.test_c" name="test_later"><skipped message="needs a GPU"/></testcase>
+        </testsuite></testsuites>"""
+    )
+    outcome = device_check.junit_outcomes(xml)
+    assert outcome["passed"] == ["engines.test_a::test_ok"]
+    assert outcome["failed"] == {"engines.test_a::test_far": "assert 0.2 < 1e-4"}
+    assert list(outcome["missing_package"]) == ["engines.test_b::test_vllm"]
+    assert outcome["skipped"] == {"core.test_c::test_later": "needs a GPU"}
+
+
+def test_the_wheels_are_what_the_gpu_machine_lacks():
+    """Prefect, pydantic and math-verify with what they need (sqlalchemy's asyncio extra: greenlet), at the
+    versions installed here, and nothing the GPU machine's image has (torch, transformers, numpy, ...)."""
+    from importlib.metadata import version
+
+    wheels = device_check.wheel_set()
+    assert {"prefect", "pydantic", "pydantic-core", "math-verify", "sqlalchemy", "greenlet"} <= set(wheels)
+    assert wheels["prefect"] == version("prefect") and wheels["pydantic"] == version("pydantic")
+    assert not set(wheels) & device_check.GPU_IMAGE_PACKAGES
+    assert not {"torch", "transformers", "numpy", "pandas", "vllm"} & set(wheels)
