@@ -26,12 +26,15 @@ in ``<out>/<check>.json``; ``<out>/device_check.json`` gathers them. The checks,
 On the lent GPU machine (one H100 or H200, Python 3.12 with torch, transformers, peft, safetensors, pandas,
 pyarrow, scipy, pytest; no Prefect, pydantic or math-verify, no package index, at most 64 MiB travels):
 
-1. here, once: ``bash scripts/device_wheels.sh`` (``.whl/``: the packages that machine lacks, about 43 MB)
-   and ``make models/arith-tiny`` or ``coba bootstrap`` (the tiny model, a few hundred kB, whose weights travel);
-2. the device tool's ``run`` with ``carry: [".whl", "models/arith-tiny"]`` and ``timeout_s: 560``, command
-   ``bash scripts/device_check.sh`` (it installs the wheels, then runs this script with ``--budget 480``);
-3. the figures come back as ``$OUT/device_check.json``; put them, the date and the machine in
-   docs/real_models.md.
+1. here, once (after ``make setup``): ``.venv/bin/python scripts/device_check.py --wheels .whl`` (``.whl/``, ignored
+   by git: Prefect, pydantic, math-verify and what they need that the machine lacks, 74 wheels, 42 MiB) and
+   ``.venv/bin/coba bootstrap`` (``models/arith-tiny``, the tiny model, 0.5 MB, whose weights travel);
+2. the device tool's ``run`` with ``carry: [".whl", "models/arith-tiny"]``, ``timeout_s: 560`` and the command
+   ``bash scripts/device_check.sh`` (it installs the wheels beside the machine's packages, then runs this
+   script with ``--budget 480``: about 8 minutes, so that the machine's start and this fit in its 15);
+3. ``$OUT/device_check.json`` (every check's line and figures) and ``$OUT/device_check.tar.gz`` (the logs)
+   come back; put the figures, the date and the machine in docs/real_models.md. If minutes remain, run
+   the failed checks again with ``bash scripts/device_check.sh --only NAME,...``.
 
 Here, on CPU (the test suite runs this at ``--size tiny``, so it cannot rot)::
 
@@ -105,7 +108,7 @@ FULL = Size(
     rollout_prompt=128,
     rollout_tokens=256,
     train=("run.steps=6", "run.eval_every=0"),  # make demo-tiny's first 6 steps: 128 x 16 rollouts, avg@16 of 500
-    caps={"env": 45, "update": 110, "rollout": 70, "checkpoint": 50, "fsdp": 70, "train": 130, "tests": 120},
+    caps={"env": 45, "update": 110, "rollout": 70, "checkpoint": 90, "fsdp": 100, "train": 100, "tests": 150},
 )
 TINY = Size(
     name="tiny",
