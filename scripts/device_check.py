@@ -45,10 +45,12 @@ Here, on CPU (the test suite runs this at ``--size tiny``, so it cannot rot)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
 import os
-import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +63,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
+
+from coba_tasks.engines.fileio import OutputDirError, fresh_marked_dir  # noqa: E402
 
 MARKER = ".device-check"  # marks an output folder this script made (and may replace)
 REPORT = "device_check.json"
@@ -276,13 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(only) - set(CHECKS))
     if unknown:
         parser.error(f"unknown check(s) {', '.join(unknown)}; the checks are {', '.join(CHECKS)}")
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).is_file():  # never delete a folder this script did not make
-            print(f"{out} exists and is not an earlier device_check output: pass another --out", file=sys.stderr)
-            return 2
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("made by scripts/device_check.py; removed by its next run with the same --out\n")
+    try:  # never deletes a folder this script did not make
+        fresh_marked_dir(out, MARKER, "scripts/device_check.py")
+    except OutputDirError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     started = time.monotonic()
     results = []
     for name in [c for c in CHECKS if c in only]:
@@ -319,12 +321,16 @@ def _run_child(name: str, args: argparse.Namespace, cap: float, out: Path) -> di
     log = out / f"{name}.log"
     t0 = time.monotonic()
     with log.open("w") as f:
+        # a session of its own: past the cap the whole group goes (torchrun's ranks, Prefect's server, pytest's
+        # workers), so that nothing of a hung check keeps the GPU from the next
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(
-                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=cap, start_new_session=True
-            ).returncode
+            rc = child.wait(timeout=cap)
         except subprocess.TimeoutExpired:
             rc = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # also what a finished check left running
+        child.wait()
     seconds = time.monotonic() - t0
     path = out / f"{name}.json"
     if path.is_file():
@@ -371,8 +377,10 @@ def _sync() -> None:
 
 
 def _reset_peak() -> None:
+    """Free what earlier work left (a trainer's reference cycles included) and start the peak anew."""
     import torch
 
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -513,9 +521,12 @@ def check_env(size: Size, out: Path, args: argparse.Namespace) -> tuple[bool, st
         }
     else:
         figures |= {"device": "cpu", "threads": torch.get_num_threads()}
-    done = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=60)
-    problems = [line for line in done.stdout.splitlines() if line.strip() and "No broken" not in line]
-    ours = ("prefect", "pydantic", "math-verify", "coba-rl")
+    try:
+        done = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=60)
+        problems = [line for line in done.stdout.splitlines() if line.strip() and "No broken" not in line]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        problems = [f"pip check did not run: {exc}"]
+    ours = ("prefect", "pydantic", "math-verify", "coba-rl", "pip check")
     figures["pip_check"] = [line for line in problems if line.lower().startswith(ours)][:20]
     t0 = time.perf_counter()
     path = build_model(size, out)
@@ -596,12 +607,13 @@ def run_update(path: Path, size: Size, variant: str, batch) -> dict[str, Any]:
         lora_alpha=32.0,
         threads=torch.get_num_threads(),
     )
+    _reset_peak()  # the last variant's trainer gone before this one loads
     trainer = PolicyTrainer(path, settings, seed=0)
     grads: list[torch.Tensor] = []
     real_step = trainer.optimizer.step
 
     def step(*a, **k):
-        grads.append(torch.cat([p.grad.detach().float().flatten() for p in trained_params]))
+        grads.append(torch.cat([_grad(p).detach().float().flatten() for p in trained_params]))
         return real_step(*a, **k)
 
     trained_params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -610,12 +622,21 @@ def run_update(path: Path, size: Size, variant: str, batch) -> dict[str, Any]:
     _reset_peak()
     _sync()
     t0 = time.perf_counter()
-    metrics = trainer.update(prompts, completions, adv, None, groups)
-    _sync()
+    try:
+        metrics = trainer.update(prompts, completions, adv, None, groups)
+        _sync()
+    finally:
+        del trainer.optimizer.step  # the optimizer's own step again: no reference cycle keeps the trainer alive
     seconds = time.perf_counter() - t0
     peak = _peak_gib()
     del trainer
     return {"metrics": metrics, "seconds": seconds, "peak_gib": peak, "grad": grads[0]}
+
+
+def _grad(p):
+    import torch
+
+    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 def check_update(size: Size, out: Path, args: argparse.Namespace) -> tuple[bool, str, dict[str, Any]]:
@@ -908,7 +929,7 @@ def check_fsdp(size: Size, out: Path, args: argparse.Namespace) -> tuple[bool, s
         torch.cuda.empty_cache()
     t0 = time.perf_counter()
     metrics = fsdp_update(
-        path, out / "fsdp-checkpoint", prompts, completions, adv, settings, 1, seed=0, group_ids=groups, timeout_s=60
+        path, out / "fsdp-checkpoint", prompts, completions, adv, settings, 1, seed=0, group_ids=groups
     )
     seconds = time.perf_counter() - t0
     reloaded = PolicyTrainer(path, settings, seed=0)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -44,6 +43,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
+
+from coba_tasks.engines.fileio import OutputDirError, fresh_marked_dir  # noqa: E402
 
 STAGE_TABLES = ("budget", "rollouts", "rewards", "capability", "update")
 STEPS = 3
@@ -314,13 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         checks += check_run(args.check_only, STEPS)
         return _report(checks, None)  # printed only
     out = Path(args.out).resolve()
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).is_file():  # never delete a folder this script did not make
-            print(f"{out} exists and is not an earlier gpu_check output: pass another --out", file=sys.stderr)
-            return 2
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("made by scripts/gpu_check.py; removed by its next run with the same --out\n")
+    try:  # never deletes a folder this script did not make
+        fresh_marked_dir(out, MARKER, "scripts/gpu_check.py")
+    except OutputDirError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():

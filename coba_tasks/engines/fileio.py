@@ -16,6 +16,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -116,6 +117,20 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 class OutputDirError(ValueError):
     """An output directory that cannot be used as it is; the message says what is there and what to do."""
+
+
+def fresh_marked_dir(out: str | os.PathLike[str], marker: str, maker: str) -> Path:
+    """``out`` made empty for a new output of the script ``maker``: created when missing, replaced when an
+    earlier run made it (the file ``marker`` inside, which this writes again). ``OutputDirError`` when it holds
+    anything else: nothing of it is removed."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not (out / marker).is_file():
+            raise OutputDirError(f"{out} exists and is not an earlier {maker} output: pass another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / marker).write_text(f"made by {maker}; removed by its next run with the same --out\n")
+    return out
 
 
 def files_of(folder: str | os.PathLike[str]) -> dict[str, int]:

@@ -142,3 +142,18 @@ def test_a_symlink_that_stays_inside_is_the_builders(tmp_path: Path) -> None:
     assert check_output_dir(out, RECORD, "build") is True
     assert publish_dir(_build(new_temporary_dir(out), "new"), out, RECORD) == []
     assert (out / "weights.bin").read_text() == "new"
+
+
+def test_a_marked_output_dir_is_replaced_and_any_other_refused(tmp_path):
+    from coba_tasks.engines.fileio import fresh_marked_dir
+
+    out = fresh_marked_dir(tmp_path / "out", ".made", "scripts/x.py")  # created
+    (out / "figures.json").write_text("{}")
+    assert fresh_marked_dir(out, ".made", "scripts/x.py") == out  # an earlier run's: replaced
+    assert sorted(p.name for p in out.iterdir()) == [".made"]
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(OutputDirError, match=r"theirs exists and is not an earlier scripts/x\.py output"):
+        fresh_marked_dir(theirs, ".made", "scripts/x.py")
+    assert (theirs / "notes.txt").read_text() == "mine"
