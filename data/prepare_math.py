@@ -329,9 +329,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--check-answers", action="store_true", help="drop rows whose ground truth math-verify cannot read"
     )
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists (never an input)")
     args = parser.parse_args(argv)
     if args.limit < 0:
         parser.error("--limit must be >= 0")
+    out = Path(args.output).resolve()
+    if any(Path(i).resolve() == out for i in args.input):
+        print(
+            f"error: --output {args.output} is one of the --input files; nothing was written: choose another",
+            file=sys.stderr,
+        )
+        return 1
+    if out.exists() and not args.overwrite:
+        print(
+            f"error: --output {args.output} exists; nothing was written: choose another, or pass --overwrite",
+            file=sys.stderr,
+        )
+        return 1
     try:
         prepared = prepare(args.input, args.source, args.template, args.limit, args.check_answers)
         path = write(prepared, args.output)

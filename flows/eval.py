@@ -69,6 +69,7 @@ def eval_flow(
     if deployment.started_by_deployment():  # parameters from the API: their paths stay inside the project
         paths = {"model_path": model_path, "settings.test_path": settings.test_path, "out_path": out_path}
         deployment.check_deployment_paths(paths)
+        deployment.check_deployment_outputs({"out_path": out_path})  # never among the project's own files
     check_eval_inputs(model_path, settings, out_path, overwrite)
     table = evaluate_model_task(model_path, settings, progress)
     written = write_eval_table_task(table, out_path, overwrite) if out_path else None

@@ -26,9 +26,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.runlock import RunLock
+from coba_tasks.pipeline.stages import eval_steps
 from coba_tasks.pipeline.step import (
     budget,
     capability,
+    due_evaluations,
     eval_plan,
     evaluate,
     pilot,
@@ -211,8 +213,12 @@ def train_flow(
         log.info(f"held-out evaluation before training: {eval_plan(res)}")
         evaluate(directory, 0)
         log.info(f"held-out accuracy before training: {_eval_text(res, 0)}")
+        for due in due_evaluations(res, first):  # a kill, a rerun or a repair left these: from their checkpoints
+            evaluate(directory, due)
+            log.info(f"held-out accuracy after step {due} (recomputed): {_eval_text(res, due)}")
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
+        due_steps = eval_steps(cfg.run.steps, cfg.run.eval_every)
         for step in range(first, cfg.run.steps):
             # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
             # bodies (the same code a plain function call would run), measured in this run
@@ -220,8 +226,7 @@ def train_flow(
             run_step(directory, step)
             wall = time.perf_counter() - t0
             res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
-            every = cfg.run.eval_every
-            if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
+            if step + 1 in due_steps and step + 1 < cfg.run.steps:
                 evaluate(directory, step + 1)
                 log.info(f"held-out accuracy after step {step + 1}: {_eval_text(res, step + 1)}")
             trk.log_new()

@@ -11,6 +11,9 @@ the API"), and the worker runs them with its own rights, on its own disk. The co
   ``config_path`` without quoting its text in errors.
 - ``allowed_roots()``: the project, and the directories listed in ``COBA_DEPLOYMENT_ROOTS`` (separated as
   in ``PATH``) of the worker's environment. A path is inside when it is, once every symlink is resolved.
+- ``check_deployment_outputs(paths)``: a file a deployment's flow run writes (``coba-eval``'s ``out_path``) goes
+  under the project's ``runs/`` or a root the worker names, never among the project's own files (its code,
+  data, ``.git``, ``.venv``), ``overwrite`` or not.
 - ``check_reward_files(cfg)``: a reward file (``verify.reward_function``) is Python code: like
   ``model.trust_remote_code``, a flow runs it only where its process allows it
   (``COBA_ALLOW_REWARD_FILES=1``, in the worker's environment); the commands allow it for the config their
@@ -71,6 +74,31 @@ def check_deployment_paths(paths: Mapping[str, str | os.PathLike[str] | None]) -
             f"deployment's paths stay; point it inside, or start the worker with {ROOTS_ENV}=<dir>{os.pathsep}<dir> "
             "naming the directories its flow runs may use"
         )
+
+
+def output_roots() -> tuple[Path, ...]:
+    """Where a deployment's flow runs write files they are given the path of: the project's ``runs/`` and each
+    directory of ``COBA_DEPLOYMENT_ROOTS``, resolved."""
+    named = allowed_roots()[1:]
+    return tuple(dict.fromkeys(((PROJECT_ROOT / "runs").resolve(), *named)))
+
+
+def check_deployment_outputs(paths: Mapping[str, str | os.PathLike[str] | None]) -> None:
+    """Refuse (``ConfigError``, one line naming the parameter) an output path outside ``output_roots()``: the
+    project's code, data, ``.git`` or ``.venv`` are never a deployment's output. ``paths`` as
+    ``check_deployment_paths`` takes them."""
+    roots = output_roots()
+    for key, value in paths.items():
+        if value is None or not str(value).strip():
+            continue
+        given = Path(value).expanduser()
+        real = (given if given.is_absolute() else Path.cwd() / given).resolve()
+        if not any(real.is_relative_to(root) for root in roots):
+            shown = f" (it resolves to {real})" if real != given else ""
+            raise ConfigError(
+                f"{key} = {value}{shown}: a deployment writes its outputs only under {' or '.join(map(str, roots))} "
+                f"(the project's runs/ or the roots its worker names in {ROOTS_ENV}); point it there"
+            )
 
 
 def check_reward_files(cfg: Config) -> None:

@@ -71,6 +71,7 @@ CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
     "prompt_format": (DataConfig, "prompt_format"),
     "unknown_sources": (VerifyConfig, "unknown_sources"),
     "gsm8k_answer": (VerifyConfig, "gsm8k_answer"),
+    "max_error_share": (VerifyConfig, "max_error_share"),
 }
 
 
@@ -111,6 +112,9 @@ class EvalSettings(BaseModel):
     )
     gsm8k_answer: Gsm8kAnswer = _setting(
         "gsm8k_answer", "how GSM8K rows are scored: math-verify, or veRL's strict or flexible scorer"
+    )
+    max_error_share: float = _setting(
+        "max_error_share", "share of completions scored error or timeout above which the evaluation stops", ge=0, le=1
     )
 
     @field_validator("backend")
@@ -217,14 +221,36 @@ def check_eval_output(out_path: str, model_path: str, settings: EvalSettings, ov
     refuse_existing_out_path(out_path, overwrite)
 
 
+EVAL_TABLE_COLUMNS = ("prompt_id", "accuracy", "weight_version")  # what marks a per-prompt evaluation table
+
+
+def is_eval_table(path: str | Path) -> bool:
+    """Whether ``path`` is a per-prompt evaluation table (a Parquet file with ``EVAL_TABLE_COLUMNS``), read
+    from its schema alone."""
+    import pyarrow.parquet as pq
+
+    try:
+        names = set(pq.read_schema(path).names)
+    except (OSError, ValueError):  # not Parquet, unreadable
+        return False
+    return set(EVAL_TABLE_COLUMNS) <= names
+
+
 def refuse_existing_out_path(out_path: str, overwrite: bool) -> None:
-    """Refuse an ``out_path`` that is a directory, or an existing file unless ``overwrite``."""
+    """Refuse an ``out_path`` that is a directory, or an existing file unless ``overwrite`` and it is an earlier
+    evaluation's table: ``overwrite`` replaces a table, never a user's other file."""
     if Path(out_path).is_dir():
         raise ValueError(f"out_path {out_path} is a directory; give the path of the Parquet file to write")
     if Path(out_path).exists() and not overwrite:
         raise ValueError(
             f"out_path {out_path} already exists; nothing was written: choose another out_path, or pass "
             "overwrite=True to replace it"
+        )
+    if Path(out_path).exists() and not is_eval_table(out_path):
+        raise ValueError(
+            f"out_path {out_path} exists and is not an evaluation table (a Parquet file with "
+            f"{', '.join(EVAL_TABLE_COLUMNS)}); overwrite=True replaces only an earlier evaluation's table: "
+            "choose another out_path"
         )
 
 
@@ -275,6 +301,7 @@ def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = Fal
                 greedy=s.greedy,
                 top_p=s.top_p,
                 progress=progress,
+                max_error_share=s.max_error_share,
             )
             return table.assign(data_source=test["data_source"].to_numpy()) if "data_source" in test else table
         finally:

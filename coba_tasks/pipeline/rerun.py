@@ -17,7 +17,11 @@ budget of step t everything of step t from there.
 
 ``plan_rerun`` lists the stage's own output and everything after it in that order (and the
 checkpoints and summary.json that go with them); ``apply_rerun`` removes them (manifest entries
-first, then files), after which resuming the run recomputes them.
+first, then files), after which resuming the run recomputes them. Before it removes anything it checks
+that the resume can recompute them (``check_plan``): the checkpoint the resume continues from and the one of
+each held-out evaluation due before it must be whole. When one is gone (``run.keep_checkpoints`` pruned it)
+nothing is removed and the refusal names the rerun that is possible: from the newest checkpoint kept at or
+below the step.
 
     coba rerun --run-dir runs/demo --step 5 --stage rewards          # say what would be removed
     coba rerun --run-dir runs/demo --step 5 --stage rewards --yes    # remove it, then resume
@@ -30,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coba_tasks.core.estimators import Estimator
+from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
+from coba_tasks.pipeline.stages import eval_steps
 from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table, inside_run
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
@@ -158,13 +164,71 @@ def plan_repair(store: RunStore) -> RerunPlan | None:
     return plan_rerun(store, step, stage, require_done=False)
 
 
+def resume_step(store: RunStore, plan: RerunPlan, steps: int) -> int:
+    """The step a resume after ``plan`` starts at: the first whose update is not done once the plan's tables
+    are gone."""
+    removed = {s for s, name in plan.tables if name == Stage.UPDATE}
+    step = 0
+    while step < steps and step not in removed and store.is_done(step, Stage.UPDATE):
+        step += 1
+    return step
+
+
+def needed_checkpoints(store: RunStore, plan: RerunPlan) -> list[int]:
+    """The checkpoints the resume after ``plan`` reads: the one it continues from (none at step 0: the base
+    model), and the one of each due held-out evaluation before that step that it must compute first (the
+    plan's own, or one missing already)."""
+    cfg = store.read_config().get("run") or {}
+    steps, every = int(cfg.get("steps", 0)), int(cfg.get("eval_every", 0))
+    first = resume_step(store, plan, steps)
+    removed = set(plan.tables)
+    evals = [e for e in eval_steps(steps, every) if 0 < e < first]
+    needed = [e for e in evals if (e, Table.EVAL) in removed or not store.is_done(e, Table.EVAL)]
+    return sorted({*needed, *([first] if first > 0 else [])})
+
+
+def _whole(store: RunStore, step: int) -> bool:
+    try:
+        verify_checkpoint(store.checkpoint_dir(step))
+    except CheckpointError:
+        return False
+    return True
+
+
+def check_plan(store: RunStore, plan: RerunPlan) -> None:
+    """Refuse (StoreError, one line) a plan whose resume would need a checkpoint that is missing or damaged;
+    the line names the rerun that is possible instead: from the newest whole checkpoint at or below the
+    earliest one missing (step 0: the base model), the first rerun from there that needs nothing missing."""
+    missing = [k for k in needed_checkpoints(store, plan) if not _whole(store, k)]
+    if not missing:
+        return
+    first_stage = Table.PILOT if _piloted(store) else Stage.ROLLOUTS
+    possible = 0
+    for k in range(missing[0] - 1, 0, -1):
+        if _whole(store, k) and store.is_done(k - 1, Stage.UPDATE):
+            candidate = plan_rerun(store, k, first_stage, require_done=False)
+            if all(_whole(store, j) for j in needed_checkpoints(store, candidate)):
+                possible = k
+                break
+    names = ", ".join(f"checkpoints/{k:06d}" for k in missing)
+    raise StoreError(
+        f"rerunning {plan.stage} at step {plan.step} needs {names} (the weights to continue or evaluate from), "
+        f"missing or damaged (run.keep_checkpoints removes old ones); nothing was removed. To recompute from step "
+        f"{possible} instead ({'the base model' if possible == 0 else f'checkpoints/{possible:06d}'}), which "
+        f"removes every output from there on: coba rerun --run-dir {store.root} --step {possible} "
+        f"--stage {first_stage} --yes"
+    )
+
+
 def apply_rerun(store: RunStore, plan: RerunPlan) -> None:
     """Remove what ``plan`` lists: manifest entries first, then files, latest outputs first.
 
-    Every file and checkpoint must resolve inside the run (``inside_run``: a symlinked ``checkpoints/`` is
-    refused), all checked before anything is removed."""
-    for path in (*plan.files, *plan.checkpoints):
-        inside_run(store.root, path)
+    Checked before anything is removed: every table, file and checkpoint resolves inside the run (``inside_run``:
+    a symlinked step directory or ``checkpoints/`` is refused), and the resume will find the checkpoints it
+    needs (``check_plan``)."""
+    for path in (*plan.files, *plan.checkpoints, *(store.table_path(s, name) for s, name in plan.tables)):
+        inside_run(store.root, path)  # a step directory linked out of the run too: refused before any removal
+    check_plan(store, plan)
     for extra in plan.files:
         if extra.is_dir():
             shutil.rmtree(extra)

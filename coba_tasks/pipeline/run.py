@@ -20,6 +20,7 @@ permission to run a model's own code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -482,7 +483,9 @@ def close_run(res: RunResources, engine: bool = True, pool: bool = True) -> None
 
 
 def remove_empty_run_dir(root: Path) -> None:
-    """Remove ``root`` when it holds nothing but its lock file (a start that failed before writing)."""
-    if root.is_dir() and {p.name for p in root.iterdir()} <= {LOCK_FILE}:
-        (root / LOCK_FILE).unlink(missing_ok=True)
-        root.rmdir()
+    """Remove ``root`` when it is empty (a start that failed before writing, after releasing its lock: the
+    release unlinks its own lock file). A lock file found there is another process's, taken since: it and
+    its directory stay."""
+    with contextlib.suppress(FileNotFoundError, OSError):  # not empty (another writer came): nothing removed
+        if root.is_dir() and not any(root.iterdir()):
+            root.rmdir()

@@ -191,13 +191,24 @@ def reward_table(rollouts: pd.DataFrame, prompts: pd.DataFrame, pool: Any) -> pd
 def extra_columns(extras: Sequence[dict[str, Any]]) -> dict[str, pd.Series]:
     """The extra keys of a reward file's dicts as columns, one value per row (null where a row lacks the
     key). A column of bools stays bool, one of numbers float64; any other mix is written as text. A key
-    named like a column of the rewards table gets the prefix ``extra_``.
+    named like a column of the rewards table gets the prefix ``extra_``, as many times as it takes to name no
+    other column (a key ``reward`` beside a key ``extra_reward``: ``extra_extra_reward``).
 
     >>> cols = extra_columns([{"acc": True, "pred": "4"}, {"acc": False, "pred": 4}])
     >>> cols["acc"].tolist(), cols["pred"].tolist()
     ([True, False], ['4', '4'])
+    >>> list(extra_columns([{"reward": 1, "extra_reward": 2}]))
+    ['extra_extra_reward', 'extra_reward']
     """
     keys = list(dict.fromkeys(k for x in extras for k in x))
+    taken = set(REWARD_COLUMNS) | set(keys)
+    names: dict[str, str] = {}
+    for key in keys:
+        name = key
+        while name in REWARD_COLUMNS or (name != key and name in taken):
+            name = f"extra_{name}"
+        taken.add(name)
+        names[key] = name
     out: dict[str, pd.Series] = {}
     for key in keys:
         values = [x.get(key) for x in extras]
@@ -208,7 +219,7 @@ def extra_columns(extras: Sequence[dict[str, Any]]) -> dict[str, pd.Series]:
             column = pd.Series([np.nan if v is None else float(v) for v in values], dtype=np.float64)
         else:
             column = pd.Series([None if v is None else str(v) for v in values], dtype=object)
-        out[f"extra_{key}" if key in REWARD_COLUMNS else key] = column
+        out[names[key]] = column
     return out
 
 
@@ -216,13 +227,14 @@ class ScoringError(ValueError):
     """Too many of a step's completions could not be scored (``check_error_share``); one line."""
 
 
-def check_error_share(rewards: pd.DataFrame, step: int, max_share: float) -> None:
-    """Stop the run when the share of ``error`` and ``timeout`` verdicts of step ``step`` is above
-    ``max_share`` (``verify.max_error_share``): such a step says nothing of the policy (a reward file that
-    raises on every call, a verifier that times out), yet its zero rewards would be read as pass rates of 0
-    and move the budget. The rewards stage calls this before its table is written, so the stage is computed
-    again when the run continues. The message names the step, the share, the first error's ``detail`` (the
-    first timeout's when nothing raised) and the key."""
+def check_error_share(rewards: pd.DataFrame, where: str, max_share: float) -> None:
+    """Stop the run when the share of ``error`` and ``timeout`` verdicts of ``rewards`` (``where``: ``step 3``,
+    ``held-out evaluation at step 3 (test)``) is above ``max_share`` (``verify.max_error_share``): such
+    scores say nothing of the policy (a reward file that raises on every call, a verifier that times out),
+    yet their zero rewards would be read as pass rates of 0, moving the budget, or as an accuracy of 0. The
+    rewards and eval stages call this before their table is written, so the stage is computed again when the
+    run continues. The message names where, the share, the first error's ``detail`` (the first timeout's
+    when nothing raised) and the key."""
     verdicts = rewards["verdict"].astype(str)
     failed = verdicts.isin([str(VerdictKind.ERROR), str(VerdictKind.TIMEOUT)])
     if verdicts.empty or not failed.mean() > max_share:
@@ -230,7 +242,7 @@ def check_error_share(rewards: pd.DataFrame, step: int, max_share: float) -> Non
     kind = str(VerdictKind.ERROR) if (verdicts == str(VerdictKind.ERROR)).any() else str(VerdictKind.TIMEOUT)
     detail = rewards["detail"][verdicts == kind].iloc[0] or "(no detail)"
     raise ScoringError(
-        f"step {step}: {int(failed.sum())} of {len(verdicts)} rollouts scored error or timeout "
+        f"{where}: {int(failed.sum())} of {len(verdicts)} completions scored error or timeout "
         f"({failed.mean():.0%}), above verify.max_error_share = {max_share:g}; the first {kind}: {detail}; fix "
         "the reward file or verifier and continue the run (`coba resume`, with --allow-changed-inputs after "
         "editing a reward file), or set verify.max_error_share higher (1 = never stop) for a new run"
@@ -503,6 +515,17 @@ def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rew
 # ---------------------------------------------------------------------------------------------
 
 
+def eval_steps(steps: int, every: int) -> list[int]:
+    """The steps whose weights a training run evaluates on held-out prompts: 0 (before training), every
+    ``every`` steps (0: none in between) and ``steps`` (after training).
+
+    >>> eval_steps(12, 5), eval_steps(12, 0), eval_steps(12, 6)
+    ([0, 5, 10, 12], [0, 12], [0, 6, 12])
+    """
+    between = range(every, steps, every) if every else range(0)
+    return sorted({0, *between, steps})
+
+
 def sample_eval_prompts(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame:
     """The held-out prompts an evaluation scores: a sample of ``prompts`` rows seeded by ``seed`` (the run
     config's data.eval_prompts and run.seed), or every row when ``prompts`` is 0 or not below their count.
@@ -525,6 +548,8 @@ def evaluate(
     greedy: bool = False,
     top_p: float = 1.0,
     progress: bool = False,
+    max_error_share: float = 1.0,
+    where: str = "held-out evaluation",
 ) -> pd.DataFrame:
     """Share of solved completions (verdict ``correct``: the mean reward of the built-in verifiers, a score of
     at least ``verify.pass_threshold`` of a reward file) over ``samples`` completions per held-out prompt
@@ -536,8 +561,11 @@ def evaluate(
     sampled completions and the solved ones among them (pass@k's input). ``answered`` is the share of a prompt's
     completions with an answer at all (any verdict but ``no_answer``), ``boxed`` the share that write
     a ``\\boxed{}`` answer (the format math prompts ask for; math-verify also finds unboxed answers).
-    A ``test_set`` column of ``test`` (which held-out set a prompt is of) is kept in the table.
-    ``progress`` shows the engine's progress bar while it generates.
+    ``errors`` and ``timeouts`` count a prompt's completions (sampled and greedy) that could not be scored;
+    when their share of a held-out set's completions is above ``max_error_share`` (``verify.max_error_share``)
+    the evaluation stops (``ScoringError`` naming ``where`` and the set) instead of reporting their zero
+    rewards as accuracy. A ``test_set`` column of ``test`` (which held-out set a prompt is of) is kept in the
+    table. ``progress`` shows the engine's progress bar while it generates.
     """
 
     columns = ["reward", "answered", "boxed"]
@@ -559,6 +587,12 @@ def evaluate(
         boxed=rolls["completion"].str.contains(BOXED, regex=False).to_numpy(),
         _kind=rolls["_kind"].to_numpy(),
     )
+    if "test_set" in test:  # each held-out set on its own
+        sets = rewards["prompt_id"].map(test.set_index("prompt_id")["test_set"])
+        for name, part in rewards.groupby(sets, sort=False):
+            check_error_share(part, f"{where} ({name})", max_error_share)
+    else:
+        check_error_share(rewards, where, max_error_share)
 
     def per_prompt(kind: int) -> pd.DataFrame:
         """Per prompt (in test order): mean reward, share of completions with an answer, share with \\boxed{}."""
@@ -578,6 +612,9 @@ def evaluate(
     out["solved"] = counts["sum"].round().to_numpy().astype(np.int64)
     out["answered"] = sampled["answered"].to_numpy()
     out["boxed"] = sampled["boxed"].to_numpy()
+    for column, kind in (("errors", VerdictKind.ERROR), ("timeouts", VerdictKind.TIMEOUT)):
+        count = (rewards["verdict"] == str(kind)).groupby(rewards["prompt_id"], sort=False).sum()
+        out[column] = count.reindex(test["prompt_id"]).fillna(0).to_numpy().astype(np.int64)
     if greedy:
         out["accuracy_greedy"] = out["accuracy"].to_numpy() if only_greedy else per_prompt(1)["reward"].to_numpy()
     out["weight_version"] = engine.weight_version

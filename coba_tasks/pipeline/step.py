@@ -27,18 +27,22 @@ recomputes it from the last checkpoint.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
+import torch
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from coba_tasks.core.capability import CapabilityTracker
 from coba_tasks.core.estimators import Estimator
 from coba_tasks.core.grpo import RewardScaleError
+from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import SamplingConfig
@@ -55,9 +59,10 @@ from coba_tasks.pipeline.run import (
     start_resources,
     update_settings,
 )
-from coba_tasks.pipeline.store import Table
+from coba_tasks.pipeline.store import StoreError, Table
 
 ROLLOUT_WEIGHTS_DIR = "rollout_weights"  # LoRA: the merged policy the engine reads (one copy, rewritten)
+EVAL_WEIGHTS_DIR = "eval_weights"  # LoRA: an earlier step's merged policy, for its evaluation (removed after)
 
 StageBody = Callable[[RunResources, int], pd.DataFrame]
 
@@ -65,13 +70,12 @@ StageBody = Callable[[RunResources, int], pd.DataFrame]
 def stage(
     table: Table,
     retries: int = 1,
-    fault_hooks: bool = True,
     then: Callable[[RunResources, int], None] | None = None,
     own_step: bool = False,
 ) -> Callable[[StageBody], Task[[str, int], str]]:
     """Make a stage body ``(res, step) -> table`` the Prefect task ``(run_dir, step) -> table path`` named
     ``table`` (task runs ``<table>-step-<step>``): skipped when the table is done, else computed, passed
-    through the fault hooks (``fault_hooks``) and written (into the directory ``table.output_step(step)``,
+    through the tests' fault hooks and written (into the directory ``table.output_step(step)``,
     or ``step``'s own with ``own_step``); then ``then(res, step)``, done or not; timed."""
 
     def make(body: StageBody) -> Task[[str, int], str]:
@@ -80,8 +84,7 @@ def stage(
             where = step if own_step else table.output_step(step)
             if not res.store.is_done(where, table):
                 frame = body(res, step)
-                if fault_hooks:
-                    res.faults.at(step, table)
+                res.faults.at(step, table)
                 res.store.write_table(where, table, frame)
             if then is not None:
                 then(res, step)
@@ -112,7 +115,7 @@ def pilot(res: RunResources, step: int) -> pd.DataFrame:
 def pilot_rewards(res: RunResources, step: int) -> pd.DataFrame:
     """The pilot scored, as the rewards stage scores (and stops on too many errors or timeouts)."""
     table = stages.reward_table(res.store.read_table(step, Table.PILOT), res.prompts, res.pool)
-    stages.check_error_share(table, step, res.cfg.verify.max_error_share)
+    stages.check_error_share(table, f"step {step}", res.cfg.verify.max_error_share)
     return table
 
 
@@ -146,7 +149,7 @@ def rewards(res: RunResources, step: int) -> pd.DataFrame:
         table = pilot_waves.merged_reward_table(rolled, scored, res.prompts, res.pool)
     else:
         table = stages.reward_table(rolled, res.prompts, res.pool)
-    stages.check_error_share(table, step, res.cfg.verify.max_error_share)  # raises before the table is written
+    stages.check_error_share(table, f"step {step}", res.cfg.verify.max_error_share)  # before the table is written
     return table
 
 
@@ -183,22 +186,29 @@ def update(res: RunResources, step: int) -> pd.DataFrame:
         raise type(exc)(f"step {step}: {exc}") from None
 
 
-@stage(Table.EVAL, fault_hooks=False)
+@stage(Table.EVAL)
 def evaluate(res: RunResources, step: int) -> pd.DataFrame:
-    """Held-out accuracy of the weights after ``step`` updates (those the engine holds now)."""
+    """Held-out accuracy of the weights after ``step`` updates: those the engine holds during a run; an
+    evaluation recomputed later (a rerun, a repair, one a kill left out) loads them first (``engine_holds``)."""
     r = res.cfg.run
-    return stages.evaluate(
-        res.test,
-        res.engine,
-        res.pool,
-        r.eval_samples,
-        r.eval_temperature,
-        res.cfg.rollout.max_tokens,
-        r.seed,
-        greedy=r.eval_greedy,
-        top_p=r.eval_top_p,
-        progress=sys.stderr.isatty(),  # the engine's progress bar, on a terminal
-    )
+    with engine_holds(res, step):
+        table = stages.evaluate(
+            res.test,
+            res.engine,
+            res.pool,
+            r.eval_samples,
+            r.eval_temperature,
+            res.cfg.rollout.max_tokens,
+            r.seed,
+            greedy=r.eval_greedy,
+            top_p=r.eval_top_p,
+            progress=sys.stderr.isatty(),  # the engine's progress bar, on a terminal
+            max_error_share=res.cfg.verify.max_error_share,
+            where=f"held-out evaluation at step {step}",
+        )
+    if set(table["weight_version"]) != {step}:  # never a table of other weights under this step's name
+        raise StoreError(f"held-out evaluation at step {step} ran on weight version(s) {set(table['weight_version'])}")
+    return table
 
 
 STAGES = (rollouts, rewards, capability, budget, update)  # one step, in order
@@ -310,6 +320,65 @@ def engine_weights(res: RunResources, version: int) -> Path:
     if res.cfg.model.lora_rank == 0:
         return res.store.checkpoint_dir(version)
     return res.trainer.write_rollout_weights(res.store.root / ROLLOUT_WEIGHTS_DIR)
+
+
+@contextmanager
+def engine_holds(res: RunResources, version: int) -> Iterator[None]:
+    """The rollout engine holds the policy after ``version`` updates while the block runs: as it is when it
+    holds them already; else they are loaded (the base model at 0, ``checkpoints/<version>``, with LoRA that
+    adapter merged into the base) and the engine's own weights are loaded back after. A checkpoint that is
+    gone stops here in one line (StoreError), before anything is computed."""
+    held = res.engine.weight_version
+    if held == version:
+        yield
+        return
+    _load_version(res, version)
+    try:
+        yield
+    finally:
+        _load_version(res, held)
+
+
+def _load_version(res: RunResources, version: int) -> None:
+    """Load the policy after ``version`` updates into the engine (``engine_holds``)."""
+    cfg = res.cfg
+    if version == 0:
+        res.engine.load_weights(cfg.model.path, version=0)
+        return
+    trainer_holds = res.trainer is not None and res.trainer.updates == version
+    if cfg.model.lora_rank > 0 and trainer_holds:  # the trainer's merged weights, as after its update
+        res.engine.load_weights(engine_weights(res, version), version=version)
+        return
+    ckpt = res.store.checkpoint_dir(version)
+    try:
+        verify_checkpoint(ckpt)
+    except CheckpointError as exc:
+        why = f"{ckpt} is missing" if not ckpt.is_dir() else str(exc)
+        raise StoreError(
+            f"the weights after {version} updates are needed (a held-out evaluation of step {version}) but {why} "
+            f"(run.keep_checkpoints removes old ones); recompute them with `coba rerun --run-dir {res.store.root} "
+            f"--step {version - 1} --stage update --yes`, or raise run.eval_every past step {version}"
+        ) from None
+    if cfg.model.lora_rank == 0:
+        res.engine.load_weights(ckpt, version=version)
+        return
+    from coba_tasks.engines.lora import merge_adapter_checkpoint
+
+    merged = res.store.root / EVAL_WEIGHTS_DIR
+    dtype = getattr(torch, cfg.model.dtype) if cfg.model.dtype not in ("auto", "float32") else torch.float32
+    try:
+        res.engine.load_weights(merge_adapter_checkpoint(ckpt, merged, dtype), version=version)
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
+
+
+def due_evaluations(res: RunResources, first: int) -> list[int]:
+    """The held-out evaluations between training's first and last (``run.eval_every``) of the weights after at
+    most ``first`` updates (the step a run continues at) that are not done: a kill between an update and its
+    evaluation, or an evaluation rerun or repaired, leaves one; the flow computes them before it continues."""
+    r = res.cfg.run
+    due = stages.eval_steps(r.steps, r.eval_every)[1:-1]  # the evaluations before and after training have their own
+    return [e for e in due if e <= first and not res.store.is_done(e, Table.EVAL)]
 
 
 def eval_plan(res: RunResources) -> str:

@@ -152,8 +152,9 @@ class StoreError(ValueError):
 def inside_run(root: str | os.PathLike[str], path: Path) -> Path:
     """``path`` when it resolves (every symlink followed) inside the run directory ``root``, else StoreError.
 
-    The one rule for a run's files that are deleted or read from the run (pruned checkpoints, a rerun's
-    removals, the tables ``coba inspect --sql`` reads): nothing outside the run is touched through a link."""
+    The one rule for every path a command writes, deletes or reads under a run (a table written or removed,
+    its step directory, a pruned checkpoint, a rerun's removals, ``report/``, the JSON records, the tables
+    ``coba inspect --sql`` reads): nothing outside the run is touched through a link."""
     real = Path(path).resolve()
     if not real.is_relative_to(Path(root).resolve()):
         raise StoreError(
@@ -316,8 +317,9 @@ class RunStore:
         return self.root / CHECKPOINTS_DIR / _step_name(step)
 
     def report_dir(self) -> Path:
-        """``report/``, for plots and the HTML summary (not created here)."""
-        return self.root / REPORT_DIR
+        """``report/``, for plots and the HTML summary (not created here); refused (``inside_run``) when it
+        resolves outside the run: the report writes and deletes files there."""
+        return inside_run(self.root, self.root / REPORT_DIR)
 
     def table_path(self, step: int, name: str) -> Path:
         """``steps/000007/<name>.parquet``; the file may not exist."""
@@ -336,7 +338,7 @@ class RunStore:
         Returns:
             The path of the Parquet file.
         """
-        return _write_tracked(self.step_dir(step), _check_name(name), df, self.config_hash)
+        return _write_tracked(inside_run(self.root, self.step_dir(step)), _check_name(name), df, self.config_hash)
 
     def read_table(self, step: int, name: str, verify: bool = True) -> pd.DataFrame:
         """Read a done table; with ``verify``, check its size and sha256 against the manifest first.
@@ -365,8 +367,10 @@ class RunStore:
         return _read_manifest(self.step_dir(step))
 
     def invalidate(self, step: int, name: str) -> None:
-        """Forget a table: remove its manifest entry first, then its file. Missing ones are fine."""
-        _untrack(self.step_dir(step), _check_name(name))
+        """Forget a table: remove its manifest entry first, then its file. Missing ones are fine; a step
+        directory or table that resolves outside the run is refused (``inside_run``), nothing removed."""
+        inside_run(self.root, self.table_path(step, name))
+        _untrack(inside_run(self.root, self.step_dir(step)), _check_name(name))
 
     def steps(self) -> list[int]:
         """Every step that has a directory under ``steps/``, ascending."""
@@ -389,7 +393,9 @@ class RunStore:
 
     def write_run_table(self, name: str, df: pd.DataFrame) -> Path:
         """Write ``<root>/<name>.parquet`` atomically and record it in the run-level manifest."""
-        return _write_tracked(self.root, _check_name(name), df, self.config_hash)
+        name = _check_name(name)
+        inside_run(self.root, self.root / f"{name}.parquet")  # a table linked out of the run: refused
+        return _write_tracked(self.root, name, df, self.config_hash)
 
     def read_run_table(self, name: str, verify: bool = True) -> pd.DataFrame:
         """Read a run-level table, verified against the run-level manifest like ``read_table``."""

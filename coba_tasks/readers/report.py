@@ -136,7 +136,7 @@ def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[in
     figures = run_summary(data)
     summary = data.summary_file()
     scatter_steps = pick_scatter_steps(data, steps_for_scatter)
-    out = data.store.report_dir()
+    out = data.store.report_dir()  # report/ linked out of the run: refused (StoreError) before anything is written
     out.mkdir(parents=True, exist_ok=True)
     plots: list[tuple[str, Callable[[Path], Path]]] = [
         (ACCURACY_PNG, lambda p: plot_accuracy(data, p)),

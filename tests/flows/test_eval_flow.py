@@ -147,7 +147,15 @@ def test_out_path_that_is_an_input_is_refused_even_with_overwrite(tmp_path, rand
     other = _flat(tmp_path / "other.parquet", ["3+3="])
     with pytest.raises(ValueError, match=r"^out_path .*other\.parquet already exists; .*pass overwrite=True"):
         check_eval_inputs(str(model), settings, str(other))
-    check_eval_inputs(str(model), settings, str(other), overwrite=True)
+    # overwrite replaces an earlier evaluation's table, never another file (a dataset, a text file)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for path in (other, notes):
+        with pytest.raises(ValueError, match=r"exists and is not an evaluation table .*choose another out_path"):
+            check_eval_inputs(str(model), settings, str(path), overwrite=True)
+    earlier = tmp_path / "earlier.parquet"
+    pd.DataFrame({"prompt_id": ["0"], "accuracy": [1.0], "weight_version": [0]}).to_parquet(earlier)
+    check_eval_inputs(str(model), settings, str(earlier), overwrite=True)
     check_eval_inputs(str(model), settings, str(tmp_path / "new.parquet"))
     with pytest.raises(ValueError, match=r"^out_path .* is a directory"):
         check_eval_inputs(str(model), settings, str(tmp_path), overwrite=True)
@@ -157,8 +165,9 @@ def test_out_path_that_is_an_input_is_refused_even_with_overwrite(tmp_path, rand
 def test_the_flow_refuses_an_existing_out_path_before_evaluating_and_replaces_it_when_asked(
     tmp_path, random_checkpoints, prefect_harness, monkeypatch
 ):
-    """A 50-row dataset given as out_path stays as it was, and no evaluation ran; with overwrite=True (the
-    deployment's parameter) the table replaces it; a test file as out_path is refused with overwrite too."""
+    """A 50-row dataset given as out_path stays as it was, and no evaluation ran, with overwrite=True (the
+    deployment's parameter) too: overwrite replaces an earlier evaluation's table only; a test file as
+    out_path is refused with overwrite too."""
     from flows.eval import eval_flow
 
     model, _ = random_checkpoints
@@ -179,6 +188,10 @@ def test_the_flow_refuses_an_existing_out_path_before_evaluating_and_replaces_it
         eval_flow(str(model), settings, out_path=str(test), overwrite=True)
     assert evaluated == [] and {p: p.read_bytes() for p in (test, dataset)} == before
 
+    with pytest.raises(ValueError, match=r"train\.parquet exists and is not an evaluation table"):
+        eval_flow(str(model), settings, out_path=str(dataset), overwrite=True)
+    assert evaluated == [] and {p: p.read_bytes() for p in (test, dataset)} == before
+
     eval_flow(str(model), settings, out_path=str(tmp_path / "new.parquet"))  # a new file needs no overwrite
-    eval_flow(str(model), settings, out_path=str(dataset), overwrite=True)  # the caller said so
-    assert len(pd.read_parquet(dataset)) == 1 and len(evaluated) == 2
+    eval_flow(str(model), settings, out_path=str(tmp_path / "new.parquet"), overwrite=True)  # its own table again
+    assert len(pd.read_parquet(tmp_path / "new.parquet")) == 1 and len(evaluated) == 2

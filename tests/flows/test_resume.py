@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from coba_tasks.commands.cli import main as cli_main
 from coba_tasks.pipeline.config import config_to_dict, load_config
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
-from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -157,6 +157,7 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     start = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(run_dir), *settings]
     resume = ["resume", "--run-dir", str(run_dir)]
     kills = [f"1:{s}" for s in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.BUDGET, Stage.UPDATE)]
+    kills.append(f"2:{Table.EVAL}")  # between update(1) and eval(2): the resume must evaluate the weights of 2
     store = RunStore(run_dir)
     for i, kill in enumerate(kills):
         rc = _coba(start if i == 0 else resume, kill, log)
@@ -229,6 +230,40 @@ def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, random_che
     for key in before:
         pd.testing.assert_frame_equal(before[key], repaired[key], check_exact=True, obj=str(key))
     _assert_same_run(baseline, store, model)
+
+
+@pytest.mark.slow
+def test_an_evaluation_recomputed_later_measures_the_weights_of_its_step(
+    tmp_path, baseline, random_checkpoints, first_char_data
+):
+    """eval(0) rerun on a finished run measured the final weights (the engine the resume starts holds them) and
+    recorded them as before training; eval(1), removed with --no-resume, was never computed again; a failure
+    between update(1) and eval(2) left eval(2) out for good. Each is now computed on the weights after its
+    step's updates (loaded from the base model or its checkpoint) and equals the uninterrupted run's table."""
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    run_dir = tmp_path / "run"
+    shutil.copytree(baseline.root, run_dir)
+    store = RunStore.open(run_dir)
+    assert cli_main(["rerun", "--run-dir", str(run_dir), "--step", "0", "--stage", "eval", "--yes"]) == 0
+    args = ["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "eval", "--yes", "--no-resume"]
+    assert cli_main(args) == 0 and not store.is_done(1, Table.EVAL)
+    train_flow(run_dir=str(run_dir), resume=True)
+    for step in range(STEPS + 1):
+        table = store.read_table(step, Table.EVAL)
+        assert set(table["weight_version"]) == {step}
+        pd.testing.assert_frame_equal(table, baseline.read_table(step, Table.EVAL), check_exact=True, obj=str(step))
+    _assert_same_run(baseline, store, model)
+
+    # a failure inside eval(2) (after update(1), before its table): the run stops; its resume evaluates step 2
+    cfg = config_to_dict(load_config(ROOT / "configs/tiny-test.yaml", _overrides(model, first_char_data)))
+    failed_dir, fail = tmp_path / "failed", tmp_path / "fail-at"
+    _, failed = _failed_run(failed_dir, cfg, f"2:{Table.EVAL}", fail)
+    assert failed.is_done(1, Stage.UPDATE) and not failed.is_done(2, Table.EVAL)
+    fail.unlink()
+    train_flow(run_dir=str(failed_dir), resume=True)
+    _assert_same_run(baseline, failed, model)
 
 
 @pytest.mark.slow
@@ -371,10 +406,13 @@ def _pilot_file(store: RunStore, step: int) -> tuple:
     return store.manifest(step)[Table.PILOT], stat.st_ino, stat.st_mtime_ns
 
 
-def _fake_run(root: Path, steps: int = 3) -> RunStore:
-    """A run directory with every table of ``steps`` steps (tiny frames) and checkpoint dirs."""
+def _fake_run(root: Path, steps: int = 3, eval_every: int = 0) -> RunStore:
+    """A run directory with every table of ``steps`` steps (tiny frames) and whole checkpoints (a file each,
+    listed in its checkpoint.json)."""
+    from coba_tasks.engines.checkpoint import write_checkpoint_manifest
+
     store = RunStore(root)
-    store.create({"run": {"steps": steps}}, "h", {})
+    store.create({"run": {"steps": steps, "eval_every": eval_every}}, "h", {})
     df = pd.DataFrame({"x": [1]})
     store.write_table(0, Stage.BUDGET, df)
     store.write_table(0, Table.EVAL, df)
@@ -382,10 +420,75 @@ def _fake_run(root: Path, steps: int = 3) -> RunStore:
         for name in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Table.HISTORY, Stage.UPDATE):
             store.write_table(t, name, df)
         store.write_table(t + 1, Stage.BUDGET, df)
-        store.checkpoint_dir(t + 1).mkdir(parents=True)
+        if eval_every and (t + 1) % eval_every == 0 and t + 1 < steps:
+            store.write_table(t + 1, Table.EVAL, df)
+        ckpt = store.checkpoint_dir(t + 1)
+        ckpt.mkdir(parents=True)
+        (ckpt / "model.safetensors").write_bytes(b"weights")
+        write_checkpoint_manifest(ckpt)
     store.write_table(steps, Table.EVAL, df)
     store.write_json("summary.json", {"steps": steps})
     return store
+
+
+def _everything(store: RunStore) -> tuple:
+    """Every manifest entry, every file under the run and its bytes: equal only if nothing was removed."""
+    files = {p.relative_to(store.root).as_posix(): p.read_bytes() for p in store.root.rglob("*") if p.is_file()}
+    return {s: dict(store.manifest(s)) for s in store.steps()}, files
+
+
+def test_a_rerun_whose_checkpoint_was_pruned_removes_nothing_and_names_what_is_possible(tmp_path, capsys):
+    """run.keep_checkpoints pruned checkpoints/000001 and 000003 (of 6): a repair of a table of step 3, whose
+    resume continues from checkpoints/000003, removed every later table and the kept checkpoints before it
+    found that one gone. Now it refuses before removing anything, and names the rerun that is possible: from
+    step 2, the newest checkpoint kept at or below 3; that rerun goes through."""
+    from coba_tasks.pipeline.rerun import check_plan, needed_checkpoints, plan_repair
+
+    store = _fake_run(tmp_path / "r", steps=6)
+    for k in (1, 3):
+        shutil.rmtree(store.checkpoint_dir(k))
+    path = store.table_path(3, Stage.REWARDS)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = _everything(store)
+    assert needed_checkpoints(store, plan_repair(store)) == [3]
+    assert cli_main(["resume", "--run-dir", str(store.root), "--repair"]) == 2
+    assert _everything(store) == before  # every table, checkpoint, summary.json still there, unchanged
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "needs checkpoints/000003" in err and "nothing was removed" in err
+    assert f"coba rerun --run-dir {store.root} --step 2 --stage rollouts --yes" in err
+    argv = ["rerun", "--run-dir", str(store.root), "--step", "3", "--stage", "update", "--yes", "--no-resume"]
+    assert cli_main(argv) == 2 and _everything(store) == before  # rerun: the same refusal
+    capsys.readouterr()
+    check_plan(store, plan_rerun(store, 2, Stage.ROLLOUTS))  # what the refusal offers: possible
+    argv = ["rerun", "--run-dir", str(store.root), "--step", "2", "--stage", "rollouts", "--yes", "--no-resume"]
+    assert cli_main(argv) == 0
+    assert not store.is_done(2, Stage.ROLLOUTS) and store.is_done(1, Stage.UPDATE) and store.checkpoint_dir(2).is_dir()
+
+
+def test_a_rerun_needs_the_checkpoints_of_the_evaluations_it_must_recompute(tmp_path, capsys):
+    """An evaluation is computed on the weights of its step: rerunning eval(2) needs checkpoints/000002, and a
+    rerun whose resume must first recompute a due evaluation that is missing needs that step's checkpoint;
+    with it pruned, nothing is removed and the refusal offers the start (no checkpoint kept below)."""
+    from coba_tasks.pipeline.rerun import needed_checkpoints
+
+    store = _fake_run(tmp_path / "r", steps=4, eval_every=2)
+    assert needed_checkpoints(store, plan_rerun(store, 2, Table.EVAL)) == [2, 4]  # eval(2), then the finished run
+    assert needed_checkpoints(store, plan_rerun(store, 0, Table.EVAL)) == [4]  # eval(0): the base model
+    assert needed_checkpoints(store, plan_rerun(store, 3, Stage.ROLLOUTS)) == [3]
+    for k in (1, 2):
+        shutil.rmtree(store.checkpoint_dir(k))
+    before = _everything(store)
+    argv = ["rerun", "--run-dir", str(store.root), "--step", "2", "--stage", "eval", "--yes", "--no-resume"]
+    assert cli_main(argv) == 2 and _everything(store) == before
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "needs checkpoints/000002" in err and "--step 0 --stage rollouts --yes" in err
+    store.invalidate(2, Table.EVAL)  # a kill between update(1) and eval(2) left it out
+    assert needed_checkpoints(store, plan_rerun(store, 3, Stage.ROLLOUTS)) == [2, 3]
+    before = _everything(store)
+    argv = ["rerun", "--run-dir", str(store.root), "--step", "3", "--stage", "rollouts", "--yes", "--no-resume"]
+    assert cli_main(argv) == 2 and _everything(store) == before
 
 
 def test_plan_rerun_orders_outputs_as_computed(tmp_path):
@@ -467,6 +570,30 @@ def test_rerun_refuses_a_checkpoints_link_out_of_the_run_before_removing_anythin
     assert (store.root / "summary.json").is_file()
     (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert "outside the run directory" in err and "replace the link by the real" in err
+
+
+def test_rerun_refuses_a_step_directory_linked_out_of_the_run_before_removing_anything(tmp_path, capsys):
+    """steps/000002 a symlink to a directory elsewhere: `coba rerun` deleted its tables through the link (the
+    docs said it refuses). It refuses in one line, and every table, here and there, is still recorded."""
+    store = _fake_run(tmp_path / "r")
+    elsewhere = tmp_path / "other-disk" / "000002"
+    elsewhere.parent.mkdir()
+    shutil.move(store.step_dir(2), elsewhere)
+    store.step_dir(2).symlink_to(elsewhere)
+    before = {s: dict(store.manifest(s)) for s in store.steps()}
+    files = sorted(p.name for p in elsewhere.iterdir())
+    for argv in (
+        ["rerun", "--run-dir", str(store.root), "--step", "1", "--stage", "rewards", "--yes", "--no-resume"],
+        ["rerun", "--run-dir", str(store.root), "--step", "2", "--stage", "update", "--yes", "--no-resume"],
+    ):
+        assert cli_main(argv) == 2
+        assert {s: dict(store.manifest(s)) for s in store.steps()} == before
+        assert sorted(p.name for p in elsewhere.iterdir()) == files
+        (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert "outside the run directory" in err
+    with pytest.raises(StoreError, match="outside the run directory"):
+        store.write_table(2, Stage.REWARDS, pd.DataFrame({"x": [2]}))
+    assert store.read_table(2, Stage.REWARDS)["x"].tolist() == [1]
 
 
 def test_plan_rerun_errors(tmp_path):

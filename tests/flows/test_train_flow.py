@@ -194,7 +194,7 @@ def test_refused_dataset_leaves_no_run_directory(tmp_path, prefect_harness, rand
 
 
 @pytest.mark.slow
-def test_keep_checkpoints_prunes_old_ones_and_a_resume_that_needs_one_says_so(
+def test_keep_checkpoints_prunes_old_ones_and_a_rerun_that_needs_one_removes_nothing(
     tmp_path, prefect_harness, random_checkpoints, first_char_data
 ):
     from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
@@ -211,11 +211,19 @@ def test_keep_checkpoints_prunes_old_ones_and_a_resume_that_needs_one_says_so(
     train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["000003"]
     store = RunStore.open(run_dir)
-    apply_rerun(store, plan_rerun(store, 1, Stage.UPDATE))  # its update continues from checkpoints/000001
-    state = train_flow(run_dir=str(run_dir), resume=True, return_state=True)
-    assert state.is_failed()
-    with pytest.raises(StoreError, match=r"checkpoints/000001 is missing: step 1 continues from it"):
-        state.result()
+    tables = {s: dict(store.manifest(s)) for s in store.steps()}
+    final = (store.checkpoint_dir(3) / "model.safetensors").read_bytes()
+    # its update continues from checkpoints/000001, pruned: refused before anything is removed
+    with pytest.raises(StoreError, match=r"needs checkpoints/000001 .*nothing was removed.* --step 0 --stage rollouts"):
+        apply_rerun(store, plan_rerun(store, 1, Stage.UPDATE))
+    assert {s: dict(store.manifest(s)) for s in store.steps()} == tables
+    assert (store.checkpoint_dir(3) / "model.safetensors").read_bytes() == final
+    assert (run_dir / "summary.json").is_file()
+    # what the refusal offers: from the start, which the run then finishes
+    apply_rerun(store, plan_rerun(store, 0, Stage.ROLLOUTS))
+    train_flow(run_dir=str(run_dir), resume=True)
+    assert {s: set(store.manifest(s)) for s in store.steps()} == {s: set(t) for s, t in tables.items()}
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["000003"]
 
 
 def test_a_new_run_refuses_a_directory_that_holds_anything(tmp_path, random_checkpoints):

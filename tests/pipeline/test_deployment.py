@@ -162,6 +162,19 @@ def test_paths_of_the_eval_and_bootstrap_flows(tmp_path, roots):
             deployment.check_deployment_paths({"model_path": model, key: value})
 
 
+def test_a_deployments_outputs_stay_out_of_the_projects_own_files(tmp_path, roots):
+    """coba-eval's out_path with overwrite=True passed both checks for flows/train.py, .git/HEAD, the venv and
+    the shipped data: a deployment now writes only under the project's runs/ or a root its worker names."""
+    for own in ("flows/train.py", ".git/HEAD", ".venv/bin/python", "data/arith_test.parquet", "pyproject.toml"):
+        with pytest.raises(ConfigError, match=rf"^out_path = {own}[ :].*writes its outputs only under"):
+            deployment.check_deployment_outputs({"out_path": own})
+    with pytest.raises(ConfigError, match=r"writes its outputs only under"):
+        deployment.check_deployment_outputs({"out_path": "runs/../flows/x.parquet"})
+    deployment.check_deployment_outputs(
+        {"out_path": PROJECT_ROOT / "runs" / "evals" / "e.parquet", "b": roots / "e.parquet", "c": None}
+    )
+
+
 @pytest.mark.slow
 def test_the_flows_check_their_parameters_under_a_deployment_only(tmp_path, roots, prefect_harness, monkeypatch):
     """started_by_deployment() is False in a flow called here, so nothing is limited; made True (as in a flow
@@ -182,6 +195,10 @@ def test_the_flows_check_their_parameters_under_a_deployment_only(tmp_path, root
     model = Path(os.environ[deployment.ROOTS_ENV].split(os.pathsep)[1]) / "a"
     with pytest.raises(ConfigError, match=r"^out_path = .*outside the project"):
         eval_flow(str(model), out_path=str(outside / "e.parquet"))
+    code = (PROJECT_ROOT / "flows" / "train.py").read_bytes()
+    with pytest.raises(ConfigError, match=r"^out_path = flows/train\.py[ :].*a deployment writes its outputs only"):
+        eval_flow(str(model), out_path="flows/train.py", overwrite=True)
+    assert (PROJECT_ROOT / "flows" / "train.py").read_bytes() == code
     with pytest.raises(ConfigError, match=r"^model_path = .*outside the project"):
         eval_flow(str(outside))
     with pytest.raises(ConfigError, match=r"^settings\.test_path = .*outside the project"):

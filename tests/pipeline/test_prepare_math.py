@@ -201,3 +201,18 @@ def test_written_sources_verify_boxed_and_answer_line_completions(source):
     assert str(score("Answer: 1/3", truth, source).verdict) == "wrong"
     assert str(score("I cannot tell.", truth, source).verdict) == "no_answer"
     assert str(score("Answer: 24", "24", source).verdict) == "correct"  # AIME: integers
+
+
+def test_an_output_that_is_an_input_or_exists_is_refused(dapo_file, tmp_path, capsys):
+    """--input raw.parquet --output raw.parquet exited 0 and the source, with its extra columns, was gone."""
+    source = dapo_file.read_bytes()
+    for argv in (["--output", str(dapo_file)], ["--output", str(dapo_file), "--overwrite"]):
+        assert pm.main(["--input", str(dapo_file), *argv]) == 1
+        assert dapo_file.read_bytes() == source
+        assert "is one of the --input files; nothing was written" in capsys.readouterr().err
+    out = tmp_path / "dapo.parquet"
+    out.write_text("mine")
+    assert pm.main(["--input", str(dapo_file), "--output", str(out)]) == 1
+    assert out.read_text() == "mine" and "exists; nothing was written" in capsys.readouterr().err
+    assert pm.main(["--input", str(dapo_file), "--output", str(out), "--overwrite"]) == 0
+    assert len(load_dataset(out)) == 3

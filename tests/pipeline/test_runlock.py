@@ -165,3 +165,24 @@ def test_racing_processes_one_takes_the_lock(tmp_path, stale):
             p.wait(timeout=60)
     assert answers == ["refused"] * 5 + ["took"], answers
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_failed_start_never_removes_a_lock_another_writer_took_since(tmp_path):
+    """A start that failed released its lock, then removed its directory and the .lock in it: a second writer
+    that had taken the lock in between lost its lock file (and a third could then take another). The failed
+    start now removes only an empty directory; another's lock and the directory stay."""
+    from coba_tasks.pipeline.run import remove_empty_run_dir
+
+    root = tmp_path / "run"
+    mine = RunLock(root)
+    mine.acquire()
+    mine.release()  # unlinks its own lock file
+    other = RunLock(root)
+    other.acquire()  # the second writer, before the first removes the directory
+    try:
+        remove_empty_run_dir(root)
+        assert (root / LOCK_FILE).is_file() and other.held
+    finally:
+        other.release()
+    remove_empty_run_dir(root)  # empty now: removed
+    assert not root.exists()

@@ -363,3 +363,12 @@ def test_the_second_wave_joins_the_pilots_groups_with_seeds_of_its_own():
     assert rewards["reward"].tolist() == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]  # by index in its wave
     with pytest.raises(ValueError, match="not the budget's"):
         waves.second_wave_table(budget, first[first["prompt_id"] == "q"], prompts, engine, sampling, 7, 4)
+
+
+def test_a_reward_files_extra_keys_never_overwrite_each_other():
+    """``reward`` (a rewards-table column) was renamed to ``extra_reward`` and overwrote a real ``extra_reward``."""
+    from coba_tasks.pipeline.stages import extra_columns
+
+    cols = extra_columns([{"reward": 0.5, "extra_reward": 2.0, "verdict": "x"}, {"reward": 1.0, "extra_reward": 3.0}])
+    assert cols["extra_extra_reward"].tolist() == [0.5, 1.0] and cols["extra_reward"].tolist() == [2.0, 3.0]
+    assert cols["extra_verdict"].tolist() == ["x", None] and len(cols) == 3

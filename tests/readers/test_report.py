@@ -380,3 +380,21 @@ def test_the_page_shows_what_came_back_escaped_with_budgets_estimates_and_the_sq
 
 def html_escape(text: str) -> str:
     return html.escape(text)
+
+
+def test_a_report_dir_linked_out_of_the_run_is_refused_and_what_it_points_to_is_untouched(tmp_path, capsys):
+    """report/ a symlink to a directory elsewhere: `coba report` wrote its PNGs there and deleted a stale one
+    through the link. Refused in one line now, the directory as it was."""
+    from coba_tasks.commands.cli import main
+
+    store = make_run(tmp_path / "run")
+    elsewhere = tmp_path / "photos"
+    elsewhere.mkdir()
+    (elsewhere / "accuracy.png").write_bytes(b"my picture")
+    (elsewhere / "stage_time.png").write_bytes(b"another")
+    (store.root / "report").symlink_to(elsewhere)
+    assert main(["report", "--run-dir", str(store.root)]) == 2
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["accuracy.png", "stage_time.png"]
+    assert (elsewhere / "accuracy.png").read_bytes() == b"my picture"
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "outside the run directory" in err and "replace the link by the real" in err

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from coba_tasks.engines.checkpoint import write_checkpoint_manifest
 from coba_tasks.pipeline.config import Config, apply_overrides, config_hash, config_to_dict
 from coba_tasks.pipeline.store import RunStore, Stage, Table
 from coba_tasks.readers import trackers
@@ -60,6 +61,10 @@ def _step(store: RunStore, s: int, evaluate: bool, shift: float = 0.0) -> None:
     }
     store.write_table(s, Stage.UPDATE, pd.DataFrame([{"step": s, **upd, "logprob_diff_mean": 0.01}]))
     store.write_json(f"steps/{s:06d}/timing.json", {"rollouts": 1.0, "update": 2.0})
+    ckpt = store.checkpoint_dir(s + 1)  # what the update writes (a rerun checks that its resume finds it)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    write_checkpoint_manifest(ckpt)
     if evaluate:
         _eval(store, s + 1)
 
