@@ -70,6 +70,10 @@ def eval_flow(
         paths = {"model_path": model_path, "settings.test_path": settings.test_path, "out_path": out_path}
         deployment.check_deployment_paths(paths)
         deployment.check_deployment_outputs({"out_path": out_path})  # never among the project's own files
+        deployment.check_deployment_limits(
+            {"run.eval_samples": settings.samples, "data.eval_prompts": settings.eval_prompts}
+            | {"rollout.max_tokens": settings.max_tokens}
+        )
     check_eval_inputs(model_path, settings, out_path, overwrite)
     table = evaluate_model_task(model_path, settings, progress)
     written = write_eval_table_task(table, out_path, overwrite) if out_path else None

@@ -64,8 +64,12 @@ def eval_settings_for(args: argparse.Namespace) -> tuple[Any, str]:
     }
     if args.temperature == 0 and args.samples is None:  # greedy decoding: one completion says it all
         changes["samples"] = 1
+    source = f"the config {config}" if config else "the defaults"
+    if args.samples is not None and args.samples > 1 and args.temperature is None and base.temperature == 0:
+        changes["temperature"] = 1.0  # several samples of a greedy default: sampled at 1.0, and said so
+        source += f"; temperature 1.0, since --samples {args.samples} asks for samples and no --temperature was given"
     settings = eval_settings(base, **{k: v for k, v in changes.items() if v is not None})
-    return settings, (f"the config {config}" if config else "the defaults")
+    return settings, source
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from coba_tasks.engines.checkpoint import CHECKPOINT_MANIFEST, verify_checkpoint
+from coba_tasks.engines.fileio import new_temporary_dir
 from coba_tasks.engines.lora import base_model_of, is_adapter_checkpoint, merge_adapter_checkpoint
 
 EXPORT_RECORD = "coba_export.json"
@@ -35,8 +36,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "aut
     _check(src, dest, dtype)
     if (src / CHECKPOINT_MANIFEST).is_file():
         verify_checkpoint(src)  # every file as the trainer wrote it
-    tmp = dest.with_name(f".{dest.name}.export.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = new_temporary_dir(dest)  # a name of its own: a second export to the same --out keeps its work
     try:
         if is_adapter_checkpoint(src):
             base = base_model_of(src)

@@ -108,7 +108,10 @@ class RunConfig(Section):
         True, "with a sampled evaluation, also measure greedy accuracy (eval accuracy_greedy)"
     )
     keep_checkpoints: StrictInt = config_key(
-        0, "checkpoints kept on disk, the newest; 0 = all (a rerun of update t needs checkpoint t)", ge=0
+        0,
+        "checkpoints kept on disk, the newest; 0 = all (a resume from step t, or an evaluation of step t computed "
+        "later, needs checkpoint t: a rerun that would need a deleted one is refused, nothing removed)",
+        ge=0,
     )
     trackers: Annotated[tuple[str, ...], BeforeValidator(name_list), rule(_known_trackers, "not known trackers")] = (
         config_key(
@@ -510,8 +513,8 @@ class VerifyConfig(Section):
     )
     max_error_share: Number = config_key(
         0.5,
-        "a step whose share of error and timeout verdicts is above this stops the run, showing the first error "
-        "(1 = never stop)",
+        "a step (or a held-out set of an evaluation) whose share of error and timeout verdicts is above this stops "
+        "the run, showing the first error (1 = never stop)",
         ge=0,
         le=1,
     )

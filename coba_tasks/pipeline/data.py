@@ -167,6 +167,9 @@ def _read_table(path: str | os.PathLike[str]) -> pa.Table:
         table.validate(full=True)
     except pa.ArrowException as e:
         raise DatasetError(path, f"not a readable Parquet file: damaged values ({error_reason(e)})") from e
+    for i, field in enumerate(table.schema):  # dictionary-encoded (pandas' categorical): the values themselves
+        if pa.types.is_dictionary(field.type):
+            table = table.set_column(i, field.name, table.column(i).cast(field.type.value_type))
     return table
 
 

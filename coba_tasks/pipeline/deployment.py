@@ -14,6 +14,10 @@ the API"), and the worker runs them with its own rights, on its own disk. The co
 - ``check_deployment_outputs(paths)``: a file a deployment's flow run writes (``coba-eval``'s ``out_path``) goes
   under the project's ``runs/`` or a root the worker names, never among the project's own files (its code,
   data, ``.git``, ``.venv``), ``overwrite`` or not.
+- ``check_deployment_limits(values)``: the sizes a flow run would take on (verifier processes, steps,
+  held-out prompts and samples, ...) stay under caps (``DEPLOYMENT_CAPS``) that the worker may raise through
+  its environment (``COBA_DEPLOYMENT_CAPS="verify.workers=64,run.steps=5000"``): a parameter cannot start
+  2,000 verifier processes or a run of a million steps on a worker that did not agree to it.
 - ``check_reward_files(cfg)``: a reward file (``verify.reward_function``) is Python code: like
   ``model.trust_remote_code``, a flow runs it only where its process allows it
   (``COBA_ALLOW_REWARD_FILES=1``, in the worker's environment); the commands allow it for the config their
@@ -35,6 +39,19 @@ if TYPE_CHECKING:
 
 ROOTS_ENV = "COBA_DEPLOYMENT_ROOTS"
 REWARD_FILES_ENV = "COBA_ALLOW_REWARD_FILES"
+CAPS_ENV = "COBA_DEPLOYMENT_CAPS"
+# What a deployment's parameters may ask of a worker unless its environment raises the cap (CAPS_ENV): each
+# key's largest value (data.eval_prompts = 0, every held-out prompt, is bounded by the held-out file, which a
+# deployment can only name inside the project or the worker's roots).
+DEPLOYMENT_CAPS: dict[str, int] = {
+    "verify.workers": 16,  # verifier processes, all started at once
+    "run.steps": 10_000,
+    "run.eval_samples": 64,
+    "data.eval_prompts": 10_000,
+    "data.prompts_per_step": 4_096,
+    "allocation.max_budget": 1_024,
+    "rollout.max_tokens": 32_768,
+}
 
 
 def started_by_deployment() -> bool:
@@ -99,6 +116,38 @@ def check_deployment_outputs(paths: Mapping[str, str | os.PathLike[str] | None])
                 f"{key} = {value}{shown}: a deployment writes its outputs only under {' or '.join(map(str, roots))} "
                 f"(the project's runs/ or the roots its worker names in {ROOTS_ENV}); point it there"
             )
+
+
+def deployment_caps() -> dict[str, int]:
+    """``DEPLOYMENT_CAPS`` with the worker's own (``COBA_DEPLOYMENT_CAPS``: ``key=value`` pairs, comma-separated);
+    a malformed entry is one line naming it."""
+    caps = dict(DEPLOYMENT_CAPS)
+    for item in filter(None, (x.strip() for x in os.environ.get(CAPS_ENV, "").split(","))):
+        key, _, value = item.partition("=")
+        if key.strip() not in caps or not value.strip().isdigit():
+            raise ConfigError(
+                f"{CAPS_ENV}: {item!r} is not <key>=<whole number> for one of {', '.join(caps)}; fix the worker's "
+                "environment"
+            )
+        caps[key.strip()] = int(value)
+    return caps
+
+
+def check_deployment_limits(values: Mapping[str, int | None]) -> None:
+    """Refuse (``ConfigError``, one line naming the key, the cap and how the worker raises it) a value above its
+    cap (``deployment_caps``); ``values``: key -> value (None: not given)."""
+    caps = deployment_caps()
+    for key, value in values.items():
+        if value is not None and key in caps and value > caps[key]:
+            raise ConfigError(
+                f"{key} = {value}: above the cap of {caps[key]} on what a deployment's flow run may ask of its "
+                f"worker; ask for less, or start the worker with {CAPS_ENV}={key}=<n> if it can take it"
+            )
+
+
+def config_limits(cfg: Config) -> dict[str, int]:
+    """The values of ``cfg`` that ``check_deployment_limits`` caps."""
+    return {key: getattr(getattr(cfg, section), name) for key in DEPLOYMENT_CAPS for section, name in [key.split(".")]}
 
 
 def check_reward_files(cfg: Config) -> None:

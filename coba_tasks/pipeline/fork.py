@@ -42,7 +42,7 @@ from typing import Any
 import pandas as pd
 
 from coba_tasks.core.estimators import Estimator
-from coba_tasks.engines.fileio import sha256_file, write_parquet
+from coba_tasks.engines.fileio import new_temporary_dir, sha256_file, write_parquet
 from coba_tasks.pipeline import stages, step
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict
 from coba_tasks.pipeline.run import RunResources, checked_checkpoint, read_run_config
@@ -166,8 +166,7 @@ def fork_run(source: RunStore, root: str | os.PathLike[str], cfg: Config, point:
             raise ForkError(str(exc)) from None
     if not source.is_done(s, Table.BUDGET) or set(point.budgets) != set(range(s + 1)):
         raise ForkError(f"the budgets of steps 0..{s} are not all there")
-    tmp = root.with_name(f".{root.name}.fork.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a fork that was killed
+    tmp = new_temporary_dir(root)  # a name of its own: a second fork to the same directory keeps its work
     try:
         store = RunStore(tmp)
         info = source.run_info

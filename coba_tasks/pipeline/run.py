@@ -53,7 +53,12 @@ from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.data_prompts import render_prompts
 from coba_tasks.pipeline.data_run import load_run_datasets, reward_function
-from coba_tasks.pipeline.deployment import check_deployment_paths, check_reward_files
+from coba_tasks.pipeline.deployment import (
+    check_deployment_limits,
+    check_deployment_paths,
+    check_reward_files,
+    config_limits,
+)
 from coba_tasks.pipeline.faults import FaultHooks
 from coba_tasks.pipeline.runlock import LOCK_FILE
 from coba_tasks.pipeline.store import RUN_FILE, RunStore, Stage, StoreError
@@ -208,6 +213,7 @@ def resolve_run(
         check_reward_files(cfg)
         if deployment:
             check_deployment_paths(_input_paths(cfg))
+            check_deployment_limits(config_limits(cfg))
         check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra
         return cfg, Path(run_dir).resolve(), True
     if config is None:
@@ -220,6 +226,7 @@ def resolve_run(
     root = Path(run_dir) if run_dir else Path("runs") / cfg.run.name
     if deployment:  # before check_paths says whether a file exists there
         check_deployment_paths({"run_dir": root, **_input_paths(cfg)})
+        check_deployment_limits(config_limits(cfg))  # sizes the worker did not agree to
     check_paths(cfg)
     check_platform(cfg)  # e.g. sleep mode asked for on a machine without CUDA: refused before anything is written
     check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra

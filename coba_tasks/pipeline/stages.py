@@ -432,7 +432,11 @@ def budget_table(
     alpha, beta = schedule_shape(tracker, alloc)
     plan = section_allocation(est, alloc, alpha, beta)
     k = int(alloc.pilot_rollouts) if estimator == Estimator.PILOT else 0
-    assert (plan.budgets >= k).all(), "a budget below the pilot's rollouts (allocation.pilot_rollouts > min_budget)"
+    if (plan.budgets < k).any():  # the config refuses it (pilot_rollouts <= min_budget); never a negative wave
+        raise ValueError(
+            f"a budget of {int(plan.budgets.min())} is below the pilot's {k} rollouts; allocation.pilot_rollouts "
+            "must be <= allocation.min_budget"
+        )
     ages = estimate_ages(batch, est, history, step) if pilot is None else np.where(np.isnan(est), np.nan, 0.0)
     return pd.DataFrame(
         {

@@ -171,3 +171,38 @@ def test_vllm_loads_an_export_and_samples_with_its_log_probabilities(tmp_path):
         n = len(PROMPTS[0])
         want = logp[torch.arange(n - 1, n - 1 + len(row.token_ids)), torch.tensor(row.token_ids)]
         assert torch.allclose(torch.tensor(row.logprobs, dtype=torch.float32), want, atol=1e-3)
+
+
+def test_several_samples_without_a_temperature_are_sampled_at_1_and_say_so(tmp_path):
+    """`coba eval --model DIR --dataset FILE --samples 4` on a model directory was refused ("samples > 1 needs
+    temperature > 0"): the default evaluation is greedy. Samples asked for without a temperature are drawn at
+    1.0, and where the settings came from says so; a temperature given is kept, and greedy stays one sample."""
+    import argparse
+
+    from coba_tasks.commands.eval_cmd import eval_settings_for
+
+    test = write_flat(tmp_path / "test.parquet", TEST_PROMPTS)
+    keys = ("samples", "temperature", "top_p", "max_tokens", "prompts", "difficulties", "seed", "backend", "config")
+
+    def settings(**given):
+        args = argparse.Namespace(model=str(tmp_path), dataset=str(test), no_greedy=False, **dict.fromkeys(keys))
+        return eval_settings_for(argparse.Namespace(**{**vars(args), **given}))
+
+    s, source = settings(samples=4)
+    assert (s.samples, s.temperature) == (4, 1.0) and "temperature 1.0, since --samples 4" in source
+    s, source = settings(samples=4, temperature=0.7)
+    assert (s.samples, s.temperature) == (4, 0.7) and "since" not in source
+    s, _ = settings()
+    assert (s.samples, s.temperature) == (1, 0.0)
+
+
+def test_an_export_never_removes_another_exports_work_in_progress(tmp_path):
+    """Each export built in `.<out>.export.tmp` and began by deleting it: a second export to the same --out
+    deleted the first's half-written model. Each builds in a directory of its own now."""
+    _, ckpt = _trained(tmp_path, 0)
+    theirs = tmp_path / ".exported.export.tmp"  # another export's, still writing
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_bytes(b"half written")
+    export_checkpoint(ckpt, tmp_path / "exported")
+    assert (theirs / "model.safetensors").read_bytes() == b"half written"
+    assert (tmp_path / "exported" / "model.safetensors").is_file()

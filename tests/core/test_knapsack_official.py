@@ -177,3 +177,14 @@ def test_pool_and_estimate_by_hand():
     assert pooled_estimate(pooled) == 1.0 and len(pooled) == 20
     pooled = pool_outcomes(pooled, [0] * 4)  # a visit of 4: the newest 16, 12 of them from the visit before
     assert pooled == [1] * 12 + [0] * 4 and pooled_estimate(pooled) == 0.75
+
+
+def test_the_surplus_remainder_goes_over_the_zero_pool_in_batch_order_unseen_prompts_included():
+    """The official code holds an unseen prompt's rate as 0: the zero pool is the prompts at 0 and the unseen
+    ones, in batch order, and the surplus's remainder goes to its first members. M = 5, G = 4 (B_total 20),
+    B_low 2, B_up 8, p = [0.5, 0, unseen, 0, unseen]: starts 2, 2, 4, 2, 4 (rest 6); the cost of 0.5 is 3 < 6,
+    so the surplus 3 goes over the pool [1, 2, 3, 4], 0 each and one more to its first three (1, 2, 3, not
+    the unseen 2 and 4 first); the knapsack gives 0.5 its 3."""
+    p = np.array([0.5, 0.0, np.nan, 0.0, np.nan])
+    plan = plan_allocation(p, 20, strategy="knapsack", min_budget=2, max_budget=8)
+    assert plan.budgets.tolist() == [5, 3, 5, 3, 4] and plan.extras == {"estimated_cost": 3, "surplus": 3}

@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 from helpers_reward import TEST_PROMPTS
 
+from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig
 from coba_tasks.pipeline.config import load_config
 from coba_tasks.pipeline.data import write_verl_parquet
 from coba_tasks.pipeline.store import RunStore, Stage, Table
@@ -92,6 +93,10 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
         for step in range(2):
             stage_step.plain_step(root, step)
         held_out = stages.evaluate(res.test, res.engine, res.pool, 1, 0.0, cfg.rollout.max_tokens, cfg.run.seed)
+        greedy = res.engine.generate(  # the same greedy completions, to score by hand
+            [RolloutRequest(r.prompt_id, tuple(r.prompt_token_ids), 1, 0) for r in res.test.itertuples()],
+            SamplingConfig(temperature=0.0, max_tokens=cfg.rollout.max_tokens),
+        )
     finally:
         run.close_run(res)
 
@@ -136,8 +141,9 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
     assert completion_ids == [list(t) for t in rollouts["token_ids"]]
     np.testing.assert_array_equal(adv, stages.advantages_for(rollouts, rewards))
     assert np.any(adv != 0) and np.all(np.isfinite(adv))
-    # held-out accuracy: the share of completions at or above the threshold
-    assert held_out["accuracy"].isin([0.0, 1.0]).all()
+    # held-out accuracy: the share of completions at or above the threshold (0.5): 1.0 (good) or 0.25 (not)
+    assert held_out["accuracy"].tolist() == [1.0 if _good(r.completion) else 0.0 for r in greedy]
+    assert held_out["errors"].tolist() == [0] * 4 and held_out["timeouts"].tolist() == [0] * 4
 
 
 BROKEN_FILE = 'def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {}["answer"]\n'

@@ -815,3 +815,15 @@ def test_a_verl_math_file_loads_as_it_is_with_its_leftover_columns(tmp_path: Pat
     assert df["ground_truth"].tolist() == ["\\frac{3}{4}", "8"]
     assert df["prompt_text"][0].endswith(" " + MATH_INSTRUCTION)
     assert json.loads(df["extra_info"][0]) == {"split": "train", "index": 0}
+
+
+def test_a_dictionary_encoded_prompt_column_loads_as_its_values(tmp_path: Path) -> None:
+    """A flat table written from pandas with categorical columns stores them dictionary-encoded: valid
+    Parquet, refused before ("prompt has type dictionary<...>"); it loads as the same strings."""
+    frame = pd.DataFrame({"prompt": ["1+1=", "2+2=", "1+1=x"], "answer": ["2", "4", "2"]})
+    plain = tmp_path / "plain.parquet"
+    frame.to_parquet(plain)
+    categorical = tmp_path / "categorical.parquet"
+    frame.astype("category").to_parquet(categorical)
+    assert pa.types.is_dictionary(pq.read_schema(categorical).field("prompt").type)
+    pd.testing.assert_frame_equal(load_dataset(categorical), load_dataset(plain))

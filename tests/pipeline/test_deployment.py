@@ -175,6 +175,25 @@ def test_a_deployments_outputs_stay_out_of_the_projects_own_files(tmp_path, root
     )
 
 
+def test_a_deployment_asks_no_more_of_its_worker_than_the_caps_it_allows(tmp_path, roots, monkeypatch):
+    """verify.workers = 2000 (every process started at once), a million steps, 10,000 samples a held-out
+    prompt: refused for a deployment's flow run before anything starts, in one line naming the key, the cap
+    and the worker's variable that raises it; the user's own commands are not capped."""
+    model = Path(os.environ[deployment.ROOTS_ENV].split(os.pathsep)[1]) / "a"
+    run_dir = str(roots / "run")
+    for key, value in (("verify.workers", 2000), ("run.steps", 1_000_000), ("run.eval_samples", 10_000)):
+        config = _config(model, f"{key}={value}", "run.eval_temperature=1.0")
+        with pytest.raises(ConfigError, match=rf"^{key} = {value}: above the cap of \d+ .*COBA_DEPLOYMENT_CAPS="):
+            run.resolve_run(config=config, run_dir=run_dir, deployment=True)
+        assert run.resolve_run(config=config, run_dir=run_dir)[2] is False  # `coba run`'s: not capped
+    monkeypatch.setenv(deployment.CAPS_ENV, "verify.workers=4000, run.steps=2000000")
+    assert run.resolve_run(config=_config(model, "verify.workers=2000"), run_dir=run_dir, deployment=True)[2] is False
+    monkeypatch.setenv(deployment.CAPS_ENV, "verify.workers=lots")
+    with pytest.raises(ConfigError, match=r"^COBA_DEPLOYMENT_CAPS: 'verify.workers=lots' is not <key>=<whole number>"):
+        run.resolve_run(config=_config(model), run_dir=run_dir, deployment=True)
+    assert not (roots / "run").exists()
+
+
 @pytest.mark.slow
 def test_the_flows_check_their_parameters_under_a_deployment_only(tmp_path, roots, prefect_harness, monkeypatch):
     """started_by_deployment() is False in a flow called here, so nothing is limited; made True (as in a flow
@@ -195,6 +214,8 @@ def test_the_flows_check_their_parameters_under_a_deployment_only(tmp_path, root
     model = Path(os.environ[deployment.ROOTS_ENV].split(os.pathsep)[1]) / "a"
     with pytest.raises(ConfigError, match=r"^out_path = .*outside the project"):
         eval_flow(str(model), out_path=str(outside / "e.parquet"))
+    with pytest.raises(ConfigError, match=r"^run\.eval_samples = 1000: above the cap"):
+        eval_flow(str(model), settings={"samples": 1000, "temperature": 1.0})
     code = (PROJECT_ROOT / "flows" / "train.py").read_bytes()
     with pytest.raises(ConfigError, match=r"^out_path = flows/train\.py[ :].*a deployment writes its outputs only"):
         eval_flow(str(model), out_path="flows/train.py", overwrite=True)

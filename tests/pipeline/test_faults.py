@@ -93,9 +93,9 @@ def test_dead_engine_is_replaced_with_the_last_weights_and_same_rollouts(random_
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("COBA_TEST_ENGINE_PROCESS") and not _cuda(),
-    reason="on CPU two out-of-process engine starts take 2-3 min; set COBA_TEST_ENGINE_PROCESS=1 to run",
+@pytest.mark.skipif(  # CI runs it (CI=true): the engine's death out of process is the GPU default
+    not os.environ.get("COBA_TEST_ENGINE_PROCESS") and not os.environ.get("CI") and not _cuda(),
+    reason="on CPU two out-of-process engine starts take 2-3 min; CI runs it; set COBA_TEST_ENGINE_PROCESS=1 to run",
 )
 def test_engine_core_process_killed_mid_step_is_replaced(random_checkpoints, caplog, monkeypatch):
     """Out of process (the GPU default): SIGKILL the engine-core process while ``generate`` waits

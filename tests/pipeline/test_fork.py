@@ -169,3 +169,15 @@ def test_a_fork_without_its_checkpoint_or_onto_a_run_leaves_nothing(tmp_path):
     assert zero.steps() == [0] and set(zero.manifest(0)) == {Table.BUDGET, Table.EVAL}
     assert zero.read_table(0, Table.BUDGET)["budget"].tolist() == [3] * 4 and not zero.checkpoint_dir(1).exists()
     assert zero.read_run_table("history").empty and first_step_not_done(zero, 3) == 0
+
+
+def test_a_fork_never_removes_another_forks_work_in_progress(tmp_path):
+    """A fork built in `.<run>.fork.tmp` and began by deleting it: two forks to one directory deleted each
+    other's work. Each builds in a directory of its own now."""
+    source = fake_run(tmp_path / "uniform-seed0", _cfg(*STRATEGIES["uniform"]), steps=3)
+    theirs = tmp_path / ".coba-seed0.fork.tmp"
+    theirs.mkdir()
+    (theirs / "run.json").write_text("{}")
+    cfg = _cfg(*STRATEGIES["coba"], "run.name=coba-seed0")
+    fork.fork_run(source, tmp_path / "coba-seed0", cfg, fork.fork_point(source, cfg))
+    assert (theirs / "run.json").read_text() == "{}" and (tmp_path / "coba-seed0" / "run.json").is_file()

@@ -288,6 +288,10 @@ def test_budget_table_pilot_allocates_the_rest_on_the_posterior_after_the_pilot(
         stages.budget_table(BATCH, h, tracker, alloc)
     with pytest.raises(ValueError, match="no rollouts of prompt h"):
         stages.budget_table(BATCH, h, tracker, alloc, pilot[pilot["prompt_id"] != "h"])
+    # a pilot larger than B_low (the config refuses it): a ValueError, not an assert that python -O drops
+    big = _alloc(estimator="pilot", prior_strength=2.0, posterior_decay=0.5, pilot_rollouts=3)
+    with pytest.raises(ValueError, match=r"below the pilot's 3 rollouts; allocation\.pilot_rollouts must be <="):
+        stages.budget_table(BATCH, h, tracker, big, pilot)
 
 
 class _Engine:
