@@ -163,8 +163,10 @@ def _one_step_config(tmp_path, model, reward):
 def test_a_reward_file_that_fails_on_every_call_stops_the_run_and_a_resume_after_the_fix_recomputes_it(
     tmp_path, prefect_harness, random_checkpoints, monkeypatch
 ):
-    """verify.max_error_share (0.5 by default): the rewards stage of step 0 raises before its table is written,
-    with one line naming the step, the share, the first error's detail and the key; fixed, the run resumes."""
+    """verify.max_error_share (0.5 by default): the held-out evaluation before training, the first thing the
+    reward file scores, raises before its table is written (it reported accuracy 0 before), with one line naming
+    the evaluation and its set, the share, the first error's detail and the key; fixed, the run resumes. (The
+    rewards stage's stop is the same check: tests/pipeline/test_error_share.py.)"""
     from coba_tasks.pipeline.config import config_to_dict
     from flows.train import train_flow
 
@@ -182,15 +184,20 @@ def test_a_reward_file_that_fails_on_every_call_stops_the_run_and_a_resume_after
         state.result()
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("step 0: 16 of 16 rollouts scored error or timeout (100%), above verify.max_error_share")
+    assert message.startswith(
+        "held-out evaluation at step 0 (test): 2 of 2 completions scored error or timeout (100%), above "
+        "verify.max_error_share"
+    )
     assert "the first error: broken_reward.py:compute_score: KeyError: 'answer' (broken_reward.py line 2)" in message
     store = RunStore.open(run_dir)
-    assert store.is_done(0, Stage.ROLLOUTS) and not store.is_done(0, Stage.REWARDS)  # not marked done
+    assert not store.is_done(0, Table.EVAL) and not store.is_done(0, Stage.ROLLOUTS)  # nothing recorded, nothing ran
 
     reward.write_text(FIXED_FILE)  # the fix; the run started with the broken file, so the resume says so
     summary = train_flow(run_dir=str(run_dir), resume=True, allow_changed_inputs=True)
     rewards = RunStore.open(run_dir).read_table(0, Stage.REWARDS)
     assert len(rewards) == 16 and (rewards["verdict"] == "correct").all() and summary["steps"] == 1
+    held_out = RunStore.open(run_dir).read_table(0, Table.EVAL)
+    assert held_out["accuracy"].tolist() == [1.0, 1.0] and held_out["errors"].tolist() == [0, 0]
 
 
 def test_the_reward_file_is_a_hashed_input_and_a_continuing_run_refuses_an_edited_one(tmp_path, random_checkpoints):
