@@ -125,18 +125,19 @@ def previous_checkpoint(store: RunStore, step: int) -> Path | None:
     return checked_checkpoint(store, step)
 
 
-def checked_checkpoint(store: RunStore, step: int) -> Path:
+def checked_checkpoint(store: RunStore, step: int, needed_for: str = "") -> Path:
     """``checkpoints/<step>``, after checking every file against its manifest (``verify_checkpoint``):
-    a missing, partial or damaged checkpoint stops the run with the file named and the way out (rerun
-    the update that wrote it), never a silent start from other weights."""
+    a missing, partial or damaged checkpoint stops the run with the file named, what needs it (``needed_for``;
+    by default the step that continues from it) and the way out (rerun the update that wrote it), never a
+    silent start from other weights."""
     ckpt = store.checkpoint_dir(step)
     try:
         verify_checkpoint(ckpt)
     except CheckpointError as exc:
         why = f"{ckpt} is missing" if not ckpt.is_dir() else str(exc)
         raise StoreError(
-            f"{why}: step {step} continues from it (run.keep_checkpoints may delete old ones); recompute it with "
-            f"`coba rerun --run-dir {store.root} --step {step - 1} --stage update --yes`"
+            f"{why}: {needed_for or f'step {step} continues from it'} (run.keep_checkpoints may delete old ones); "
+            f"recompute it with `coba rerun --run-dir {store.root} --step {step - 1} --stage update --yes`"
         ) from None
     return ckpt
 

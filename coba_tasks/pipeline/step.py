@@ -42,7 +42,6 @@ from prefect.cache_policies import NO_CACHE
 from coba_tasks.core.capability import CapabilityTracker
 from coba_tasks.core.estimators import Estimator
 from coba_tasks.core.grpo import RewardScaleError
-from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import SamplingConfig
@@ -349,16 +348,7 @@ def _load_version(res: RunResources, version: int) -> None:
     if cfg.model.lora_rank > 0 and trainer_holds:  # the trainer's merged weights, as after its update
         res.engine.load_weights(engine_weights(res, version), version=version)
         return
-    ckpt = res.store.checkpoint_dir(version)
-    try:
-        verify_checkpoint(ckpt)
-    except CheckpointError as exc:
-        why = f"{ckpt} is missing" if not ckpt.is_dir() else str(exc)
-        raise StoreError(
-            f"the weights after {version} updates are needed (a held-out evaluation of step {version}) but {why} "
-            f"(run.keep_checkpoints removes old ones); recompute them with `coba rerun --run-dir {res.store.root} "
-            f"--step {version - 1} --stage update --yes`, or raise run.eval_every past step {version}"
-        ) from None
+    ckpt = checked_checkpoint(res.store, version, needed_for=f"the held-out evaluation of step {version} needs it")
     if cfg.model.lora_rank == 0:
         res.engine.load_weights(ckpt, version=version)
         return
