@@ -71,25 +71,34 @@ def allowed_roots() -> tuple[Path, ...]:
     return tuple(dict.fromkeys(p.resolve() for p in (PROJECT_ROOT, *named)))
 
 
-def check_deployment_paths(paths: Mapping[str, str | os.PathLike[str] | None]) -> None:
-    """Refuse (``ConfigError``, one line naming the parameter or key) a path outside ``allowed_roots()``.
-
-    ``paths``: parameter or config key -> path as given (None or empty: not given, nothing to check). A
-    relative path is taken from the working directory (the project, in a deployment's flow run)."""
-    roots = allowed_roots()
+def _first_outside(
+    paths: Mapping[str, str | os.PathLike[str] | None], roots: tuple[Path, ...]
+) -> tuple[str, str] | None:
+    """(key, ``value`` as shown in an error) of the first path of ``paths`` that resolves outside every root
+    of ``roots``, or None. None or empty: not given, nothing to check; a relative path is taken from the
+    working directory (the project, in a deployment's flow run)."""
     for key, value in paths.items():
         if value is None or not str(value).strip():
             continue
         given = Path(value).expanduser()
         real = (given if given.is_absolute() else Path.cwd() / given).resolve()
-        if any(real.is_relative_to(root) for root in roots):
-            continue
-        shown = f" (it resolves to {real})" if real != given else ""
-        inside = " or ".join(map(str, roots))
+        if not any(real.is_relative_to(root) for root in roots):
+            return key, f"{value}" + (f" (it resolves to {real})" if real != given else "")
+    return None
+
+
+def check_deployment_paths(paths: Mapping[str, str | os.PathLike[str] | None]) -> None:
+    """Refuse (``ConfigError``, one line naming the parameter or key) a path outside ``allowed_roots()``.
+
+    ``paths``: parameter or config key -> path as given (``_first_outside``)."""
+    roots = allowed_roots()
+    outside = _first_outside(paths, roots)
+    if outside is not None:
+        key, shown = outside
         raise ConfigError(
-            f"{key} = {value}{shown}: outside the project and the roots its worker names ({inside}), where a "
-            f"deployment's paths stay; point it inside, or start the worker with {ROOTS_ENV}=<dir>{os.pathsep}<dir> "
-            "naming the directories its flow runs may use"
+            f"{key} = {shown}: outside the project and the roots its worker names ({' or '.join(map(str, roots))}), "
+            f"where a deployment's paths stay; point it inside, or start the worker with "
+            f"{ROOTS_ENV}=<dir>{os.pathsep}<dir> naming the directories its flow runs may use"
         )
 
 
@@ -105,17 +114,13 @@ def check_deployment_outputs(paths: Mapping[str, str | os.PathLike[str] | None])
     project's code, data, ``.git`` or ``.venv`` are never a deployment's output. ``paths`` as
     ``check_deployment_paths`` takes them."""
     roots = output_roots()
-    for key, value in paths.items():
-        if value is None or not str(value).strip():
-            continue
-        given = Path(value).expanduser()
-        real = (given if given.is_absolute() else Path.cwd() / given).resolve()
-        if not any(real.is_relative_to(root) for root in roots):
-            shown = f" (it resolves to {real})" if real != given else ""
-            raise ConfigError(
-                f"{key} = {value}{shown}: a deployment writes its outputs only under {' or '.join(map(str, roots))} "
-                f"(the project's runs/ or the roots its worker names in {ROOTS_ENV}); point it there"
-            )
+    outside = _first_outside(paths, roots)
+    if outside is not None:
+        key, shown = outside
+        raise ConfigError(
+            f"{key} = {shown}: a deployment writes its outputs only under {' or '.join(map(str, roots))} "
+            f"(the project's runs/ or the roots its worker names in {ROOTS_ENV}); point it there"
+        )
 
 
 def deployment_caps() -> dict[str, int]:
@@ -147,7 +152,11 @@ def check_deployment_limits(values: Mapping[str, int | None]) -> None:
 
 def config_limits(cfg: Config) -> dict[str, int]:
     """The values of ``cfg`` that ``check_deployment_limits`` caps."""
-    return {key: getattr(getattr(cfg, section), name) for key in DEPLOYMENT_CAPS for section, name in [key.split(".")]}
+    out = {}
+    for key in DEPLOYMENT_CAPS:
+        section, name = key.split(".")
+        out[key] = getattr(getattr(cfg, section), name)
+    return out
 
 
 def check_reward_files(cfg: Config) -> None:
