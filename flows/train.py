@@ -1,12 +1,12 @@
-"""The training flow: per step, the stages rollouts -> rewards -> capability -> budget (for the next step)
--> update, as Prefect tasks over the run directory's Parquet tables.
+"""The training flow: per step, the stages budget -> rollouts -> rewards -> capability -> update, as Prefect
+tasks over the run directory's Parquet tables.
 
     coba run                                      # configs/demo.yaml, runs/<run.name>
     coba run --config configs/tiny-test.yaml --run-dir runs/t --steps 2 --set optim.lr=3e-5
 
-This module only composes. ``run_step`` calls the five stage tasks of ``coba_tasks.pipeline.step`` by name,
-in order (under ``allocation.estimator = pilot``: the pilot, its rewards and the step's own budget first, no
-budget after capability); each task's body is that stage's work (skipped when its table is done). Tasks
+This module only composes. ``run_step`` calls the stage tasks of ``coba_tasks.pipeline.step`` in the order
+the run directory's contract gives (``store.step_stages``: under ``allocation.estimator = pilot`` the pilot
+and its rewards first); each task's body is that stage's work (skipped when its table is done). Tasks
 pass the run directory and a step number: the long-lived resources of a run (the rollout engine, the
 verifier pool, the training model) live in the flow process and are looked up by directory
 (``coba_tasks.pipeline.run``).
@@ -28,19 +28,12 @@ from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.stages import eval_steps
 from coba_tasks.pipeline.step import (
-    budget,
-    capability,
     due_evaluations,
     eval_plan,
     evaluate,
-    pilot,
-    pilot_rewards,
     piloted,
     resume_point,
-    rewards,
-    rollouts,
-    step_budget,
-    update,
+    step_tasks,
     write_step_timing,
 )
 from coba_tasks.pipeline.store import Table
@@ -48,7 +41,6 @@ from coba_tasks.readers import trackers
 from coba_tasks.readers.figures import (
     NO_SIGNAL_FIX,
     NO_SIGNAL_STEPS,
-    budget_figures,
     eval_figures,
     no_signal_streak,
     step_figures,
@@ -58,28 +50,18 @@ from coba_tasks.readers.text import figure_table
 
 
 def run_step(run_dir: str, step: int) -> None:
-    """One training step: the five stage tasks in order, then its progress line and artifacts.
+    """One training step: its stage tasks in order, then its progress line and artifacts.
 
     The training flow calls this inline: a subflow per step cost about 1.1 s of orchestration per
     step on the embedded server (measured: 1.31 s -> 0.19 s per step on the demo config).
     """
     res, t0 = run.resources(run_dir), time.perf_counter()
     seconds_before = dict(res.stage_seconds)
-    k = res.cfg.allocation.pilot_rollouts if piloted(res.cfg) else 0
-    if k:  # allocation.estimator = pilot: the step allocates its own budget, after its pilot
-        pilot(run_dir, step)
-        pilot_rewards(run_dir, step)
-        step_budget(run_dir, step)
-    rollouts(run_dir, step)
-    rewards(run_dir, step)
-    capability(run_dir, step)
-    if not k:
-        budget(run_dir, step)  # the allocation for step + 1
-    update(run_dir, step)
+    for stage_task in step_tasks(res.cfg):
+        stage_task(run_dir, step)
     seconds = write_step_timing(res, step, seconds_before)
     figures = step_figures(res.store, step)
-    if k:  # the budgets this step allocated are its own
-        figures["budget"] = budget_figures(res.store.read_table(step, Table.BUDGET))
+    k = res.cfg.allocation.pilot_rollouts if piloted(res.cfg) else 0
     quiet = no_signal_streak(res.store, step)  # steps in a row whose every group scored alike
     elapsed = time.perf_counter() - t0
     line = step_line(step, res.cfg.run.steps, figures, seconds, elapsed, no_signal=quiet, pilot=k)
@@ -97,13 +79,13 @@ def step_line(
     no_signal: int = 0,
     pilot: int = 0,
 ) -> str:
-    """The step's progress line: pass rate, failure rate and Beta shape, the next budgets, the update, time.
+    """The step's progress line: pass rate, failure rate and Beta shape, its budgets, the update, time.
 
-    ``figures``: the stage figures of the step (``rollouts``, ``rewards``, ``capability``, ``budget``,
+    ``figures``: the stage figures of the step (``budget``, ``rollouts``, ``rewards``, ``capability``,
     ``update``); ``seconds``: the step's seconds per stage; ``elapsed``: the step's wall seconds;
     ``no_signal``: how many steps in a row, ending at this one, had no mixed group (every advantage 0): from
     ``NO_SIGNAL_STEPS`` on, the line says that nothing is learned and what to change. ``pilot``: the pilot's
-    rollouts per prompt under ``allocation.estimator = pilot``, whose ``budget`` figures are the step's own.
+    rollouts per prompt under ``allocation.estimator = pilot``.
 
     >>> print(step_line(2, 10, {
     ...     "rollouts": {"rollouts": 128},
@@ -113,7 +95,7 @@ def step_line(
     ...     "update": {"loss": -0.0123, "grad_norm": 0.52},
     ... }, {"rollouts": 21.7, "rewards": 0.4, "update": 25.1}, 49.6))
     step 3/10: pass rate 0.31 (mean over prompts; 40/128 rollouts correct, 8 unanswered); F 0.69 -> alpha 8.20 \
-beta 2.80; next budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52; 50 s (rollouts 22 s, update 25 s)
+beta 2.80; budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52; 50 s (rollouts 22 s, update 25 s)
     """
     verdicts, cap, budget, upd = figures["rewards"], figures["capability"], figures["budget"], figures["update"]
     other = {k: v for k, v in verdicts.items() if k not in ("correct", "wrong") and v}
@@ -126,7 +108,7 @@ beta 2.80; next budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52; 50 s (rol
         f"{figures['rollouts']['rollouts']} rollouts correct"
         + "".join(f", {x}" for x in notes)
         + f"); F {cap['F']:.2f} -> alpha {cap['alpha']:.2f} beta "
-        f"{cap['beta']:.2f}; {'budgets' if pilot else 'next budgets'} {budget['min']}-{budget['max']} (mean "
+        f"{cap['beta']:.2f}; budgets {budget['min']}-{budget['max']} (mean "
         f"{budget['mean']:.1f}{f', a pilot of {pilot} each' if pilot else ''}); loss "
         f"{upd['loss']:+.4f}, grad norm {upd['grad_norm']:.2f}; {elapsed:.0f} s ({parts})" + _no_signal_text(no_signal)
     )
@@ -142,12 +124,11 @@ def _no_signal_text(steps: int) -> str:
 
 
 def _post_step_artifacts(res: run.RunResources, step: int, figures: dict[str, dict[str, Any]]) -> None:
-    at = step if piloted(res.cfg) else step + 1  # the budget this step allocated (after a pilot: its own)
-    allocated = res.store.read_table(at, Table.BUDGET)
+    allocated = res.store.read_table(step, Table.BUDGET)
     create_table_artifact(
-        key=f"budget-step-{at:06d}",
+        key=f"budget-step-{step:06d}",
         table=allocated[["prompt_id", "pass_rate_est", "budget", "value", "marginal_gain"]].round(4).to_dict("records"),
-        description=f"rollout budgets allocated for step {at}",
+        description=f"rollout budgets allocated for step {step}",
     )
     shown = {**figures["capability"], **figures["update"]}
     create_markdown_artifact(

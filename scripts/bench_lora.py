@@ -52,9 +52,9 @@ def bench_lora(
     from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
     from coba_tasks.engines.update import PolicyTrainer
     from coba_tasks.engines.update_batch import sampler_gap_rows
-    from coba_tasks.engines.update_settings import UpdateSettings
     from coba_tasks.pipeline.data import load_dataset
     from coba_tasks.pipeline.data_prompts import render_prompts
+    from coba_tasks.pipeline.run import update_settings
 
     with tempfile.TemporaryDirectory(prefix="coba-bench-lora-") as tmp:
         work = Path(tmp)
@@ -62,13 +62,13 @@ def bench_lora(
             from coba_tasks.bench.update import synthetic_batch
 
             progress("training a LoRA adapter for one update (no --checkpoint)")
-            trainer = PolicyTrainer(model_path, UpdateSettings(lr=1e-3, lora_rank=lora_rank))
+            trainer = PolicyTrainer(model_path, update_settings(lr=1e-3, lora_rank=lora_rank))
             vocab = trainer.model.config.vocab_size
             trainer.update(*synthetic_batch([4, 4, 4, 4], 20, 16, vocab))
             checkpoint = str(trainer.save_checkpoint(work / "ckpt"))
         base = str(base_model_of(checkpoint))
         rank = json.loads((Path(checkpoint) / "adapter_config.json").read_text())["r"]
-        trainer = PolicyTrainer(base, UpdateSettings(lora_rank=rank))
+        trainer = PolicyTrainer(base, update_settings(lora_rank=rank))
         trainer.load_checkpoint(checkpoint)
         df, _ = render_prompts(load_dataset(test_path).head(prompts), AutoTokenizer.from_pretrained(base))
         requests = [

@@ -592,10 +592,10 @@ def run_update(path: Path, size: Size, variant: str, batch) -> dict[str, Any]:
     import torch
 
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.engines.update_settings import UpdateSettings
+    from coba_tasks.pipeline.run import update_settings
 
     dtype, shared, skip, ckpt, rank = UPDATE_VARIANTS[variant]
-    settings = UpdateSettings(
+    settings = update_settings(
         lr=1e-6,
         max_grad_norm=1e9,  # the raw gradient is compared: no clipping
         micro_batch_size=size.micro_batch,
@@ -743,10 +743,10 @@ def _sampler_gap(path: Path, size: Size, dtype: str, requests, rows) -> dict[str
     import numpy as np
 
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.engines.update_settings import UpdateSettings
+    from coba_tasks.pipeline.run import update_settings
 
     by_id = {r.prompt_id: r.prompt_token_ids for r in requests}
-    settings = UpdateSettings(lr=1e-6, micro_batch_size=size.micro_batch, dtype=dtype, skip_zero_advantage=False)
+    settings = update_settings(lr=1e-6, micro_batch_size=size.micro_batch, dtype=dtype, skip_zero_advantage=False)
     trainer = PolicyTrainer(path, settings, seed=0)
     metrics = trainer.update(
         [by_id[r.prompt_id] for r in rows], [r.token_ids for r in rows], np.zeros(len(rows)), [r.logprobs for r in rows]
@@ -850,11 +850,11 @@ def check_checkpoint(size: Size, out: Path, args: argparse.Namespace) -> tuple[b
 
     from coba_tasks.engines.checkpoint import verify_checkpoint
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.engines.update_settings import UpdateSettings
+    from coba_tasks.pipeline.run import update_settings
 
     path = model_dir(out)
     dtype = "bfloat16" if _device() == "cuda" else "float32"
-    settings = UpdateSettings(lr=1e-6, micro_batch_size=size.micro_batch, dtype=dtype)
+    settings = update_settings(lr=1e-6, micro_batch_size=size.micro_batch, dtype=dtype)
     prompts, completions, adv, groups = ragged_batch(size)
     trainer = PolicyTrainer(path, settings, seed=0)
     trainer.update(prompts, completions, adv, None, groups)
@@ -911,12 +911,12 @@ def check_fsdp(size: Size, out: Path, args: argparse.Namespace) -> tuple[bool, s
 
     from coba_tasks.engines.fsdp_update import fsdp_update
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.engines.update_settings import UpdateSettings
+    from coba_tasks.pipeline.run import update_settings
 
     path = model_dir(out)
     # the full-sequence update, as the ranks run it; AdamW's eps 1e-5: its first step, lr * g / (|g| + eps), moves
     # weights whose gradient is near eps by amounts a sum in another order changes (tests/engines/test_fsdp_update.py)
-    settings = UpdateSettings(
+    settings = update_settings(
         lr=1e-4, micro_batch_size=size.micro_batch, dtype="float32", eps=1e-5, shared_prefix=False
     )
     prompts, completions, adv, groups = ragged_batch(size)

@@ -45,8 +45,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from coba_tasks.engines.fileio import OutputDirError, fresh_marked_dir  # noqa: E402
+from coba_tasks.pipeline.store import STAGES  # noqa: E402
 
-STAGE_TABLES = ("budget", "rollouts", "rewards", "capability", "update")
 STEPS = 3
 MARKER = ".gpu-check"  # marks an output folder this script made (and may replace)
 GPU_MEMORY_UTILIZATION = 0.3
@@ -117,7 +117,7 @@ def check_run(
         return [Check("run directory", False, f"{run_dir}: {exc}")]
     for step in range(steps):
         missing, mismatched = [], []
-        for name in STAGE_TABLES:
+        for name in STAGES:
             if not store.is_done(step, name):
                 missing.append(name)
                 continue
@@ -125,7 +125,7 @@ def check_run(
             if rows != len(store.read_table(step, name)) or rows == 0:
                 mismatched.append(f"{name} ({rows} rows in the manifest)")
         ok = not missing and not mismatched
-        detail = "budget, rollouts, rewards, capability, update recorded" if ok else ""
+        detail = f"{', '.join(STAGES)} recorded" if ok else ""
         detail += f"missing {', '.join(missing)} " if missing else ""
         detail += f"row counts differ: {', '.join(mismatched)}" if mismatched else ""
         out.append(Check(f"step {step} tables", ok, detail.strip()))

@@ -25,7 +25,7 @@ from transformers import AutoConfig
 from coba_tasks.bench.update import DEFAULT_GROUPS, DEFAULT_MODEL, run_batch, synthetic_batch
 from coba_tasks.engines.lora import MergedLoraLinear
 from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.pipeline.run import update_settings
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     else:
         vocab = AutoConfig.from_pretrained(args.model).vocab_size
         prompts, completions, adv = synthetic_batch(DEFAULT_GROUPS, 46, 32, vocab)
-    full = UpdateSettings(lr=1e-6, micro_batch_size=16, threads=args.threads)
+    full = update_settings(lr=1e-6, micro_batch_size=16, threads=args.threads)
     lora = dataclasses.replace(full, lora_rank=16, lr=1e-5)
     kinds = {
         "full": PolicyTrainer(args.model, full, seed=0),

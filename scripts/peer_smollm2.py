@@ -51,11 +51,11 @@ def coba_run(args: argparse.Namespace, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
-    from coba_tasks.pipeline.store import RunStore, Stage
+    from coba_tasks.pipeline.store import RunStore, Table
 
     store = RunStore.open(run_dir)
     timing = [json.loads((run_dir / f"steps/{s:06d}/timing.json").read_text()) for s in range(args.steps)]
-    zero = [float(store.read_table(s, Stage.UPDATE)["zero_variance_groups"].iloc[0]) for s in range(args.steps)]
+    zero = [float(store.read_table(s, Table.UPDATE)["zero_variance_groups"].iloc[0]) for s in range(args.steps)]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "wall_s": wall,

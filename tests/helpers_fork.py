@@ -32,10 +32,11 @@ def fake_run(root: Path, cfg: Config, steps: int) -> RunStore:
     store.write_run_table("prompts", prompts)
     store.write_run_table("history", stages.empty_history())
     res = RunResources(cfg=cfg, store=store, prompts=prompts, test=pd.DataFrame())
-    store.write_table(0, Table.BUDGET, step.budget_for(res, 0, stages.empty_history(), step.tracker_before(res, 0)))
     store.write_table(0, Table.EVAL, pd.DataFrame({"prompt_id": ["e0"], "accuracy": [0.25]}))
+    history = stages.empty_history()
     for t in range(steps):
-        budget = store.read_table(t, Table.BUDGET)
+        budget = step.budget_for(res, t, history, step.tracker_before(res, t))  # the step's first stage
+        store.write_table(t, Table.BUDGET, budget)
         rows = [(pid, i) for pid, n in zip(budget["prompt_id"], budget["budget"], strict=True) for i in range(int(n))]
         ids, samples = [r[0] for r in rows], [r[1] for r in rows]
         store.write_table(t, Table.ROLLOUTS, pd.DataFrame({"prompt_id": ids, "sample_idx": samples}))
@@ -53,8 +54,6 @@ def fake_run(root: Path, cfg: Config, steps: int) -> RunStore:
         store.write_table(t, Table.HISTORY, history)
         store.write_run_table("history", history)
         store.write_table(t, Table.CAPABILITY, capability)
-        tracker = stages.tracker_from_capability(capability)
-        store.write_table(t + 1, Table.BUDGET, step.budget_for(res, t + 1, history, tracker))
         store.write_table(t, Table.UPDATE, pd.DataFrame({"step": [t], "loss": [0.5 - t]}))
         ckpt = store.checkpoint_dir(t + 1)
         ckpt.mkdir(parents=True)

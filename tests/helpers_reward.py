@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 from coba_tasks.engines.verify import Verdict, VerdictKind, register_verifier, registered_verifiers
-from coba_tasks.pipeline.store import Stage
+from coba_tasks.pipeline.store import Table
 
 FIRST_CHAR = "test-first-char"
 TESTS_DIR = Path(__file__).resolve().parent
@@ -99,7 +99,7 @@ def assert_updates_moved(store, base_model: Path, steps: int) -> None:
     base = load_file(str(Path(base_model) / "model.safetensors"))
     previous = base
     for step in range(steps):
-        grad_norm = float(store.read_table(step, Stage.UPDATE)["grad_norm"].iloc[0])
+        grad_norm = float(store.read_table(step, Table.UPDATE)["grad_norm"].iloc[0])
         assert grad_norm > 0, (step, grad_norm)
         weights = load_file(str(store.checkpoint_dir(step + 1) / "model.safetensors"))
         assert weights.keys() == base.keys(), step

@@ -43,7 +43,7 @@ from typing import Any
 
 from coba_tasks.bench.timing import available_cpus
 from coba_tasks.bench.timing import median_time as bench_median_time
-from coba_tasks.pipeline.store import Stage, Table
+from coba_tasks.pipeline.store import STAGES, Table
 
 GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
 EVAL_PROMPTS = 16  # held-out prompts per evaluation in the benchmark's runs (unless --set data.eval_prompts=...)
@@ -93,7 +93,7 @@ def _step_figures(pairs: Sequence[dict], side: str) -> dict[str, Any]:
     return {
         "step_s": _mean(walls),
         "outside_stages_s": _mean(outside),  # for the flow: Prefect's own time per step
-        "stage_s": {s.value: _mean([p[side]["stage_s"][s] for p in pairs]) for s in Stage},
+        "stage_s": {s.value: _mean([p[side]["stage_s"][s] for p in pairs]) for s in STAGES},
     }
 
 
@@ -168,8 +168,6 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
     res = run.open_run(root, cfg, continuing=False)
     try:
         progress("start the engine, the verifier pool and the two runs' trainers")
-        for r in (res_flow, res):
-            stage_step.write_first_budget(r)
         run.start_resources(res_flow, cfg.model.path, version=0)
         run.start_resources(res, cfg.model.path, version=0, engine=res_flow.engine, pool=res_flow.pool)
         machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
@@ -180,9 +178,9 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
 
         t = steps - 1  # the step whose inputs and outputs the stage benchmarks use
         store = res.store
-        budget = store.read_table(t, Stage.BUDGET)
-        rollouts = store.read_table(t, Stage.ROLLOUTS)
-        rewards = store.read_table(t, Stage.REWARDS)
+        budget = store.read_table(t, Table.BUDGET)
+        rollouts = store.read_table(t, Table.ROLLOUTS)
+        rewards = store.read_table(t, Table.REWARDS)
         rollout = _bench_rollout(res, cfg, budget, t, repeats, progress, stage_step.sampling(cfg))
         verify = _bench_verify(res, rollouts, rewards, repeats, progress)
         parquet = _bench_parquet(store, scratch_dir, cfg, t, repeats, progress)
@@ -338,8 +336,7 @@ def _bench_parquet(store: Any, scratch: Path, cfg: Any, step: int, repeats: int,
     out.create(config_to_dict(cfg), config_hash(cfg), {})
     tables = {}
     for name in STEP_TABLES:
-        src = step + 1 if name == Stage.BUDGET else step  # the budget this step allocated (for the next)
-        df = store.read_table(src, name)
+        df = store.read_table(step, name)
         write_s, _ = _median_time(lambda df=df, name=name: out.write_table(0, name, df), repeats)
         read_s, back = _median_time(lambda name=name: out.read_table(0, name, verify=True), repeats)
         entry = out.manifest(0)[name]
@@ -435,7 +432,7 @@ def format_stages(result: dict) -> str:
         f"2. One step through Prefect vs the same stages as plain function calls (mean of {result['steps']} steps)",
         f"  {'':<34}{'flow':>10}{'plain':>10}",
     ]
-    for name in Stage:
+    for name in STAGES:
         lines.append(f"  {'stage ' + name:<34}{_fmt_s(flow['stage_s'][name]):>10}{_fmt_s(plain['stage_s'][name]):>10}")
     outside_flow = flow["step_s"] - sum(flow["stage_s"].values())
     lines += [

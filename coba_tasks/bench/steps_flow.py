@@ -16,7 +16,7 @@ from prefect import flow
 
 from coba_tasks.pipeline import run
 from coba_tasks.pipeline.step import plain_step
-from coba_tasks.pipeline.store import Stage
+from coba_tasks.pipeline.store import STAGES
 from flows.train import run_step
 
 
@@ -47,7 +47,7 @@ def bench_steps_flow(flow_dir: str, plain_dir: str, steps: int) -> list[dict[str
             pair[side] = {
                 "wall_s": wall,
                 "inside_s": sum(res.stage_seconds.values()) - inside0,
-                "stage_s": {str(name): float(timing[name]) for name in Stage},
+                "stage_s": {str(name): float(timing[name]) for name in STAGES},
             }
         pairs.append(pair)
     return pairs

@@ -90,10 +90,10 @@ def synthetic_batch(
 def run_batch(run_dir: str, step: int) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
     """What the update of ``step`` of the run in ``run_dir`` trains on (its rollouts, rewards, prompts)."""
     from coba_tasks.pipeline import stages
-    from coba_tasks.pipeline.store import RunStore, Stage
+    from coba_tasks.pipeline.store import RunStore, Table
 
     store = RunStore.open(run_dir)
-    rollouts, rewards = store.read_table(step, Stage.ROLLOUTS), store.read_table(step, Stage.REWARDS)
+    rollouts, rewards = store.read_table(step, Table.ROLLOUTS), store.read_table(step, Table.REWARDS)
     prompt_ids, completion_ids, _ = stages.update_sequences(rollouts, store.read_run_table("prompts"))
     return prompt_ids, completion_ids, stages.advantages_for(rollouts, rewards)
 
@@ -188,7 +188,7 @@ def bench_update(
     from transformers import AutoConfig
 
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.engines.update_settings import UpdateSettings
+    from coba_tasks.pipeline.run import update_settings
 
     if not (Path(model_path) / "config.json").is_file():
         raise ValueError(f"{model_path} is not a Hugging Face model directory (make smollm2 builds the default one)")
@@ -199,7 +199,7 @@ def bench_update(
         prompts, completions, adv = synthetic_batch(groups, prompt_tokens, completion_tokens, config.vocab_size)
     completion_count = sum(len(c) for c in completions)
     all_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-    settings = UpdateSettings(lr=1e-6, micro_batch_size=micro_batch, threads=threads or available_cpus())
+    settings = update_settings(lr=1e-6, micro_batch_size=micro_batch, threads=threads or available_cpus())
     progress("agreement: loss and gradients of both updates from the same weights")
     agreement = _agreement(model_path, prompts, completions, adv, settings)
 

@@ -107,14 +107,14 @@ def fork_record(run_dir: Path, steps: int) -> tuple[str, int] | None:
 
     from coba_tasks.pipeline.fork import FORK_FILE
     from coba_tasks.pipeline.run import first_step_not_done
-    from coba_tasks.pipeline.store import RunStore, Stage
+    from coba_tasks.pipeline.store import RunStore, Table
 
     path = run_dir / FORK_FILE
     if not path.is_file():
         return None
     record = json.loads(path.read_text(encoding="utf-8"))
     step, store = int(record["step"]), RunStore.open(run_dir)
-    if first_step_not_done(store, steps) != step or store.is_done(step, Stage.ROLLOUTS):
+    if first_step_not_done(store, steps) != step or store.is_done(step, Table.ROLLOUTS):
         return None
     return Path(record["from"]).name, step
 

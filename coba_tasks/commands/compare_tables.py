@@ -93,10 +93,10 @@ def _class_of(rate: float) -> str:
 
 def _allocation_beta(t: Any, step: int) -> dict[str, float]:
     """``alloc_alpha``, ``alloc_beta``: the Beta parameters in the step's budget table, NaN when absent."""
-    from coba_tasks.pipeline.store import Stage
+    from coba_tasks.pipeline.store import Table
 
-    if Stage.BUDGET in t.done[step]:
-        b = t.table(step, Stage.BUDGET)
+    if Table.BUDGET in t.done[step]:
+        b = t.table(step, Table.BUDGET)
         if {"alpha", "beta"} <= set(b.columns) and len(b):
             return {"alloc_alpha": float(b["alpha"].iloc[0]), "alloc_beta": float(b["beta"].iloc[0])}
     return {"alloc_alpha": math.nan, "alloc_beta": math.nan}
@@ -122,7 +122,7 @@ def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
 
 def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     from coba_tasks.pipeline import stages
-    from coba_tasks.pipeline.store import Stage, Table
+    from coba_tasks.pipeline.store import Table
     from coba_tasks.readers.figures import eval_figures
     from coba_tasks.readers.mechanisms import STEP_COLUMNS, by_age, run_mechanisms
 
@@ -144,9 +144,9 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
             row |= {f"accuracy_level{lv}": acc for lv, acc in ev["by_difficulty"].items()}
             row |= {f"pass_at_{k}": v for k, v in ev["pass_at_k"].items()}
             out["results"].append(row)
-        if Stage.CAPABILITY in done and Stage.REWARDS in done:
-            cap = t.table(step, Stage.CAPABILITY).iloc[0]
-            rewards = t.table(step, Stage.REWARDS)
+        if Table.CAPABILITY in done and Table.REWARDS in done:
+            cap = t.table(step, Table.CAPABILITY).iloc[0]
+            rewards = t.table(step, Table.REWARDS)
             rates = stages.pass_rates(rewards)
             sizes = rewards.groupby("prompt_id").size()
             mixed = ((rates > 0) & (rates < 1)).reindex(sizes.index)
@@ -169,8 +169,8 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
             spent += int(sizes.sum())
             for pid, rate in rates.items():
                 visits.setdefault(pid, []).append((step, float(rate)))
-        if step < planned and Stage.BUDGET in done:
-            b = t.table(step, Stage.BUDGET)
+        if step < planned and Table.BUDGET in done:
+            b = t.table(step, Table.BUDGET)
             for est, budget in zip(b["pass_rate_est"], b["budget"], strict=True):
                 cell = by_bin.setdefault(pass_rate_bin(float(est)), [0, 0])
                 cell[0] += 1

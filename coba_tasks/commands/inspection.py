@@ -65,7 +65,7 @@ EPILOG = """examples:
 
 stages / SQL views: budget, rollouts, rewards, capability, update, history, eval (each with a
 `step` column: the step directory), and prompts. budget at step t is the budget step t used
-(allocated at the end of step t - 1). --sql accepts one SELECT; nothing can be written.
+(its first stage, from the tables of step t - 1). --sql accepts one SELECT; nothing can be written.
 """
 
 

@@ -30,8 +30,8 @@ def add_train_parsers(subparsers: Any) -> None:
         subparsers,
         "run",
         help="train a model with CoBA-RL budgets (Prefect flow over Parquet)",
-        description="Run the training flow: per step rollout generation (vLLM), verification, failure-rate update, "
-        "budget allocation for the next step and a GRPO update; every stage's output is a Parquet table in the run "
+        description="Run the training flow: per step budget allocation, rollout generation (vLLM), verification, "
+        "failure-rate update and a GRPO update; every stage's output is a Parquet table in the run "
         "directory. Held-out accuracy is measured before and after (and every run.eval_every steps).",
         examples=[
             "coba run",
@@ -94,8 +94,8 @@ def add_train_parsers(subparsers: Any) -> None:
         help="recompute one stage of one step (and everything after it)",
         description="Recompute the stage --stage of step --step. Everything computed after it is invalid too: the "
         "command first lists those outputs, removes them only with --yes, then resumes the run, which recomputes "
-        "them. The budget of step N is the table steps/N/budget.parquet (allocated at the end of step N - 1); "
-        "eval invalidates only itself.",
+        "them. The budget of step N is the table steps/N/budget.parquet (its first stage, from the tables of step "
+        "N - 1); eval invalidates only itself.",
         examples=[
             "coba rerun --run-dir runs/demo --step 5 --stage rewards",
             "coba rerun --run-dir runs/demo --step 5 --stage rewards --yes",

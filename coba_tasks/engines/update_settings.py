@@ -12,43 +12,47 @@ from coba_tasks.core.grpo import PromptWeighting, RolloutCorrection
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """What the update needs from the run's config."""
+    """What the update needs from the run's config: its ``optim`` keys, the model's dtype, LoRA and loading keys,
+    and the rollouts' temperature. No key has a default here: the config's are the only ones
+    (``coba_tasks.pipeline.run.update_settings`` builds this from a config, with changes for a test or a
+    benchmark), so what a benchmark or a test measures is what a run with the same keys computes."""
 
-    lr: float = 1e-4
-    lr_warmup_steps: int = 0  # linear warm-up over this many updates (training steps); 0 = none
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 64
-    mini_batches: int = 1
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    kl_coef: float = 0.0
-    update_epochs: int = 1
-    dtype: str = "float32"
-    trust_remote_code: bool = False
-    gradient_checkpointing: bool = False
-    threads: int = 1
-    shared_prefix: bool = True  # encode each group's prompt once (coba_tasks.engines.shared_prefix)
+    lr: float
+    lr_warmup_steps: int  # linear warm-up over this many updates (training steps); 0 = none
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    max_grad_norm: float
+    micro_batch_size: int
+    mini_batches: int
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    update_epochs: int
+    dtype: str
+    trust_remote_code: bool
+    gradient_checkpointing: bool
+    shared_prefix: bool  # encode each group's prompt once (coba_tasks.engines.shared_prefix)
     # the rollouts' sampling temperature: every log-probability (logp, logp_old, the reference's, the entropy)
     # is of log_softmax(logits / temperature), the distribution the tokens were sampled from
-    temperature: float = 1.0
+    temperature: float
     # leave rows whose advantage is exactly 0 out of the forward and backward passes when nothing else needs
     # their gradient (no KL term): their loss and gradient are exactly 0; their tokens stay in the token mean
-    skip_zero_advantage: bool = True
+    skip_zero_advantage: bool
     # LoRA (coba_tasks.engines.lora): rank 0 = full fine-tuning; else adapters of this rank on the target modules
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_target_modules: str | tuple[str, ...] = "all-linear"
+    lora_rank: int
+    lora_alpha: float
+    lora_target_modules: str | tuple[str, ...]
     # rollout correction (truncated importance sampling, coba_tasks.core.grpo.rollout_correction_weights):
     # none | token | sequence; the cap C of the weight; tau > 1 drops ratios outside [1/tau, tau], 0 = none
-    rollout_correction: str = "none"
-    rollout_correction_cap: float = 2.0
-    rollout_mask_threshold: float = 0.0
+    rollout_correction: str
+    rollout_correction_cap: float
+    rollout_mask_threshold: float
     # how the loss weighs the step's prompts (coba_tasks.core.grpo.prompt_loss_weights): tokens = the token mean
     # (a prompt weighs its completion tokens), equal = each prompt's group weighs the same
-    prompt_weighting: str = "tokens"
+    prompt_weighting: str
+    # torch's CPU threads for the update: not a config key (a run keeps 1; `coba bench update` takes the machine's)
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:

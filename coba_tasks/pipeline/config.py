@@ -59,40 +59,41 @@ from coba_tasks.pipeline.config_sections import (
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
 DEFAULT_CONFIG_PATH = PROJECT_ROOT / "configs" / "demo.yaml"
 
-# Keys added after runs were made: left out of config_hash while at these defaults, so a run made
-# before the key existed keeps its hash (and can be resumed); any other value is hashed.
-HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {
-    ("data", "on_bad_rows"): "error",
-    ("data", "prompt_format"): "auto",
-    ("run", "eval_top_p"): 1.0,
-    ("rollout", "sleep_during_update"): False,
-    ("rollout", "engines"): 1,
-    ("optim", "fsdp_processes"): 1,
-    ("rollout", "tensor_parallel_size"): 1,
-    ("optim", "lr_warmup_steps"): 0,
-    ("optim", "shared_prefix"): True,
-    ("run", "keep_checkpoints"): 0,
-    ("verify", "unknown_sources"): "error",
-    ("optim", "skip_zero_advantage"): True,
-    ("model", "lora_rank"): 0,
-    ("model", "lora_alpha"): 32.0,
-    ("model", "lora_target_modules"): "all-linear",
-    ("data", "extra_tests"): [],
-    ("data", "difficulties"): [],
-    ("verify", "reward_function"): "",
-    ("verify", "pass_threshold"): 1.0,
-    ("optim", "rollout_correction"): "none",
-    ("optim", "rollout_correction_cap"): 2.0,
-    ("optim", "rollout_mask_threshold"): 0.0,
-    ("run", "trackers"): [],
-    ("verify", "gsm8k_answer"): "math",
-    ("verify", "max_error_share"): 0.5,
-    ("optim", "prompt_weighting"): "tokens",
-    ("allocation", "estimator"): "last",
-    ("allocation", "prior_strength"): 2.0,
-    ("allocation", "posterior_decay"): 0.5,
-    ("allocation", "pilot_rollouts"): 2,
-}
+# Keys added after runs were made: left out of config_hash while at their default, so a run made before
+# the key existed keeps its hash (and can be resumed); any other value is hashed. Their defaults are the
+# config's own (``HASH_NEUTRAL_DEFAULTS``, computed below ``Config``).
+HASH_NEUTRAL_KEYS: tuple[tuple[str, str], ...] = (
+    ("data", "on_bad_rows"),
+    ("data", "prompt_format"),
+    ("run", "eval_top_p"),
+    ("rollout", "sleep_during_update"),
+    ("rollout", "engines"),
+    ("optim", "fsdp_processes"),
+    ("rollout", "tensor_parallel_size"),
+    ("optim", "lr_warmup_steps"),
+    ("optim", "shared_prefix"),
+    ("run", "keep_checkpoints"),
+    ("verify", "unknown_sources"),
+    ("optim", "skip_zero_advantage"),
+    ("model", "lora_rank"),
+    ("model", "lora_alpha"),
+    ("model", "lora_target_modules"),
+    ("data", "extra_tests"),
+    ("data", "difficulties"),
+    ("verify", "reward_function"),
+    ("verify", "pass_threshold"),
+    ("optim", "rollout_correction"),
+    ("optim", "rollout_correction_cap"),
+    ("optim", "rollout_mask_threshold"),
+    ("run", "trackers"),
+    ("verify", "gsm8k_answer"),
+    ("verify", "max_error_share"),
+    ("optim", "prompt_weighting"),
+    ("allocation", "estimator"),
+    ("allocation", "prior_strength"),
+    ("allocation", "posterior_decay"),
+    ("allocation", "pilot_rollouts"),
+)
 
 
 class Config(Section):
@@ -135,6 +136,10 @@ class Config(Section):
     def budget_per_step(self) -> int:
         """B_total = M * G, the rollouts of one training step."""
         return self.data.prompts_per_step * self.allocation.group_size
+
+
+_DEFAULTS = Config().model_dump(mode="json")
+HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {(s, k): _DEFAULTS[s][k] for s, k in HASH_NEUTRAL_KEYS}
 
 
 # ---------------------------------------------------------------------------------------------

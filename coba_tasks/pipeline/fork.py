@@ -46,7 +46,7 @@ from coba_tasks.engines.fileio import new_temporary_dir, sha256_file, write_parq
 from coba_tasks.pipeline import stages, step
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict
 from coba_tasks.pipeline.run import RunResources, checked_checkpoint, read_run_config
-from coba_tasks.pipeline.store import MANIFEST_FILE, RunStore, Stage, StoreError, Table
+from coba_tasks.pipeline.store import MANIFEST_FILE, RunStore, StoreError, Table
 
 # The allocation keys, each read by the capability, history or budget stage and by no other stage. A key
 # added to the allocation section is not shared until it is listed here (it might act elsewhere, as an
@@ -117,14 +117,19 @@ def fork_point(source: RunStore, cfg: Config) -> ForkPoint | None:
     if not shares_prefix(theirs, cfg):
         apart = [k for k in differing_keys(theirs, cfg) if k not in PREFIX_KEYS]
         raise ForkError(f"the configs differ in {', '.join(apart)}" if apart else "a pilot run shares no steps")
-    view = RunResources(cfg=cfg, store=source, prompts=source.read_run_table("prompts"), test=pd.DataFrame())
+    prompts = source.read_run_table("prompts")
+    view = RunResources(cfg=cfg, store=source, prompts=prompts, test=pd.DataFrame())
+    their_view = RunResources(cfg=theirs, store=source, prompts=prompts, test=pd.DataFrame())
     history, tracker = stages.empty_history(), step.tracker_before(view, 0)
     budgets: dict[int, pd.DataFrame] = {}
-    for u in range(cfg.run.steps + 1):
-        if not source.is_done(u, Table.BUDGET):
-            return None
+    for u in range(cfg.run.steps):
         budgets[u] = step.budget_for(view, u, history, tracker)
-        if u == cfg.run.steps or not _same_rollout_inputs(budgets[u], source.read_table(u, Table.BUDGET)):
+        # the source's budget of u: its table, or (its step u not started yet) what its budget stage will write
+        if source.is_done(u, Table.BUDGET):
+            their_budget = source.read_table(u, Table.BUDGET)
+        else:
+            their_budget = step.budget_for(their_view, u, history, tracker)
+        if not _same_rollout_inputs(budgets[u], their_budget):
             return ForkPoint(u, budgets)
         if not (source.is_done(u, Table.CAPABILITY) and source.is_done(u, Table.HISTORY)):
             return None
@@ -134,7 +139,7 @@ def fork_point(source: RunStore, cfg: Config) -> ForkPoint | None:
         ):
             return ForkPoint(u, budgets)
         tracker = stages.tracker_from_capability(capability)
-    raise AssertionError("unreachable: the loop returns at run.steps")
+    return ForkPoint(cfg.run.steps, budgets)
 
 
 def _same_rollout_inputs(a: pd.DataFrame, b: pd.DataFrame) -> bool:
@@ -158,13 +163,13 @@ def fork_run(source: RunStore, root: str | os.PathLike[str], cfg: Config, point:
     if root.exists():
         raise ForkError(f"{root} exists")
     if s > 0:
-        if not source.is_done(s - 1, Stage.UPDATE):
+        if not source.is_done(s - 1, Table.UPDATE):
             raise ForkError(f"step {s - 1} of {source.root} is not done")
         try:
             checked_checkpoint(source, s)
         except StoreError as exc:
             raise ForkError(str(exc)) from None
-    if not source.is_done(s, Table.BUDGET) or set(point.budgets) != set(range(s + 1)):
+    if set(point.budgets) != set(range(min(s + 1, cfg.run.steps))):
         raise ForkError(f"the budgets of steps 0..{s} are not all there")
     tmp = new_temporary_dir(root)  # a name of its own: a second fork to the same directory keeps its work
     try:
@@ -173,7 +178,7 @@ def fork_run(source: RunStore, root: str | os.PathLike[str], cfg: Config, point:
         store.create(config_to_dict(cfg), config_hash(cfg), info.get("versions", {}), inputs=info.get("inputs"))
         _run_tables(source, store, s)
         for u in range(s + 1):
-            _step_tables(source, store, u, s, point.budgets[u])
+            _step_tables(source, store, u, s, point.budgets.get(u))
         for k in range(1, s + 1):  # those run.keep_checkpoints left: the ones B trained alone would hold
             if source.checkpoint_dir(k).is_dir():
                 shutil.copytree(source.checkpoint_dir(k), store.checkpoint_dir(k), copy_function=_link)
@@ -196,17 +201,20 @@ def _run_tables(source: RunStore, store: RunStore, s: int) -> None:
                 raise ForkError(f"{name}.parquet of {source.root} does not come out of a re-write as the same bytes")
 
 
-def _step_tables(source: RunStore, store: RunStore, u: int, s: int, budget: pd.DataFrame) -> None:
+def _step_tables(source: RunStore, store: RunStore, u: int, s: int, budget: pd.DataFrame | None) -> None:
     """steps/<u>: the source's tables (before ``s``; at ``s`` only its evaluation) with ``budget`` for its
-    budget table, in the source's order, and the step's timing records."""
+    budget table (none after the last step), in the source's order (the budget last when the source has not
+    allocated step ``u`` yet), and the step's timing records."""
     entries: dict[str, Any] = source.manifest(u)
     for name, entry in entries.items():
-        if name == Table.BUDGET:
+        if name == Table.BUDGET and budget is not None:
             store.write_table(u, name, budget)
         elif u < s or name == Table.EVAL:
             store.write_table(u, name, source.read_table(u, name))
             if store.manifest(u)[name]["sha256"] != entry["sha256"]:
                 raise ForkError(f"steps/{u}/{name}.parquet does not come out of a re-write as the same bytes")
+    if budget is not None and Table.BUDGET not in entries:
+        store.write_table(u, Table.BUDGET, budget)
     if u < s:
         for path in sorted(source.step_dir(u).glob("*.json")):
             if path.name != MANIFEST_FILE:

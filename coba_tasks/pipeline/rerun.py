@@ -1,19 +1,14 @@
 """Rerunning one stage of a run: which later outputs it invalidates, and removing them.
 
 Every stage output is a pure function of earlier outputs and the config, so recomputing a stage
-makes every output computed after it stale. Outputs are ordered by when they are computed
-(docs/design.md, "One training step"); for training step t:
+makes every output computed after it stale. Outputs are ordered by when they are computed: step by step,
+each step's held-out evaluation (eval(t) measures the weights after t updates) before its stages, the
+stages in the order ``store.step_stages`` gives (the history with its capability stage), so for step t:
 
-    budget(t)                    steps/t/budget.parquet      (allocated at the end of step t - 1)
-    rollouts(t), rewards(t), capability(t) + history(t)
-    budget(t + 1)                steps/t+1/budget.parquet
-    update(t) + checkpoints/t+1  steps/t/update.parquet
-    eval(t + 1)                  steps/t+1/eval.parquet      (held-out accuracy of those weights)
-
-Under ``allocation.estimator = pilot`` step t starts with pilot(t) and pilot_rewards(t), sampled with the
-weights after update(t - 1), and its budget(t) is allocated after them: the three come after eval(t) and
-before rollouts(t), so a rerun of update(t - 1) invalidates the pilot of step t, and one of the pilot or
-budget of step t everything of step t from there.
+    eval(t)                      steps/t/eval.parquet        (when due)
+    pilot(t), pilot_rewards(t)   under allocation.estimator = pilot
+    budget(t), rollouts(t), rewards(t), capability(t) + history(t)
+    update(t) + checkpoints/t+1
 
 ``plan_rerun`` lists the stage's own output and everything after it in that order (and the
 checkpoints and summary.json that go with them); ``apply_rerun`` removes them (manifest entries
@@ -35,36 +30,22 @@ from pathlib import Path
 
 from coba_tasks.core.estimators import Estimator
 from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
+from coba_tasks.pipeline.run import first_step_not_done
 from coba_tasks.pipeline.stages import eval_steps
-from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table, inside_run
+from coba_tasks.pipeline.store import PILOT_STAGES, STAGES, RunStore, StoreError, Table, inside_run, step_stages
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
-RERUNNABLE = (
-    Stage.BUDGET,
-    Stage.ROLLOUTS,
-    Stage.REWARDS,
-    Stage.CAPABILITY,
-    Stage.UPDATE,
-    Table.EVAL,
-    Table.PILOT,
-    Table.PILOT_REWARDS,
-)
+RERUNNABLE = (*STAGES, Table.EVAL, Table.PILOT, Table.PILOT_REWARDS)
 
 
-def _order(step_dir: int, name: str, piloted: bool = False) -> tuple[int, int]:
-    """Position of table ``name`` in ``steps/<step_dir>/`` in the order outputs are computed (``piloted``: a run
-    whose steps start with a pilot and allocate their own budget after it)."""
-    pilot = {Table.PILOT: -3, Table.PILOT_REWARDS: -2, **({Stage.BUDGET: -1} if piloted else {})}
-    if name in pilot:  # a step's first outputs: after eval(t), which measures the weights they sample with
-        return (step_dir, pilot[name])
-    if name == Stage.BUDGET:  # budget(t + 1) comes after capability(t), before update(t)
-        return (step_dir - 1, 3) if step_dir > 0 else (-1, 9)
-    if name == Table.EVAL:  # eval(t + 1) measures the weights after update(t)
-        return (step_dir - 1, 5)
-    rank = {Stage.ROLLOUTS: 0, Stage.REWARDS: 1, Stage.CAPABILITY: 2, Table.HISTORY: 2, Stage.UPDATE: 4}
-    if name not in rank:
+def _order(step_dir: int, name: str) -> tuple[int, int]:
+    """Position of table ``name`` in ``steps/<step_dir>/`` in the order outputs are computed."""
+    if name == Table.EVAL:  # eval(t) measures the weights after update(t - 1), before step t's stages
+        return (step_dir, -1)
+    stage = Table.CAPABILITY if name == Table.HISTORY else name
+    if stage not in PILOT_STAGES:
         raise ValueError(f"unknown stage {name!r}; choose one of {', '.join(RERUNNABLE)}")
-    return (step_dir, rank[name])
+    return (step_dir, PILOT_STAGES.index(stage))
 
 
 @dataclass
@@ -100,23 +81,22 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if require_done and not store.is_done(step, stage):
-        done = [n for n in (Table.PILOT, Table.PILOT_REWARDS, *Stage, Table.EVAL) if store.is_done(step, n)]
+        done = [n for n in (*PILOT_STAGES, Table.EVAL) if store.is_done(step, n)]
         raise ValueError(
             f"{stage} is not done at step {step} (done there: {', '.join(done) or 'nothing'}); "
             "`coba resume` computes what is missing"
         )
-    piloted = _piloted(store)
-    start = _order(step, stage, piloted)
+    start = _order(step, stage)
     plan = RerunPlan(step=step, stage=stage)
     if stage == Table.EVAL:  # nothing reads a held-out evaluation: it invalidates only itself
         plan.tables.append((step, stage))
     else:
         for s in store.steps():
             for name in store.manifest(s):
-                if name in tuple(Table) and _order(s, name, piloted) >= start:
+                if name in tuple(Table) and _order(s, name) >= start:
                     plan.tables.append((s, name))
-    plan.tables.sort(key=lambda t: _order(*t, piloted))
-    updates = [s for s, name in plan.tables if name == Stage.UPDATE]
+    plan.tables.sort(key=lambda t: _order(*t))
+    updates = [s for s, name in plan.tables if name == Table.UPDATE]
     ckpt_root = store.root / "checkpoints"
     if updates and ckpt_root.is_dir():
         first = min(updates) + 1  # update(t) wrote checkpoints/t+1
@@ -147,8 +127,7 @@ def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:
             reason = store.damage(s, name)
             if reason is not None:
                 out.append((s, name, reason))
-    known, piloted = tuple(Table), _piloted(store)
-    return sorted(out, key=lambda t: _order(t[0], t[1], piloted) if t[1] in known else (10**9, 0))
+    return sorted(out, key=lambda t: _order(t[0], t[1]) if t[1] in tuple(Table) else (10**9, 0))
 
 
 def plan_repair(store: RunStore) -> RerunPlan | None:
@@ -160,18 +139,15 @@ def plan_repair(store: RunStore) -> RerunPlan | None:
     if not damaged:
         return None
     step, name, _ = damaged[0]
-    stage = Stage.CAPABILITY if name == Table.HISTORY else name
+    stage = Table.CAPABILITY if name == Table.HISTORY else name
     return plan_rerun(store, step, stage, require_done=False)
 
 
 def resume_step(store: RunStore, plan: RerunPlan, steps: int) -> int:
     """The step a resume after ``plan`` starts at: the first whose update is not done once the plan's tables
     are gone."""
-    removed = {s for s, name in plan.tables if name == Stage.UPDATE}
-    step = 0
-    while step < steps and step not in removed and store.is_done(step, Stage.UPDATE):
-        step += 1
-    return step
+    removed = {s for s, name in plan.tables if name == Table.UPDATE}
+    return first_step_not_done(store, steps, removed)
 
 
 def needed_checkpoints(store: RunStore, plan: RerunPlan) -> list[int]:
@@ -202,10 +178,10 @@ def check_plan(store: RunStore, plan: RerunPlan) -> None:
     missing = [k for k in needed_checkpoints(store, plan) if not _whole(store, k)]
     if not missing:
         return
-    first_stage = Table.PILOT if _piloted(store) else Stage.ROLLOUTS
+    first_stage = step_stages(_piloted(store))[0]
     possible = 0
     for k in range(missing[0] - 1, 0, -1):
-        if _whole(store, k) and store.is_done(k - 1, Stage.UPDATE):
+        if _whole(store, k) and store.is_done(k - 1, Table.UPDATE):
             candidate = plan_rerun(store, k, first_stage, require_done=False)
             if all(_whole(store, j) for j in needed_checkpoints(store, candidate)):
                 possible = k

@@ -21,9 +21,10 @@ permission to run a model's own code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ from coba_tasks.pipeline.deployment import (
 )
 from coba_tasks.pipeline.faults import FaultHooks
 from coba_tasks.pipeline.runlock import LOCK_FILE
-from coba_tasks.pipeline.store import RUN_FILE, RunStore, Stage, StoreError
+from coba_tasks.pipeline.store import RUN_FILE, RunStore, StoreError, Table
 
 
 @dataclass
@@ -380,18 +381,22 @@ def eval_prompt_set(cfg: Config, test: pd.DataFrame, extra: Mapping[str, pd.Data
     return pd.concat(frames, ignore_index=True)
 
 
-def first_step_not_done(store: RunStore, steps: int) -> int:
-    """The first step whose update is not done: the run continues there (0 for a new run)."""
+def first_step_not_done(store: RunStore, steps: int, removed: Collection[int] = ()) -> int:
+    """The first step whose update is not done (or is among the updates a rerun will remove, ``removed``): the
+    run continues there (0 for a new run)."""
     step = 0
-    while step < steps and store.is_done(step, Stage.UPDATE):
+    while step < steps and step not in removed and store.is_done(step, Table.UPDATE):
         step += 1
     return step
 
 
-def update_settings(cfg: Config) -> UpdateSettings:
-    """The GRPO update's settings from the run's config (the same for one process and for FSDP)."""
+def update_settings(cfg: Config | None = None, **changes: Any) -> UpdateSettings:
+    """The GRPO update's settings from the run's config (the same for one process and for FSDP); ``cfg`` None:
+    the config's defaults. ``changes`` (``lr=1e-3``, ``lora_rank=4``) replace single keys, for a test or a
+    benchmark: every key not changed is the config's."""
+    cfg = cfg if cfg is not None else Config()
     o = cfg.optim
-    return UpdateSettings(
+    settings = UpdateSettings(
         lr=o.lr,
         lr_warmup_steps=o.lr_warmup_steps,
         weight_decay=o.weight_decay,
@@ -418,6 +423,7 @@ def update_settings(cfg: Config) -> UpdateSettings:
         rollout_mask_threshold=o.rollout_mask_threshold,
         prompt_weighting=o.prompt_weighting,
     )
+    return dataclasses.replace(settings, **changes) if changes else settings
 
 
 def verifier_pool(cfg: Config) -> VerifierPool:

@@ -3,13 +3,13 @@ write the output table. Plain functions, testable without Prefect; the flow wrap
 
 Per step t (docs/design.md, "One training step"):
 
+    budget     capability(t-1) + history(t-1) + batch(t) -> steps/t/budget.parquet
     rollouts   budget(t) + policy            -> steps/t/rollouts.parquet
     rewards    rollouts(t) + ground truths    -> steps/t/rewards.parquet
     capability rewards(t) + capability(t-1)   -> steps/t/capability.parquet (+ history.parquet)
-    budget     capability(t) + history + batch(t+1) -> steps/t+1/budget.parquet
     update     rollouts(t) + rewards(t)       -> steps/t/update.parquet + checkpoints/t+1/
 
-The allocation for step t+1 uses only what is known at the end of step t. Seeds derive from
+The allocation of step t uses only what is known at its start. Seeds derive from
 (run seed, step, prompt id); the capability tracker's state travels in capability.parquet, so
 every output is a function of its inputs and the config.
 """
@@ -83,7 +83,7 @@ def batch_for_step(prompt_ids: Sequence[str], step: int, batch_size: int, seed: 
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Rollout generation
+# Rollout generation
 # ---------------------------------------------------------------------------------------------
 
 
@@ -154,7 +154,7 @@ def _rows_table(rows: list[Any]) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Verification
+# Verification
 # ---------------------------------------------------------------------------------------------
 
 
@@ -250,7 +250,7 @@ def check_error_share(rewards: pd.DataFrame, where: str, max_share: float) -> No
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Failure-rate update
+# Failure-rate update
 # ---------------------------------------------------------------------------------------------
 
 
@@ -366,7 +366,7 @@ def empty_history() -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Allocation (for the next step's batch)
+# Allocation (the step's batch, at its start)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -474,7 +474,7 @@ def estimate_ages(batch: Sequence[str], est: np.ndarray, history: pd.DataFrame, 
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. GRPO update
+# GRPO update
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,28 +1,27 @@
-"""One training step: its five stages as Prefect tasks, named as the stage and the table it writes.
+"""One training step: its stages as Prefect tasks, named as the stage and the table it writes.
 
-    rollouts(run_dir, t)    budget(t) -> rollouts(t)                 each prompt's budget of completions
-    rewards(run_dir, t)     rollouts(t) -> rewards(t)                every completion scored
-    capability(run_dir, t)  rewards(t) -> capability(t), history(t)  pass rates -> failure rate -> (alpha, beta)
-    budget(run_dir, t)      capability(t), history(t) -> budget(t+1) the allocation for the next step
-    update(run_dir, t)      rollouts(t), rewards(t) -> update(t)     the GRPO update; checkpoints/t+1
+    budget(run_dir, t)      capability(t-1), history(t-1) -> budget(t)  each prompt's budget of completions
+    rollouts(run_dir, t)    budget(t) -> rollouts(t)                    sampled with the current policy
+    rewards(run_dir, t)     rollouts(t) -> rewards(t)                   every completion scored
+    capability(run_dir, t)  rewards(t) -> capability(t), history(t)     pass rates -> failure rate -> (alpha, beta)
+    update(run_dir, t)      rollouts(t), rewards(t) -> update(t)        the GRPO update; checkpoints/t+1
 
-and ``evaluate(run_dir, t)``: held-out accuracy of the weights after t updates (eval(t)). ``flows/train.py``
-calls them in this order (``run_step``); ``plain_step`` calls the same bodies without Prefect. Under
-``allocation.estimator = pilot`` (``coba_tasks.pipeline.pilot``) a step starts with its pilot, the pilot's
-rewards and its own budget, and has no budget stage after capability (``step_stages``):
+and ``evaluate(run_dir, t)``: held-out accuracy of the weights after t updates (eval(t)). The order is
+``store.step_stages`` (``step_tasks`` gives the tasks in it); ``flows/train.py`` calls them (``run_step``),
+``plain_step`` calls the same bodies without Prefect. Under ``allocation.estimator = pilot``
+(``coba_tasks.pipeline.pilot``) two stages lead, and the budget is allocated on the posterior after them:
 
     pilot(run_dir, t)          the batch of t -> pilot(t)             k rollouts per prompt, current policy
     pilot_rewards(run_dir, t)  pilot(t) -> pilot_rewards(t)           the pilot scored
-    step_budget(run_dir, t)    history(t-1), capability(t-1), pilot_rewards(t) -> budget(t)
 
 Each body is the stage's work: it reads its inputs from the run directory, calls the stage's pure function
 (``coba_tasks.pipeline.stages``) and returns its table. ``@stage`` makes the task and adds what every stage
 does: skip the body when the table is already done (in its step's manifest), pass the tests' fault hooks,
-write the table (atomically, recorded in the manifest last), run what follows the stage whether it ran or
-was done (the update's weight reload), and add the seconds spent to the run's timing. A task takes the run
-directory and the step (never models or tables); the run's engine, verifier pool and trainer are looked up
-by directory (``run.resources``). The update is not retried by Prefect: it moves the weights, and a resume
-recomputes it from the last checkpoint.
+write the table into ``steps/t`` (atomically, recorded in the manifest last), run what follows the stage
+whether it ran or was done (the update's weight reload), and add the seconds spent to the run's timing. A
+task takes the run directory and the step (never models or tables); the run's engine, verifier pool and
+trainer are looked up by directory (``run.resources``). The update is not retried by Prefect: it moves the
+weights, and a resume recomputes it from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ from coba_tasks.pipeline.run import (
     start_resources,
     update_settings,
 )
-from coba_tasks.pipeline.store import StoreError, Table
+from coba_tasks.pipeline.store import StoreError, Table, step_stages
 
 ROLLOUT_WEIGHTS_DIR = "rollout_weights"  # LoRA: the merged policy the engine reads (one copy, rewritten)
 EVAL_WEIGHTS_DIR = "eval_weights"  # LoRA: an earlier step's merged policy, for its evaluation (removed after)
@@ -70,25 +69,23 @@ def stage(
     table: Table,
     retries: int = 1,
     then: Callable[[RunResources, int], None] | None = None,
-    own_step: bool = False,
 ) -> Callable[[StageBody], Task[[str, int], str]]:
     """Make a stage body ``(res, step) -> table`` the Prefect task ``(run_dir, step) -> table path`` named
     ``table`` (task runs ``<table>-step-<step>``): skipped when the table is done, else computed, passed
-    through the tests' fault hooks and written (into the directory ``table.output_step(step)``,
-    or ``step``'s own with ``own_step``); then ``then(res, step)``, done or not; timed."""
+    through the tests' fault hooks and written into ``steps/<step>``; then ``then(res, step)``, done or not;
+    timed."""
 
     def make(body: StageBody) -> Task[[str, int], str]:
         def run_stage(run_dir: str, step: int) -> str:
             res, t0 = resources(run_dir), time.perf_counter()
-            where = step if own_step else table.output_step(step)
-            if not res.store.is_done(where, table):
+            if not res.store.is_done(step, table):
                 frame = body(res, step)
                 res.faults.at(step, table)
-                res.store.write_table(where, table, frame)
+                res.store.write_table(step, table, frame)
             if then is not None:
                 then(res, step)
             res.timed(table, time.perf_counter() - t0)
-            return str(res.store.table_path(where, table))
+            return str(res.store.table_path(step, table))
 
         run_stage.__name__ = run_stage.__qualname__ = body.__name__
         run_stage.__doc__, run_stage.__module__ = body.__doc__, body.__module__
@@ -99,7 +96,7 @@ def stage(
 
 
 # ---------------------------------------------------------------------------------------------
-# The stages, in the order they run (a pilot run's three first, and no ``budget``: ``step_stages``)
+# The stages (their order: ``store.step_stages``)
 
 
 @stage(Table.PILOT)
@@ -118,12 +115,13 @@ def pilot_rewards(res: RunResources, step: int) -> pd.DataFrame:
     return table
 
 
-@stage(Table.BUDGET, own_step=True)
-def step_budget(res: RunResources, step: int) -> pd.DataFrame:
-    """allocation.estimator = pilot: the budget of step t, allocated at its start on the posterior after its
-    pilot (history and shape of step t - 1); every budget holds the pilot's k and they sum to B_total."""
+@stage(Table.BUDGET)
+def budget(res: RunResources, step: int) -> pd.DataFrame:
+    """The allocation of step t, at its start: each prompt of its batch gets a budget from the history and the
+    Beta shape after step t - 1 (uniform at step 0: no pass rates yet). Under ``allocation.estimator = pilot``
+    on the posterior after the step's pilot: every budget holds the pilot's k and they sum to B_total."""
     history = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else stages.empty_history()
-    scored = res.store.read_table(step, Table.PILOT_REWARDS)
+    scored = res.store.read_table(step, Table.PILOT_REWARDS) if piloted(res.cfg) else None
     return budget_for(res, step, history, tracker_before(res, step), pilot=scored)
 
 
@@ -159,13 +157,6 @@ def capability(res: RunResources, step: int) -> pd.DataFrame:
     res.store.write_table(step, Table.HISTORY, history)
     res.store.write_run_table("history", history)
     return table
-
-
-@stage(Table.BUDGET)
-def budget(res: RunResources, step: int) -> pd.DataFrame:
-    """The allocation at the end of step t: the budget of step t + 1, from this step's history and shape."""
-    tracker = stages.tracker_from_capability(res.store.read_table(step, Table.CAPABILITY))
-    return budget_for(res, step + 1, res.store.read_table(step, Table.HISTORY), tracker)
 
 
 def _reload_policy(res: RunResources, step: int) -> None:
@@ -210,8 +201,7 @@ def evaluate(res: RunResources, step: int) -> pd.DataFrame:
     return table
 
 
-STAGES = (rollouts, rewards, capability, budget, update)  # one step, in order
-PILOT_STAGES = (pilot, pilot_rewards, step_budget, rollouts, rewards, capability, update)  # one step under pilot
+TASKS = {t.name: t for t in (pilot, pilot_rewards, budget, rollouts, rewards, capability, update)}
 
 
 def piloted(cfg: Config) -> bool:
@@ -219,9 +209,9 @@ def piloted(cfg: Config) -> bool:
     return cfg.allocation.estimator == Estimator.PILOT
 
 
-def step_stages(cfg: Config) -> tuple[Task[[str, int], str], ...]:
-    """The stage tasks of one step of the run, in order."""
-    return PILOT_STAGES if piloted(cfg) else STAGES
+def step_tasks(cfg: Config) -> tuple[Task[[str, int], str], ...]:
+    """The stage tasks of one step of the run, in the order ``store.step_stages`` gives."""
+    return tuple(TASKS[name] for name in step_stages(piloted(cfg)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,13 +256,6 @@ def budget_for(
     """budget.parquet of ``step``: its batch allocated from ``history`` (and the pilot's rewards ``pilot``) and
     the tracker's (alpha, beta)."""
     return stages.budget_table(batch_of(res, step), history, tracker, res.cfg.allocation, pilot, step)
-
-
-def write_first_budget(res: RunResources) -> None:
-    """The budget of step 0 (uniform: no pass rates yet), unless it is done; under the pilot estimator, none
-    (step 0 allocates its own after its pilot)."""
-    if not piloted(res.cfg) and not res.store.is_done(0, Table.BUDGET):
-        res.store.write_table(0, Table.BUDGET, budget_for(res, 0, stages.empty_history(), tracker_before(res, 0)))
 
 
 def _update(res: RunResources, step: int) -> pd.DataFrame:
@@ -400,15 +383,14 @@ def plain_step(run_dir: str | Path, step: int) -> None:
     timing.json."""
     res = resources(run_dir)
     before = dict(res.stage_seconds)
-    for stage_task in step_stages(res.cfg):
+    for stage_task in step_tasks(res.cfg):
         stage_task.fn(str(run_dir), step)
     write_step_timing(res, step, before)
 
 
 def resume_point(res: RunResources) -> int:
-    """Write the first budget if needed, start the resources on the right weights, and return the first
-    step to run: a continuing run starts from the checkpoint of its first step not done."""
-    write_first_budget(res)
+    """Start the resources on the right weights and return the first step to run: a continuing run starts
+    from the checkpoint of its first step not done."""
     first = first_step_not_done(res.store, res.cfg.run.steps)
     lora = res.cfg.model.lora_rank > 0
     ckpt = checked_checkpoint(res.store, first) if first > 0 else None

@@ -35,9 +35,9 @@ The rules, and how this module keeps them:
    bytes and the hash of the config that produced them. Tables are written without pandas
    metadata or index, so equal frames give equal bytes and a rerun's sha256 can be compared.
 
-Steps, stages and tables. ``Stage`` lists the five stages of one step in pipeline order, ``Table`` the
-tables of a step directory. A table is addressed by ``(step, name)``, the step whose directory holds it
-(the one rule of where a table lives, ``Table``: a budget is in the directory of the step that uses it).
+Steps, stages and tables. ``Table`` names the tables of a step directory, ``step_stages`` the stages of one
+step in the order they run (each writes the table of its name). A table is addressed by ``(step, name)``:
+every table computed during step t lives in ``steps/t``, its budget included.
 
 Integrity. ``read_table`` checks the file's size and sha256 against its manifest entry (unless ``verify=False``);
 a mismatch or an unreadable file raises ``StoreError`` naming the file and pointing to ``coba resume --repair``,
@@ -89,20 +89,18 @@ _REPAIR_HINT = "run `coba resume --repair` to recompute it"
 
 
 class Table(StrEnum):
-    """The tables of a step directory, in the order a step writes them; the value is the file's name.
-
-    A table lives in the directory of the step that *uses* it. ``budget`` comes first: the allocation at
-    the end of step t - 1 writes it into step t's directory before step t runs (the first step's, uniform,
-    before any step), so ``steps/t/budget.parquet`` is the budget step t consumed and the last directory
-    holds the budget of a step that never ran. ``history`` is the per-prompt pass-rate memory the
-    capability stage writes beside its table, and ``eval`` the held-out evaluation of the weights after t
-    updates. ``output_step`` gives the directory a table computed during step t goes to. Under the pilot
-    estimator a step allocates its own budget at its start, after its ``pilot`` and ``pilot_rewards``.
+    """The tables of a step directory; the value is the file's name. The stages of a step write the first
+    seven, one table each, in the order ``step_stages`` gives: the step's own budget first (``budget``,
+    from the failure rate and pass rates after step t - 1; under ``allocation.estimator = pilot`` after the
+    step's ``pilot`` and ``pilot_rewards``), then its rollouts, rewards, capability and update. ``history`` is
+    the per-prompt pass-rate memory the capability stage writes beside its table, and ``eval`` the held-out
+    evaluation of the weights after t updates (computed before step t starts). Every table of step t lives
+    in ``steps/t``.
 
     >>> [t.value for t in Table]
     ['pilot', 'pilot_rewards', 'budget', 'rollouts', 'rewards', 'capability', 'update', 'history', 'eval']
-    >>> Table.REWARDS.output_step(7), Table.BUDGET.output_step(7)
-    (7, 8)
+    >>> [t.value for t in step_stages(pilot=False)]
+    ['budget', 'rollouts', 'rewards', 'capability', 'update']
     """
 
     PILOT = "pilot"
@@ -115,34 +113,16 @@ class Table(StrEnum):
     HISTORY = "history"
     EVAL = "eval"
 
-    def output_step(self, step: int) -> int:
-        """The step directory this table is written to when it is computed during ``step``."""
-        return step + 1 if self is Table.BUDGET else step
+
+# One training step, in order: the one place the stage order is written (the flow's step, rerun's order,
+# fork's walk, the figures and the artifacts read it). The pilot's two stages lead under the pilot estimator.
+STAGES = (Table.BUDGET, Table.ROLLOUTS, Table.REWARDS, Table.CAPABILITY, Table.UPDATE)
+PILOT_STAGES = (Table.PILOT, Table.PILOT_REWARDS, *STAGES)
 
 
-class Stage(StrEnum):
-    """The five stages of a training step, in the order they run; each writes the table of its name
-    (a ``Stage`` equals its ``Table`` and its name as a string, so any of the three reads a table).
-
-    >>> [s.value for s in Stage]
-    ['rollouts', 'rewards', 'capability', 'budget', 'update']
-    >>> Stage.BUDGET.table.output_step(7)
-    8
-    """
-
-    ROLLOUTS = "rollouts"
-    REWARDS = "rewards"
-    CAPABILITY = "capability"
-    BUDGET = "budget"  # the allocation: computed at the end of step t, written to step t + 1
-    UPDATE = "update"
-
-    @property
-    def table(self) -> Table:
-        return Table(self.value)
-
-    def output_step(self, step: int) -> int:
-        """The step directory this stage writes to when it runs during ``step``."""
-        return self.table.output_step(step)
+def step_stages(pilot: bool) -> tuple[Table, ...]:
+    """The stages of one training step in the order they run (``pilot``: the run samples a pilot first)."""
+    return PILOT_STAGES if pilot else STAGES
 
 
 class StoreError(ValueError):
@@ -169,7 +149,7 @@ class RunStore:
 
     ``RunStore(root)`` only remembers the path; ``create`` makes a new run there and ``open``
     checks that one exists and was written by this schema version. Table names may be given as a
-    ``Table``, a ``Stage`` or a plain string (``"rollouts"``).
+    ``Table`` or a plain string (``"rollouts"``).
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -331,9 +311,8 @@ class RunStore:
     def write_table(self, step: int, name: str, df: pd.DataFrame) -> Path:
         """Write ``df`` as ``steps/<step>/<name>.parquet`` atomically, then record it in the step's manifest.
 
-        ``(step, name)`` is the directory the table lives in: the budget allocated at the end of
-        step t is written as ``(t + 1, "budget")`` (see ``Stage.output_step``). The index is not
-        written; list and struct columns are kept as Arrow lists and structs.
+        ``(step, name)`` is the directory the table lives in (the step that computed it). The index
+        is not written; list and struct columns are kept as Arrow lists and structs.
 
         Returns:
             The path of the Parquet file.
@@ -379,12 +358,9 @@ class RunStore:
             return []
         return sorted(int(p.name) for p in base.iterdir() if p.is_dir() and _STEP_DIR_RE.fullmatch(p.name))
 
-    def steps_done(self, names: Iterable[str] = tuple(Stage)) -> list[int]:
-        """The steps, ascending, whose directory holds every table of ``names`` as done.
-
-        Tables are looked up in the step's own directory (see the module docstring: budget of step
-        t was allocated during step t - 1). An empty ``names`` selects every step directory.
-        """
+    def steps_done(self, names: Iterable[str] = STAGES) -> list[int]:
+        """The steps, ascending, whose directory holds every table of ``names`` as done (an empty ``names``
+        selects every step directory)."""
         wanted = [_check_name(n) for n in names]
         return [s for s in self.steps() if all(_is_tracked(self.step_dir(s), n) for n in wanted)]
 

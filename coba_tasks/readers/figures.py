@@ -26,7 +26,7 @@ import pandas as pd
 from coba_tasks.core.passk import pass_at_ks
 from coba_tasks.engines.verify import count_verdicts
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
-from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, Table
+from coba_tasks.pipeline.store import STAGES, SUMMARY_FILE, RunStore, Table
 from coba_tasks.readers.mechanisms import mechanism_summary, run_mechanisms
 from coba_tasks.readers.tables import RunTables, load_run, ordered
 
@@ -144,21 +144,17 @@ def update_figures(table: pd.DataFrame) -> dict[str, float]:
 
 
 def step_figures(store: RunStore, step: int) -> dict[str, dict[str, Any]]:
-    """The figures of training step ``step``, by stage: ``rollouts`` (their number), ``rewards`` (verdict
-    counts), ``capability``, ``budget`` (the allocation the step made: the budget of step + 1) and
-    ``update``; a stage whose table is not done is left out."""
+    """The figures of training step ``step``, by stage (``budget``: the allocation it sampled with,
+    ``rollouts``: their number, ``rewards``: verdict counts, ``capability``, ``update``); a stage whose table is
+    not done, and the pilot's, are left out."""
     read = {
-        Stage.ROLLOUTS: (step, lambda t: {"rollouts": len(t)}),
-        Stage.REWARDS: (step, lambda t: count_verdicts(t["verdict"])),
-        Stage.CAPABILITY: (step, capability_figures),
-        Stage.BUDGET: (step + 1, budget_figures),
-        Stage.UPDATE: (step, update_figures),
+        Table.BUDGET: budget_figures,
+        Table.ROLLOUTS: lambda t: {"rollouts": len(t)},
+        Table.REWARDS: lambda t: count_verdicts(t["verdict"]),
+        Table.CAPABILITY: capability_figures,
+        Table.UPDATE: update_figures,
     }
-    return {
-        str(stage): figures(store.read_table(where, stage))
-        for stage, (where, figures) in read.items()
-        if store.is_done(where, stage)
-    }
+    return {str(stage): read[stage](store.read_table(step, stage)) for stage in STAGES if store.is_done(step, stage)}
 
 
 def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
@@ -186,7 +182,7 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
         ValueError: ``run_dir`` is not a run directory (``StoreError``), or a done table is corrupt.
     """
     t = run if isinstance(run, RunTables) else load_run(run)
-    steps_done = t.steps_with(Stage.UPDATE)
+    steps_done = t.steps_with(Table.UPDATE)
 
     heldout = []
     for s in t.steps_with(Table.EVAL):
@@ -200,11 +196,11 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
     after = eval_figures(t.table(evals[-1], Table.EVAL)) | {"step": evals[-1]} if evals and evals[-1] > 0 else None
     gains = heldout_gains(t.table(0, Table.EVAL), t.table(evals[-1], Table.EVAL)) if before and after else {}
 
-    cap_steps = t.steps_with(Stage.CAPABILITY)
+    cap_steps = t.steps_with(Table.CAPABILITY)
     capability: dict[str, Any] = {"first": None, "latest": None}
     for key, s in (("first", cap_steps[0] if cap_steps else None), ("latest", cap_steps[-1] if cap_steps else None)):
         if s is not None:
-            row = t.table(s, Stage.CAPABILITY)
+            row = t.table(s, Table.CAPABILITY)
             capability[key] = {"step": s} | {f: _first(row, f) for f in CAPABILITY_FIELDS if f in row.columns}
 
     verdict_frame, _ = t.verdicts_by_step()
@@ -212,9 +208,9 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
 
     last_update = None
     if steps_done:
-        row = t.table(steps_done[-1], Stage.UPDATE)
+        row = t.table(steps_done[-1], Table.UPDATE)
         last_update = {"step": steps_done[-1]} | {f: _first(row, f) for f in UPDATE_FIELDS if f in row.columns}
-    updates = t.stacked(Stage.UPDATE)
+    updates = t.stacked(Table.UPDATE)
     gap_mean = updates["logprob_diff_mean"].mean() if "logprob_diff_mean" in updates else None
     gap_max = updates["logprob_diff_max"].max() if "logprob_diff_max" in updates else None
 
@@ -234,10 +230,10 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
         "heldout_after": after,
         "heldout_gain": gains,
         "capability": capability,
-        "budget": _budget_stats(t, [s for s in steps_done if Stage.BUDGET in t.done[s]]),
+        "budget": _budget_stats(t, [s for s in steps_done if Table.BUDGET in t.done[s]]),
         "verdicts": verdicts,
         "total_rollouts": sum(
-            int(t.store.manifest(s)["rollouts"].get("rows", 0)) for s in t.steps_with(Stage.ROLLOUTS)
+            int(t.store.manifest(s)["rollouts"].get("rows", 0)) for s in t.steps_with(Table.ROLLOUTS)
         ),
         "last_update": last_update,
         "logprob_gap": {"mean": gap_mean, "max": gap_max},
@@ -255,8 +251,8 @@ def _no_signal(capability: pd.DataFrame) -> bool:
 def no_signal_streak(store: RunStore, step: int) -> int:
     """How many steps in a row, ending at ``step``, had no mixed group (0 when ``step`` had one)."""
     n = 0
-    while step - n >= 0 and store.is_done(step - n, Stage.CAPABILITY):
-        if not _no_signal(store.read_table(step - n, Stage.CAPABILITY)):
+    while step - n >= 0 and store.is_done(step - n, Table.CAPABILITY):
+        if not _no_signal(store.read_table(step - n, Table.CAPABILITY)):
             break
         n += 1
     return n
@@ -264,7 +260,7 @@ def no_signal_streak(store: RunStore, step: int) -> int:
 
 def no_signal_steps(t: RunTables) -> dict[str, Any]:
     """The done steps with no mixed group (``steps``) and the longest run of them in a row (``longest``)."""
-    steps = [s for s in t.steps_with(Stage.CAPABILITY) if _no_signal(t.table(s, Stage.CAPABILITY))]
+    steps = [s for s in t.steps_with(Table.CAPABILITY) if _no_signal(t.table(s, Table.CAPABILITY))]
     longest = run = 0
     for i, s in enumerate(steps):
         run = run + 1 if i and steps[i - 1] == s - 1 else 1
@@ -333,7 +329,7 @@ def _budget_stats(t: RunTables, steps: list[int]) -> dict[str, Any] | None:
     """min/mean/max of the budgets used by ``steps``, and the mean per difficulty level (via prompts)."""
     if not steps:
         return None
-    budgets = pd.concat([t.table(s, Stage.BUDGET) for s in steps], ignore_index=True)
+    budgets = pd.concat([t.table(s, Table.BUDGET) for s in steps], ignore_index=True)
     if "budget" not in budgets.columns or budgets.empty:
         return None
     figures = budget_figures(budgets)

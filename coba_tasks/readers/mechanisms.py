@@ -47,7 +47,7 @@ import pandas as pd
 from coba_tasks.core.passk import mean_pass_at_k
 from coba_tasks.core.values import effective_number
 from coba_tasks.engines.verify import VerdictKind
-from coba_tasks.pipeline.store import Stage, Table
+from coba_tasks.pipeline.store import Table
 from coba_tasks.readers.tables import RunTables
 
 PASS_AT = 2  # k of the training groups' pass@k: every group has at least allocation.min_budget >= 2 rollouts
@@ -180,12 +180,12 @@ def effective_prompts_of(t: RunTables, step: int) -> float:
     """The step's N_eff: the update table's ``effective_prompts``, else ``token_effective_prompts`` (see the
     module docstring), else NaN."""
     done = t.done.get(step, set())
-    if Stage.UPDATE in done:
-        update = t.table(step, Stage.UPDATE)
+    if Table.UPDATE in done:
+        update = t.table(step, Table.UPDATE)
         if "effective_prompts" in update and len(update):
             return float(update["effective_prompts"].iloc[0])
-    if {Stage.ROLLOUTS, Stage.REWARDS} <= done:
-        return token_effective_prompts(_rollout_tokens(t, step), t.table(step, Stage.REWARDS))
+    if {Table.ROLLOUTS, Table.REWARDS} <= done:
+        return token_effective_prompts(_rollout_tokens(t, step), t.table(step, Table.REWARDS))
     return math.nan
 
 
@@ -194,7 +194,7 @@ def _rollout_tokens(t: RunTables, step: int) -> pd.DataFrame:
     its bytes; the file is not hashed, as ``coba inspect --sql`` reads it); empty without ``n_tokens``."""
     import pyarrow.parquet as pq
 
-    path = t.store.table_path(step, Stage.ROLLOUTS)
+    path = t.store.table_path(step, Table.ROLLOUTS)
     if "n_tokens" not in pq.read_schema(path).names:
         return pd.DataFrame()
     return pd.read_parquet(path, columns=["prompt_id", "n_tokens"])
@@ -230,8 +230,8 @@ def _last_visits(t: RunTables, step: int) -> dict[str, int] | None:
 def step_mechanisms(t: RunTables, step: int) -> tuple[dict[str, float], pd.DataFrame]:
     """The figures of step ``step`` but ``first_solved`` (which needs the steps before it) and its
     ``estimate_rows``; its budget and rewards tables must be done."""
-    rewards = t.table(step, Stage.REWARDS)
-    rows = estimate_rows(t.table(step, Stage.BUDGET), rewards, step, _last_visits(t, step))
+    rewards = t.table(step, Table.REWARDS)
+    rows = estimate_rows(t.table(step, Table.BUDGET), rewards, step, _last_visits(t, step))
     figures = {**group_figures(rewards), **estimate_figures(rows), "effective_prompts": effective_prompts_of(t, step)}
     return figures, rows
 
@@ -240,12 +240,12 @@ def run_mechanisms(t: RunTables) -> Mechanisms:
     """The mechanisms of every step of ``t`` with a done budget and rewards table."""
     solved: set[str] = set()
     steps, rows = [], []
-    for step in t.steps_with(Stage.REWARDS):
-        rewards = t.table(step, Stage.REWARDS)
+    for step in t.steps_with(Table.REWARDS):
+        rewards = t.table(step, Table.REWARDS)
         correct = set(rewards["prompt_id"][_solved(rewards)].astype(str))
         first = correct - solved
         solved |= correct
-        if Stage.BUDGET not in t.done[step]:
+        if Table.BUDGET not in t.done[step]:
             continue
         figures, r = step_mechanisms(t, step)
         rows.append(r)

@@ -20,7 +20,7 @@ import pandas as pd
 
 from coba_tasks.engines.fileio import atomic_write
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
-from coba_tasks.pipeline.store import SUMMARY_FILE, Stage, Table
+from coba_tasks.pipeline.store import SUMMARY_FILE, Table
 from coba_tasks.readers.figures import split_test_sets
 from coba_tasks.readers.mechanisms import PASS_AT, by_age, run_mechanisms
 from coba_tasks.readers.tables import VERDICTS, RunTables
@@ -114,7 +114,7 @@ def plot_accuracy(run: RunTables, path: Path) -> Path:
                         alpha=0.85,
                         label=f"held-out, difficulty {int(level)}",
                     )
-    cap = run.stacked(Stage.CAPABILITY).reset_index(drop=True)
+    cap = run.stacked(Table.CAPABILITY).reset_index(drop=True)
     if "S" in cap.columns and len(cap):
         s_steps = cap["step"].astype(int).tolist()
         all_steps += s_steps
@@ -135,7 +135,7 @@ def plot_accuracy(run: RunTables, path: Path) -> Path:
 def plot_capability(run: RunTables, path: Path) -> Path:
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.5, 6.4), sharex=True, layout="constrained")
-    cap = run.stacked(Stage.CAPABILITY).reset_index(drop=True)
+    cap = run.stacked(Table.CAPABILITY).reset_index(drop=True)
     steps = cap["step"].astype(int).tolist()
     if "F" in cap.columns:
         top.plot(steps, cap["F"].astype(float), "o-", ms=3.5, color="C3", lw=1.8, label="F (failure rate)")
@@ -328,7 +328,7 @@ def plot_verdicts(run: RunTables, path: Path) -> Path:
 def plot_update(run: RunTables, path: Path) -> Path:
     plt = _pyplot()
     fig, (gap_ax, norm_ax) = plt.subplots(1, 2, figsize=(11.0, 4.2), layout="constrained")
-    u = run.stacked(Stage.UPDATE).reset_index(drop=True)
+    u = run.stacked(Table.UPDATE).reset_index(drop=True)
     # runs made before the sampler's log-probabilities were recorded have no gap columns
     gap = u[["step", "logprob_diff_mean", "logprob_diff_max"]].dropna() if "logprob_diff_mean" in u else u.iloc[:0]
     if len(gap):

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from coba_tasks.engines.fileio import atomic_write
-from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, Table
+from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Table
 from coba_tasks.readers.figures import run_summary
 from coba_tasks.readers.plots import (
     pick_scatter_steps,
@@ -102,7 +102,7 @@ _CAPTIONS = {
 def _load(run_dir: str | os.PathLike[str]) -> RunTables:
     """The run's done tables; a ValueError when it has no step done yet (nothing to report)."""
     t = load_run(run_dir)
-    if not t.steps_with(Stage.CAPABILITY):
+    if not t.steps_with(Table.CAPABILITY):
         raise ValueError(f"{t.store.root}: no steps done yet (no step has a capability table); nothing to report")
     return t
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from coba_tasks.pipeline.store import Stage
+from coba_tasks.pipeline.store import Table
 from coba_tasks.readers.tables import RunTables
 
 PROMPTS_SHOWN = 4  # prompts per step: from the largest budget to the smallest
 COMPLETIONS_SHOWN = 4  # completions per prompt, in sample order
 TEXT_CHARS = 600  # a prompt or completion is cut here (the rest is in the tables)
-NEEDED = (Stage.ROLLOUTS, Stage.REWARDS, Stage.BUDGET)
+NEEDED = (Table.ROLLOUTS, Table.REWARDS, Table.BUDGET)
 
 
 def prompt_texts(t: RunTables, prompt_ids: pd.Series, chars: int) -> pd.Series:
@@ -48,12 +48,12 @@ def step_samples_for_eval(t: RunTables, eval_step: int) -> tuple[int, pd.DataFra
     step = training_step_for(t, eval_step)
     if step is None:
         return None
-    budget = t.table(step, Stage.BUDGET)[["prompt_id", "budget", "pass_rate_est"]]
+    budget = t.table(step, Table.BUDGET)[["prompt_id", "budget", "pass_rate_est"]]
     budget = budget.sort_values(["budget", "prompt_id"], ascending=[False, True], kind="stable")
     picks = np.unique(np.linspace(0, len(budget) - 1, min(PROMPTS_SHOWN, len(budget))).round().astype(int))
     chosen = budget.iloc[picks].reset_index(drop=True)
-    rollouts = t.table(step, Stage.ROLLOUTS)[["prompt_id", "sample_idx", "completion"]]
-    rewards = t.table(step, Stage.REWARDS)[["prompt_id", "sample_idx", "reward", "verdict"]]
+    rollouts = t.table(step, Table.ROLLOUTS)[["prompt_id", "sample_idx", "completion"]]
+    rewards = t.table(step, Table.REWARDS)[["prompt_id", "sample_idx", "reward", "verdict"]]
     rows = rollouts[rollouts["prompt_id"].isin(chosen["prompt_id"])].merge(
         rewards, on=["prompt_id", "sample_idx"], how="left"
     )

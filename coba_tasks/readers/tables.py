@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
-from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Stage, StoreError, Table
+from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, StoreError, Table
 
 TABLE_ORDER: tuple[str, ...] = tuple(t.value for t in Table)  # the order a step produces them
 VERDICTS = tuple(kind.value for kind in VerdictKind)
@@ -81,15 +81,15 @@ class RunTables:
         rows: dict[int, dict[str, int]] = {}
         from_rewards: list[int] = []
         for s in self.steps:
-            if Stage.CAPABILITY in self.done[s]:
-                cap = self.table(s, Stage.CAPABILITY)
+            if Table.CAPABILITY in self.done[s]:
+                cap = self.table(s, Table.CAPABILITY)
                 rows[s] = {
                     v: int(cap[f"{_VERDICT_PREFIX}{v}"].fillna(0).sum())
                     for v in VERDICTS
                     if f"{_VERDICT_PREFIX}{v}" in cap
                 }
-            elif Stage.REWARDS in self.done[s]:
-                rows[s] = count_verdicts(self.table(s, Stage.REWARDS)["verdict"])
+            elif Table.REWARDS in self.done[s]:
+                rows[s] = count_verdicts(self.table(s, Table.REWARDS)["verdict"])
                 from_rewards.append(s)
         frame = pd.DataFrame.from_dict(rows, orient="index", columns=list(VERDICTS)).fillna(0).astype(int)
         return frame.sort_index(), from_rewards

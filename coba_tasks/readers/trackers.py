@@ -41,7 +41,7 @@ import pandas as pd
 
 from coba_tasks.pipeline.config import Config, check_installed, config_to_dict
 from coba_tasks.pipeline.config_sections import TRACKERS
-from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.pipeline.store import STAGES, RunStore, Table
 from coba_tasks.readers.figures import budget_figures, capability_figures, eval_figures, update_figures
 from coba_tasks.readers.mechanisms import step_mechanisms
 from coba_tasks.readers.samples import prompt_texts
@@ -70,7 +70,7 @@ def step_complete(t: RunTables, k: int, steps: int, every: int) -> bool:
     """Whether tracker step ``k`` has all its tables: the update of step k - 1, and the evaluation when due."""
     if k > steps:
         return False
-    trained = k == 0 or Stage.UPDATE in t.done.get(k - 1, set())
+    trained = k == 0 or Table.UPDATE in t.done.get(k - 1, set())
     evaluated = not eval_due(k, steps, every) or Table.EVAL in t.done.get(k, set())
     return trained and evaluated
 
@@ -82,7 +82,7 @@ def step_fingerprint(store: RunStore, k: int) -> str:
     entries = [(k, Table.EVAL.value, store.manifest(k).get(Table.EVAL, {}).get("sha256"))]
     if k > 0:
         done = store.manifest(k - 1)
-        entries += [(k - 1, stage.value, done.get(stage, {}).get("sha256")) for stage in Stage]
+        entries += [(k - 1, stage.value, done.get(stage, {}).get("sha256")) for stage in STAGES]
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
@@ -100,21 +100,21 @@ def step_metrics(t: RunTables, k: int) -> dict[str, float]:
     out: dict[str, Any] = {"progress/updates": k}
     s = k - 1
     done = t.done.get(s, set()) if k > 0 else set()
-    if Stage.CAPABILITY in done:
-        cap = capability_figures(t.table(s, Stage.CAPABILITY))
+    if Table.CAPABILITY in done:
+        cap = capability_figures(t.table(s, Table.CAPABILITY))
         out |= {"train/pass_rate": cap.get("S"), "train/F": cap.get("F")}
         out |= {f"capability/{c}": cap.get(c) for c in ("alpha", "beta", "alpha_used", "beta_used")}
         out["budget/zero_variance_share"] = cap.get("zero_variance_groups")
-    if Stage.REWARDS in done:
-        rewards = t.table(s, Stage.REWARDS)
+    if Table.REWARDS in done:
+        rewards = t.table(s, Table.REWARDS)
         out["train/reward_mean"] = rewards["reward"].astype(float).mean()
         out["train/rollouts"] = len(rewards)
-    if Stage.BUDGET in done:
-        out |= {f"budget/{k}": v for k, v in budget_figures(t.table(s, Stage.BUDGET)).items()}
-    if {Stage.BUDGET, Stage.REWARDS} <= done:  # readers.mechanisms: estimates against realized pass rates, N_eff
+    if Table.BUDGET in done:
+        out |= {f"budget/{k}": v for k, v in budget_figures(t.table(s, Table.BUDGET)).items()}
+    if {Table.BUDGET, Table.REWARDS} <= done:  # readers.mechanisms: estimates against realized pass rates, N_eff
         out |= {f"mechanisms/{name}": v for name, v in step_mechanisms(t, s)[0].items()}
-    if Stage.UPDATE in done:
-        upd = update_figures(t.table(s, Stage.UPDATE))
+    if Table.UPDATE in done:
+        upd = update_figures(t.table(s, Table.UPDATE))
         for c in ("loss", "grad_norm", "clip_frac", "entropy", "kl", "lr", "tokens"):
             out[f"update/{c}"] = upd.get(c)
         out["update/sampler_trainer_gap"] = upd.get("logprob_diff_mean")
@@ -140,10 +140,10 @@ def step_samples(t: RunTables, k: int, n: int = SAMPLES) -> pd.DataFrame | None:
     """A few sample completions of training step k - 1 with their rewards (the first ``n`` prompts' first
     completion), or None at step 0 or when the tables are not done."""
     s = k - 1
-    if k == 0 or not {Stage.ROLLOUTS, Stage.REWARDS} <= t.done.get(s, set()):
+    if k == 0 or not {Table.ROLLOUTS, Table.REWARDS} <= t.done.get(s, set()):
         return None
-    rollouts = t.table(s, Stage.ROLLOUTS)[["prompt_id", "sample_idx", "completion"]]
-    rewards = t.table(s, Stage.REWARDS)[["prompt_id", "sample_idx", "reward", "verdict"]]
+    rollouts = t.table(s, Table.ROLLOUTS)[["prompt_id", "sample_idx", "completion"]]
+    rewards = t.table(s, Table.REWARDS)[["prompt_id", "sample_idx", "reward", "verdict"]]
     rows = rollouts.merge(rewards, on=["prompt_id", "sample_idx"], how="inner")
     rows = rows.sort_values(["prompt_id", "sample_idx"], kind="stable").drop_duplicates("prompt_id").head(n)
     rows = rows.assign(

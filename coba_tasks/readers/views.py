@@ -108,7 +108,7 @@ def show_table(
     if stage == "budget" and "pilot" in done:  # allocation.estimator = pilot: the step allocated it, after its pilot
         note = f"(the budget step {step} uses, allocated by step {step} after its pilot)"
     elif stage == "budget":
-        note = f"(the budget step {step} uses, allocated at the end of step {step - 1})" if step else None
+        note = f"(the budget step {step} uses, allocated from the tables of step {step - 1})" if step else None
     return render(df, fmt, total=total, note=note)
 
 

@@ -487,7 +487,7 @@ def _assert_forked_equals_from_the_start(forked: RunStore, scratch: RunStore, ca
         return out | {(-1, n): store.read_run_table(n) for n in ("prompts", "history")}
 
     ta, tb = tables(forked), tables(scratch)
-    assert sorted(ta) == sorted(tb) and len(ta) == 4 * 7 - 3  # steps 0-2 all 7 tables; step 3 budget and eval
+    assert sorted(ta) == sorted(tb) and len(ta) == 3 * 7 + 1 + 2  # steps 0-2: 7 tables; step 3: eval; 2 of the run
     for key in ta:
         pd.testing.assert_frame_equal(ta[key], tb[key], check_exact=True, obj=str(key))
     for s in forked.steps():

@@ -17,7 +17,7 @@ from coba_tasks.commands.cli import main as cli_main
 from coba_tasks.core.passk import pass_at_k
 from coba_tasks.engines.export import EXPORT_RECORD, export_checkpoint
 from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.pipeline.run import update_settings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]
@@ -90,7 +90,7 @@ def _trained(tmp_path, lora_rank: int) -> tuple[PolicyTrainer, object]:
     config = json.loads((base / "tokenizer_config.json").read_text())
     (base / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 7}))
-    settings = UpdateSettings(lr=1e-2, micro_batch_size=2, lora_rank=lora_rank, lora_alpha=8.0)
+    settings = update_settings(lr=1e-2, micro_batch_size=2, lora_rank=lora_rank, lora_alpha=8.0)
     trainer = PolicyTrainer(base, settings)
     trainer.update(PROMPTS, COMPLETIONS, ADV)
     return trainer, trainer.save_checkpoint(tmp_path / "checkpoints" / "000001")

@@ -358,7 +358,7 @@ def test_show_table_limit_and_columns(run: Path):
     assert lines[3] == "(2 of 3 rows shown)"
     assert len(show_table(run, 0, "rewards", limit=0).splitlines()) == 4  # 0 = every row
     assert len(json.loads(show_table(run, 0, "rewards", limit=1, fmt="json"))) == 1
-    assert "allocated at the end of step 0" in show_table(run, 1, "budget")
+    assert "allocated from the tables of step 0" in show_table(run, 1, "budget")
 
 
 def test_show_table_errors(run: Path, live: Path):

@@ -367,8 +367,7 @@ def test_gpu_check_checks_pass_on_a_cpu_run_and_catch_a_missing_step(sleepy_run)
     more = gpu_check.check_run(run_dir, STEPS + 1, require_memory=False)
     failed = [c for c in more if not c.ok]
     assert [c.name for c in failed] == ["step 3 tables", "eval at step 4"]
-    assert "missing budget, rollouts, rewards, capability, update" not in failed[0].detail  # budget 3 exists
-    assert "missing rollouts, rewards, capability, update" in failed[0].detail
+    assert "missing budget, rollouts, rewards, capability, update" in failed[0].detail  # step 3 never started
     # the memory check needs CUDA figures: a CPU run has none, and that fails it
     memory = gpu_check.check_run(run_dir, 1, require_memory=True)
     assert [c.ok for c in memory if c.name == "step 0 memory"] == [False]

@@ -20,16 +20,16 @@ from coba_tasks.core.grpo import group_advantages
 from coba_tasks.engines.fsdp_update import FSDPUpdateError, fsdp_update, read_batch, read_group_ids, write_batch
 from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_batch import DataShard
-from coba_tasks.engines.update_settings import UpdateSettings
 from coba_tasks.pipeline.config import HASH_NEUTRAL_DEFAULTS, apply_overrides, config_hash, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
+from coba_tasks.pipeline.run import update_settings
 
 # Ragged groups (sizes 2, 3 and 4: 9 rollouts), rewards with variance in every group
 GROUP_SIZES = (2, 3, 4)
 REWARDS = (1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0)
 # micro-batches of 2 and 2 mini-batches over 2 ranks: shares of 3 and 2 rows, so rank 1 runs idle passes;
 # 2 epochs (4 optimizer steps) and a KL term (the reference model is sharded too)
-SETTINGS = UpdateSettings(lr=1e-3, micro_batch_size=2, mini_batches=2, update_epochs=2, kl_coef=0.05)
+SETTINGS = update_settings(lr=1e-3, micro_batch_size=2, mini_batches=2, update_epochs=2, kl_coef=0.05)
 REL_TOL = 1e-3  # max |w_fsdp - w_single| <= REL_TOL * max |w_single - w_before|
 
 
@@ -175,7 +175,7 @@ def test_fsdp_update_from_the_base_model_weighs_each_prompt_the_same(random_chec
     out of the check.
     """
     a, _ = random_checkpoints
-    s = UpdateSettings(lr=1e-3, micro_batch_size=2, mini_batches=2, eps=1e-5, prompt_weighting="equal")
+    s = update_settings(lr=1e-3, micro_batch_size=2, mini_batches=2, eps=1e-5, prompt_weighting="equal")
     batch = ragged_batch(4)
     groups = np.array([0, 0, 1, 1, 1, 2, 2, 3, 3])
     single = PolicyTrainer(a, s)
@@ -206,9 +206,9 @@ def test_a_failed_job_says_why(tmp_path, monkeypatch):
 
     monkeypatch.setattr(module.subprocess, "run", failing_job)
     with pytest.raises(FSDPUpdateError, match=r"(?s)3 processes failed \(exit status 1\).*no-model is not a model"):
-        fsdp_update(tmp_path / "no-model", tmp_path / "out", [[5]], [[6, 2]], np.zeros(1), UpdateSettings(), 3)
+        fsdp_update(tmp_path / "no-model", tmp_path / "out", [[5]], [[6, 2]], np.zeros(1), update_settings(), 3)
     with pytest.raises(ValueError, match="processes must be >= 1"):
-        fsdp_update(tmp_path / "no-model", tmp_path / "out", [[5]], [[6, 2]], np.zeros(1), UpdateSettings(), 0)
+        fsdp_update(tmp_path / "no-model", tmp_path / "out", [[5]], [[6, 2]], np.zeros(1), update_settings(), 0)
 
 
 def _fake_job(ranks_done: range, rc: int):
@@ -233,7 +233,7 @@ def test_a_rank_that_aborts_at_exit_after_the_work_is_whole_keeps_the_update(tmp
     kept, with a warning. A rank that did not finish still fails the update."""
     import coba_tasks.engines.fsdp_update as module
 
-    args = (tmp_path / "model", tmp_path / "out", [[5]], [[6, 2]], np.zeros(1), UpdateSettings(), 2)
+    args = (tmp_path / "model", tmp_path / "out", [[5]], [[6, 2]], np.zeros(1), update_settings(), 2)
     monkeypatch.setattr(module.subprocess, "run", _fake_job(range(2), -6))
     with caplog.at_level("WARNING", logger=module.__name__):
         assert fsdp_update(*args) == {"loss": 0.25}
@@ -250,7 +250,7 @@ def test_one_fsdp_process_gives_the_single_process_update(tied_checkpoints, tmp_
     more processes do. It took the shared-prefix pass before, whose submodule calls FSDP does not gather
     ("aten.embedding.default got mixed torch.Tensor and DTensor"), and the job failed."""
     a, _ = tied_checkpoints
-    s = UpdateSettings(lr=1e-3, micro_batch_size=2, eps=1e-5)
+    s = update_settings(lr=1e-3, micro_batch_size=2, eps=1e-5)
     batch = ragged_batch(5)
     single = PolicyTrainer(a, s)
     before = weights(single)

@@ -19,12 +19,12 @@ from coba_tasks.engines.checkpoint import verify_checkpoint
 from coba_tasks.engines.fileio import content_sha256
 from coba_tasks.engines.lora import ADAPTER_BASE_FILE, AdapterBaseError, merge_adapter_checkpoint
 from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.pipeline.run import update_settings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]
 ADV = np.array([1.0, -1.0, 0.5, -0.5], dtype=np.float32)
-LORA = UpdateSettings(lr=1e-2, micro_batch_size=2, lora_rank=4, lora_alpha=8.0)
+LORA = update_settings(lr=1e-2, micro_batch_size=2, lora_rank=4, lora_alpha=8.0)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from coba_tasks.engines.checkpoint import CheckpointError, optimizer_to_tensors,
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_batch import NonFiniteUpdateError
-from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.pipeline.run import update_settings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]
@@ -38,7 +38,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 def trained_once(path, shared_prefix: bool) -> PolicyTrainer:
     """A trainer after one good update: AdamW holds moments that a bad step would spoil."""
-    trainer = PolicyTrainer(path, UpdateSettings(lr=1e-2, micro_batch_size=2, shared_prefix=shared_prefix))
+    trainer = PolicyTrainer(path, update_settings(lr=1e-2, micro_batch_size=2, shared_prefix=shared_prefix))
     trainer.update(PROMPTS, COMPLETIONS, ADV)
     return trainer
 
@@ -113,7 +113,7 @@ def test_an_fsdp_update_with_an_infinite_gradient_norm_stops_in_one_line(random_
     one line, and no checkpoint is written."""
     a, _ = random_checkpoints
     with pytest.raises(NonFiniteUpdateError) as info:
-        fsdp_update(a, tmp_path / "out", PROMPTS, COMPLETIONS, ADV * 1e36, UpdateSettings(lr=1e-2), 2, timeout_s=300)
+        fsdp_update(a, tmp_path / "out", PROMPTS, COMPLETIONS, ADV * 1e36, update_settings(lr=1e-2), 2, timeout_s=300)
     message = str(info.value)
     assert "\n" not in message and "gradient norm is" in message and "optimizer step 1 of 1" in message
     assert not (tmp_path / "out").exists()

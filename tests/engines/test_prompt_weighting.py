@@ -23,6 +23,7 @@ from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_batch import DataShard, PromptWeights, pad_sequences
 from coba_tasks.engines.update_settings import UpdateSettings
 from coba_tasks.pipeline.config_sections import PromptWeightingName
+from coba_tasks.pipeline.run import update_settings
 
 P0, P1, P2, P3 = [10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 12]
 # (group, prompt, completion, advantage), rows interleaved: group 1's rewards are all equal (advantage 0), group
@@ -148,9 +149,9 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-10) -> N
 
 def test_the_config_words_are_the_weightings():
     assert set(get_args(PromptWeightingName)) == {k.value for k in PromptWeighting}
-    assert UpdateSettings().prompt_weighting == "tokens"
+    assert update_settings().prompt_weighting == "tokens"
     with pytest.raises(ValueError, match="prompt_weighting must be one of"):
-        UpdateSettings(prompt_weighting="prompts")
+        update_settings(prompt_weighting="prompts")
 
 
 def test_prompt_weights_of_a_step():
@@ -192,7 +193,7 @@ def test_the_update_reports_the_weighting_and_the_effective_prompts(random_check
     a, _ = random_checkpoints
     t = [6, 9, 3, 29]  # the completion tokens of groups 0, 2, 3 and 4
     for weighting, want in (("tokens", sum(t) ** 2 / sum(x * x for x in t)), ("equal", 4.0)):
-        m = PolicyTrainer(a, UpdateSettings(prompt_weighting=weighting, **LR0)).update(
+        m = PolicyTrainer(a, update_settings(prompt_weighting=weighting, **LR0)).update(
             PROMPTS, COMPLETIONS, ADV, None, GROUPS
         )
         assert m["prompt_weighting"] == weighting and m["effective_prompts"] == pytest.approx(want, rel=1e-12)
@@ -216,7 +217,7 @@ def test_every_optimizer_steps_gradient_is_the_weighted_loss_of_its_mini_batch(
     a, _ = random_checkpoints
     for skip in (True, False):
         mini_batch_rows.clear()
-        s = UpdateSettings(
+        s = update_settings(
             **LR0,
             mini_batches=mini_batches,
             update_epochs=epochs,
@@ -257,7 +258,7 @@ def test_equal_weights_multiply_the_rollout_correction_and_the_kl_term(
     the KL's per-token terms weighted by c_r too."""
     a, _ = random_checkpoints
     gen = torch.Generator().manual_seed(0)
-    probe = float64_trainer(a, UpdateSettings(**LR0))
+    probe = float64_trainer(a, update_settings(**LR0))
     with torch.no_grad():
         exact = [row_logprobs(probe.model, probe, p, c).tolist() for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
     sampler = [[x - float(torch.empty(()).uniform_(-0.5, 0.5, generator=gen)) for x in row] for row in exact]
@@ -268,7 +269,7 @@ def test_equal_weights_multiply_the_rollout_correction_and_the_kl_term(
     ]
     for extra, direct in cases:
         mini_batch_rows.clear()
-        trainer = float64_trainer(a, UpdateSettings(**base, **extra))
+        trainer = float64_trainer(a, update_settings(**base, **extra))
         if trainer.ref_model is not None:
             with torch.no_grad():
                 for p in trainer.ref_model.parameters():
@@ -285,7 +286,7 @@ def test_lora_trains_on_the_equal_weighted_loss(random_checkpoints, mini_batch_r
     a, _ = random_checkpoints
     for shared_prefix in (True, False):
         mini_batch_rows.clear()
-        s = UpdateSettings(**LR0, lora_rank=4, lora_alpha=8.0, shared_prefix=shared_prefix, prompt_weighting="equal")
+        s = update_settings(**LR0, lora_rank=4, lora_alpha=8.0, shared_prefix=shared_prefix, prompt_weighting="equal")
         trainer = float64_trainer(a, s)
         with torch.no_grad():  # B starts at 0 (the adapter adds nothing): give both matrices a gradient
             for name, p in trainer.model.named_parameters():
@@ -318,7 +319,7 @@ def test_data_parallel_ranks_sum_to_the_single_process_gradient(random_checkpoin
     so the ranks' gradients (here: two ranks run one after the other, each with its own share) sum to the
     single-process gradient of every optimizer step."""
     a, _ = random_checkpoints
-    s = UpdateSettings(**LR0, mini_batches=2, update_epochs=2, shared_prefix=False, prompt_weighting="equal")
+    s = update_settings(**LR0, mini_batches=2, update_epochs=2, shared_prefix=False, prompt_weighting="equal")
     single = float64_trainer(a, s)
     want = captured_steps(single)
     summed: list[torch.Tensor] = []
@@ -356,7 +357,7 @@ def test_tokens_hands_the_loss_no_weights(random_checkpoints, monkeypatch):
     monkeypatch.setattr(update_module, "policy_loss", spy)
     n = float(sum(len(c) for c in COMPLETIONS))
     for shared_prefix in (True, False):
-        s = UpdateSettings(lr=1e-2, micro_batch_size=3, shared_prefix=shared_prefix)
+        s = update_settings(lr=1e-2, micro_batch_size=3, shared_prefix=shared_prefix)
         runs = []
         for groups in (None, GROUPS, np.arange(len(ROWS))):
             calls.clear()
@@ -402,7 +403,7 @@ def test_equal_is_tokens_bit_for_bit_when_every_prompt_has_as_many_tokens(
     )
     runs = {}
     for weighting in ("tokens", "equal"):
-        s = UpdateSettings(
+        s = update_settings(
             lr=1e-2,
             micro_batch_size=2,
             mini_batches=mini_batches,

@@ -146,7 +146,7 @@ def test_sampler_and_trainer_logprobs_are_of_the_sampling_distribution(vllm_engi
     import numpy as np
 
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.engines.update_settings import UpdateSettings
+    from coba_tasks.pipeline.run import update_settings
 
     a, _ = random_checkpoints
     sampling = SamplingConfig(temperature=temperature, max_tokens=8)
@@ -163,7 +163,7 @@ def test_sampler_and_trainer_logprobs_are_of_the_sampling_distribution(vllm_engi
         prompts = [by_id[r.prompt_id].prompt_token_ids for r in rows]
         for shared_prefix in (True, False):
             # zero advantages with the skip on would leave every row out and nothing to compare
-            settings = UpdateSettings(
+            settings = update_settings(
                 lr=1e-6, temperature=temperature, shared_prefix=shared_prefix, skip_zero_advantage=False
             )
             metrics = PolicyTrainer(a, settings).update(

@@ -18,7 +18,7 @@ from conftest import make_random_checkpoint
 
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
 from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.pipeline.run import update_settings
 
 PROMPTS = ["37+58=", "1+2=", "99*9="]
 PENALTIES = {"repetition_penalty": 3.0, "no_repeat_ngram_size": 1, "min_p": 0.2, "top_k": 5}
@@ -50,7 +50,7 @@ def test_sampler_logprobs_are_the_trainers_under_a_penalising_generation_config(
     rows = engine.generate(_requests(4), SamplingConfig(temperature=temperature, max_tokens=12))
     assert all(len(r.logprobs) == r.n_tokens > 0 for r in rows)
     by_id = {r.prompt_id: r.prompt_token_ids for r in _requests(1)}
-    settings = UpdateSettings(lr=1e-6, temperature=temperature, skip_zero_advantage=False)
+    settings = update_settings(lr=1e-6, temperature=temperature, skip_zero_advantage=False)
     metrics = PolicyTrainer(penalised_model, settings).update(
         [by_id[r.prompt_id] for r in rows], [r.token_ids for r in rows], np.zeros(len(rows)), [r.logprobs for r in rows]
     )

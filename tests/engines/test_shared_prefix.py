@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass, supports_shared_prefix
 from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.pipeline.run import update_settings
 
 
 def ragged_groups(seed: int, vocab: int = 90) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
@@ -68,7 +68,7 @@ def _updated(model_path, settings, batches):
     ids=["one-step", "mini-batches-and-epochs", "kl"],
 )
 def test_update_equals_the_full_sequence_update(tied_checkpoints, mini_batches, epochs, kl_coef):
-    settings = UpdateSettings(
+    settings = update_settings(
         lr=1e-3, micro_batch_size=3, mini_batches=mini_batches, update_epochs=epochs, kl_coef=kl_coef, eps=1e-5
     )
     batches = []
@@ -100,7 +100,7 @@ def test_update_equals_the_full_sequence_update(tied_checkpoints, mini_batches, 
 
 
 def test_gradient_checkpointing_falls_back_to_full_sequences(tied_checkpoints):
-    trainer = PolicyTrainer(tied_checkpoints[0], UpdateSettings(gradient_checkpointing=True), seed=0)
+    trainer = PolicyTrainer(tied_checkpoints[0], update_settings(gradient_checkpointing=True), seed=0)
     assert trainer.shared_prefix_unavailable() == "gradient checkpointing turns the key/value cache off"
     prompts, completions, adv = ragged_groups(2)
     metrics = trainer.update(prompts, completions, adv)

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.engines.update_batch import pad_sequences
 from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.pipeline.run import update_settings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]
@@ -47,7 +48,7 @@ def test_pad_sequences_marks_completion_tokens():
 
 def test_update_changes_parameters_and_reports_metrics(random_checkpoints):
     a, _ = random_checkpoints
-    trainer = PolicyTrainer(a, UpdateSettings(lr=1e-2, micro_batch_size=3))
+    trainer = PolicyTrainer(a, update_settings(lr=1e-2, micro_batch_size=3))
     before = params(trainer)
     metrics = trainer.update(PROMPTS, COMPLETIONS, ADV)
     after = params(trainer)
@@ -63,8 +64,8 @@ def test_update_changes_parameters_and_reports_metrics(random_checkpoints):
 
 def test_micro_batches_give_the_same_update(random_checkpoints):
     a, _ = random_checkpoints
-    one = PolicyTrainer(a, UpdateSettings(lr=1e-2, micro_batch_size=64))
-    many = PolicyTrainer(a, UpdateSettings(lr=1e-2, micro_batch_size=1))
+    one = PolicyTrainer(a, update_settings(lr=1e-2, micro_batch_size=64))
+    many = PolicyTrainer(a, update_settings(lr=1e-2, micro_batch_size=1))
     g1, g2 = grads_at_optimizer_step(one), grads_at_optimizer_step(many)
     m1 = one.update(PROMPTS, COMPLETIONS, ADV)
     m2 = many.update(PROMPTS, COMPLETIONS, ADV)
@@ -77,7 +78,7 @@ def test_micro_batches_give_the_same_update(random_checkpoints):
 
 def test_checkpoint_resume_continues_exactly(random_checkpoints, tmp_path):
     a, _ = random_checkpoints
-    s = UpdateSettings(lr=1e-2, micro_batch_size=2)
+    s = update_settings(lr=1e-2, micro_batch_size=2)
     straight = PolicyTrainer(a, s)
     straight.update(PROMPTS, COMPLETIONS, ADV)
     ckpt = straight.save_checkpoint(tmp_path / "ckpt", extra_state={"step": 0, "capability": {"x": 1}})
@@ -101,7 +102,7 @@ def test_checkpoint_resume_continues_exactly(random_checkpoints, tmp_path):
 
 def test_kl_term_is_zero_at_the_reference(random_checkpoints):
     a, _ = random_checkpoints
-    trainer = PolicyTrainer(a, UpdateSettings(lr=1e-2, kl_coef=0.1))
+    trainer = PolicyTrainer(a, update_settings(lr=1e-2, kl_coef=0.1))
     metrics = trainer.update(PROMPTS, COMPLETIONS, ADV)
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy starts equal to the reference
     assert trainer.update(PROMPTS, COMPLETIONS, ADV)["kl"] > 0
@@ -109,14 +110,14 @@ def test_kl_term_is_zero_at_the_reference(random_checkpoints):
 
 def test_empty_batch_is_refused(random_checkpoints):
     a, _ = random_checkpoints
-    trainer = PolicyTrainer(a, UpdateSettings())
+    trainer = PolicyTrainer(a, update_settings())
     with pytest.raises(ValueError, match="empty batch"):
         trainer.update([], [], np.array([]))
 
 
 def test_update_moves_probability_towards_positive_advantages(random_checkpoints):
     a, _ = random_checkpoints
-    trainer = PolicyTrainer(a, UpdateSettings(lr=3e-3, micro_batch_size=4))
+    trainer = PolicyTrainer(a, update_settings(lr=3e-3, micro_batch_size=4))
     prompts = [[10, 11, 12]] * 4
     completions = [[20, 21, 2], [22, 23, 2], [24, 25, 2], [26, 27, 2]]
     adv = np.array([1.0, 1.0, -1.0, -1.0], dtype=np.float32)
@@ -157,7 +158,7 @@ def _tied_checkpoint(out):
 @pytest.mark.parametrize("tied", [False, True])
 def test_bfloat16_trains_with_float32_master_weights_and_resumes_exactly(random_checkpoints, tmp_path, tied):
     a = _tied_checkpoint(tmp_path / "tied") if tied else random_checkpoints[0]
-    s = UpdateSettings(lr=1e-6, micro_batch_size=2, dtype="bfloat16")
+    s = update_settings(lr=1e-6, micro_batch_size=2, dtype="bfloat16")
     straight = PolicyTrainer(a, s)
     assert {p.dtype for p in straight.model.parameters()} == {torch.float32}
     before = params(straight)
@@ -195,7 +196,7 @@ def test_warmup_lr_is_linear_then_constant():
 def test_update_follows_the_warmup_and_resumes_on_it(random_checkpoints, tmp_path):
     """Each update steps at the warm-up's rate for its update count; a reloaded trainer continues the schedule."""
     a, _ = random_checkpoints
-    settings = UpdateSettings(lr=1e-2, lr_warmup_steps=3, micro_batch_size=4)
+    settings = update_settings(lr=1e-2, lr_warmup_steps=3, micro_batch_size=4)
     trainer = PolicyTrainer(a, settings)
     rates = [trainer.update(PROMPTS, COMPLETIONS, ADV)["lr"] for _ in range(2)]
     assert rates == pytest.approx([1e-2 / 3, 2e-2 / 3])
@@ -205,7 +206,7 @@ def test_update_follows_the_warmup_and_resumes_on_it(random_checkpoints, tmp_pat
     rates = [resumed.update(PROMPTS, COMPLETIONS, ADV)["lr"] for _ in range(2)]
     assert rates == pytest.approx([1e-2, 1e-2])
     # a smaller first step than without warm-up: the weights move less
-    plain = PolicyTrainer(a, UpdateSettings(lr=1e-2, micro_batch_size=4))
+    plain = PolicyTrainer(a, update_settings(lr=1e-2, micro_batch_size=4))
     warm = PolicyTrainer(a, settings)
     start = params(plain)
     plain.update(PROMPTS, COMPLETIONS, ADV)
@@ -226,7 +227,7 @@ def test_a_checkpoint_loads_all_or_nothing(random_checkpoints, tmp_path, tied):
     from coba_tasks.engines.checkpoint import CheckpointError
 
     a = _tied_checkpoint(tmp_path / "tied") if tied else random_checkpoints[0]
-    s = UpdateSettings(lr=1e-2, micro_batch_size=2)
+    s = update_settings(lr=1e-2, micro_batch_size=2)
     trainer = PolicyTrainer(a, s)
     trainer.update(PROMPTS, COMPLETIONS, ADV)
     ckpt = trainer.save_checkpoint(tmp_path / "ckpt")
@@ -252,7 +253,7 @@ def test_a_checkpoint_loads_all_or_nothing(random_checkpoints, tmp_path, tied):
 def test_checkpoint_manifest_names_the_damaged_file(random_checkpoints, tmp_path):
     from coba_tasks.engines.checkpoint import CHECKPOINT_MANIFEST, CheckpointError, verify_checkpoint
 
-    trainer = PolicyTrainer(random_checkpoints[0], UpdateSettings(lr=1e-2, micro_batch_size=2))
+    trainer = PolicyTrainer(random_checkpoints[0], update_settings(lr=1e-2, micro_batch_size=2))
     ckpt = trainer.save_checkpoint(tmp_path / "ckpt")
     listed = json.loads((ckpt / CHECKPOINT_MANIFEST).read_text())["files"]
     assert {"model.safetensors", "trainer/optimizer.safetensors", "trainer/trainer_state.json"} <= set(listed)
@@ -307,7 +308,7 @@ def test_a_kl_term_keeps_every_row_in_the_passes(random_checkpoints, shared_pref
     a, _ = random_checkpoints
     zero_rows = int((RAGGED_ADV == 0).sum())
     for kl_coef, skipped in ((0.1, 0), (0.0, zero_rows)):
-        s = UpdateSettings(lr=1e-3, micro_batch_size=4, kl_coef=kl_coef, shared_prefix=shared_prefix)
+        s = update_settings(lr=1e-3, micro_batch_size=4, kl_coef=kl_coef, shared_prefix=shared_prefix)
         metrics = PolicyTrainer(a, s).update(RAGGED_PROMPTS, RAGGED_COMPLETIONS, RAGGED_ADV)
         assert metrics["skipped_rows"] == skipped, kl_coef
         assert metrics["diagnostic_rows"] == len(RAGGED_ADV) - skipped, kl_coef
@@ -330,7 +331,7 @@ def test_skipping_zero_advantage_rows_changes_no_gradient(
     a, _ = random_checkpoints
     runs = {}
     for skip in (False, True):
-        s = UpdateSettings(
+        s = update_settings(
             lr=1e-2,
             micro_batch_size=2,
             mini_batches=mini_batches,
@@ -384,7 +385,7 @@ def test_lora_trains_the_adapter_only_and_resumes_exactly(random_checkpoints, tm
     from coba_tasks.engines.lora import ADAPTER_CONFIG, ADAPTER_FILE, base_model_of
 
     a = _tied_checkpoint(tmp_path / "tied") if tied else random_checkpoints[0]
-    s = UpdateSettings(lr=1e-2, micro_batch_size=2, **LORA)
+    s = update_settings(lr=1e-2, micro_batch_size=2, **LORA)
     straight = PolicyTrainer(a, s)
     base = {k: v.clone() for k, v in straight.model.state_dict().items() if ".lora_" not in k}
     trainable = [n for n, p in straight.model.named_parameters() if p.requires_grad]
@@ -421,7 +422,7 @@ def test_lora_merged_weights_give_the_trainers_log_probabilities(random_checkpoi
     from transformers import AutoModelForCausalLM
 
     a = _tied_checkpoint(tmp_path / "tied")
-    trainer = PolicyTrainer(a, UpdateSettings(lr=5e-2, micro_batch_size=2, **LORA))
+    trainer = PolicyTrainer(a, update_settings(lr=5e-2, micro_batch_size=2, **LORA))
     trainer.update(PROMPTS, COMPLETIONS, ADV)
     merged_dir = trainer.write_rollout_weights(tmp_path / "rollout")
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
@@ -444,7 +445,7 @@ def test_a_partial_adapter_is_refused(random_checkpoints, tmp_path):
     from coba_tasks.engines.lora import ADAPTER_FILE
 
     a, _ = random_checkpoints
-    s = UpdateSettings(lr=1e-2, micro_batch_size=2, **LORA)
+    s = update_settings(lr=1e-2, micro_batch_size=2, **LORA)
     trainer = PolicyTrainer(a, s)
     trainer.update(PROMPTS, COMPLETIONS, ADV)
     ckpt = trainer.save_checkpoint(tmp_path / "ckpt")
@@ -454,7 +455,7 @@ def test_a_partial_adapter_is_refused(random_checkpoints, tmp_path):
         CheckpointError, match=r"adapter_model\.safetensors: .*not this policy's adapter \(\d+ tensors missing"
     ):
         PolicyTrainer(a, s).load_checkpoint(ckpt)
-    full = PolicyTrainer(a, UpdateSettings(lr=1e-2))
+    full = PolicyTrainer(a, update_settings(lr=1e-2))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read the policy weights"):
         full.load_checkpoint(ckpt)  # an adapter checkpoint is not a full one
 
@@ -466,7 +467,7 @@ def test_lora_update_paths_agree(random_checkpoints, gradient_checkpointing):
     a, _ = random_checkpoints
     grads = {}
     for shared in (True, False):
-        s = UpdateSettings(
+        s = update_settings(
             lr=1e-2, micro_batch_size=2, shared_prefix=shared, gradient_checkpointing=gradient_checkpointing, **LORA
         )
         trainer = PolicyTrainer(a, s)
@@ -487,7 +488,7 @@ def test_an_update_whose_every_row_is_skipped_steps_with_a_zero_gradient(random_
     a, _ = random_checkpoints
     runs = {}
     for skip in (False, True):
-        s = UpdateSettings(
+        s = update_settings(
             lr=1e-2, micro_batch_size=2, weight_decay=0.1, shared_prefix=shared_prefix, skip_zero_advantage=skip
         )
         trainer = PolicyTrainer(a, s)
@@ -531,7 +532,7 @@ def test_rollout_correction_off_ignores_the_sampler_figures(random_checkpoints, 
     """Off (the default), the sampler's log-probabilities change no weight: the same parameters bit for bit
     with and without them, and the ratio statistics are measured (nothing clipped or masked)."""
     a, _ = random_checkpoints
-    s = UpdateSettings(lr=1e-2, micro_batch_size=3, shared_prefix=shared_prefix)
+    s = update_settings(lr=1e-2, micro_batch_size=3, shared_prefix=shared_prefix)
     assert s.rollout_correction == "none"
     probe = PolicyTrainer(a, s)
     shifted = [[x - 0.5 for x in row] for row in trainer_logprobs(probe, PROMPTS, COMPLETIONS)]
@@ -556,12 +557,12 @@ def test_rollout_correction_weights_the_gradient_by_the_ratio(random_checkpoints
     advantage 0 skipped or not: the same gradient."""
     a, _ = random_checkpoints
     base = {"lr": 1e-2, "micro_batch_size": 4, "max_grad_norm": 1e9, "shared_prefix": shared_prefix}
-    probe = PolicyTrainer(a, UpdateSettings(**base))
+    probe = PolicyTrainer(a, update_settings(**base))
     exact = trainer_logprobs(probe, RAGGED_PROMPTS, RAGGED_COMPLETIONS)
     per_token = [[x - 0.3 for x in row] for row in exact]
     per_row = [[x - math.log(1.5) / len(row) for x in row] for row in exact]
     batch = (RAGGED_PROMPTS, RAGGED_COMPLETIONS, RAGGED_ADV)
-    plain, m_plain = first_step(a, UpdateSettings(**base), *batch, per_token)
+    plain, m_plain = first_step(a, update_settings(**base), *batch, per_token)
     assert m_plain["is_ratio_mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
     cases = [
         ("token", 2.0, 0.0, per_token, math.exp(0.3)),
@@ -573,7 +574,7 @@ def test_rollout_correction_weights_the_gradient_by_the_ratio(random_checkpoints
     ]
     for level, cap, tau, sampler, factor in cases:
         for skip in (True, False):
-            s = UpdateSettings(
+            s = update_settings(
                 **base,
                 rollout_correction=level,
                 rollout_correction_cap=cap,
@@ -594,9 +595,31 @@ def test_rollout_correction_weights_the_gradient_by_the_ratio(random_checkpoints
 
 def test_rollout_correction_needs_the_sampler_figures(random_checkpoints):
     a, _ = random_checkpoints
-    trainer = PolicyTrainer(a, UpdateSettings(rollout_correction="token"))
+    trainer = PolicyTrainer(a, update_settings(rollout_correction="token"))
     with pytest.raises(ValueError, match=r"optim\.rollout_correction = token needs the sampler's logprobs"):
         trainer.update(PROMPTS, COMPLETIONS, ADV)
     for bad in ({"rollout_correction": "tokens"}, {"rollout_correction_cap": 0.0}, {"rollout_mask_threshold": 0.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            UpdateSettings(**bad)
+            update_settings(**bad)
+
+
+def test_the_update_has_no_defaults_of_its_own_the_configs_are_the_only_ones():
+    """UpdateSettings once held a second set of defaults, and model.lora_alpha was 16 there and 32 in the config:
+    `coba bench update` and scripts/bench_lora.py measured a LoRA scale no run uses. Now every key but the
+    thread count must be given, and update_settings() (the config's defaults) is what tests and benchmarks change."""
+    import dataclasses
+
+    from coba_tasks.pipeline.config import Config
+
+    defaulted = [
+        f.name
+        for f in dataclasses.fields(UpdateSettings)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    ]
+    assert defaulted == ["threads"]  # not a config key
+    cfg, s = Config(), update_settings()
+    assert s.lora_alpha == cfg.model.lora_alpha == 32.0 and s.lr == cfg.optim.lr and s.dtype == cfg.model.dtype
+    changed = update_settings(lora_rank=4, lr=1e-3)
+    assert (changed.lora_rank, changed.lr, changed.lora_alpha) == (4, 1e-3, 32.0)
+    with pytest.raises(TypeError):
+        UpdateSettings(lr=1e-3)  # a key left out is an error, never a default

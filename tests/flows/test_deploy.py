@@ -39,7 +39,7 @@ from prefect_procs import (
     wait_healthy,
 )
 
-from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.pipeline.store import STAGES, RunStore, Table
 
 DEPLOYMENTS = ("coba-train/coba-train", "coba-bootstrap/coba-bootstrap", "coba-eval/coba-eval")
 SECRET = "sk-deploy-0123"  # the first line of a file a deployment's caller names as its config
@@ -144,13 +144,13 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                 m, g = cfg["data"]["prompts_per_step"], cfg["allocation"]["group_size"]
                 for step in range(2):
                     manifest = store.manifest(step)
-                    for name in (*Stage, Table.HISTORY):
+                    for name in (*STAGES, Table.HISTORY):
                         assert name in manifest, (step, name)
                         assert (run_dir / "steps" / f"{step:06d}" / f"{name}.parquet").is_file()
                         assert manifest[name]["rows"] == len(store.read_table(step, name))
-                    budget = store.read_table(step, Stage.BUDGET)
+                    budget = store.read_table(step, Table.BUDGET)
                     assert len(budget) == m and int(budget["budget"].sum()) == m * g
-                    assert len(store.read_table(step, Stage.ROLLOUTS)) == m * g
+                    assert len(store.read_table(step, Table.ROLLOUTS)) == m * g
                 assert store.is_done(0, Table.EVAL) and store.is_done(2, Table.EVAL)  # held-out, before and after
                 assert (run_dir / "summary.json").is_file()
                 assert (store.checkpoint_dir(2) / "config.json").is_file()

@@ -40,7 +40,7 @@ from coba_tasks.pipeline.config import (
 )
 from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
-from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table
+from coba_tasks.pipeline.store import STAGES, RunStore, StoreError, Table
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -311,14 +311,14 @@ def test_fsdp_run_resumed_between_its_updates_equals_the_single_process_run(runs
     from transformers import AutoModelForCausalLM
 
     for step in range(STEPS):
-        for name in (*Stage, Table.HISTORY):
+        for name in (*STAGES, Table.HISTORY):
             assert fsdp.is_done(step, name), (step, name)
         # step 1's rollouts are sampled from step 0's update: the same tokens in both runs
-        for name in (Stage.BUDGET, Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY):
+        for name in (Table.BUDGET, Table.ROLLOUTS, Table.REWARDS, Table.CAPABILITY):
             pd.testing.assert_frame_equal(fsdp.read_table(step, name), single.read_table(step, name), obj=name)
-        rewards = fsdp.read_table(step, Stage.REWARDS)["reward"]
+        rewards = fsdp.read_table(step, Table.REWARDS)["reward"]
         assert 0 < rewards.mean() < 1  # the updates have something to learn from
-        a, b = fsdp.read_table(step, Stage.UPDATE).iloc[0], single.read_table(step, Stage.UPDATE).iloc[0]
+        a, b = fsdp.read_table(step, Table.UPDATE).iloc[0], single.read_table(step, Table.UPDATE).iloc[0]
         assert list(a.index) == list(b.index)
         for key in ("step", "tokens", "sequences", "optimizer_steps", "rollouts", "zero_variance_groups"):
             assert a[key] == b[key], key
@@ -366,7 +366,7 @@ def test_each_fsdp_update_starts_from_the_previous_checkpoint_with_the_run_seed(
         assert call["model"] == str(model) and call["out"] == fsdp.checkpoint_dir(step + 1)
         assert call["checkpoint"] == (None if step == 0 else fsdp.checkpoint_dir(step))
         assert call["seed"] == SEED
-        capability = stages.tracker_from_capability(fsdp.read_table(step, Stage.CAPABILITY)).to_dict()
+        capability = stages.tracker_from_capability(fsdp.read_table(step, Table.CAPABILITY)).to_dict()
         assert call["extra_state"] == {"step": step, "capability": capability}
         assert call["trainers"] == [None]  # no training model in the flow process
 
@@ -402,13 +402,13 @@ def test_the_update_stage_sleeps_the_engine_around_the_job_and_needs_the_previou
     shutil.copytree(original.root, root)
     store = RunStore.open(root)
     step = STEPS - 1
-    apply_rerun(store, plan_rerun(store, step, Stage.UPDATE))
+    apply_rerun(store, plan_rerun(store, step, Table.UPDATE))
     engine = _SleepyEngine()
-    metrics = original.read_table(step, Stage.UPDATE).iloc[0].drop(["step", "zero_variance_groups", "rollouts"])
+    metrics = original.read_table(step, Table.UPDATE).iloc[0].drop(["step", "zero_variance_groups", "rollouts"])
 
     def fake_job(model_path, out_dir, prompt_ids, completion_ids, adv, settings, processes, **kwargs):
         engine.events.append(("job", engine.asleep, processes, kwargs["checkpoint"]))
-        assert len(prompt_ids) == len(completion_ids) == len(adv) == len(store.read_table(step, Stage.ROLLOUTS))
+        assert len(prompt_ids) == len(completion_ids) == len(adv) == len(store.read_table(step, Table.ROLLOUTS))
         return metrics.to_dict()
 
     monkeypatch.setattr(stage_step, "fsdp_update", fake_job)
@@ -419,13 +419,13 @@ def test_the_update_stage_sleeps_the_engine_around_the_job_and_needs_the_previou
     job = ("job", True, 2, store.checkpoint_dir(step))
     assert engine.events == ["sleep", job, "wake", ("load", f"{step + 1:06d}", step + 1)]
     assert json.loads((root / f"steps/{step:06d}/engine_sleep.json").read_text())["sleep_s"] >= 0
-    assert store.is_done(step, Stage.UPDATE)
+    assert store.is_done(step, Table.UPDATE)
 
     # the checkpoint the job continues from is gone: an error (before the engine sleeps), not a restart
     # from the base model
-    apply_rerun(store, plan_rerun(store, step, Stage.UPDATE))
+    apply_rerun(store, plan_rerun(store, step, Table.UPDATE))
     shutil.rmtree(store.checkpoint_dir(step))
     engine.events.clear()
     with pytest.raises(StoreError, match=rf"checkpoints/{step:06d} is missing: step {step} continues from it"):
         stage_step.update.fn(str(root), step)
-    assert engine.events == [] and not store.is_done(step, Stage.UPDATE)
+    assert engine.events == [] and not store.is_done(step, Table.UPDATE)

@@ -18,7 +18,7 @@ from coba_tasks.commands.cli import main as cli_main
 from coba_tasks.engines.lora import ADAPTER_FILE, is_adapter_checkpoint
 from coba_tasks.pipeline.config import config_to_dict, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
-from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.pipeline.store import RunStore, Table
 
 STEPS = 3
 
@@ -71,7 +71,7 @@ def test_a_lora_run_trains_adapters_resumes_and_evaluates(
             assert any(not torch.equal(before[k], after[k]) for k in after)
     assert (straight / ROLLOUT_WEIGHTS_DIR / "model.safetensors").is_file()  # the merged copy vLLM read
     for step in range(STEPS):  # vLLM sampled the merged weights; the trainer computes W x + s B A x: rounding
-        gap = float(ref.read_table(step, Stage.UPDATE)["logprob_diff_max"].iloc[0])
+        gap = float(ref.read_table(step, Table.UPDATE)["logprob_diff_max"].iloc[0])
         assert gap < 1e-3, (step, gap)
     assert summary["logprob_gap_max"] < 1e-3
 

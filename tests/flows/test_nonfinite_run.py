@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from coba_tasks.core.grpo import RewardScaleError
 from coba_tasks.engines.update_batch import NonFiniteUpdateError
 from coba_tasks.pipeline.config import load_config
-from coba_tasks.pipeline.store import RunStore, Stage
+from coba_tasks.pipeline.store import RunStore, Table
 
 HUGE_REWARD_FILE = textwrap.dedent(
     """\
@@ -80,7 +80,7 @@ def test_a_diverging_learning_rate_stops_the_run_at_the_step_it_turns_non_finite
         r"^step 1: the GRPO update's (loss|gradient norm) is (nan|inf|-inf) at optimizer step 1 of 1: ", message
     )
     assert "optim.lr (now 1e+06)" in message
-    assert store.is_done(0, Stage.UPDATE) and not store.is_done(1, Stage.UPDATE)
+    assert store.is_done(0, Table.UPDATE) and not store.is_done(1, Table.UPDATE)
     assert _finite_checkpoints(store) == [1]
 
 
@@ -107,5 +107,5 @@ def test_a_reward_beyond_the_bound_stops_the_run_naming_the_step_the_prompt_and_
     ]
     store, message = _stop_message(tmp_path, random_checkpoints[0], overrides, RewardScaleError, 0)
     assert re.match(r"^step 0: prompt \S+ \(sample \d+\): reward 1e\+200 is beyond \+/- 1e\+30, ", message), message
-    assert store.is_done(0, Stage.REWARDS) and not store.is_done(0, Stage.UPDATE)
+    assert store.is_done(0, Table.REWARDS) and not store.is_done(0, Table.UPDATE)
     assert not (store.root / "checkpoints").exists() or _finite_checkpoints(store) == []

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from coba_tasks.engines.verify import Verdict, VerdictKind, register_verifier, registered_verifiers
 from coba_tasks.pipeline.config import config_to_dict, load_config
 from coba_tasks.pipeline.data import load_dataset
-from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.pipeline.store import RunStore, Table
 
 pytestmark = pytest.mark.slow
 
@@ -102,10 +102,10 @@ def test_smollm2_run_with_chat_template_rerun_inspect_report_and_eval(smollm2_mo
         assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
         assert "<|im_start|>user\nCompute " in text and len(ids) > 30
     for step in range(2):
-        rollouts = store.read_table(step, Stage.ROLLOUTS)
+        rollouts = store.read_table(step, Table.ROLLOUTS)
         assert (rollouts["weight_version"] == step).all()
         assert (rollouts["logprobs"].apply(len) == rollouts["n_tokens"]).all()
-        update = store.read_table(step, Stage.UPDATE).iloc[0]
+        update = store.read_table(step, Table.UPDATE).iloc[0]
         assert update["grad_norm"] > 0
         # the sampler and the trainer agree on the policy: at step 1 vLLM samples from the weights it reloaded
         # in place after update 0 (the tied embedding changed), where a stale output projection showed gaps
@@ -121,12 +121,12 @@ def test_smollm2_run_with_chat_template_rerun_inspect_report_and_eval(smollm2_mo
     assert summary["logprob_gap_max"] < 2e-2 and summary["steps"] == 2
 
     # rerun the last update: the same table and the same checkpoint come back
-    before_table = store.read_table(1, Stage.UPDATE)
+    before_table = store.read_table(1, Table.UPDATE)
     before_weights = load_file(str(store.checkpoint_dir(2) / "model.safetensors"))
-    apply_rerun(store, plan_rerun(store, 1, Stage.UPDATE))
-    assert not store.is_done(1, Stage.UPDATE)
+    apply_rerun(store, plan_rerun(store, 1, Table.UPDATE))
+    assert not store.is_done(1, Table.UPDATE)
     train.train_flow(run_dir=str(run_dir), resume=True)
-    pd.testing.assert_frame_equal(store.read_table(1, Stage.UPDATE), before_table, check_exact=True)
+    pd.testing.assert_frame_equal(store.read_table(1, Table.UPDATE), before_table, check_exact=True)
     after_weights = load_file(str(store.checkpoint_dir(2) / "model.safetensors"))
     assert all(torch.equal(after_weights[k], before_weights[k]) for k in before_weights)
 

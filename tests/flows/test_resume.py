@@ -29,11 +29,11 @@ from safetensors.torch import load_file
 from coba_tasks.commands.cli import main as cli_main
 from coba_tasks.pipeline.config import config_to_dict, load_config
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
-from coba_tasks.pipeline.store import RunStore, Stage, StoreError, Table
+from coba_tasks.pipeline.store import STAGES, RunStore, StoreError, Table
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
-TABLES = (*Stage, Table.HISTORY, Table.EVAL)
+TABLES = (*STAGES, Table.HISTORY, Table.EVAL)
 
 
 def _overrides(model: Path, data: tuple[Path, Path], backend: str = "vllm") -> list[str]:
@@ -156,15 +156,14 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     assert _coba(argv, None, tmp_path / "uninterrupted.log") == 0, (tmp_path / "uninterrupted.log").read_text()[-3000:]
     start = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(run_dir), *settings]
     resume = ["resume", "--run-dir", str(run_dir)]
-    kills = [f"1:{s}" for s in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.BUDGET, Stage.UPDATE)]
+    kills = [f"1:{s}" for s in STAGES]  # each stage of step 1, in the order they run
     kills.append(f"2:{Table.EVAL}")  # between update(1) and eval(2): the resume must evaluate the weights of 2
     store = RunStore(run_dir)
     for i, kill in enumerate(kills):
         rc = _coba(start if i == 0 else resume, kill, log)
         assert rc == -signal.SIGKILL, (kill, rc, log.read_text()[-3000:])
         step, stage = kill.split(":")
-        table_step = int(step) + 1 if stage == Stage.BUDGET else int(step)
-        assert not store.is_done(table_step, stage), kill  # killed before its table was recorded
+        assert not store.is_done(int(step), stage), kill  # killed before its table was recorded
     assert not (run_dir / "summary.json").exists()
     rc = _coba(resume, None, log)
     assert rc == 0, log.read_text()[-3000:]
@@ -204,8 +203,8 @@ def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, random_che
 
     args = ["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "rewards"]
     assert cli_main([*args, "--yes", "--no-resume"]) == 0
-    assert store.is_done(1, Stage.ROLLOUTS) and store.is_done(1, Stage.BUDGET) and store.is_done(1, Table.EVAL)
-    assert not store.is_done(1, Stage.REWARDS) and not store.is_done(2, Stage.BUDGET)
+    assert store.is_done(1, Table.ROLLOUTS) and store.is_done(1, Table.BUDGET) and store.is_done(1, Table.EVAL)
+    assert not store.is_done(1, Table.REWARDS) and not store.is_done(2, Table.BUDGET)
     assert not store.checkpoint_dir(2).exists() and store.checkpoint_dir(1).exists()
     assert not store.is_done(2, Table.EVAL)
     assert not (run_dir / "summary.json").exists()
@@ -220,7 +219,7 @@ def test_rerun_lists_then_removes_then_recomputes(tmp_path, baseline, random_che
     # a truncated table found on resume: --repair recomputes from it and the run is whole again
     from coba_tasks.pipeline.rerun import damaged_tables, plan_repair
 
-    path = store.table_path(1, Stage.REWARDS)
+    path = store.table_path(1, Table.REWARDS)
     path.write_bytes(path.read_bytes()[:100])
     assert [(s, n) for s, n, _ in damaged_tables(store)] == [(1, "rewards")]
     apply_rerun(store, plan_repair(store))  # what `coba resume --repair` does before resuming
@@ -260,7 +259,7 @@ def test_an_evaluation_recomputed_later_measures_the_weights_of_its_step(
     cfg = config_to_dict(load_config(ROOT / "configs/tiny-test.yaml", _overrides(model, first_char_data)))
     failed_dir, fail = tmp_path / "failed", tmp_path / "fail-at"
     _, failed = _failed_run(failed_dir, cfg, f"2:{Table.EVAL}", fail)
-    assert failed.is_done(1, Stage.UPDATE) and not failed.is_done(2, Table.EVAL)
+    assert failed.is_done(1, Table.UPDATE) and not failed.is_done(2, Table.EVAL)
     fail.unlink()
     train_flow(run_dir=str(failed_dir), resume=True)
     _assert_same_run(baseline, failed, model)
@@ -276,7 +275,7 @@ def test_a_partial_checkpoint_stops_the_resume_with_the_way_out(tmp_path, baseli
     run_dir = tmp_path / "run"
     shutil.copytree(baseline.root, run_dir)
     store = RunStore.open(run_dir)
-    apply_rerun(store, plan_rerun(store, 2, Stage.UPDATE))  # stopped after step 1: resumes from checkpoint 2
+    apply_rerun(store, plan_rerun(store, 2, Table.UPDATE))  # stopped after step 1: resumes from checkpoint 2
     weights = store.checkpoint_dir(2) / "model.safetensors"
     tensors = load_file(str(weights))
     save_file({k: tensors[k] for k in sorted(tensors)[: len(tensors) // 2]}, str(weights))
@@ -285,7 +284,7 @@ def test_a_partial_checkpoint_stops_the_resume_with_the_way_out(tmp_path, baseli
     err = capsys.readouterr().err
     assert f"{weights}: " in err and "bytes, checkpoint.json says" in err  # half the tensors: a shorter file
     assert f"coba rerun --run-dir {run_dir} --step 1 --stage update --yes" in err and err.count("\n") == 1
-    assert not store.is_done(2, Stage.UPDATE)  # nothing ran
+    assert not store.is_done(2, Table.UPDATE)  # nothing ran
 
     assert cli_main(["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "update", "--yes"]) == 0
     _assert_same_run(baseline, store, model)
@@ -318,8 +317,8 @@ def test_a_run_stopped_at_an_epoch_boundary_resumes_the_remaining_steps(
 
     run_dir = tmp_path / "stopped"
     _, store = _failed_run(run_dir, cfg, "2:rollouts", tmp_path / "fail-at")
-    assert store.is_done(1, Stage.UPDATE) and store.is_done(2, Stage.BUDGET) and not store.is_done(2, Stage.ROLLOUTS)
-    epoch0 = [*store.read_table(0, Stage.BUDGET)["prompt_id"], *store.read_table(1, Stage.BUDGET)["prompt_id"]]
+    assert store.is_done(1, Table.UPDATE) and store.is_done(2, Table.BUDGET) and not store.is_done(2, Table.ROLLOUTS)
+    epoch0 = [*store.read_table(0, Table.BUDGET)["prompt_id"], *store.read_table(1, Table.BUDGET)["prompt_id"]]
     assert len(set(epoch0)) == 8  # steps 0-1 were exactly one pass over the pool
     summary = train_flow(run_dir=str(run_dir), resume=True)
     assert summary["steps"] == steps and summary["total_rollouts"] == steps * 16
@@ -360,7 +359,7 @@ def test_a_pilot_run_keeps_b_total_and_resumes_between_its_waves_exactly(
     ref = RunStore.open(tmp_path / "straight")
     for step in range(steps):
         budget, pilot = ref.read_table(step, Table.BUDGET), ref.read_table(step, Table.PILOT)
-        rollouts, rewards = ref.read_table(step, Stage.ROLLOUTS), ref.read_table(step, Stage.REWARDS)
+        rollouts, rewards = ref.read_table(step, Table.ROLLOUTS), ref.read_table(step, Table.REWARDS)
         assert int(budget["budget"].sum()) == len(rollouts) == len(rewards) == m * a.group_size, step
         assert budget["budget"].between(a.min_budget, a.max_budget).all() and (budget["pilot_rollouts"] == k).all()
         assert (budget["estimator"] == "pilot").all() and budget["pass_rate_est"].notna().all()
@@ -382,8 +381,8 @@ def test_a_pilot_run_keeps_b_total_and_resumes_between_its_waves_exactly(
 
     run_dir, fail = tmp_path / "stopped", tmp_path / "fail-at"
     _, store = _failed_run(run_dir, config_to_dict(cfg), "1:budget", fail)
-    assert store.is_done(1, Table.PILOT_REWARDS) and not store.is_done(1, Stage.BUDGET)
-    assert not store.is_done(1, Stage.ROLLOUTS)
+    assert store.is_done(1, Table.PILOT_REWARDS) and not store.is_done(1, Table.BUDGET)
+    assert not store.is_done(1, Table.ROLLOUTS)
     recorded = _pilot_file(store, 1)
     summary = train_flow(run_dir=str(run_dir), resume=True)
     assert summary["steps"] == steps and summary["total_rollouts"] == steps * m * a.group_size
@@ -414,12 +413,10 @@ def _fake_run(root: Path, steps: int = 3, eval_every: int = 0) -> RunStore:
     store = RunStore(root)
     store.create({"run": {"steps": steps, "eval_every": eval_every}}, "h", {})
     df = pd.DataFrame({"x": [1]})
-    store.write_table(0, Stage.BUDGET, df)
     store.write_table(0, Table.EVAL, df)
     for t in range(steps):
-        for name in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Table.HISTORY, Stage.UPDATE):
+        for name in (Table.BUDGET, *STEP_REST):
             store.write_table(t, name, df)
-        store.write_table(t + 1, Stage.BUDGET, df)
         if eval_every and (t + 1) % eval_every == 0 and t + 1 < steps:
             store.write_table(t + 1, Table.EVAL, df)
         ckpt = store.checkpoint_dir(t + 1)
@@ -447,7 +444,7 @@ def test_a_rerun_whose_checkpoint_was_pruned_removes_nothing_and_names_what_is_p
     store = _fake_run(tmp_path / "r", steps=6)
     for k in (1, 3):
         shutil.rmtree(store.checkpoint_dir(k))
-    path = store.table_path(3, Stage.REWARDS)
+    path = store.table_path(3, Table.REWARDS)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -457,14 +454,14 @@ def test_a_rerun_whose_checkpoint_was_pruned_removes_nothing_and_names_what_is_p
     assert _everything(store) == before  # every table, checkpoint, summary.json still there, unchanged
     (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert "needs checkpoints/000003" in err and "nothing was removed" in err
-    assert f"coba rerun --run-dir {store.root} --step 2 --stage rollouts --yes" in err
+    assert f"coba rerun --run-dir {store.root} --step 2 --stage budget --yes" in err
     argv = ["rerun", "--run-dir", str(store.root), "--step", "3", "--stage", "update", "--yes", "--no-resume"]
     assert cli_main(argv) == 2 and _everything(store) == before  # rerun: the same refusal
     capsys.readouterr()
-    check_plan(store, plan_rerun(store, 2, Stage.ROLLOUTS))  # what the refusal offers: possible
-    argv = ["rerun", "--run-dir", str(store.root), "--step", "2", "--stage", "rollouts", "--yes", "--no-resume"]
+    check_plan(store, plan_rerun(store, 2, Table.BUDGET))  # what the refusal offers: possible
+    argv = ["rerun", "--run-dir", str(store.root), "--step", "2", "--stage", "budget", "--yes", "--no-resume"]
     assert cli_main(argv) == 0
-    assert not store.is_done(2, Stage.ROLLOUTS) and store.is_done(1, Stage.UPDATE) and store.checkpoint_dir(2).is_dir()
+    assert not store.is_done(2, Table.BUDGET) and store.is_done(1, Table.UPDATE) and store.checkpoint_dir(2).is_dir()
 
 
 def test_a_rerun_needs_the_checkpoints_of_the_evaluations_it_must_recompute(tmp_path, capsys):
@@ -476,16 +473,16 @@ def test_a_rerun_needs_the_checkpoints_of_the_evaluations_it_must_recompute(tmp_
     store = _fake_run(tmp_path / "r", steps=4, eval_every=2)
     assert needed_checkpoints(store, plan_rerun(store, 2, Table.EVAL)) == [2, 4]  # eval(2), then the finished run
     assert needed_checkpoints(store, plan_rerun(store, 0, Table.EVAL)) == [4]  # eval(0): the base model
-    assert needed_checkpoints(store, plan_rerun(store, 3, Stage.ROLLOUTS)) == [3]
+    assert needed_checkpoints(store, plan_rerun(store, 3, Table.ROLLOUTS)) == [3]
     for k in (1, 2):
         shutil.rmtree(store.checkpoint_dir(k))
     before = _everything(store)
     argv = ["rerun", "--run-dir", str(store.root), "--step", "2", "--stage", "eval", "--yes", "--no-resume"]
     assert cli_main(argv) == 2 and _everything(store) == before
     (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert "needs checkpoints/000002" in err and "--step 0 --stage rollouts --yes" in err
+    assert "needs checkpoints/000002" in err and "--step 0 --stage budget --yes" in err
     store.invalidate(2, Table.EVAL)  # a kill between update(1) and eval(2) left it out
-    assert needed_checkpoints(store, plan_rerun(store, 3, Stage.ROLLOUTS)) == [2, 3]
+    assert needed_checkpoints(store, plan_rerun(store, 3, Table.ROLLOUTS)) == [2, 3]
     before = _everything(store)
     argv = ["rerun", "--run-dir", str(store.root), "--step", "3", "--stage", "rollouts", "--yes", "--no-resume"]
     assert cli_main(argv) == 2 and _everything(store) == before
@@ -493,27 +490,26 @@ def test_a_rerun_needs_the_checkpoints_of_the_evaluations_it_must_recompute(tmp_
 
 def test_plan_rerun_orders_outputs_as_computed(tmp_path):
     store = _fake_run(tmp_path / "r")
-    plan = plan_rerun(store, 1, Stage.CAPABILITY)
+    plan = plan_rerun(store, 1, Table.CAPABILITY)
     assert plan.tables == [
         (1, "capability"),
         (1, "history"),
-        (2, "budget"),
         (1, "update"),
+        (2, "budget"),
         (2, "rollouts"),
         (2, "rewards"),
         (2, "capability"),
         (2, "history"),
-        (3, "budget"),
         (2, "update"),
         (3, "eval"),
     ]
     assert [p.name for p in plan.checkpoints] == ["000002", "000003"]
     assert [p.name for p in plan.files] == ["summary.json"]
-    # the budget in steps/2 was allocated during step 1: it invalidates step 1's update onwards, not capability(1)
-    plan = plan_rerun(store, 2, Stage.BUDGET)
-    assert plan.tables[:2] == [(2, "budget"), (1, "update")] and (1, "capability") not in plan.tables
+    # the budget of step 2 is its first stage: it invalidates step 2 from there, nothing of step 1
+    plan = plan_rerun(store, 2, Table.BUDGET)
+    assert plan.tables[:2] == [(2, "budget"), (2, "rollouts")] and not [t for t in plan.tables if t[0] < 2]
     # budget(0) invalidates every step but not the evaluation of the starting model
-    plan = plan_rerun(store, 0, Stage.BUDGET)
+    plan = plan_rerun(store, 0, Table.BUDGET)
     assert (0, "eval") not in plan.tables and (0, "rollouts") in plan.tables and len(plan.checkpoints) == 3
     # a held-out evaluation is read by nothing
     assert plan_rerun(store, 3, Table.EVAL).tables == [(3, "eval")]
@@ -527,29 +523,29 @@ def test_plan_rerun_orders_a_pilot_runs_outputs_as_computed(tmp_path):
     df = pd.DataFrame({"x": [1]})
     store.write_table(0, Table.EVAL, df)
     for t in range(2):
-        for name in (Table.PILOT, Table.PILOT_REWARDS, Stage.BUDGET, *STEP_REST):
+        for name in (Table.PILOT, Table.PILOT_REWARDS, Table.BUDGET, *STEP_REST):
             store.write_table(t, name, df)
         store.checkpoint_dir(t + 1).mkdir(parents=True)
     store.write_table(2, Table.EVAL, df)
     step1 = [(1, n) for n in ("pilot", "pilot_rewards", "budget", "rollouts", "rewards", "capability", "history")]
-    assert plan_rerun(store, 0, Stage.UPDATE).tables == [(0, "update"), *step1, (1, "update"), (2, "eval")]
-    assert plan_rerun(store, 1, Stage.BUDGET).tables == [*step1[2:], (1, "update"), (2, "eval")]
+    assert plan_rerun(store, 0, Table.UPDATE).tables == [(0, "update"), *step1, (1, "update"), (2, "eval")]
+    assert plan_rerun(store, 1, Table.BUDGET).tables == [*step1[2:], (1, "update"), (2, "eval")]
     assert plan_rerun(store, 1, Table.PILOT_REWARDS).tables[:2] == [(1, "pilot_rewards"), (1, "budget")]
-    first = plan_rerun(store, 0, Stage.BUDGET).tables  # budget(0) follows pilot(0) and eval(0)
+    first = plan_rerun(store, 0, Table.BUDGET).tables  # budget(0) follows pilot(0) and eval(0)
     assert first[0] == (0, "budget") and (0, "pilot") not in first and (0, "eval") not in first
-    with pytest.raises(ValueError, match=r"done there: pilot, pilot_rewards, rollouts"):
+    with pytest.raises(ValueError, match=r"done there: pilot, pilot_rewards, budget, rollouts"):
         plan_rerun(store, 1, Table.EVAL)
 
 
-STEP_REST = (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Table.HISTORY, Stage.UPDATE)
+STEP_REST = (Table.ROLLOUTS, Table.REWARDS, Table.CAPABILITY, Table.HISTORY, Table.UPDATE)
 
 
 def test_apply_rerun_removes_exactly_the_plan(tmp_path):
     store = _fake_run(tmp_path / "r")
-    plan = plan_rerun(store, 2, Stage.UPDATE)
+    plan = plan_rerun(store, 2, Table.UPDATE)
     apply_rerun(store, plan)
-    assert not store.is_done(2, Stage.UPDATE) and not store.is_done(3, Table.EVAL)
-    assert store.is_done(2, Stage.CAPABILITY) and store.is_done(3, Stage.BUDGET)  # budget(3) precedes update(2)
+    assert not store.is_done(2, Table.UPDATE) and not store.is_done(3, Table.EVAL)
+    assert store.is_done(2, Table.CAPABILITY) and store.is_done(2, Table.BUDGET)  # before update(2): kept
     assert not store.checkpoint_dir(3).exists() and store.checkpoint_dir(2).exists()
     assert not (store.root / "summary.json").exists()
     assert not (store.step_dir(2) / "update.parquet").exists()
@@ -592,14 +588,14 @@ def test_rerun_refuses_a_step_directory_linked_out_of_the_run_before_removing_an
         (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert "outside the run directory" in err
     with pytest.raises(StoreError, match="outside the run directory"):
-        store.write_table(2, Stage.REWARDS, pd.DataFrame({"x": [2]}))
-    assert store.read_table(2, Stage.REWARDS)["x"].tolist() == [1]
+        store.write_table(2, Table.REWARDS, pd.DataFrame({"x": [2]}))
+    assert store.read_table(2, Table.REWARDS)["x"].tolist() == [1]
 
 
 def test_plan_rerun_errors(tmp_path):
     store = _fake_run(tmp_path / "r", steps=1)
     with pytest.raises(ValueError, match="not done at step 4"):
-        plan_rerun(store, 4, Stage.REWARDS)
+        plan_rerun(store, 4, Table.REWARDS)
     with pytest.raises(ValueError, match="unknown stage 'loss'"):
         plan_rerun(store, 0, "loss")
 
@@ -629,7 +625,7 @@ def test_failed_flow_run_retried_with_prefect_reruns_only_what_failed(
     run_dir = tmp_path / "run"
     fail = tmp_path / "fail-at"
     state, store = _failed_run(run_dir, config_to_dict(cfg), "1:rewards", fail)
-    assert store.is_done(1, Stage.ROLLOUTS) and not store.is_done(1, Stage.REWARDS)
+    assert store.is_done(1, Table.ROLLOUTS) and not store.is_done(1, Table.REWARDS)
     written = {(s, n): e["written_at"] for s in store.steps() for n, e in store.manifest(s).items()}
 
     fail.unlink()  # the failure goes away; retry the same flow run
@@ -658,7 +654,7 @@ def test_damaged_tables_are_found_and_repair_plans_from_the_first(tmp_path, caps
 
     store = _fake_run(tmp_path / "r")
     assert damaged_tables(store) == [] and plan_repair(store) is None
-    path = store.table_path(2, Stage.REWARDS)
+    path = store.table_path(2, Table.REWARDS)
     path.write_bytes(path.read_bytes()[:-7])  # truncated
     altered = store.table_path(1, Table.HISTORY)
     data = bytearray(altered.read_bytes())

@@ -20,7 +20,7 @@ from helpers_reward import TEST_PROMPTS
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig
 from coba_tasks.pipeline.config import load_config
 from coba_tasks.pipeline.data import write_verl_parquet
-from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.pipeline.store import RunStore, Table
 
 REWARD_FILE = textwrap.dedent(
     """\
@@ -104,8 +104,8 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
     mode = dict(zip(res.prompts["prompt_id"], MODES, strict=True))
     seen: set[str] = set()
     for step in range(2):
-        rollouts = store.read_table(step, Stage.ROLLOUTS)
-        rewards = store.read_table(step, Stage.REWARDS)
+        rollouts = store.read_table(step, Table.ROLLOUTS)
+        rewards = store.read_table(step, Table.REWARDS)
         assert {"detail", "acc", "first"} <= set(rewards.columns)
         good = rollouts["completion"].map(_good).to_numpy()
         for m, g, row in zip(rewards["prompt_id"].map(mode), good, rewards.itertuples(), strict=True):
@@ -128,15 +128,15 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
         rates = (rewards["verdict"] == "correct").groupby(rewards["prompt_id"]).mean()
         history = store.read_table(step, Table.HISTORY).set_index("prompt_id")["pass_rates"]
         assert all(history[pid][-1] == pytest.approx(rate) for pid, rate in rates.items())
-        assert store.read_table(step, Stage.CAPABILITY)["S"].iloc[0] == pytest.approx(rates.mean())
-        assert float(store.read_table(step, Stage.UPDATE)["grad_norm"].iloc[0]) > 0  # raw-score advantages
+        assert store.read_table(step, Table.CAPABILITY)["S"].iloc[0] == pytest.approx(rates.mean())
+        assert float(store.read_table(step, Table.UPDATE)["grad_norm"].iloc[0]) > 0  # raw-score advantages
     assert {"correct", "wrong", "error", "timeout"} <= seen  # the run went on past raises and timeouts
 
     # `coba bench update --run-dir` times what the update of a step trained on: its rows and raw-score advantages
     from coba_tasks.bench.update import run_batch
 
     prompt_ids, completion_ids, adv = run_batch(str(root), 1)
-    rollouts, rewards = store.read_table(1, Stage.ROLLOUTS), store.read_table(1, Stage.REWARDS)
+    rollouts, rewards = store.read_table(1, Table.ROLLOUTS), store.read_table(1, Table.REWARDS)
     assert len(prompt_ids) == len(completion_ids) == len(adv) == len(rollouts)
     assert completion_ids == [list(t) for t in rollouts["token_ids"]]
     np.testing.assert_array_equal(adv, stages.advantages_for(rollouts, rewards))
@@ -190,11 +190,11 @@ def test_a_reward_file_that_fails_on_every_call_stops_the_run_and_a_resume_after
     )
     assert "the first error: broken_reward.py:compute_score: KeyError: 'answer' (broken_reward.py line 2)" in message
     store = RunStore.open(run_dir)
-    assert not store.is_done(0, Table.EVAL) and not store.is_done(0, Stage.ROLLOUTS)  # nothing recorded, nothing ran
+    assert not store.is_done(0, Table.EVAL) and not store.is_done(0, Table.ROLLOUTS)  # nothing recorded, nothing ran
 
     reward.write_text(FIXED_FILE)  # the fix; the run started with the broken file, so the resume says so
     summary = train_flow(run_dir=str(run_dir), resume=True, allow_changed_inputs=True)
-    rewards = RunStore.open(run_dir).read_table(0, Stage.REWARDS)
+    rewards = RunStore.open(run_dir).read_table(0, Table.REWARDS)
     assert len(rewards) == 16 and (rewards["verdict"] == "correct").all() and summary["steps"] == 1
     held_out = RunStore.open(run_dir).read_table(0, Table.EVAL)
     assert held_out["accuracy"].tolist() == [1.0, 1.0] and held_out["errors"].tolist() == [0, 0]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from coba_tasks.pipeline.config import PROJECT_ROOT, load_config
-from coba_tasks.pipeline.store import Stage
+from coba_tasks.pipeline.store import Table
 
 pytestmark = pytest.mark.slow
 
@@ -105,13 +105,13 @@ def test_a_shipped_config_has_mixed_groups_in_its_first_steps(name, request, tmp
     try:
         stage_step.resume_point(res)
         for step in (0, 1):  # step 1 only when no group of step 0 is mixed: the assertion is over both
-            stage_step.rollouts.fn(str(root), step)  # as plain calls, not Prefect tasks
+            stage_step.budget.fn(str(root), step)  # as plain calls, not Prefect tasks
+            stage_step.rollouts.fn(str(root), step)
             stage_step.rewards.fn(str(root), step)
-            if step == 0:  # the failure-rate update and the budget of step 1: what step 1 samples
+            if step == 0:  # the failure-rate update: what the budget of step 1 reads
                 stage_step.capability.fn(str(root), 0)
-                stage_step.budget.fn(str(root), 0)
-            mixed.append(_mixed_groups(res.store.read_table(step, Stage.REWARDS)))
-            groups.append(len(res.store.read_table(step, Stage.BUDGET)))
+            mixed.append(_mixed_groups(res.store.read_table(step, Table.REWARDS)))
+            groups.append(len(res.store.read_table(step, Table.BUDGET)))
             if mixed[0] > 0:
                 break
     finally:

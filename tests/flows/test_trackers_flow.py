@@ -55,13 +55,13 @@ def test_a_resumed_run_continues_its_tracker_runs_without_logging_a_step_twice(
 
     from mlflow.tracking import MlflowClient
 
-    from coba_tasks.pipeline.store import RunStore, Stage
+    from coba_tasks.pipeline.store import RunStore, Table
 
     client = MlflowClient(tracking_uri=store_uri(run_dir / "trackers" / "mlflow"))
     loss = client.get_metric_history(state["mlflow"]["run_id"], "update/loss")
     store = RunStore.open(run_dir)
     assert [(m.step, m.value) for m in loss] == [
-        (k, pytest.approx(float(store.read_table(k - 1, Stage.UPDATE)["loss"].iloc[0]))) for k in (1, 2, 3)
+        (k, pytest.approx(float(store.read_table(k - 1, Table.UPDATE)["loss"].iloc[0]))) for k in (1, 2, 3)
     ]
     assert [m.step for m in client.get_metric_history(state["mlflow"]["run_id"], "heldout/accuracy")] == [0, 2, 3]
     assert client.get_run(state["mlflow"]["run_id"]).data.params["run.trackers"] == '["tensorboard", "mlflow"]'

@@ -13,7 +13,7 @@ import pytest
 from helpers_reward import TEST_PROMPTS, assert_updates_moved, data_overrides, write_flat
 
 from coba_tasks.pipeline.config import config_to_dict, load_config
-from coba_tasks.pipeline.store import MANIFEST_FILE, RunStore, Stage, Table
+from coba_tasks.pipeline.store import MANIFEST_FILE, STAGES, RunStore, Table
 
 
 @pytest.mark.slow
@@ -31,13 +31,13 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     store = RunStore.open(run_dir)
     m, g = cfg.data.prompts_per_step, cfg.allocation.group_size
     for step in range(3):
-        for name in (*Stage, Table.HISTORY):
+        for name in (*STAGES, Table.HISTORY):
             assert store.is_done(step, name), (step, name)
             entry = store.manifest(step)[name]
             assert entry["rows"] == len(store.read_table(step, name)) and len(entry["sha256"]) == 64
-        budget = store.read_table(step, Stage.BUDGET)
-        rollouts = store.read_table(step, Stage.ROLLOUTS)
-        rewards = store.read_table(step, Stage.REWARDS)
+        budget = store.read_table(step, Table.BUDGET)
+        rollouts = store.read_table(step, Table.ROLLOUTS)
+        rewards = store.read_table(step, Table.REWARDS)
         assert len(budget) == m and int(budget["budget"].sum()) == m * g
         assert budget["budget"].between(cfg.allocation.min_budget, cfg.allocation.max_budget).all()
         per_prompt = rollouts.groupby("prompt_id").size()
@@ -45,19 +45,19 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
         assert (rollouts["weight_version"] == step).all()
         assert len(rewards) == len(rollouts) and set(rewards["verdict"]) <= {"correct", "wrong", "no_answer"}
         assert (rollouts["n_tokens"] == rollouts["token_ids"].apply(len)).all()
-    # the budget of step t + 1 is allocated with the (alpha, beta) that step t's failure-rate stage computed,
-    # and step 0's with the starting shape (kappa - 2, 2)
-    first = store.read_table(0, Stage.BUDGET)
+    # step t + 1 allocates its budget with the (alpha, beta) that step t's failure-rate stage computed,
+    # and step 0 with the starting shape (kappa - 2, 2)
+    first = store.read_table(0, Table.BUDGET)
     assert (first["alpha"] == cfg.allocation.kappa - 2).all() and (first["beta"] == 2.0).all()
-    for step in range(3):
-        cap = store.read_table(step, Stage.CAPABILITY).iloc[0]
-        nxt = store.read_table(step + 1, Stage.BUDGET)
+    for step in range(2):
+        cap = store.read_table(step, Table.CAPABILITY).iloc[0]
+        nxt = store.read_table(step + 1, Table.BUDGET)
         assert (nxt["alpha"] == cap["alpha"]).all() and (nxt["beta"] == cap["beta"]).all(), step
-    assert len({float(store.read_table(s, Stage.CAPABILITY)["alpha"].iloc[0]) for s in range(3)}) > 1  # it moved
+    assert len({float(store.read_table(s, Table.CAPABILITY)["alpha"].iloc[0]) for s in range(3)}) > 1  # it moved
     # 6 prompts, 4 per step: step 2 revisits prompts seen at step 0, so its budget is not uniform by fallback
-    assert store.read_table(0, Stage.BUDGET)["fallback"].str.contains("unseen").all()
-    assert not store.read_table(2, Stage.BUDGET)["fallback"].str.contains("unseen").any()
-    assert store.is_done(3, Stage.BUDGET)  # the allocation for the step after the last
+    assert store.read_table(0, Table.BUDGET)["fallback"].str.contains("unseen").all()
+    assert not store.read_table(2, Table.BUDGET)["fallback"].str.contains("unseen").any()
+    assert set(store.manifest(3)) == {Table.EVAL}  # after the last step only its evaluation (no step 3 to allocate)
     assert_updates_moved(store, model, 3)  # every update had a gradient and changed the weights
 
     from transformers import AutoModelForCausalLM
@@ -123,13 +123,13 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     # the report is drawn at the end and posted as artifacts
     report = run_dir / "report"
     assert (report / "index.html").is_file() and (report / "accuracy.png").stat().st_size > 5000
-    assert not [c for c in store.read_table(0, Stage.REWARDS).columns if c.endswith("_ms")]  # no timings in tables
+    assert not [c for c in store.read_table(0, Table.REWARDS).columns if c.endswith("_ms")]  # no timings in tables
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, ArtifactFilterType
     from prefect.client.schemas.sorting import ArtifactSort
 
     with get_client(sync_client=True) as client:
-        keys = ["coba-report", "coba-report-page", "step-000002", "budget-step-000003"]
+        keys = ["coba-report", "coba-report-page", "step-000002", "budget-step-000002"]
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
         # the newest images (the session's server holds every earlier test's artifacts: read them all and
         # the default page may end before this run's)
@@ -214,13 +214,13 @@ def test_keep_checkpoints_prunes_old_ones_and_a_rerun_that_needs_one_removes_not
     tables = {s: dict(store.manifest(s)) for s in store.steps()}
     final = (store.checkpoint_dir(3) / "model.safetensors").read_bytes()
     # its update continues from checkpoints/000001, pruned: refused before anything is removed
-    with pytest.raises(StoreError, match=r"needs checkpoints/000001 .*nothing was removed.* --step 0 --stage rollouts"):
-        apply_rerun(store, plan_rerun(store, 1, Stage.UPDATE))
+    with pytest.raises(StoreError, match=r"needs checkpoints/000001 .*nothing was removed.* --step 0 --stage budget"):
+        apply_rerun(store, plan_rerun(store, 1, Table.UPDATE))
     assert {s: dict(store.manifest(s)) for s in store.steps()} == tables
     assert (store.checkpoint_dir(3) / "model.safetensors").read_bytes() == final
     assert (run_dir / "summary.json").is_file()
     # what the refusal offers: from the start, which the run then finishes
-    apply_rerun(store, plan_rerun(store, 0, Stage.ROLLOUTS))
+    apply_rerun(store, plan_rerun(store, 0, Table.ROLLOUTS))
     train_flow(run_dir=str(run_dir), resume=True)
     assert {s: set(store.manifest(s)) for s in store.steps()} == {s: set(t) for s, t in tables.items()}
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["000003"]
@@ -418,8 +418,8 @@ def test_released_mode_runs_through_a_run(tmp_path, prefect_harness, random_chec
     a = cfg.allocation
     assert a.mode == "released"
     revisited = 0
-    for step in range(4):
-        b = store.read_table(step, Stage.BUDGET)
+    for step in range(3):
+        b = store.read_table(step, Table.BUDGET)
         est = b["pass_rate_est"].to_numpy(dtype=np.float64)
         plan = section_allocation(est, a, alpha=float(b["alpha"].iloc[0]), beta=float(b["beta"].iloc[0]))
         assert b["budget"].tolist() == plan.budgets.tolist(), step
@@ -452,11 +452,11 @@ def test_a_run_with_the_rollout_correction_reports_its_ratios(
     train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
     store = RunStore.open(run_dir)
     for step in range(2):
-        update = store.read_table(step, Stage.UPDATE).iloc[0]
+        update = store.read_table(step, Table.UPDATE).iloc[0]
         assert abs(update["is_ratio_mean"] - 1) < 1e-3 and update["is_ratio_max"] < 1.01, step
         assert update["is_clipped_frac"] == 0.0 and update["is_masked_frac"] == 0.0, step
         assert math.isfinite(update["loss"]) and update["grad_norm"] > 0, step
-        rewards = store.read_table(step, Stage.REWARDS)
+        rewards = store.read_table(step, Table.REWARDS)
         mixed = int((rewards.groupby("prompt_id")["reward"].nunique() > 1).sum())
         assert update["prompt_weighting"] == "equal" and mixed > 0, step
         assert update["effective_prompts"] == pytest.approx(mixed, rel=1e-12), step
@@ -478,7 +478,7 @@ def test_the_step_line_warns_when_no_group_has_been_mixed_for_several_steps():
     assert "no group has had a non-zero advantage for 2 steps in a row" in warned
     assert "nothing is learned" in warned and "data.difficulties" in warned
     assert "no group" not in step_line(1, 2, figures, {}, 10.0)
-    assert "; next budgets 4-4 (mean 4.0); " in plain
+    assert "; budgets 4-4 (mean 4.0); " in plain
     # allocation.estimator=pilot: the budgets are the step's own, allocated after a pilot of k each
     assert "; budgets 4-4 (mean 4.0, a pilot of 2 each); " in step_line(0, 2, figures, {}, 10.0, pilot=2)
 

@@ -12,7 +12,7 @@ from verl_files import write_verl_gsm8k
 
 from coba_tasks.engines.verify import gsm8k_flexible_verifier
 from coba_tasks.pipeline.config import load_config
-from coba_tasks.pipeline.store import RunStore, Stage
+from coba_tasks.pipeline.store import RunStore, Table
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,8 @@ def test_a_training_step_from_a_verl_gsm8k_file(tmp_path, long_context_model):
         run.close_run(res)
 
     store = RunStore.open(root)
-    rollouts = store.read_table(0, Stage.ROLLOUTS)
-    rewards = store.read_table(0, Stage.REWARDS)
+    rollouts = store.read_table(0, Table.ROLLOUTS)
+    rewards = store.read_table(0, Table.REWARDS)
     assert len(rewards) == len(rollouts) > 0
     truth = dict(zip(res.prompts["prompt_id"], res.prompts["ground_truth"], strict=True))
     assert set(truth) == {"0", "1", "2", "3"}  # veRL's extra_info.index

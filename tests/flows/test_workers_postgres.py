@@ -51,7 +51,7 @@ from prefect_procs import (
     wait_healthy,
 )
 
-from coba_tasks.pipeline.store import RunStore, Stage
+from coba_tasks.pipeline.store import STAGES, RunStore, Table
 
 pytestmark = pytest.mark.slow
 
@@ -205,7 +205,7 @@ def assert_same_run(run_dir: Path, reference: Path, base_model: Path) -> None:
                 a.read_table(step, name), b.read_table(step, name), obj=f"{step}/{name}", check_exact=True
             )
     for step in range(STEPS):
-        assert set(Stage) <= set(a.manifest(step)) | {Stage.BUDGET}, (step, sorted(a.manifest(step)))
+        assert set(STAGES) <= set(a.manifest(step)) | {Table.BUDGET}, (step, sorted(a.manifest(step)))
     for name in ("prompts", "history"):
         pd.testing.assert_frame_equal(a.read_run_table(name), b.read_run_table(name), obj=name, check_exact=True)
     for step in range(1, STEPS + 1):  # every checkpoint bit for bit: weights, AdamW state, trainer state
@@ -352,13 +352,13 @@ def _stop_in_a_step(client, runs: dict[str, tuple[uuid.UUID, Path]]) -> dict[str
             if pid is None or not (run_dir / "run.json").exists():
                 continue
             store = RunStore.open(run_dir)
-            step = next((s for s in range(1, STEPS - 1) if not store.is_done(s, Stage.UPDATE)), None)
+            step = next((s for s in range(1, STEPS - 1) if not store.is_done(s, Table.UPDATE)), None)
             if step is None:
                 raise AssertionError(f"{name}: every step ended between two looks; could not stop it inside one")
-            if not store.is_done(step, Stage.ROLLOUTS):
+            if not store.is_done(step, Table.ROLLOUTS):
                 continue
             os.kill(pid, signal.SIGSTOP)
-            if store.is_done(step, Stage.UPDATE):
+            if store.is_done(step, Table.UPDATE):
                 os.kill(pid, signal.SIGCONT)
                 continue
             stopped[name] = (step, pid)
@@ -382,7 +382,7 @@ def test_worker_killed_mid_step_is_recovered(cluster: Cluster) -> None:
         t_kill = time.monotonic()
         before = manifest_snapshot(run_dir)
         done_in_step = {n for (s, n) in before if s == step}
-        assert Stage.ROLLOUTS in done_in_step and Stage.UPDATE not in done_in_step, done_in_step
+        assert Table.ROLLOUTS in done_in_step and Table.UPDATE not in done_in_step, done_in_step
         time.sleep(3)
         assert client.read_flow_run(first).state.is_running(), "Prefect noticed the kill by itself"
         cluster.start_worker(f"{worker}-2")  # the team starts a worker again
@@ -398,7 +398,7 @@ def test_worker_killed_mid_step_is_recovered(cluster: Cluster) -> None:
         kept = {k: after[k] for k in before}
         assert kept == before, "a table done before the kill was written again"
         computed = set(after) - set(before)
-        assert (step, Stage.UPDATE) in computed and all(s >= step for s, _ in computed), sorted(computed)
+        assert (step, Table.UPDATE) in computed and all(s >= step for s, _ in computed), sorted(computed)
         assert_same_run(run_dir, cluster.solo, cluster.base_model)
 
         # Prefect's view: Running until the heartbeats stop long enough for the automation

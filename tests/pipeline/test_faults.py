@@ -26,7 +26,7 @@ from scripts_loader import load_script
 from coba_tasks.engines import fileio
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
 from coba_tasks.pipeline import store as store_module
-from coba_tasks.pipeline.store import RunStore, Stage
+from coba_tasks.pipeline.store import RunStore, Table
 
 test_resume = load_script("tests/flows/test_resume.py")  # its helpers, whatever test directories pytest was given
 
@@ -172,34 +172,34 @@ def _disk_full_after(n_bytes: int):
 
 def test_disk_full_mid_write_leaves_no_file_no_temporary_no_entry(tmp_path, monkeypatch):
     store = _new_store(tmp_path / "run")
-    store.write_table(1, Stage.ROLLOUTS, DF)
+    store.write_table(1, Table.ROLLOUTS, DF)
     monkeypatch.setattr(store_module.pq, "write_table", _disk_full_after(100))
     with pytest.raises(OSError, match="No space left on device") as info:
-        store.write_table(1, Stage.REWARDS, DF)
+        store.write_table(1, Table.REWARDS, DF)
     assert info.value.errno == errno.ENOSPC
     assert any("rewards.parquet" in note for note in getattr(info.value, "__notes__", []))
-    assert not store.table_path(1, Stage.REWARDS).exists()
+    assert not store.table_path(1, Table.REWARDS).exists()
     assert _tmp_files(store.root) == []
-    assert Stage.REWARDS not in store.manifest(1) and not store.is_done(1, Stage.REWARDS)
-    assert store.is_done(1, Stage.ROLLOUTS)  # what was done before is untouched
+    assert Table.REWARDS not in store.manifest(1) and not store.is_done(1, Table.REWARDS)
+    assert store.is_done(1, Table.ROLLOUTS)  # what was done before is untouched
     monkeypatch.undo()  # space freed
-    store.write_table(1, Stage.REWARDS, DF)
-    pd.testing.assert_frame_equal(store.read_table(1, Stage.REWARDS), DF)
+    store.write_table(1, Table.REWARDS, DF)
+    pd.testing.assert_frame_equal(store.read_table(1, Table.REWARDS), DF)
 
 
 def test_disk_full_while_rewriting_a_done_table_leaves_it_not_done_then_rewrite_succeeds(tmp_path, monkeypatch):
     store = _new_store(tmp_path / "run")
-    store.write_table(1, Stage.REWARDS, DF)
-    old_bytes = store.table_path(1, Stage.REWARDS).read_bytes()
+    store.write_table(1, Table.REWARDS, DF)
+    old_bytes = store.table_path(1, Table.REWARDS).read_bytes()
     monkeypatch.setattr(store_module.pq, "write_table", _disk_full_after(10))
     with pytest.raises(OSError):
-        store.write_table(1, Stage.REWARDS, DF.assign(reward=0.0))
+        store.write_table(1, Table.REWARDS, DF.assign(reward=0.0))
     # the old file is whole (never half-overwritten) but no longer listed: the stage reads as not done
-    assert store.table_path(1, Stage.REWARDS).read_bytes() == old_bytes
-    assert not store.is_done(1, Stage.REWARDS) and _tmp_files(store.root) == []
+    assert store.table_path(1, Table.REWARDS).read_bytes() == old_bytes
+    assert not store.is_done(1, Table.REWARDS) and _tmp_files(store.root) == []
     monkeypatch.undo()
-    store.write_table(1, Stage.REWARDS, DF.assign(reward=0.0))
-    assert store.read_table(1, Stage.REWARDS)["reward"].tolist() == [0.0] * 3
+    store.write_table(1, Table.REWARDS, DF.assign(reward=0.0))
+    assert store.read_table(1, Table.REWARDS)["reward"].tolist() == [0.0] * 3
 
 
 def test_disk_full_when_writing_the_manifest_leaves_the_table_not_done(tmp_path, monkeypatch):
@@ -218,12 +218,12 @@ def test_disk_full_when_writing_the_manifest_leaves_the_table_not_done(tmp_path,
 
     monkeypatch.setattr(store_module, "atomic_write", full_on_manifest)
     with pytest.raises(OSError):
-        store.write_table(1, Stage.REWARDS, DF)
-    assert not store.is_done(1, Stage.REWARDS) and store.manifest(1) == {}
+        store.write_table(1, Table.REWARDS, DF)
+    assert not store.is_done(1, Table.REWARDS) and store.manifest(1) == {}
     assert _tmp_files(store.root) == []
     monkeypatch.undo()
-    store.write_table(1, Stage.REWARDS, DF)  # the untracked file from the failed attempt is replaced
-    pd.testing.assert_frame_equal(store.read_table(1, Stage.REWARDS), DF)
+    store.write_table(1, Table.REWARDS, DF)  # the untracked file from the failed attempt is replaced
+    pd.testing.assert_frame_equal(store.read_table(1, Table.REWARDS), DF)
 
 
 def test_permission_denied_at_rename_leaves_nothing(tmp_path, monkeypatch):
@@ -238,29 +238,29 @@ def test_permission_denied_at_rename_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fileio.os, "replace", refuse)
     with pytest.raises(PermissionError):
-        store.write_table(1, Stage.REWARDS, DF)
-    assert not store.table_path(1, Stage.REWARDS).exists() and _tmp_files(store.root) == []
-    assert not store.is_done(1, Stage.REWARDS)
+        store.write_table(1, Table.REWARDS, DF)
+    assert not store.table_path(1, Table.REWARDS).exists() and _tmp_files(store.root) == []
+    assert not store.is_done(1, Table.REWARDS)
     monkeypatch.undo()
-    store.write_table(1, Stage.REWARDS, DF)
-    assert store.is_done(1, Stage.REWARDS)
+    store.write_table(1, Table.REWARDS, DF)
+    assert store.is_done(1, Table.REWARDS)
 
 
 def _check_read_only_step_directory(root: Path) -> None:
     """A write into a step directory the process may not write fails, leaving nothing and no manifest entry."""
     store = _new_store(root)
-    store.write_table(1, Stage.ROLLOUTS, DF)
+    store.write_table(1, Table.ROLLOUTS, DF)
     step_dir = store.step_dir(1)
     step_dir.chmod(0o555)
     try:
         with pytest.raises(PermissionError):
-            store.write_table(1, Stage.REWARDS, DF)
-        assert not store.table_path(1, Stage.REWARDS).exists() and _tmp_files(store.root) == []
-        assert list(store.manifest(1)) == [Stage.ROLLOUTS]
+            store.write_table(1, Table.REWARDS, DF)
+        assert not store.table_path(1, Table.REWARDS).exists() and _tmp_files(store.root) == []
+        assert list(store.manifest(1)) == [Table.ROLLOUTS]
     finally:
         step_dir.chmod(0o755)
-    store.write_table(1, Stage.REWARDS, DF)
-    assert store.is_done(1, Stage.REWARDS)
+    store.write_table(1, Table.REWARDS, DF)
+    assert store.is_done(1, Table.REWARDS)
 
 
 def _drop_file_capabilities() -> None:
@@ -307,12 +307,12 @@ def test_temporaries_left_by_a_killed_writer_are_ignored_then_removed(tmp_path):
     stale = [step_dir / ".rewards.parquet.0badc0de.tmp", step_dir / "._manifest.json.0badc0de.tmp"]
     for p in stale:
         p.write_bytes(b"PAR1 half a file")  # what a SIGKILL mid-write leaves
-    assert not store.is_done(1, Stage.REWARDS) and store.manifest(1) == {}
+    assert not store.is_done(1, Table.REWARDS) and store.manifest(1) == {}
     other = step_dir / ".rollouts.parquet.0badc0de.tmp"  # another table's: not this write's business
     other.write_bytes(b"x")
-    store.write_table(1, Stage.REWARDS, DF)
+    store.write_table(1, Table.REWARDS, DF)
     assert not any(p.exists() for p in stale) and other.exists()
-    pd.testing.assert_frame_equal(store.read_table(1, Stage.REWARDS), DF)
+    pd.testing.assert_frame_equal(store.read_table(1, Table.REWARDS), DF)
 
 
 # --------------------------------------------------------------------------- a full disk inside a run
@@ -380,7 +380,7 @@ def test_disk_full_in_a_run_then_resume_equals_uninterrupted(
     assert state.is_failed()
     assert len(attempts) == 2  # the task and its retry
     store = RunStore.open(run_dir)
-    assert store.is_done(1, Stage.ROLLOUTS) and not store.is_done(1, Stage.REWARDS)
+    assert store.is_done(1, Table.ROLLOUTS) and not store.is_done(1, Table.REWARDS)
     assert not target.exists() and _tmp_files(run_dir) == []
 
     monkeypatch.undo()  # space freed

@@ -112,13 +112,18 @@ def test_the_fork_point_is_the_first_step_whose_allocation_differs(tmp_path):
 
 
 def test_the_fork_point_waits_for_the_tables_that_decide_it(tmp_path):
-    """A source before the budget of step 2 (or before the capability of step 1) does not decide it yet."""
+    """A source before the capability of step 1 does not decide it yet; once the tables of steps 0 and 1 are
+    there, the point before step 2 is known whether or not the source has allocated step 2 itself (what its
+    budget stage will write is computed, as it will be)."""
     cfg = _cfg(*STRATEGIES["uniform"])
     one = fake_run(tmp_path / "one", cfg, steps=1)
     assert fork.fork_point(one, _cfg(*STRATEGIES["coba"])) is None
     two = fake_run(tmp_path / "two", cfg, steps=2)
-    two.invalidate(2, Table.BUDGET)
-    assert fork.fork_point(two, _cfg(*STRATEGIES["coba"])) is None
+    assert not two.is_done(2, Table.BUDGET)
+    point = fork.fork_point(two, _cfg(*STRATEGIES["coba"]))
+    assert point is not None and point.step == 2 and sorted(point.budgets) == [0, 1, 2]
+    same = fork.fork_point(two, _cfg(*STRATEGIES["uniform"], "run.name=another", "allocation.tau=3"))
+    assert same is None  # it allocates step 2 as the source: undecided until step 2's tables are there
 
 
 def test_a_forked_run_holds_the_shared_steps_as_written_and_its_own_budgets(tmp_path):

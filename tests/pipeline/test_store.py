@@ -16,7 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coba_tasks.pipeline import store as store_module
-from coba_tasks.pipeline.store import MANIFEST_FILE, SCHEMA_VERSION, RunStore, Stage, StoreError, Table
+from coba_tasks.pipeline.store import (
+    MANIFEST_FILE,
+    PILOT_STAGES,
+    SCHEMA_VERSION,
+    STAGES,
+    RunStore,
+    StoreError,
+    Table,
+    step_stages,
+)
 
 CONFIG = {"run": {"seed": 7, "steps": 3}, "allocation": {"strategy": "coba", "mode": "paper"}, "lr": 1e-6}
 VERSIONS = {"coba-rl": "0.1.0", "pandas": pd.__version__}
@@ -114,7 +123,7 @@ def test_open_refuses_another_schema_version_with_a_clear_message(run: RunStore)
 
 def test_writing_into_a_directory_that_was_never_created_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no run here"):
-        RunStore(tmp_path).write_table(0, Stage.ROLLOUTS, rollouts_frame())
+        RunStore(tmp_path).write_table(0, Table.ROLLOUTS, rollouts_frame())
     assert not (tmp_path / "steps").exists()
 
 
@@ -128,7 +137,7 @@ def test_step_checkpoint_and_report_dirs(run: RunStore) -> None:
     assert run.report_dir() == run.root / "report"
     assert run.step_dir(0).name == "000000"
     assert run.step_dir(1_234_567).name == "1234567"  # wider steps still parse back
-    assert run.table_path(3, Stage.BUDGET) == run.root / "steps" / "000003" / "budget.parquet"
+    assert run.table_path(3, Table.BUDGET) == run.root / "steps" / "000003" / "budget.parquet"
     assert not run.step_dir(7).exists()  # paths are not created by asking
 
 
@@ -184,15 +193,12 @@ def test_json_path_through_a_symlink_out_of_the_run_is_refused(run: RunStore, tm
     assert list(outside.iterdir()) == []
 
 
-def test_stage_enum_is_in_pipeline_order_and_budget_goes_to_the_next_step() -> None:
-    assert [s.value for s in Stage] == ["rollouts", "rewards", "capability", "budget", "update"]
-    extra = {Table.HISTORY, Table.EVAL, Table.PILOT, Table.PILOT_REWARDS}  # the pilot's: allocation.estimator=pilot
-    assert set(Table) == {*(s.table for s in Stage), *extra} and len(Table) == 9
-    assert all(name == Stage.REWARDS for name in (Table.REWARDS, "rewards"))  # any of the three names a table
-    assert [s.output_step(4) for s in Stage] == [4, 4, 4, 5, 4]
-    # the pilot's tables first (a step under the pilot estimator starts with them), then budget: written for the
-    # next step (under the pilot estimator, by the step itself after its pilot: step.step_budget)
-    assert [t.output_step(4) for t in Table] == [4, 4, 5, 4, 4, 4, 4, 4, 4]
+def test_one_step_is_one_list_with_its_budget_first() -> None:
+    assert [s.value for s in STAGES] == ["budget", "rollouts", "rewards", "capability", "update"]
+    assert step_stages(pilot=False) == STAGES
+    assert step_stages(pilot=True) == (Table.PILOT, Table.PILOT_REWARDS, *STAGES)  # the pilot's two lead
+    assert set(Table) == {*PILOT_STAGES, Table.HISTORY, Table.EVAL} and len(Table) == 9
+    assert all(name == Table.REWARDS for name in (Table.REWARDS, "rewards"))  # a Table or its name reads a table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +208,7 @@ def test_stage_enum_is_in_pipeline_order_and_budget_goes_to_the_next_step() -> N
 def test_round_trip_keeps_strings_and_list_columns_and_drops_the_index(run: RunStore) -> None:
     df = rollouts_frame()
     df.index = [10, 20, 30]  # a non-default index is not written
-    path = run.write_table(2, Stage.ROLLOUTS, df)
+    path = run.write_table(2, Table.ROLLOUTS, df)
     assert path == run.step_dir(2) / "rollouts.parquet"
     got = run.read_table(2, "rollouts")
     assert_rollouts_equal(got, df)
@@ -227,7 +233,7 @@ def test_round_trip_property(token_ids: list[list[int]], text: str) -> None:
 
 
 def test_manifest_entry_fields(run: RunStore) -> None:
-    path = run.write_table(5, Stage.REWARDS, rollouts_frame())
+    path = run.write_table(5, Table.REWARDS, rollouts_frame())
     entry = run.manifest(5)["rewards"]
     assert entry["file"] == "rewards.parquet"
     assert entry["rows"] == 3
@@ -254,19 +260,19 @@ def test_rewriting_a_table_updates_its_entry(run: RunStore) -> None:
 
 
 def test_is_done_before_after_write_and_after_invalidate(run: RunStore) -> None:
-    assert not run.is_done(3, Stage.CAPABILITY)
+    assert not run.is_done(3, Table.CAPABILITY)
     assert run.manifest(3) == {}
-    run.write_table(3, Stage.CAPABILITY, pd.DataFrame({"step": [3], "S": [0.5]}))
-    run.write_table(3, Stage.UPDATE, pd.DataFrame({"loss": [0.1]}))
+    run.write_table(3, Table.CAPABILITY, pd.DataFrame({"step": [3], "S": [0.5]}))
+    run.write_table(3, Table.UPDATE, pd.DataFrame({"loss": [0.1]}))
     assert run.is_done(3, "capability")
-    run.invalidate(3, Stage.CAPABILITY)
-    assert not run.is_done(3, Stage.CAPABILITY)
+    run.invalidate(3, Table.CAPABILITY)
+    assert not run.is_done(3, Table.CAPABILITY)
     assert not (run.step_dir(3) / "capability.parquet").exists()
     assert set(run.manifest(3)) == {"update"}  # the other entry stays
-    assert run.is_done(3, Stage.UPDATE)
-    run.invalidate(3, Stage.CAPABILITY)  # twice is fine
+    assert run.is_done(3, Table.UPDATE)
+    run.invalidate(3, Table.CAPABILITY)  # twice is fine
     with pytest.raises(StoreError, match="not done"):
-        run.read_table(3, Stage.CAPABILITY)
+        run.read_table(3, Table.CAPABILITY)
 
 
 def test_invalidate_removes_the_entry_before_the_file(run: RunStore, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -295,26 +301,26 @@ def test_a_file_without_its_manifest_entry_is_not_done(run: RunStore) -> None:
 
 
 def test_altered_bytes_fail_the_checksum_and_point_to_repair(run: RunStore) -> None:
-    path = run.write_table(1, Stage.ROLLOUTS, rollouts_frame())
+    path = run.write_table(1, Table.ROLLOUTS, rollouts_frame())
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, different bytes
     path.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="sha256") as info:
-        run.read_table(1, Stage.ROLLOUTS)
+        run.read_table(1, Table.ROLLOUTS)
     message = str(info.value)
     assert str(path) in message
     assert "coba resume --repair" in message
-    assert run.is_done(1, Stage.ROLLOUTS)  # is_done does not hash; reading does
+    assert run.is_done(1, Table.ROLLOUTS)  # is_done does not hash; reading does
 
 
 def test_truncated_file_is_refused_with_or_without_verification(run: RunStore) -> None:
-    path = run.write_table(1, Stage.REWARDS, rollouts_frame())
+    path = run.write_table(1, Table.REWARDS, rollouts_frame())
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(StoreError, match="truncated") as info:
-        run.read_table(1, Stage.REWARDS)
+        run.read_table(1, Table.REWARDS)
     assert str(path) in str(info.value) and "coba resume --repair" in str(info.value)
     with pytest.raises(StoreError, match="unreadable Parquet") as info:
-        run.read_table(1, Stage.REWARDS, verify=False)
+        run.read_table(1, Table.REWARDS, verify=False)
     assert "coba resume --repair" in str(info.value)
 
 
@@ -339,12 +345,12 @@ def test_failed_rename_leaves_no_file_no_temp_and_no_entry(run: RunStore, monkey
 
     monkeypatch.setattr(store_module.os, "replace", fail_replace)
     with pytest.raises(OSError, match="no space left"):
-        run.write_table(4, Stage.ROLLOUTS, rollouts_frame())
+        run.write_table(4, Table.ROLLOUTS, rollouts_frame())
     monkeypatch.undo()
     step_dir = run.step_dir(4)
     assert not (step_dir / "rollouts.parquet").exists()
     assert hidden_files(step_dir) == []
-    assert not run.is_done(4, Stage.ROLLOUTS)
+    assert not run.is_done(4, Table.ROLLOUTS)
     assert run.manifest(4) == {}
 
 
@@ -355,10 +361,10 @@ def test_writer_failing_midway_leaves_nothing_visible(run: RunStore, monkeypatch
 
     monkeypatch.setattr(store_module.pq, "write_table", half_write)
     with pytest.raises(RuntimeError, match="killed mid-write"):
-        run.write_table(4, Stage.REWARDS, rollouts_frame())
+        run.write_table(4, Table.REWARDS, rollouts_frame())
     step_dir = run.step_dir(4)
     assert sorted(p.name for p in step_dir.iterdir()) == []
-    assert not run.is_done(4, Stage.REWARDS)
+    assert not run.is_done(4, Table.REWARDS)
 
 
 def test_crash_between_rename_and_manifest_leaves_the_stage_not_done(
@@ -369,11 +375,11 @@ def test_crash_between_rename_and_manifest_leaves_the_stage_not_done(
 
     monkeypatch.setattr(store_module, "_write_manifest", crash)
     with pytest.raises(KeyboardInterrupt):
-        run.write_table(6, Stage.UPDATE, pd.DataFrame({"loss": [0.3]}))
+        run.write_table(6, Table.UPDATE, pd.DataFrame({"loss": [0.3]}))
     monkeypatch.undo()
     assert (run.step_dir(6) / "update.parquet").exists()  # complete (renamed) but unrecorded
-    assert not run.is_done(6, Stage.UPDATE)
-    assert run.steps_done([Stage.UPDATE]) == []
+    assert not run.is_done(6, Table.UPDATE)
+    assert run.steps_done([Table.UPDATE]) == []
 
 
 def test_failed_rewrite_of_a_done_table_leaves_it_not_done(run: RunStore, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -399,20 +405,19 @@ def test_failed_rewrite_of_a_done_table_leaves_it_not_done(run: RunStore, monkey
 
 def test_steps_done_checks_every_named_table_in_each_step_directory(run: RunStore) -> None:
     one_row = pd.DataFrame({"x": [1]})
-    run.write_table(0, Stage.BUDGET, one_row)  # the uniform first budget
     for step in (0, 1):
-        for stage in (Stage.ROLLOUTS, Stage.REWARDS, Stage.CAPABILITY, Stage.UPDATE):
+        for stage in STAGES:
             run.write_table(step, stage, one_row)
-        run.write_table(Stage.BUDGET.output_step(step), Stage.BUDGET, one_row)  # allocated for the next step
-    run.write_table(2, Stage.ROLLOUTS, one_row)  # step 2 stopped after its rollouts
+    run.write_table(2, Table.BUDGET, one_row)
+    run.write_table(2, Table.ROLLOUTS, one_row)  # step 2 stopped after its rollouts
     (run.root / "steps" / "notes").mkdir()  # not a step directory: ignored
     assert run.steps() == [0, 1, 2]
     assert run.steps_done() == [0, 1]
     assert run.steps_done() == [0, 1]
-    assert run.steps_done([Stage.ROLLOUTS, Stage.BUDGET]) == [0, 1, 2]
+    assert run.steps_done([Table.ROLLOUTS, Table.BUDGET]) == [0, 1, 2]
     assert run.steps_done(["update"]) == [0, 1]
     assert run.steps_done([]) == [0, 1, 2]
-    run.invalidate(1, Stage.REWARDS)
+    run.invalidate(1, Table.REWARDS)
     assert run.steps_done() == [0]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coba_tasks.core.grpo import effective_prompts
-from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.pipeline.store import RunStore, Table
 from coba_tasks.readers import mechanisms
 from coba_tasks.readers.figures import run_summary
 from coba_tasks.readers.tables import load_run
@@ -55,12 +55,12 @@ def make_run(root: Path) -> RunStore:
         }
         if AGES[step] is not None:
             budget["estimate_age"] = AGES[step]
-        store.write_table(step, Stage.BUDGET, pd.DataFrame(budget))
+        store.write_table(step, Table.BUDGET, pd.DataFrame(budget))
         rows = [(pid, j, v, tokens) for pid, verdicts, tokens in groups for j, v in enumerate(verdicts)]
         ids, idx = [r[0] for r in rows], [r[1] for r in rows]
         store.write_table(
             step,
-            Stage.ROLLOUTS,
+            Table.ROLLOUTS,
             pd.DataFrame({"prompt_id": ids, "sample_idx": idx, "n_tokens": [r[3] for r in rows]}),
         )
         correct = [r[2] == "c" for r in rows]
@@ -72,12 +72,12 @@ def make_run(root: Path) -> RunStore:
                 "verdict": ["correct" if c else "wrong" for c in correct],
             }
         )
-        store.write_table(step, Stage.REWARDS, rewards)
+        store.write_table(step, Table.REWARDS, rewards)
         store.write_table(step, Table.HISTORY, _history(step))
         update = {"step": step, "loss": 0.0}
         if N_EFF[step] is not None:
             update |= {"prompt_weighting": "tokens", "effective_prompts": N_EFF[step]}
-        store.write_table(step, Stage.UPDATE, pd.DataFrame([update]))
+        store.write_table(step, Table.UPDATE, pd.DataFrame([update]))
     return store
 
 
@@ -153,7 +153,7 @@ def test_by_age_and_the_run_summary(run: Path):
 def test_a_run_without_rewards_has_no_mechanisms(tmp_path: Path):
     store = RunStore(tmp_path / "r")
     store.create(config_dict={"run": {"steps": 1}}, config_hash="h", versions={})
-    store.write_table(0, Stage.BUDGET, pd.DataFrame({"prompt_id": ["a"], "budget": [2]}))
+    store.write_table(0, Table.BUDGET, pd.DataFrame({"prompt_id": ["a"], "budget": [2]}))
     m = mechanisms.run_mechanisms(load_run(store.root))
     assert m.steps.empty and list(m.steps.columns) == list(mechanisms.STEP_COLUMNS)
     assert mechanisms.mechanism_summary(m) is None and mechanisms.by_age(m.rows).empty

@@ -13,7 +13,7 @@ import pytest
 
 from coba_tasks.engines.checkpoint import write_checkpoint_manifest
 from coba_tasks.pipeline.config import Config, apply_overrides, config_hash, config_to_dict
-from coba_tasks.pipeline.store import RunStore, Stage, Table
+from coba_tasks.pipeline.store import RunStore, Table
 from coba_tasks.readers import trackers
 
 STEPS = 4
@@ -26,7 +26,7 @@ def _cfg(names: str, steps: int = STEPS) -> Config:
 def _run(root: Path, cfg: Config) -> RunStore:
     store = RunStore(root)
     store.create(config_to_dict(cfg), config_hash(cfg), {})
-    store.write_table(0, Stage.BUDGET, pd.DataFrame({"prompt_id": ["a", "b"], "budget": [2, 6]}))
+    store.write_table(0, Table.BUDGET, pd.DataFrame({"prompt_id": ["a", "b"], "budget": [2, 6]}))
     _eval(store, 0)
     return store
 
@@ -43,13 +43,13 @@ def _step(store: RunStore, s: int, evaluate: bool, shift: float = 0.0) -> None:
     """The tables of training step ``s`` (and the evaluation after it); ``shift`` moves its loss."""
     ids, idx = ["a", "a", "b", "b"], [0, 1, 0, 1]
     store.write_table(
-        s, Stage.ROLLOUTS, pd.DataFrame({"prompt_id": ids, "sample_idx": idx, "completion": list("wxyz")})
+        s, Table.ROLLOUTS, pd.DataFrame({"prompt_id": ids, "sample_idx": idx, "completion": list("wxyz")})
     )
     rewards = pd.DataFrame({"prompt_id": ids, "sample_idx": idx, "reward": [1.0, 0.0, 0.0, 0.0], "verdict": "wrong"})
-    store.write_table(s, Stage.REWARDS, rewards)
+    store.write_table(s, Table.REWARDS, rewards)
     cap = {"S": 0.25, "F": 0.75, "alpha": 6.0 + s, "beta": 2.0, "alpha_used": 6.0, "beta_used": 2.0}
-    store.write_table(s, Stage.CAPABILITY, pd.DataFrame([{"step": s, **cap, "zero_variance_groups": 0.5}]))
-    store.write_table(s + 1, Stage.BUDGET, pd.DataFrame({"prompt_id": ["a", "b"], "budget": [3, 5]}))
+    store.write_table(s, Table.CAPABILITY, pd.DataFrame([{"step": s, **cap, "zero_variance_groups": 0.5}]))
+    store.write_table(s + 1, Table.BUDGET, pd.DataFrame({"prompt_id": ["a", "b"], "budget": [3, 5]}))
     upd = {
         "loss": -0.5 + s + shift,
         "grad_norm": 1.5,
@@ -59,7 +59,7 @@ def _step(store: RunStore, s: int, evaluate: bool, shift: float = 0.0) -> None:
         "lr": 1e-5,
         "tokens": 40,
     }
-    store.write_table(s, Stage.UPDATE, pd.DataFrame([{"step": s, **upd, "logprob_diff_mean": 0.01}]))
+    store.write_table(s, Table.UPDATE, pd.DataFrame([{"step": s, **upd, "logprob_diff_mean": 0.01}]))
     store.write_json(f"steps/{s:06d}/timing.json", {"rollouts": 1.0, "update": 2.0})
     ckpt = store.checkpoint_dir(s + 1)  # what the update writes (a rerun checks that its resume finds it)
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -214,7 +214,7 @@ def test_a_rerun_step_is_logged_again_with_its_new_figures(tmp_path):
     trk.close()
     before = json.loads((store.root / trackers.STATE_FILE).read_text())
 
-    apply_rerun(store, plan_rerun(store, 2, Stage.REWARDS))  # what `coba rerun --step 2 --stage rewards` removes
+    apply_rerun(store, plan_rerun(store, 2, Table.REWARDS))  # what `coba rerun --step 2 --stage rewards` removes
     warnings: list[str] = []
     trk = trackers.open_trackers(store.root, cfg, warn=warnings.append)  # the resume after the rerun
     for s in (2, 3):
