@@ -137,6 +137,14 @@ class Verdict:
         return {**row, "detail": self.detail, **dict(self.extra)}
 
 
+def solved(rewards: Any) -> Any:
+    """Per row of a rewards table (a pandas frame with a ``verdict`` column): whether the rollout solved its
+    prompt, its verdict ``correct``. The one definition of solved: pass rates, the allocator's history, the
+    held-out accuracy and the mechanisms all count it (a reward file's ``correct`` is a score of at least
+    ``verify.pass_threshold``)."""
+    return rewards["verdict"].astype(str) == str(VerdictKind.CORRECT)
+
+
 def count_verdicts(verdicts: Iterable[Verdict | str]) -> dict[str, int]:
     """Count verdicts by kind; every kind is a key, in the order of ``VerdictKind``. Takes ``Verdict``
     objects or their kinds as strings (a rewards table's ``verdict`` column).

@@ -6,8 +6,7 @@ The history table (``coba_tasks.pipeline.stages.update_history``) holds, per pro
 rollouts of each of its last ``pass_rate_window`` visits, beside ``pass_rates``), ``posterior_a`` and
 ``posterior_b`` (the posterior's counts after its last visit) and ``rollouts_scored`` and ``rollouts_solved``
 (all its rollouts, and the solved ones: their sums over the prompts give the global pass rate pbar). Every
-estimator's history has them, so a ``last`` run records what ``posterior`` would have estimated. A history
-written before these columns reads as no posterior (the prior at the next visit) and no rollouts.
+estimator's history has them, so a ``last`` run records what ``posterior`` would have estimated.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from coba_tasks.core.estimators import (
     posterior_mean,
     visit,
 )
-from coba_tasks.engines.verify import VerdictKind
+from coba_tasks.engines.verify import solved
 
 POSTERIOR_DTYPES = {
     "posterior_a": np.float64,
@@ -38,20 +37,12 @@ POSTERIOR_DTYPES = {
 POSTERIOR_COLUMNS = tuple(POSTERIOR_DTYPES)
 
 
-def list_column(history: pd.DataFrame, name: str) -> list[list[Any]]:
-    """Each history row's list in column ``name`` (empty lists for a history written before it)."""
-    if name not in history.columns:
-        return [[] for _ in range(len(history))]
-    return [list(v) for v in history[name]]
-
-
 def posterior_state(history: pd.DataFrame) -> pd.DataFrame:
     """``POSTERIOR_COLUMNS`` of each prompt of ``history`` (index prompt_id): its counts (NaN: none yet) and its
-    rollouts scored and solved (0 for a history written before them)."""
+    rollouts scored and solved."""
     out = pd.DataFrame(index=pd.Index(history["prompt_id"], name="prompt_id"))
     for name in POSTERIOR_COLUMNS:
-        fill = np.nan if name.startswith("posterior") else 0.0
-        out[name] = history[name].to_numpy(dtype=np.float64) if name in history.columns else fill
+        out[name] = history[name].to_numpy(dtype=np.float64)
     return out
 
 
@@ -65,7 +56,7 @@ def prior_pass_rate(history: pd.DataFrame) -> tuple[float, int]:
 def visit_counts(rewards: pd.DataFrame) -> pd.DataFrame:
     """Per prompt of a rewards table (index prompt_id, first-seen order): ``successes`` (verdict ``correct``,
     as ``stages.pass_rates`` counts them) and ``rollouts``."""
-    won = (rewards["verdict"] == str(VerdictKind.CORRECT)).astype(np.int64)
+    won = solved(rewards).astype(np.int64)
     grouped = won.groupby(rewards["prompt_id"], sort=False)
     return pd.DataFrame({"successes": grouped.sum(), "rollouts": grouped.size()})
 
@@ -100,11 +91,9 @@ def batch_estimates(
     estimator = getattr(alloc, "estimator", Estimator.LAST.value)
     if estimator == Estimator.LAST:
         rates = dict(zip(history["prompt_id"], history["pass_rates"], strict=True))
-        sizes = dict(zip(history["prompt_id"], list_column(history, "visit_rollouts"), strict=True))
+        sizes = dict(zip(history["prompt_id"], [list(v) for v in history["visit_rollouts"]], strict=True))
         est = np.array([float(np.mean(rates[p])) if p in rates else np.nan for p in batch], dtype=np.float64)
-        rests = [
-            (float(sum(sizes[p])) if len(sizes[p]) == len(rates[p]) else np.nan) if p in rates else 0.0 for p in batch
-        ]
+        rests = [float(sum(sizes[p])) if p in rates else 0.0 for p in batch]
         return est, np.array(rests, dtype=np.float64)
     strength = float(getattr(alloc, "prior_strength", DEFAULT_PRIOR_STRENGTH))
     decay = float(getattr(alloc, "posterior_decay", DEFAULT_DECAY))

@@ -52,7 +52,6 @@ from coba_tasks.pipeline.config import (
 )
 from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
-from coba_tasks.pipeline.data_prompts import render_prompts
 from coba_tasks.pipeline.data_run import load_run_datasets, reward_function
 from coba_tasks.pipeline.deployment import (
     check_deployment_limits,
@@ -296,17 +295,10 @@ def _input_paths(cfg: Config) -> dict[str, str]:
 def check_inputs(store: RunStore, cfg: Config, allow_changed: bool, warn: Callable[[str], None]) -> None:
     """Refuse to continue a run whose ``data.test``, ``model.path`` or reward file is not what it started with
     (a resume would evaluate other prompts, train another model or score with another reward), unless
-    ``allow_changed`` (then a warning). An input the run's run.json does not record (a run made before it
-    was recorded) is said in a warning and not checked."""
-    recorded = store.run_info.get("inputs")
-    if not isinstance(recorded, dict):
-        warn(f"{store.root / 'run.json'} records no input hashes (an older run): data.test and model.path go unchecked")
-        return
+    ``allow_changed`` (then a warning)."""
+    recorded = store.run_info.get("inputs") or {}
     paths = _input_paths(cfg)
     for key in (k for k in paths if k in REREAD_INPUTS or k.startswith("data.extra_tests")):
-        if key not in recorded:
-            warn(f"{store.root / 'run.json'} records no hash of {key} (an older run): it goes unchecked")
-            continue
         then = recorded.get(key) or {}
         path = paths[key]
         now = content_sha256(path) if Path(path).exists() else "missing"
@@ -348,8 +340,6 @@ def open_run(
     if continuing:
         store = RunStore.open(root)
         prompts = store.read_run_table("prompts")
-        if "prompt_token_ids" not in prompts:  # a run made before prompts were rendered and stored
-            prompts, _ = render_prompts(prompts, data.tokenizer, cfg.data.prompt_format)
     else:
         check_new_run_dir(root)
         prompts = data.train

@@ -37,13 +37,12 @@ from coba_tasks.core.grpo import (
 )
 from coba_tasks.core.knapsack import pool_outcomes, pooled_estimate
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
-from coba_tasks.engines.verify import VerdictKind, count_verdicts
+from coba_tasks.engines.verify import VerdictKind, count_verdicts, solved
 from coba_tasks.pipeline.estimates import (
     POSTERIOR_COLUMNS,
     POSTERIOR_DTYPES,
     batch_estimates,
     counts_after_visit,
-    list_column,
     posterior_state,
 )
 
@@ -262,11 +261,6 @@ def pass_rates(rewards: pd.DataFrame) -> pd.Series:
     return solved(rewards).groupby(rewards["prompt_id"], sort=False).mean()
 
 
-def solved(rewards: pd.DataFrame) -> pd.Series:
-    """Per row of a rewards table: whether the rollout solved its prompt (verdict ``correct``)."""
-    return rewards["verdict"] == str(VerdictKind.CORRECT)
-
-
 def capability_table(
     step: int, rewards: pd.DataFrame, previous: CapabilityTracker
 ) -> tuple[pd.DataFrame, CapabilityTracker]:
@@ -315,14 +309,14 @@ def update_history(
     (``visit_rollouts``), ``pooled_solved``, the solved flags (1/0, in sample order, oldest first) that
     Knapsack-RL's estimate averages (``coba_tasks.core.knapsack.pool_outcomes``), and the Beta posterior's
     counts after this visit with the rollouts scored and solved so far (``coba_tasks.pipeline.estimates``:
-    prior strength s, decay per visit d). A history written before a column existed starts it empty."""
+    prior strength s, decay per visit d)."""
     rates = pass_rates(rewards)
     ordered = rewards.sort_values("sample_idx", kind="stable")
     flags = solved(ordered).astype(int).groupby(ordered["prompt_id"], sort=False).agg(list)
     hist = {pid: list(v) for pid, v in zip(history["prompt_id"], history["pass_rates"], strict=True)}
     last = dict(zip(history["prompt_id"], history["last_step"], strict=True))
     pooled = dict(zip(history["prompt_id"], pooled_flags(history), strict=True))
-    sizes = dict(zip(history["prompt_id"], list_column(history, "visit_rollouts"), strict=True))
+    sizes = dict(zip(history["prompt_id"], [list(v) for v in history["visit_rollouts"]], strict=True))
     post = posterior_state(history).to_dict("index")  # prompt_id -> {posterior_a, ..., rollouts_solved}
     counts, visits = counts_after_visit(history, rewards, prior_strength, decay)
     for pid, rate in rates.items():
@@ -351,9 +345,7 @@ def update_history(
 
 
 def pooled_flags(history: pd.DataFrame) -> list[list[int]]:
-    """Each history row's ``pooled_solved`` (empty lists for a history written before that column)."""
-    if "pooled_solved" not in history.columns:
-        return [[] for _ in range(len(history))]
+    """Each history row's ``pooled_solved``."""
     return [[int(v) for v in flags] for flags in history["pooled_solved"]]
 
 
@@ -498,12 +490,11 @@ def update_sequences(
     rollouts: pd.DataFrame, prompts: pd.DataFrame
 ) -> tuple[list[list[int]], list[list[int]], list[list[float]] | None]:
     """What the update trains on, one entry per rollout row: the prompt's token ids (the very ids the
-    engine received), the completion's token ids, and the sampler's log p of each completion token
-    (None for rollouts written before the sampler recorded them)."""
+    engine received), the completion's token ids, and the sampler's log p of each completion token."""
     ids = prompts.set_index("prompt_id")["prompt_token_ids"]
     prompt_ids = [list(ids[p]) for p in rollouts["prompt_id"]]
     completion_ids = [list(t) for t in rollouts["token_ids"]]
-    logprobs = [list(x) for x in rollouts["logprobs"]] if "logprobs" in rollouts else None
+    logprobs = [list(x) for x in rollouts["logprobs"]]
     return prompt_ids, completion_ids, logprobs
 
 

@@ -67,7 +67,10 @@ import yaml
 
 from coba_tasks.engines.fileio import atomic_write, remove_stale_temporaries, sha256_file, write_parquet
 
-SCHEMA_VERSION = 1
+# 2: each step allocates its own budget (steps/t/budget.parquet is step t's first stage; no budget for a step
+# after the last). Run directories of schema 1 were made by builds up to commit e79713f: continue them there.
+SCHEMA_VERSION = 2
+BUILDS = {1: "commit e79713f or earlier (before each step allocated its own budget)"}
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
@@ -265,9 +268,10 @@ class RunStore:
             raise StoreError(f"{path}: unreadable ({e})") from e
         version = info.get("schema_version") if isinstance(info, dict) else None
         if version != SCHEMA_VERSION:
+            build = BUILDS.get(version, "a build of coba-rl other than this one (see the versions in run.json)")
             raise StoreError(
                 f"{path}: written by schema version {version}; this build reads version {SCHEMA_VERSION}. "
-                "Use the coba-rl version that wrote the run (see the versions in run.json)"
+                f"The run was made by {build}: continue or read it with a checkout of that build"
             )
         if not isinstance(info.get("config_hash"), str):
             raise StoreError(f"{path}: has no config_hash")

@@ -46,7 +46,7 @@ import pandas as pd
 
 from coba_tasks.core.passk import mean_pass_at_k
 from coba_tasks.core.values import effective_number
-from coba_tasks.engines.verify import VerdictKind
+from coba_tasks.engines.verify import solved
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers.tables import RunTables
 
@@ -78,13 +78,9 @@ class Mechanisms:
     rows: pd.DataFrame
 
 
-def _solved(rewards: pd.DataFrame) -> pd.Series:
-    return rewards["verdict"].astype(str) == str(VerdictKind.CORRECT)
-
-
 def realized_rates(rewards: pd.DataFrame) -> pd.Series:
     """Per prompt (index prompt_id): the share of its rollouts solved, ``stages.pass_rates`` without torch."""
-    return _solved(rewards).groupby(rewards["prompt_id"].astype(str), sort=False).mean()
+    return solved(rewards).groupby(rewards["prompt_id"].astype(str), sort=False).mean()
 
 
 def estimate_rows(
@@ -207,7 +203,7 @@ def group_figures(rewards: pd.DataFrame) -> dict[str, float]:
     >>> group_figures(r.assign(verdict=["correct", "wrong", "correct", "wrong", "wrong", "wrong"]))
     {'prompts': 2, 'mixed_groups': 2, 'train_pass_at_2': 0.75}
     """
-    counts = _solved(rewards).groupby(rewards["prompt_id"].astype(str), sort=False).agg(["size", "sum"])
+    counts = solved(rewards).groupby(rewards["prompt_id"].astype(str), sort=False).agg(["size", "sum"])
     ok = counts["size"] >= PASS_AT
     pass_at = mean_pass_at_k(counts["size"][ok].to_numpy(), counts["sum"][ok].to_numpy(), PASS_AT)
     return {
@@ -238,13 +234,13 @@ def step_mechanisms(t: RunTables, step: int) -> tuple[dict[str, float], pd.DataF
 
 def run_mechanisms(t: RunTables) -> Mechanisms:
     """The mechanisms of every step of ``t`` with a done budget and rewards table."""
-    solved: set[str] = set()
+    seen_solved: set[str] = set()
     steps, rows = [], []
     for step in t.steps_with(Table.REWARDS):
         rewards = t.table(step, Table.REWARDS)
-        correct = set(rewards["prompt_id"][_solved(rewards)].astype(str))
-        first = correct - solved
-        solved |= correct
+        correct = set(rewards["prompt_id"][solved(rewards)].astype(str))
+        first = correct - seen_solved
+        seen_solved |= correct
         if Table.BUDGET not in t.done[step]:
             continue
         figures, r = step_mechanisms(t, step)

@@ -85,9 +85,6 @@ def test_history_pools_the_solved_flags_knapsack_rl_averages():
     assert list(rec.loc["b", "pooled_solved"]) == [0, 0] and rec.loc["a", "pass_rates"] == [0.0]
     h = stages.update_history(h, rewards_table({"a": [1] * 16}), step=2, window=1)  # 16 or more: that visit alone
     assert list(h.set_index("prompt_id").loc["a", "pooled_solved"]) == [1] * 16
-    # a history written before the column: the flags start empty
-    old = stages.update_history(h.drop(columns="pooled_solved"), rewards_table({"b": [1, 1]}), step=3, window=1)
-    assert list(old.set_index("prompt_id").loc["b", "pooled_solved"]) == [1, 1]
 
 
 def test_budget_table_knapsack_uses_its_pooled_estimate():
@@ -101,9 +98,6 @@ def test_budget_table_knapsack_uses_its_pooled_estimate():
     # counts with the prompts at 0), the knapsack gives a 5
     assert table["budget"].tolist() == [7, 9, 8]
     assert table["group"].tolist() == ["mixed", "no_estimate", "no_estimate"]
-    # before the pooled flags existed: no prompt has an estimate, the budgets are uniform
-    old = stages.budget_table(["a", "b", "c"], h.drop(columns="pooled_solved"), CapabilityTracker(), alloc)
-    assert old["budget"].tolist() == [8, 8, 8] and old["pass_rate_est"].isna().all()
 
 
 def test_budget_table_records_the_age_of_each_estimate():
@@ -200,10 +194,6 @@ def test_the_last_estimator_allocates_as_before_and_says_what_its_estimates_rest
     knapsack = stages.budget_table(BATCH, h, tracker, _alloc(strategy="knapsack"))
     # Knapsack-RL's own estimate rests on its pooled flags (none: no estimate)
     assert knapsack["estimate_rollouts"].tolist() == [16.0, 8.0, 0.0, 0.0, 8.0, 10.0, 0.0, 0.0]
-    # a history written before the visits' rollouts were kept: the same estimates, resting on an unknown number
-    old = stages.budget_table(BATCH, h.drop(columns="visit_rollouts"), tracker, _alloc())
-    assert old["budget"].tolist() == table["budget"].tolist()
-    assert old["estimate_rollouts"].isna().tolist() == [True] * 6 + [False] * 2  # never visited: 0
 
 
 def test_history_carries_the_posterior_counts_from_visit_to_visit():
@@ -228,11 +218,6 @@ def test_history_carries_the_posterior_counts_from_visit_to_visit():
     # the prior strength and decay are the run's
     other = stages.update_history(stages.empty_history(), rewards_table({"a": [1, 0]}), 0, 1, prior_strength=4, decay=1)
     assert (other["posterior_a"].iloc[0], other["posterior_b"].iloc[0]) == (3.0, 3.0)
-    # a history written before these columns: no posterior yet (the prior at the next visit), no rollouts
-    old = h[["prompt_id", "pass_rates", "last_step", "pooled_solved"]]
-    again = stages.update_history(old, rewards_table({"a": [0, 0]}), 2, 2).set_index("prompt_id")
-    assert (again.loc["a", "posterior_a"], again.loc["a", "posterior_b"]) == (0.5, 2.5)  # pbar 0.5, decayed + (0, 2)
-    assert again.loc["a", "rollouts_scored"] == 2 and np.isnan(again.loc["c", "posterior_a"])
 
 
 def test_budget_table_posterior_allocates_on_the_posterior_mean():

@@ -121,6 +121,18 @@ def test_open_refuses_another_schema_version_with_a_clear_message(run: RunStore)
     assert isinstance(caught.value, ValueError)
 
 
+def test_a_run_of_the_schema_before_the_one_list_step_is_refused_naming_its_build(run: RunStore) -> None:
+    """Schema 1 wrote a step's budget at the end of the step before (and one for a step after the last): this
+    build refuses such a run directory in one line that names the builds that can continue it."""
+    path = run.root / "run.json"
+    info = json.loads(path.read_text())
+    info["schema_version"] = 1
+    path.write_text(json.dumps(info))
+    with pytest.raises(StoreError, match=r"schema version 1; this build reads version 2\. .*commit e79713f") as caught:
+        RunStore.open(run.root)
+    assert "\n" not in str(caught.value)
+
+
 def test_writing_into_a_directory_that_was_never_created_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no run here"):
         RunStore(tmp_path).write_table(0, Table.ROLLOUTS, rollouts_frame())
