@@ -50,8 +50,7 @@ def bench_lora(
 
     from coba_tasks.engines.lora import base_model_of
     from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
-    from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.engines.update_batch import sampler_gap_rows
+    from coba_tasks.engines.update import PolicyTrainer, sampler_gap_rows
     from coba_tasks.pipeline.data import load_dataset
     from coba_tasks.pipeline.data_prompts import render_prompts
     from coba_tasks.pipeline.run import update_settings
@@ -59,7 +58,7 @@ def bench_lora(
     with tempfile.TemporaryDirectory(prefix="coba-bench-lora-") as tmp:
         work = Path(tmp)
         if checkpoint is None:  # an adapter trained one step on synthetic groups, so B != 0
-            from coba_tasks.bench.update import synthetic_batch
+            from coba_tasks.bench.update_bench import synthetic_batch
 
             progress("training a LoRA adapter for one update (no --checkpoint)")
             trainer = PolicyTrainer(model_path, update_settings(lr=1e-3, lora_rank=lora_rank))

@@ -22,7 +22,7 @@ import time
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from transformers import AutoConfig
 
-from coba_tasks.bench.update import DEFAULT_GROUPS, DEFAULT_MODEL, run_batch, synthetic_batch
+from coba_tasks.bench.update_bench import DEFAULT_GROUPS, DEFAULT_MODEL, run_batch, synthetic_batch
 from coba_tasks.engines.lora import MergedLoraLinear
 from coba_tasks.engines.update import PolicyTrainer
 from coba_tasks.pipeline.run import update_settings

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from coba_tasks.engines.checkpoint import write_checkpoint_manifest
-from coba_tasks.pipeline import stages, step
+from coba_tasks.pipeline import prompt_history, step
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict
 from coba_tasks.pipeline.run import RunResources
 from coba_tasks.pipeline.store import RunStore, Table
@@ -30,10 +30,10 @@ def fake_run(root: Path, cfg: Config, steps: int) -> RunStore:
         {"prompt_id": [f"p{j}" for j in range(PROMPTS)], "prompt": [f"{j}+1=" for j in range(PROMPTS)]}
     )
     store.write_run_table("prompts", prompts)
-    store.write_run_table("history", stages.empty_history())
+    store.write_run_table("history", prompt_history.empty_history())
     res = RunResources(cfg=cfg, store=store, prompts=prompts, test=pd.DataFrame())
     store.write_table(0, Table.EVAL, pd.DataFrame({"prompt_id": ["e0"], "accuracy": [0.25]}))
-    history = stages.empty_history()
+    history = prompt_history.empty_history()
     for t in range(steps):
         budget = step.budget_for(res, t, history, step.tracker_before(res, t))  # the step's first stage
         store.write_table(t, Table.BUDGET, budget)

@@ -1,6 +1,6 @@
 """The benchmark's flow: training steps through Prefect interleaved with the same steps as plain calls.
 
-``coba bench stages`` (``coba_tasks.bench.stages``) opens two run directories on one engine and
+``coba bench stages`` (``coba_tasks.bench.stages_bench``) opens two run directories on one engine and
 calls this flow; each flow-side step is ``run_step``, exactly what ``coba-train`` runs per step (five
 task runs, the progress line, the step's artifacts), and each plain-side step runs the same stage
 functions without Prefect (``coba_tasks.pipeline.step.plain_step``), inside the same flow run, so both sides

@@ -6,8 +6,8 @@
     coba bench update   [--json]
     coba bench stages   [--json]
 
-The measurements and their wording are in the package ``coba_tasks.bench`` (``solvers``: allocate;
-``engines``: rollout, verify; ``update``; ``stages``); a handler runs one, with its progress on stderr,
+The measurements and their wording are in the package ``coba_tasks.bench`` (``solvers_bench``:
+allocate; ``engines_bench``: rollout, verify; ``update_bench``; ``stages_bench``); a handler runs one, with its progress on stderr,
 and prints its figures (text, or JSON with ``--json``).
 """
 
@@ -114,14 +114,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _add_update(bench_sub: Any) -> None:
-    from coba_tasks.bench import update  # its docstring is the description; its defaults are the options'
+    from coba_tasks.bench import update_bench  # its docstring is the description; its defaults are the options
 
-    model = update.DEFAULT_MODEL
+    model = update_bench.DEFAULT_MODEL
     add_command(
         bench_sub,
         "update",
         help="the GRPO update against a plain transformers loop on the same rollouts (speed and agreement)",
-        description=(update.__doc__ or "").split("\n\n")[1],
+        description=(update_bench.__doc__ or "").split("\n\n")[1],
         examples=[
             "coba bench update",
             "coba bench update --model models/arith-tiny --json",
@@ -134,7 +134,7 @@ def _add_update(bench_sub: Any) -> None:
             option(
                 "--groups",
                 type=group_sizes,
-                default=list(update.DEFAULT_GROUPS),
+                default=list(update_bench.DEFAULT_GROUPS),
                 help="synthetic group sizes (2,4,...)",
             ),
             option("--prompt-tokens", type=positive_int, default=46, help="synthetic prompt length (default 46)"),
@@ -192,7 +192,7 @@ def _add_stages(bench_sub: Any) -> None:
 
 def cmd_bench_allocate(args: argparse.Namespace) -> int:
     """Run ``coba bench allocate``: progress on stderr, the figures (text or JSON) on stdout."""
-    from coba_tasks.bench.solvers import bench_allocate, format_allocate
+    from coba_tasks.bench.solvers_bench import bench_allocate, format_allocate
 
     result = bench_allocate(seed=args.seed, quick=args.quick, progress=print_progress)
     return print_figures(result, args.json, format_allocate)
@@ -200,7 +200,7 @@ def cmd_bench_allocate(args: argparse.Namespace) -> int:
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
     """Run ``coba bench rollout`` on --model (which must exist)."""
-    from coba_tasks.bench.engines import bench_rollout, format_rollout
+    from coba_tasks.bench.engines_bench import bench_rollout, format_rollout
 
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"model {args.model} not found: run `coba bootstrap` first or pass --model DIR")
@@ -218,7 +218,7 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
 
 def cmd_bench_verify(args: argparse.Namespace) -> int:
     """Run ``coba bench verify``."""
-    from coba_tasks.bench.engines import bench_verify, format_verify
+    from coba_tasks.bench.engines_bench import bench_verify, format_verify
 
     result = bench_verify(arith_items=args.arith, math_items=args.math, workers=args.workers)
     return print_figures(result, args.json, format_verify)
@@ -226,7 +226,7 @@ def cmd_bench_verify(args: argparse.Namespace) -> int:
 
 def cmd_bench_update(args: argparse.Namespace) -> int:
     """``coba bench update``: run the benchmark, print the figures (or one JSON line); 0."""
-    from coba_tasks.bench.update import bench_update, format_update
+    from coba_tasks.bench.update_bench import bench_update, format_update
 
     result = bench_update(
         args.model,
@@ -247,7 +247,7 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
 
 def cmd_bench_stages(args: argparse.Namespace) -> int:
     """``coba bench stages``: run the benchmark, print the report (or JSON); 0."""
-    from coba_tasks.bench.stages import bench_stages, format_stages
+    from coba_tasks.bench.stages_bench import bench_stages, format_stages
     from coba_tasks.commands.prefect_env import configure_prefect
 
     configure_prefect()

@@ -121,7 +121,7 @@ def collect(run_dirs: Sequence[Path]) -> dict[str, pd.DataFrame]:
 
 
 def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline import prompt_history
     from coba_tasks.pipeline.store import Table
     from coba_tasks.readers.figures import eval_figures
     from coba_tasks.readers.mechanisms import STEP_COLUMNS, by_age, run_mechanisms
@@ -147,7 +147,7 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
         if Table.CAPABILITY in done and Table.REWARDS in done:
             cap = t.table(step, Table.CAPABILITY).iloc[0]
             rewards = t.table(step, Table.REWARDS)
-            rates = stages.pass_rates(rewards)
+            rates = prompt_history.pass_rates(rewards)
             sizes = rewards.groupby("prompt_id").size()
             mixed = ((rates > 0) & (rates < 1)).reindex(sizes.index)
             out["steps"].append(

@@ -1,15 +1,24 @@
-"""Rollout-budget allocation, the front end: choose each prompt's GRPO group size B_i under a total budget.
+"""Rollout-budget allocation: choose each prompt's GRPO group size B_i under a total budget.
 
 The problem solved at every step (docs/method.md):
 
     maximise  sum_i V(B_i, p_i)   subject to  sum_i B_i = B_total,  B_low <= B_i <= B_up
 
-``allocate`` and ``plan_allocation`` check the request and hand it to a strategy:
+The strategies (a registry; ``allocate(..., strategy=NAME)``), each taking a validated ``AllocationRequest``
+and returning an ``Allocation``:
 
-- strategies (``uniform``, ``knapsack``, ``coba`` in ``paper`` or ``released`` mode), the
-  ``Allocation`` they return and the released mode's fallback order: ``coba_tasks.core.allocators``;
-- solvers for the CoBA objective (``heap``, the paper's Algorithm 1; ``threshold``, the closed form;
-  ``dp``, the exact oracle; all return the same optimum): ``coba_tasks.core.solvers``.
+- ``uniform``: GRPO, B_total / M each, the remainder one at a time in prompt order.
+- ``knapsack``: Knapsack-RL as its authors ship it (``coba_tasks.core.knapsack``): costs from the
+  estimates cap what the knapsack spends, the surplus goes to prompts estimated at 0; value
+  (1 - p^N - (1 - p)^N) p (1 - p)^2.
+- ``coba``: CoBA-RL, V = eta(B, p) * BetaPDF(p; alpha, beta). ``mode="paper"`` runs
+  the solver over all prompts; ``mode="released"`` reproduces the authors' released code (only a share
+  of the spare budget goes through the solver, over "exploration" prompts, and the rest is handed out by
+  a fixed fallback order).
+
+``allocate`` and ``plan_allocation`` (the front end, at the end of this module) check the request and hand
+it to a strategy; the solvers of the CoBA objective (``heap``, the paper's Algorithm 1; ``threshold``, the
+closed form; ``dp``, the exact oracle; all return the same optimum) are ``coba_tasks.core.solvers``.
 
 Pass rates may be NaN for prompts never seen: if every prompt is unseen the
 allocation is uniform whatever the strategy; otherwise unseen prompts count as p = 0.5 (``knapsack``:
@@ -26,13 +35,285 @@ Pure numpy: no I/O, no Prefect, no pandas.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
-from coba_tasks.core.allocators import Allocation, AllocationRequest, Mode, Strategy, allocator, strategies
-from coba_tasks.core.solvers import Solver, coba_solver, coba_solvers
+from coba_tasks.core.knapsack import knapsack_rl
+from coba_tasks.core.registry import Registry
+from coba_tasks.core.solvers import CobaProblem, Solver, coba_solve, coba_solver, coba_solvers
+from coba_tasks.core.values import adaptive_tau, coba_value, knapsack_value
+
+VERY_HARD_BELOW = 0.05  # released mode: p < 0.05 is "very hard"
+VERY_EASY_ABOVE = 0.99  # released mode: p > 0.99 is "very easy"
+
+
+class Strategy(StrEnum):
+    """Allocation strategies."""
+
+    UNIFORM = "uniform"
+    KNAPSACK = "knapsack"
+    COBA = "coba"
+
+
+class Mode(StrEnum):
+    """Variants of the ``coba`` strategy."""
+
+    PAPER = "paper"
+    RELEASED = "released"
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    """A validated allocation problem (what every strategy receives).
+
+    ``pass_rates`` already has unseen prompts filled with 0.5; ``seen`` says which were seen.
+    """
+
+    pass_rates: np.ndarray  # (M,) float64 in [0, 1]
+    seen: np.ndarray  # (M,) bool
+    total_budget: int
+    min_budget: int
+    max_budget: int
+    alpha: float
+    beta: float
+    tau: str | float
+    mode: Mode
+    solver: Solver
+
+    @property
+    def size(self) -> int:
+        return int(self.pass_rates.size)
+
+    @property
+    def spare(self) -> int:
+        """R = B_total - M * B_low, the rollouts to place above the floor."""
+        return self.total_budget - self.size * self.min_budget
+
+    @property
+    def cap(self) -> int:
+        """Most extra rollouts one prompt can take above B_low."""
+        return self.max_budget - self.min_budget
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The result of one allocation.
+
+    Attributes:
+        budgets: (M,) int64, the group size of each prompt; sums to the total.
+        pass_rates: (M,) float64, the pass rates used (unseen prompts as 0.5; NaN under knapsack).
+        values: (M,) float64, each prompt's value under the strategy's own objective
+            (CoBA V, Knapsack-RL value; NaN for uniform).
+        marginal_gains: (M,) float64, the gain of one more rollout at the final budget under the
+            strategy's objective (NaN for uniform and for prompts at or above B_up).
+        groups: (M,) str, released mode's prompt groups ("very_hard", "explore", "very_easy");
+            knapsack's ("mixed", "zero", "one", "no_estimate"); "all" otherwise.
+        tau: the saturation scale used (NaN where no CoBA value was computed).
+        fallback: why the strategy was not applied (e.g. every prompt unseen), or "".
+    """
+
+    budgets: np.ndarray
+    pass_rates: np.ndarray
+    values: np.ndarray
+    marginal_gains: np.ndarray
+    groups: np.ndarray
+    strategy: str
+    mode: str
+    solver: str
+    alpha: float
+    beta: float
+    tau: float
+    fallback: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+AllocatorFn = Callable[[AllocationRequest], Allocation]
+_ALLOCATORS: Registry[AllocatorFn] = Registry("allocator")
+register_allocator = _ALLOCATORS.register  # decorator: register an allocation strategy under a name
+strategies = _ALLOCATORS.names  # the registered strategies' names, sorted
+allocator = _ALLOCATORS.get  # the strategy registered under a name, or None
+
+
+# ---------------------------------------------------------------------------------------------
+# Uniform (GRPO)
+# ---------------------------------------------------------------------------------------------
+
+
+def uniform_budgets(m: int, total_budget: int) -> np.ndarray:
+    """B_total // M each, the remainder one at a time to the first prompts; (M,) int64."""
+    budgets = np.full(m, total_budget // m, dtype=np.int64)
+    budgets[: total_budget - int(budgets.sum())] += 1
+    return budgets
+
+
+@register_allocator(Strategy.UNIFORM.value)
+def _uniform(req: AllocationRequest) -> Allocation:
+    m = req.size
+    nan = np.full(m, np.nan)
+    return Allocation(
+        budgets=uniform_budgets(m, req.total_budget),
+        pass_rates=req.pass_rates,
+        values=nan,
+        marginal_gains=nan.copy(),
+        groups=np.full(m, "all", dtype=object),
+        strategy=Strategy.UNIFORM.value,
+        mode="",
+        solver="",
+        alpha=req.alpha,
+        beta=req.beta,
+        tau=float("nan"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# CoBA-RL
+# ---------------------------------------------------------------------------------------------
+
+
+def _resolve_tau(tau: str | float, p: np.ndarray) -> float:
+    return adaptive_tau(p) if tau == "adaptive" else float(tau)
+
+
+def _coba_plan(req: AllocationRequest, budgets: np.ndarray, problem: CobaProblem, groups: np.ndarray) -> Allocation:
+    gains = np.where(budgets < req.max_budget, problem.marginal_gains(budgets), np.nan)
+    return Allocation(
+        budgets=budgets,
+        pass_rates=req.pass_rates,
+        values=problem.values(budgets),
+        marginal_gains=gains,
+        groups=groups,
+        strategy=Strategy.COBA.value,
+        mode=req.mode.value,
+        solver=req.solver.value,
+        alpha=req.alpha,
+        beta=req.beta,
+        tau=problem.tau,
+    )
+
+
+@register_allocator(Strategy.COBA.value)
+def _coba(req: AllocationRequest) -> Allocation:
+    if req.mode is Mode.RELEASED:
+        return _coba_released(req)
+    p = req.pass_rates
+    problem = CobaProblem(p, req.alpha, req.beta, _resolve_tau(req.tau, p), req.min_budget)
+    budgets = req.min_budget + coba_solve(problem, req.spare, req.cap, req.solver)
+    return _coba_plan(req, budgets, problem, np.full(p.size, "all", dtype=object))
+
+
+def released_heap_share(n_explore: int, m: int) -> float:
+    """Share of the spare budget that goes through the solver in released mode."""
+    if n_explore == 0:
+        return 0.6
+    if n_explore > m / 2:
+        return 0.8
+    return 0.6 + 0.2 * (2.0 * n_explore / m)
+
+
+def distribute_proportional(
+    budgets: np.ndarray, members: np.ndarray, amount: int, weights: np.ndarray, max_budget: int
+) -> int:
+    """Add ``amount`` rollouts to ``budgets[members]`` in proportion to ``weights``, capped.
+
+    Largest-remainder rounding (ties by prompt order); what a capped prompt cannot take is
+    re-spread over the others in the group. Zero total weight means equal shares. Modifies
+    ``budgets`` in place and returns the amount that did not fit.
+    """
+    members = np.asarray(members, dtype=np.int64)
+    weights = np.asarray(weights, dtype=np.float64)
+    active = budgets[members] < max_budget
+    while amount > 0 and active.any():
+        idx = members[active]
+        w = weights[active]
+        w = np.ones_like(w) if w.sum() <= 0 else w
+        ideal = amount * w / w.sum()
+        share = np.floor(ideal).astype(np.int64)
+        left = amount - int(share.sum())
+        if left > 0:
+            order = np.lexsort((np.arange(idx.size), -(ideal - share)))[:left]
+            share[order] += 1
+        room = max_budget - budgets[idx]
+        give = np.minimum(share, room)
+        budgets[idx] += give
+        amount -= int(give.sum())
+        active = budgets[members] < max_budget
+    return amount
+
+
+def _coba_released(req: AllocationRequest) -> Allocation:
+    p = req.pass_rates
+    m = p.size
+    groups = np.where(p < VERY_HARD_BELOW, "very_hard", np.where(p > VERY_EASY_ABOVE, "very_easy", "explore"))
+    groups = groups.astype(object)
+    explore = np.flatnonzero(groups == "explore")
+    budgets = np.full(m, req.min_budget, dtype=np.int64)
+    share = released_heap_share(explore.size, m)
+    heap_budget = min(int(req.spare * share), explore.size * req.cap)
+    tau = _resolve_tau(req.tau, p[explore]) if explore.size else float("nan")
+    if heap_budget > 0:
+        problem = CobaProblem(p[explore], req.alpha, req.beta, tau, req.min_budget)
+        budgets[explore] += coba_solve(problem, heap_budget, req.cap, req.solver)
+    left = req.spare - heap_budget
+    for name in ("very_hard", "explore", "very_easy"):
+        members = np.flatnonzero(groups == name)
+        if members.size and left > 0:
+            left = distribute_proportional(budgets, members, left, 1.0 - p[members], req.max_budget)
+    if left > 0:  # any remainder spread uniformly, one at a time in prompt order
+        left = distribute_proportional(budgets, np.arange(m), left, np.ones(m), req.max_budget)
+    assert left == 0
+    full = CobaProblem(p, req.alpha, req.beta, tau if np.isfinite(tau) else _resolve_tau(req.tau, p), req.min_budget)
+    plan = _coba_plan(req, budgets, full, groups)
+    return replace(plan, extras={"heap_share": share, "heap_budget": heap_budget})
+
+
+def coba_objective(budgets: np.ndarray, pass_rates: np.ndarray, alpha: float, beta: float, tau: float) -> float:
+    """sum_i V(B_i, p_i): the CoBA objective of an allocation (pass rates already filled)."""
+    return float(coba_value(np.asarray(budgets), np.asarray(pass_rates), alpha, beta, tau).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Knapsack-RL (the official rule: coba_tasks.core.knapsack)
+# ---------------------------------------------------------------------------------------------
+
+
+def knapsack_gain(n: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """value(N + 1, p) - value(N, p) in closed form: (p^N (1 - p) + (1 - p)^N p) p (1 - p)^2."""
+    n = np.asarray(n, dtype=np.float64)
+    p = np.asarray(p, dtype=np.float64)
+    return (p**n * (1.0 - p) + (1.0 - p) ** n * p) * p * (1.0 - p) ** 2
+
+
+@register_allocator(Strategy.KNAPSACK.value)
+def _knapsack(req: AllocationRequest) -> Allocation:
+    """Knapsack-RL as its authors ship it; a prompt never seen (NaN) has no estimate. Always the DP
+    (``req.solver`` is for CoBA). Values and gains: NaN for prompts without an estimate."""
+    plan = knapsack_rl(req.pass_rates, req.seen, req.total_budget, req.min_budget, req.max_budget)
+    p = np.where(req.seen, req.pass_rates, np.nan)
+    budgets = plan.budgets
+    return Allocation(
+        budgets=budgets,
+        pass_rates=p,
+        values=knapsack_value(budgets, p),
+        marginal_gains=np.where(budgets < req.max_budget, knapsack_gain(budgets, p), np.nan),
+        groups=plan.groups,
+        strategy=Strategy.KNAPSACK.value,
+        mode="",
+        solver=Solver.DP.value,
+        alpha=req.alpha,
+        beta=req.beta,
+        tau=float("nan"),
+        extras={"estimated_cost": plan.estimated_cost, "surplus": plan.surplus},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The front end: a request checked and handed to its strategy
+# ---------------------------------------------------------------------------------------------
+
 
 DEFAULT_ALPHA = 9.0  # (kappa - 2, 2) with kappa = 11: the shape before the first update
 DEFAULT_BETA = 2.0

@@ -13,7 +13,7 @@
   from the current policy (part of the visit: the step's later rollouts join the same update).
 
 Pure numpy: no I/O, no pandas. The posterior's counts travel in the history table
-(``coba_tasks.pipeline.stages.update_history``), so a resumed run continues from them exactly.
+(``coba_tasks.pipeline.prompt_history.update_history``), so a resumed run continues from them exactly.
 """
 
 from __future__ import annotations

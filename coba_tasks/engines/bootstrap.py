@@ -43,7 +43,7 @@ from coba_tasks.engines.fileio import (
     publish_dir,
 )
 from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
-from coba_tasks.engines.update_batch import pad_sequences
+from coba_tasks.engines.update import pad_sequences
 
 Log = Callable[[str], None]
 METRICS_FILE = "bootstrap.json"

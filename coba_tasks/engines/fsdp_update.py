@@ -55,9 +55,7 @@ import torch
 import torch.distributed as dist
 
 from coba_tasks.engines.checkpoint import optimizer_to_tensors, write_checkpoint
-from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_batch import DataShard, NonFiniteUpdateError
-from coba_tasks.engines.update_settings import UpdateSettings, make_optimizer
+from coba_tasks.engines.update import DataShard, NonFiniteUpdateError, PolicyTrainer, UpdateSettings, make_optimizer
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
 LOG_TAIL_LINES = 60

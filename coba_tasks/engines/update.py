@@ -19,7 +19,7 @@ mini-batches: the rollouts are shuffled, seeded by the update count, and cut int
    log-probabilities (``coba_tasks.core.grpo.rollout_correction_weights``); the update reports the
    ratio's statistics (``is_*``) whether or not the weight is applied.
 5. Prompt weighting (``prompt_weighting``): ``tokens`` is the token mean above; ``equal`` weighs each
-   prompt's group the same (``coba_tasks.engines.update_batch.PromptWeights``).
+   prompt's group the same (``PromptWeights``).
 
 Precision: the training model keeps float32 weights and AdamW state whatever ``dtype`` says; with
 ``dtype`` bfloat16 or float16 the forward and backward passes run under ``torch.autocast`` in that
@@ -33,18 +33,23 @@ the AdamW state, the RNG and the trainer state, written whole or not at all and 
 nothing; the layout and its serialisation live in ``coba_tasks.engines.checkpoint``.
 
 Data parallelism: ``update`` reads which rows it computes, and how its sums meet other processes',
-from ``self.shard`` (a ``DataShard``, ``coba_tasks.engines.update_batch``: the whole batch in one
-process). ``coba_tasks.engines.fsdp_update`` runs the same ``update`` in several processes with the
-policy wrapped by FSDP and a ``DataShard`` that holds one rank's share of each mini-batch; nothing
-else changes. The update's tensor helpers that need no model (padding, ``DataShard``, the sampler
-gap) are in ``coba_tasks.engines.update_batch``.
+from ``self.shard`` (a ``DataShard``: the whole batch in one process). ``coba_tasks.engines.fsdp_update``
+runs the same ``update`` in several processes with the policy wrapped by FSDP and a ``DataShard`` that
+holds one rank's share of each mini-batch; nothing else changes.
+
+The module in its order: what the update is told (``UpdateSettings``, built from the run config by
+``coba_tasks.pipeline.run.update_settings``; the learning-rate schedule and the optimizer); a step's
+rollouts as the update sees them, the helpers that need no model (``pad_sequences``, ``DataShard``, the
+sampler gap ``sampler_gap`` / ``sampler_gap_rows``, the rollout correction's layout and statistics,
+``PromptWeights``, the checks that stop a non-finite update); then ``PolicyTrainer``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,10 +57,15 @@ import numpy as np
 import torch
 
 from coba_tasks.core.grpo import (
+    PromptWeighting,
+    RolloutCorrection,
+    effective_prompts,
     entropy_from_logits,
     kl_penalty,
     masked_mean,
     policy_loss,
+    prompt_loss_weights,
+    rollout_correction_stats,
     rollout_correction_weights,
     token_logprobs,
 )
@@ -67,20 +77,365 @@ from coba_tasks.engines.checkpoint import (
     write_checkpoint,
 )
 from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass, supports_shared_prefix
-from coba_tasks.engines.update_batch import (
-    DataShard,
-    NonFiniteUpdateError,
-    PromptWeights,
-    check_advantages,
-    check_optimizer_step,
-    pad_sequences,
-    padded_rows,
-    rollout_ratio_stats,
-    sampler_gap,
-    sampler_gap_rows,
-    sampler_padded,
+
+# ---------------------------------------------------------------------------------------------
+# What the update is told: its settings, the learning-rate schedule, the optimizer
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What the update needs from the run's config: its ``optim`` keys, the model's dtype, LoRA and loading keys,
+    and the rollouts' temperature. No key has a default here: the config's are the only ones
+    (``coba_tasks.pipeline.run.update_settings`` builds this from a config, with changes for a test or a
+    benchmark), so what a benchmark or a test measures is what a run with the same keys computes."""
+
+    lr: float
+    lr_warmup_steps: int  # linear warm-up over this many updates (training steps); 0 = none
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    max_grad_norm: float
+    micro_batch_size: int
+    mini_batches: int
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    update_epochs: int
+    dtype: str
+    trust_remote_code: bool
+    gradient_checkpointing: bool
+    shared_prefix: bool  # encode each group's prompt once (coba_tasks.engines.shared_prefix)
+    # the rollouts' sampling temperature: every log-probability (logp, logp_old, the reference's, the entropy)
+    # is of log_softmax(logits / temperature), the distribution the tokens were sampled from
+    temperature: float
+    # leave rows whose advantage is exactly 0 out of the forward and backward passes when nothing else needs
+    # their gradient (no KL term): their loss and gradient are exactly 0; their tokens stay in the token mean
+    skip_zero_advantage: bool
+    # LoRA (coba_tasks.engines.lora): rank 0 = full fine-tuning; else adapters of this rank on the target modules
+    lora_rank: int
+    lora_alpha: float
+    lora_target_modules: str | tuple[str, ...]
+    # rollout correction (truncated importance sampling, coba_tasks.core.grpo.rollout_correction_weights):
+    # none | token | sequence; the cap C of the weight; tau > 1 drops ratios outside [1/tau, tau], 0 = none
+    rollout_correction: str
+    rollout_correction_cap: float
+    rollout_mask_threshold: float
+    # how the loss weighs the step's prompts (coba_tasks.core.grpo.prompt_loss_weights): tokens = the token mean
+    # (a prompt weighs its completion tokens), equal = each prompt's group weighs the same
+    prompt_weighting: str
+    # torch's CPU threads for the update: not a config key (a run keeps 1; `coba bench update` takes the machine's)
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(
+                f"the update's temperature must be > 0 (the rollouts' sampling temperature), got {self.temperature}"
+            )
+        if self.rollout_correction not in {k.value for k in RolloutCorrection}:
+            raise ValueError(
+                f"rollout_correction must be one of {[k.value for k in RolloutCorrection]}, "
+                f"got {self.rollout_correction!r}"
+            )
+        if self.prompt_weighting not in {k.value for k in PromptWeighting}:
+            raise ValueError(
+                f"prompt_weighting must be one of {[k.value for k in PromptWeighting]}, got {self.prompt_weighting!r}"
+            )
+        if not self.rollout_correction_cap > 0:
+            raise ValueError(f"rollout_correction_cap must be > 0, got {self.rollout_correction_cap}")
+        if not (self.rollout_mask_threshold == 0 or self.rollout_mask_threshold > 1):
+            raise ValueError(f"rollout_mask_threshold must be 0 (none) or > 1, got {self.rollout_mask_threshold}")
+
+    @property
+    def corrects_rollouts(self) -> bool:
+        """Whether the loss is weighted by the rollout correction."""
+        return self.rollout_correction != RolloutCorrection.NONE
+
+
+def warmup_lr(lr: float, warmup_steps: int, update: int) -> float:
+    """The learning rate of update ``update`` (from 0): linear warm-up ``lr * (update + 1) / warmup_steps``
+    for the first ``warmup_steps`` updates, then ``lr`` (veRL's constant schedule with warm-up).
+
+    AdamW's first steps move every weight by about the learning rate whatever its gradient's noise; a
+    warm-up keeps those steps small while the moment estimates settle."""
+    if warmup_steps <= 0:
+        return lr
+    return lr * min(1.0, (update + 1) / warmup_steps)
+
+
+def make_optimizer(model: torch.nn.Module, settings: UpdateSettings) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (two groups: ndim >= 2 decayed, the rest not)."""
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    decay = [p for p in trained if p.ndim >= 2]
+    rest = [p for p in trained if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# A step's rollouts as the update sees them (no model needed)
+# ---------------------------------------------------------------------------------------------
+
+
+class NonFiniteUpdateError(ValueError):
+    """An update whose advantages, loss or gradient norm is not finite: stopped before the optimizer steps."""
+
+
+_WAY_OUT = (  # a resume would compute the same update again: the way out is another setting or other rewards
+    "nothing was stepped or saved; start a new run with a lower optim.lr (now {lr:g}), or check the rewards' "
+    "scale (verify.reward_function)"
 )
-from coba_tasks.engines.update_settings import UpdateSettings, make_optimizer, warmup_lr
+
+
+def check_advantages(advantages: np.ndarray | torch.Tensor, lr: float) -> None:
+    """Refuse an update whose advantages are not all finite, before any pass (``NonFiniteUpdateError``
+    naming the first such rollout)."""
+    adv = torch.as_tensor(advantages).detach().double().cpu().flatten()
+    bad = torch.nonzero(~torch.isfinite(adv)).flatten()
+    if bad.numel():
+        first = int(bad[0])
+        raise NonFiniteUpdateError(
+            f"the GRPO update's advantage of rollout {first} is {float(adv[first])} ({bad.numel()} of {adv.numel()} "
+            f"not finite): " + _WAY_OUT.format(lr=lr)
+        )
+
+
+def check_optimizer_step(loss: float, grad_norm: float, step: int, steps: int, lr: float) -> None:
+    """Refuse the optimizer step ``step`` of ``steps`` when its mini-batch's loss or the gradient norm is not
+    finite (``NonFiniteUpdateError``): stepping would turn the weights and the AdamW moments into NaN, or
+    step with a gradient clipped to zero. Every process of a data-parallel update passes the same (summed or
+    global) figures, so all of them stop at the same step."""
+    for what, value in (("loss", loss), ("gradient norm", grad_norm)):
+        if not math.isfinite(value):
+            raise NonFiniteUpdateError(
+                f"the GRPO update's {what} is {value} at optimizer step {step} of {steps}: " + _WAY_OUT.format(lr=lr)
+            )
+
+
+def pad_sequences(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + completion: (input_ids (B, T), attention_mask (B, T), completion_mask (B, T)).
+
+    completion_mask[b, t] = 1 where token t of row b is a completion token (the ones the loss sees).
+    """
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(lengths), width), dtype=torch.long)
+    comp = torch.zeros((len(lengths), width), dtype=torch.float32)
+    for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        seq = list(p) + list(c)
+        ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[b, : len(seq)] = 1
+        comp[b, len(p) : len(seq)] = 1.0
+    return ids, attn, comp
+
+
+class DataShard:
+    """Which rows of a step's batch this process computes, and how its sums meet the other processes'.
+
+    This base class is the single-process case (rank 0 of 1): every row, sums unchanged, the plain
+    ``clip_grad_norm_``. ``coba_tasks.engines.fsdp_update.DistributedShard`` overrides ``rank``/``world``
+    and the three collectives. Rank r takes rows r, r + world, ... of each mini-batch.
+    """
+
+    rank: int = 0
+    world: int = 1
+    distributed: bool = False  # the policy is sharded across processes (FSDP), one process included
+
+    def mine(self, rows: torch.Tensor) -> torch.Tensor:
+        """This process's share of ``rows`` (all of them in one process)."""
+        return rows[self.rank :: self.world]
+
+    def micro_batches(self, n: int, size: int) -> list[slice]:
+        """Slices of ``mine(rows)`` for ``n`` rows, at most ``size`` each; every process gets as many
+        slices as the largest share needs (trailing ones empty): under FSDP each forward and backward
+        is a collective, so all processes must run the same number of passes."""
+        local = len(range(self.rank, n, self.world))
+        largest = -(-n // self.world)  # ceil(n / world)
+        count = -(-largest // size)
+        out = [slice(i, min(i + size, local)) for i in range(0, local, size)]
+        return out + [slice(0, 0)] * (count - len(out))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of ``t`` over the processes (in place)."""
+        return t
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value summed over the processes."""
+        return values
+
+    def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm to ``max_norm``; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def sampler_gap(
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    sampler_logprobs: Sequence[Sequence[float]] | None,
+    completion_ids: Sequence[Sequence[int]],
+) -> tuple[float, float]:
+    """(mean, max) of |sampler log p - trainer log p| over the completion tokens; NaNs without sampler figures.
+
+    ``logp`` (B, T-1) and ``mask`` (B, T-1) as in the full-sequence update: the completion tokens of row
+    b are the positions where ``mask[b]`` is 1, in order, one per entry of ``sampler_logprobs[b]``.
+    """
+    return _gap(logp[mask.bool()], sampler_logprobs, completion_ids)  # row-major: row 0's tokens, then row 1's
+
+
+def sampler_gap_rows(
+    trainer_rows: Sequence[torch.Tensor | None],
+    sampler_logprobs: Sequence[Sequence[float]] | None,
+    completion_ids: Sequence[Sequence[int]],
+) -> tuple[float, float]:
+    """``sampler_gap`` from one 1-D tensor per row of the trainer's completion-token log-probabilities."""
+    ours = [t.double().cpu() if t is not None else torch.zeros(0, dtype=torch.float64) for t in trainer_rows]
+    return _gap(torch.cat(ours) if ours else torch.zeros(0), sampler_logprobs, completion_ids)
+
+
+def _gap(
+    ours: torch.Tensor, sampler_logprobs: Sequence[Sequence[float]] | None, completion_ids: Sequence[Sequence[int]]
+) -> tuple[float, float]:
+    if sampler_logprobs is None:
+        return float("nan"), float("nan")
+    for b, (lp, c) in enumerate(zip(sampler_logprobs, completion_ids, strict=True)):
+        if len(lp) != len(c):
+            raise ValueError(f"rollout {b}: {len(lp)} sampler logprobs for {len(c)} completion tokens")
+    theirs = torch.tensor([x for lp in sampler_logprobs for x in lp], dtype=torch.float64, device=ours.device)
+    if theirs.numel() == 0:  # no token to compare: every row was left out (advantage 0) or had no tokens
+        return float("nan"), float("nan")
+    diff = (theirs - ours.double()).abs()
+    return float(diff.mean()), float(diff.max())
+
+
+def padded_rows(rows: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+    """Per-row 1-D tensors placed left-aligned in a zero tensor shaped like ``like`` (n, C)."""
+    out = torch.zeros_like(like)
+    for i, t in enumerate(rows):
+        if t is not None:
+            out[i, : len(t)] = t.to(out.dtype)
+    return out.detach()
+
+
+def sampler_padded(sampler_logprobs: Sequence[Sequence[float]], mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The sampler's log-probabilities laid out like the trainer's (``like``, (B, T-1)): the entries of
+    ``sampler_logprobs[b]`` in order at the positions where ``mask[b]`` is 1, zeros elsewhere."""
+    m = mask.bool()
+    counts = m.sum(dim=1).tolist()
+    for b, (lp, c) in enumerate(zip(sampler_logprobs, counts, strict=True)):
+        if len(lp) != int(c):
+            raise ValueError(f"rollout {b}: {len(lp)} sampler logprobs for {int(c)} completion tokens")
+    out = torch.zeros_like(like)
+    flat = [x for lp in sampler_logprobs for x in lp]
+    out[m] = torch.tensor(flat, dtype=torch.float64).to(dtype=out.dtype, device=out.device)  # row-major
+    return out.detach()
+
+
+def rollout_ratio_stats(
+    trainer_rows: Sequence[torch.Tensor | None],
+    sampler_logprobs: Sequence[Sequence[float]] | None,
+    level: str,
+    cap: float,
+    mask_threshold: float,
+) -> dict[str, float]:
+    """The update's ``is_ratio_mean``, ``is_ratio_max``, ``is_clipped_frac`` and ``is_masked_frac``
+    (``coba_tasks.core.grpo.rollout_correction_stats``) from one 1-D tensor per row of the trainer's
+    completion-token log-probabilities before the update and the sampler's figures of the same rows.
+
+    ``level`` none (no correction): the token-level ratio, nothing clipped or masked. NaN ratios (and 0
+    shares) without sampler figures or without tokens."""
+    rows = [t.double().cpu() if t is not None else torch.zeros(0, dtype=torch.float64) for t in trainer_rows]
+    width = max((len(t) for t in rows), default=0)
+    if sampler_logprobs is None or width == 0:
+        nan = float("nan")
+        return {"is_ratio_mean": nan, "is_ratio_max": nan, "is_clipped_frac": 0.0, "is_masked_frac": 0.0}
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, t in enumerate(rows):
+        mask[i, : len(t)] = True
+    old = padded_rows(rows, mask.double())
+    theirs = padded_rows([torch.tensor(list(lp), dtype=torch.float64) for lp in sampler_logprobs], mask.double())
+    applied = RolloutCorrection(level) is not RolloutCorrection.NONE
+    _, ratio, dropped = rollout_correction_weights(
+        old, theirs, mask, level if applied else "token", cap, mask_threshold if applied else 0.0
+    )
+    return rollout_correction_stats(ratio, dropped, mask, cap if applied else None)
+
+
+class PromptWeights:
+    """How the update's loss weighs a step's prompts (``optim.prompt_weighting``; docs/method.md).
+
+    ``coba_tasks.core.grpo.prompt_loss_weights`` gives each row a token weight c_r from the *whole step*
+    (its prompt's share: 1 under ``tokens``, N / (M * T_i) under ``equal``); a mini-batch's loss is
+    ``sum_r c_r sum_t L_rt / sum_r c_r T_r`` over its rows, the normaliser counting every row of the
+    mini-batch (those left out of the passes too), as the token mean counts every token. With one
+    mini-batch that is ``(1/M) sum_i (1/T_i) sum_{t in i} L_t`` under ``equal``; with several, each
+    mini-batch weighs its tokens as the step does, normalised over the mini-batch (as the token mean
+    divides by the mini-batch's tokens). Every process of a data-parallel update reads the whole step, so
+    each computes the same weights and normalisers: the summed gradient is the single-process one.
+
+    ``group_ids`` (one per row, the prompt it answers); None groups the rows by identical prompt token ids.
+    """
+
+    def __init__(
+        self,
+        weighting: str,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        group_ids: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        self.weighting = PromptWeighting(weighting)
+        if group_ids is None:
+            first: dict[tuple[int, ...], int] = {}
+            group_ids = [first.setdefault(tuple(int(t) for t in p), len(first)) for p in prompt_ids]
+        self.groups = torch.as_tensor(np.asarray(group_ids, dtype=np.int64))  # (n,)
+        if self.groups.shape != (len(completion_ids),):
+            raise ValueError(f"{self.groups.numel()} group ids for {len(completion_ids)} rollouts")
+        self.lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float64)  # (n,) T_r
+        # (n,) c_r; None under tokens (every weight 1: the update multiplies by nothing, as before)
+        self.row_weights: torch.Tensor | None = None
+        if self.weighting is not PromptWeighting.TOKENS:
+            self.row_weights = prompt_loss_weights(self.groups, self.lengths, self.weighting)
+
+    def tokens(self, rows: torch.Tensor) -> float:
+        """The normaliser of the mini-batch ``rows``: its completion tokens, each weighted by c_r."""
+        rows = rows.cpu()
+        if self.row_weights is None:
+            return float(self.lengths[rows].sum())
+        return float((self.row_weights[rows] * self.lengths[rows]).sum())
+
+    def weigh(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) per-token values of the rows ``idx`` times their rows' c_r; ``x`` itself under tokens."""
+        if self.row_weights is None:
+            return x
+        return x * self.row_weights[idx.cpu()].to(device=x.device, dtype=x.dtype).unsqueeze(-1)
+
+    def loss_weights(self, idx: torch.Tensor, rc: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+        """``policy_loss``'s (B, T) ``weights`` of the rows ``idx``: the rollout correction's ``rc`` (None when
+        off) times the rows' c_r; ``rc`` itself under tokens."""
+        if self.row_weights is None:
+            return rc
+        return self.weigh(torch.ones_like(like).detach() if rc is None else rc, idx)
+
+    def figures(self, advantages: np.ndarray | torch.Tensor) -> dict[str, float | str]:
+        """The update's ``prompt_weighting`` and ``effective_prompts`` (``coba_tasks.core.grpo.effective_prompts``
+        over the prompts with a non-zero advantage, from the step's weights)."""
+        adv = torch.as_tensor(advantages).detach().double().cpu().flatten()
+        c = torch.ones_like(self.lengths) if self.row_weights is None else self.row_weights
+        return {
+            "prompt_weighting": self.weighting.value,
+            "effective_prompts": effective_prompts(self.groups, self.lengths, c, adv),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# The training model
+# ---------------------------------------------------------------------------------------------
 
 
 class _Batch(NamedTuple):

@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BeforeValidator, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from coba_tasks.core.allocators import Mode, Strategy, strategies
+from coba_tasks.core.allocation import Mode, Strategy, strategies
 from coba_tasks.core.estimators import DEFAULT_DECAY, DEFAULT_PILOT_ROLLOUTS, DEFAULT_PRIOR_STRENGTH, Estimator
 from coba_tasks.core.solvers import coba_solvers
 from coba_tasks.engines.rollout import backends
@@ -39,7 +39,7 @@ OnBadRows = Literal["error", "skip"]  # data.on_bad_rows (coba_tasks.pipeline.da
 PromptFormat = Literal["auto", "chat", "raw"]  # data.prompt_format (coba_tasks.pipeline.data_prompts.render_prompts)
 UnknownSources = Literal["error", "math"]  # verify.unknown_sources (coba_tasks.pipeline.data_run)
 Schedule = Literal["adaptive", "reversed", "fixed"]  # allocation.schedule: the paper's ablations reverse or fix it
-ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocators.Mode
+ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocation.Mode
 EstimatorName = Literal["last", "posterior", "pilot"]  # allocation.estimator: coba_tasks.core.estimators.Estimator
 # optim.rollout_correction: coba_tasks.core.grpo.RolloutCorrection's values (not imported here: it pulls in torch)
 RolloutCorrectionLevel = Literal["none", "token", "sequence"]
@@ -293,7 +293,7 @@ class AllocationConfig(Section):
     SECTION: ClassVar[str] = "allocation"
 
     strategy: Annotated[Text, registered(strategies)] = config_key(
-        "coba", "allocator (coba_tasks.core.allocators.strategies()): coba, knapsack or uniform"
+        "coba", "allocator (coba_tasks.core.allocation.strategies()): coba, knapsack or uniform"
     )
     mode: ModeName = config_key(
         "paper", "coba variant: paper (heap over all prompts) or released (the authors' released code)"

@@ -43,7 +43,7 @@ import pandas as pd
 
 from coba_tasks.core.estimators import Estimator
 from coba_tasks.engines.fileio import new_temporary_dir, sha256_file, write_parquet
-from coba_tasks.pipeline import stages, step
+from coba_tasks.pipeline import prompt_history, stages, step
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict
 from coba_tasks.pipeline.run import RunResources, checked_checkpoint, read_run_config
 from coba_tasks.pipeline.store import MANIFEST_FILE, RunStore, StoreError, Table
@@ -120,7 +120,7 @@ def fork_point(source: RunStore, cfg: Config) -> ForkPoint | None:
     prompts = source.read_run_table("prompts")
     view = RunResources(cfg=cfg, store=source, prompts=prompts, test=pd.DataFrame())
     their_view = RunResources(cfg=theirs, store=source, prompts=prompts, test=pd.DataFrame())
-    history, tracker = stages.empty_history(), step.tracker_before(view, 0)
+    history, tracker = prompt_history.empty_history(), step.tracker_before(view, 0)
     budgets: dict[int, pd.DataFrame] = {}
     for u in range(cfg.run.steps):
         budgets[u] = step.budget_for(view, u, history, tracker)
@@ -194,7 +194,9 @@ def _run_tables(source: RunStore, store: RunStore, s: int) -> None:
     """prompts.parquet and the other run-level tables, and history.parquet as it stood before step ``s``."""
     for name in json.loads((source.root / MANIFEST_FILE).read_text(encoding="utf-8"))["entries"]:
         if name == Table.HISTORY:
-            store.write_run_table(name, source.read_table(s - 1, Table.HISTORY) if s > 0 else stages.empty_history())
+            store.write_run_table(
+                name, source.read_table(s - 1, Table.HISTORY) if s > 0 else prompt_history.empty_history()
+            )
         else:
             store.write_run_table(name, source.read_run_table(name))
             if sha256_file(store.root / f"{name}.parquet") != sha256_file(source.root / f"{name}.parquet"):

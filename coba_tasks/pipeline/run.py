@@ -35,10 +35,9 @@ from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.fileio import content_sha256
 from coba_tasks.engines.reward_file import RewardFunction
 from coba_tasks.engines.rollout import make_backend
-from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.engines.update import PolicyTrainer, UpdateSettings
 from coba_tasks.engines.verify_pool import VerifierPool
-from coba_tasks.pipeline import stages
+from coba_tasks.pipeline import prompt_history, stages
 from coba_tasks.pipeline.config import (
     Config,
     apply_overrides,
@@ -348,7 +347,7 @@ def open_run(
         store = RunStore(root)
         store.create(config_to_dict(cfg), config_hash(cfg), versions(), inputs=run_inputs(cfg))
         store.write_run_table("prompts", prompts)
-        store.write_run_table("history", stages.empty_history())
+        store.write_run_table("history", prompt_history.empty_history())
         if data.skipped:
             store.write_run_table("bad_rows", data.bad_rows())
     for line in (*data.skip_lines(), *data.overlap_lines()):

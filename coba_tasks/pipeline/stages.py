@@ -24,10 +24,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from coba_tasks.core.allocation import plan_allocation
-from coba_tasks.core.allocators import Allocation, Strategy
+from coba_tasks.core.allocation import Allocation, Strategy, plan_allocation
 from coba_tasks.core.capability import CapabilityTracker
-from coba_tasks.core.estimators import DEFAULT_DECAY, DEFAULT_PRIOR_STRENGTH, Estimator
+from coba_tasks.core.estimators import Estimator
 from coba_tasks.core.grpo import (
     RewardScaleError,
     group_advantages,
@@ -35,16 +34,10 @@ from coba_tasks.core.grpo import (
     unbounded_rewards,
     zero_variance_share,
 )
-from coba_tasks.core.knapsack import pool_outcomes, pooled_estimate
+from coba_tasks.core.knapsack import pooled_estimate
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
 from coba_tasks.engines.verify import VerdictKind, count_verdicts, solved
-from coba_tasks.pipeline.estimates import (
-    POSTERIOR_COLUMNS,
-    POSTERIOR_DTYPES,
-    batch_estimates,
-    counts_after_visit,
-    posterior_state,
-)
+from coba_tasks.pipeline.prompt_history import batch_estimates, pass_rates, pooled_flags
 
 BOXED = "\\boxed{"  # the answer format of math prompts ("put your final answer within \\boxed{}")
 
@@ -253,14 +246,6 @@ def check_error_share(rewards: pd.DataFrame, where: str, max_share: float) -> No
 # ---------------------------------------------------------------------------------------------
 
 
-def pass_rates(rewards: pd.DataFrame) -> pd.Series:
-    """Per-prompt pass rate of this step: share of solved rollouts (verdict ``correct``) among its rollouts
-    (index prompt_id). A built-in verifier's ``correct`` is its reward 1; a reward file's is a score of at
-    least ``verify.pass_threshold`` (``coba_tasks.engines.reward_file``), so fractional scores count as
-    solved or not, never as fractions of a pass."""
-    return solved(rewards).groupby(rewards["prompt_id"], sort=False).mean()
-
-
 def capability_table(
     step: int, rewards: pd.DataFrame, previous: CapabilityTracker
 ) -> tuple[pd.DataFrame, CapabilityTracker]:
@@ -295,66 +280,6 @@ def capability_table(
 def tracker_from_capability(capability: pd.DataFrame) -> CapabilityTracker:
     """The tracker as it was at the end of the step that wrote ``capability``."""
     return CapabilityTracker.from_dict(json.loads(capability["tracker_state"].iloc[0]))
-
-
-def update_history(
-    history: pd.DataFrame,
-    rewards: pd.DataFrame,
-    step: int,
-    window: int,
-    prior_strength: float = DEFAULT_PRIOR_STRENGTH,
-    decay: float = DEFAULT_DECAY,
-) -> pd.DataFrame:
-    """Per prompt, its last ``window`` visits' pass rates (the allocator's memory) and rollouts
-    (``visit_rollouts``), ``pooled_solved``, the solved flags (1/0, in sample order, oldest first) that
-    Knapsack-RL's estimate averages (``coba_tasks.core.knapsack.pool_outcomes``), and the Beta posterior's
-    counts after this visit with the rollouts scored and solved so far (``coba_tasks.pipeline.estimates``:
-    prior strength s, decay per visit d)."""
-    rates = pass_rates(rewards)
-    ordered = rewards.sort_values("sample_idx", kind="stable")
-    flags = solved(ordered).astype(int).groupby(ordered["prompt_id"], sort=False).agg(list)
-    hist = {pid: list(v) for pid, v in zip(history["prompt_id"], history["pass_rates"], strict=True)}
-    last = dict(zip(history["prompt_id"], history["last_step"], strict=True))
-    pooled = dict(zip(history["prompt_id"], pooled_flags(history), strict=True))
-    sizes = dict(zip(history["prompt_id"], [list(v) for v in history["visit_rollouts"]], strict=True))
-    post = posterior_state(history).to_dict("index")  # prompt_id -> {posterior_a, ..., rollouts_solved}
-    counts, visits = counts_after_visit(history, rewards, prior_strength, decay)
-    for pid, rate in rates.items():
-        hist[pid] = ([*hist.get(pid, []), float(rate)])[-window:]
-        sizes[pid] = ([*sizes.get(pid, []), int(visits.loc[pid, "rollouts"])])[-window:]
-        last[pid] = step
-        pooled[pid] = pool_outcomes(pooled.get(pid, []), flags[pid])
-        was = post.get(pid, {"rollouts_scored": 0.0, "rollouts_solved": 0.0})
-        post[pid] = {
-            "posterior_a": counts.loc[pid, "a"],
-            "posterior_b": counts.loc[pid, "b"],
-            "rollouts_scored": was["rollouts_scored"] + visits.loc[pid, "rollouts"],
-            "rollouts_solved": was["rollouts_solved"] + visits.loc[pid, "successes"],
-        }
-    ids = sorted(hist)
-    return pd.DataFrame(
-        {
-            "prompt_id": ids,
-            "pass_rates": [hist[i] for i in ids],
-            "last_step": np.array([last[i] for i in ids], dtype=np.int64),
-            "pooled_solved": [pooled[i] for i in ids],
-            "visit_rollouts": [[int(n) for n in sizes.get(i, [])] for i in ids],
-            **{c: np.array([post[i][c] for i in ids], dtype=POSTERIOR_DTYPES[c]) for c in POSTERIOR_COLUMNS},
-        }
-    )
-
-
-def pooled_flags(history: pd.DataFrame) -> list[list[int]]:
-    """Each history row's ``pooled_solved``."""
-    return [[int(v) for v in flags] for flags in history["pooled_solved"]]
-
-
-def empty_history() -> pd.DataFrame:
-    """History before the first visit."""
-    lists = {c: pd.Series([], dtype=object) for c in ("prompt_id", "pass_rates", "pooled_solved", "visit_rollouts")}
-    numbers = {"last_step": np.int64, **POSTERIOR_DTYPES}
-    columns = ("prompt_id", "pass_rates", "last_step", "pooled_solved", "visit_rollouts", *POSTERIOR_COLUMNS)
-    return pd.DataFrame({c: lists[c] if c in lists else pd.Series([], dtype=numbers[c]) for c in columns})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +329,7 @@ def budget_table(
 ) -> pd.DataFrame:
     """Budgets for ``batch`` from each prompt's estimate and (alpha, beta), with the allocation's inputs:
     ``estimator``, the estimate (``pass_rate_est``, NaN: none) and ``estimate_rollouts``, the rollouts it rests
-    on (``coba_tasks.pipeline.estimates.batch_estimates``), and ``pilot_rollouts``.
+    on (``coba_tasks.pipeline.prompt_history.batch_estimates``), and ``pilot_rollouts``.
 
     Under ``knapsack`` the estimate is Knapsack-RL's own: the mean of the prompt's ``pooled_solved`` flags,
     NaN (no estimate) with fewer than 8 (``pooled_estimate``), resting on those flags. Under the ``pilot``

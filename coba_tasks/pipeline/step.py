@@ -44,9 +44,9 @@ from coba_tasks.core.grpo import RewardScaleError
 from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import SamplingConfig
-from coba_tasks.engines.update_batch import NonFiniteUpdateError
+from coba_tasks.engines.update import NonFiniteUpdateError
 from coba_tasks.pipeline import pilot as pilot_waves
-from coba_tasks.pipeline import stages
+from coba_tasks.pipeline import prompt_history, stages
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.run import (
     RunResources,
@@ -120,7 +120,7 @@ def budget(res: RunResources, step: int) -> pd.DataFrame:
     """The allocation of step t, at its start: each prompt of its batch gets a budget from the history and the
     Beta shape after step t - 1 (uniform at step 0: no pass rates yet). Under ``allocation.estimator = pilot``
     on the posterior after the step's pilot: every budget holds the pilot's k and they sum to B_total."""
-    history = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else stages.empty_history()
+    history = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else prompt_history.empty_history()
     scored = res.store.read_table(step, Table.PILOT_REWARDS) if piloted(res.cfg) else None
     return budget_for(res, step, history, tracker_before(res, step), pilot=scored)
 
@@ -238,9 +238,11 @@ def capability_and_history(res: RunResources, step: int) -> tuple[pd.DataFrame, 
     table, _ = stages.capability_table(step, scored, tracker_before(res, step))
     # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
     # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
-    previous = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else stages.empty_history()
+    previous = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else prompt_history.empty_history()
     a = res.cfg.allocation
-    return table, stages.update_history(previous, scored, step, a.pass_rate_window, a.prior_strength, a.posterior_decay)
+    return table, prompt_history.update_history(
+        previous, scored, step, a.pass_rate_window, a.prior_strength, a.posterior_decay
+    )
 
 
 def batch_of(res: RunResources, step: int) -> list[str]:

@@ -4,7 +4,7 @@ Per allocated prompt of step t (``estimate_rows``):
 
     estimate   the pass rate budget(t) allocated with (``pass_rate_est``; NaN where the allocation had none)
     realized   its pass rate at step t: the share of its rollouts in rewards(t) with verdict ``correct``
-               (``coba_tasks.pipeline.stages.pass_rates``)
+               (``coba_tasks.pipeline.prompt_history.pass_rates``)
     age        how many steps before t the visit its estimate came from was (budget(t)'s ``estimate_age``;
                for a run made before that column, t minus the prompt's ``last_step`` in history(t - 1));
                NaN for a prompt never seen
@@ -79,7 +79,7 @@ class Mechanisms:
 
 
 def realized_rates(rewards: pd.DataFrame) -> pd.Series:
-    """Per prompt (index prompt_id): the share of its rollouts solved, ``stages.pass_rates`` without torch."""
+    """Per prompt (index prompt_id): the share of its rollouts solved, ``prompt_history.pass_rates`` without torch."""
     return solved(rewards).groupby(rewards["prompt_id"].astype(str), sort=False).mean()
 
 

@@ -4,7 +4,7 @@ import math
 
 
 def test_bench_verify_counts_every_item():
-    from coba_tasks.bench.engines import bench_verify, format_verify
+    from coba_tasks.bench.engines_bench import bench_verify, format_verify
 
     result = bench_verify(arith_items=200, math_items=12, workers=1)
     assert sum(result["arith"]["verdicts"].values()) == 200
@@ -15,7 +15,7 @@ def test_bench_verify_counts_every_item():
 
 
 def test_bench_rollout_on_the_transformers_backend(random_checkpoints):
-    from coba_tasks.bench.engines import bench_rollout, format_rollout
+    from coba_tasks.bench.engines_bench import bench_rollout, format_rollout
 
     a, _ = random_checkpoints
     result = bench_rollout(str(a), prompts=3, group_size=2, max_tokens=4, backends=("transformers",))

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from coba_tasks.bench.solvers import bench_allocate, format_allocate, plain_python_heap
+from coba_tasks.bench.solvers_bench import bench_allocate, format_allocate, plain_python_heap
 from coba_tasks.core.allocation import allocate
 from coba_tasks.core.values import adaptive_tau
 

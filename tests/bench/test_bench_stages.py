@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from coba_tasks.bench.stages import GOALS, STEP_TABLES, format_stages
+from coba_tasks.bench.stages_bench import GOALS, STEP_TABLES, format_stages
 from coba_tasks.pipeline.store import STAGES
 
 
@@ -28,7 +28,7 @@ def _numbers(obj, path=""):
 
 @pytest.mark.slow
 def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_checkpoints):
-    from coba_tasks.bench.stages import bench_stages
+    from coba_tasks.bench.stages_bench import bench_stages
     from coba_tasks.pipeline.store import RunStore
 
     model, _ = random_checkpoints
@@ -129,7 +129,7 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
 
 
 def test_bench_stages_refuses_bad_input():
-    from coba_tasks.bench.stages import bench_stages
+    from coba_tasks.bench.stages_bench import bench_stages
 
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         bench_stages("configs/tiny-test.yaml", steps=0, progress=lambda s: None)

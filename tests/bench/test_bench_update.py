@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from coba_tasks.bench.update import bench_update, format_update, synthetic_batch
+from coba_tasks.bench.update_bench import bench_update, format_update, synthetic_batch
 
 
 def test_synthetic_batch_shapes_groups_like_a_coba_step():

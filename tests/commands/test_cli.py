@@ -51,7 +51,7 @@ def test_demo_figures():
 
 
 def test_bench_json(capsys, monkeypatch):
-    import coba_tasks.bench.solvers as bench
+    import coba_tasks.bench.solvers_bench as bench
 
     monkeypatch.setattr(bench, "SWEEP_M", (512,))
     assert main(["bench", "allocate", "--quick", "--json"]) == 0

@@ -7,12 +7,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from coba_tasks.core.allocation import allocate, plan_allocation
-from coba_tasks.core.allocators import (
+from coba_tasks.core.allocation import (
     VERY_EASY_ABOVE,
     VERY_HARD_BELOW,
+    allocate,
     coba_objective,
     distribute_proportional,
+    plan_allocation,
     released_heap_share,
     strategies,
 )

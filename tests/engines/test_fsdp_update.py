@@ -18,8 +18,7 @@ from safetensors.torch import load_file
 
 from coba_tasks.core.grpo import group_advantages
 from coba_tasks.engines.fsdp_update import FSDPUpdateError, fsdp_update, read_batch, read_group_ids, write_batch
-from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_batch import DataShard
+from coba_tasks.engines.update import DataShard, PolicyTrainer
 from coba_tasks.pipeline.config import HASH_NEUTRAL_DEFAULTS, apply_overrides, config_hash, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.run import update_settings

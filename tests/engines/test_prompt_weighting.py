@@ -19,9 +19,7 @@ import torch
 
 from coba_tasks.core.grpo import PromptWeighting
 from coba_tasks.engines import update as update_module
-from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_batch import DataShard, PromptWeights, pad_sequences
-from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.engines.update import DataShard, PolicyTrainer, PromptWeights, UpdateSettings, pad_sequences
 from coba_tasks.pipeline.config_sections import PromptWeightingName
 from coba_tasks.pipeline.run import update_settings
 

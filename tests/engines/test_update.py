@@ -10,9 +10,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.engines.update_batch import pad_sequences
-from coba_tasks.engines.update_settings import UpdateSettings
+from coba_tasks.engines.update import PolicyTrainer, UpdateSettings, pad_sequences
 from coba_tasks.pipeline.run import update_settings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
@@ -187,7 +185,7 @@ def test_bfloat16_trains_with_float32_master_weights_and_resumes_exactly(random_
 
 
 def test_warmup_lr_is_linear_then_constant():
-    from coba_tasks.engines.update_settings import warmup_lr
+    from coba_tasks.engines.update import warmup_lr
 
     assert [warmup_lr(1e-3, 4, k) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
     assert warmup_lr(1e-3, 0, 0) == 1e-3 and warmup_lr(1e-3, 1, 0) == 1e-3

@@ -179,7 +179,7 @@ def test_pass_threshold_with_fractional_scores_pass_rates_and_raw_advantages(rew
     """A score >= verify.pass_threshold is solved: the pass rate counts solved rollouts (not the mean score),
     and the GRPO advantage is computed from the raw scores."""
     from coba_tasks.core.capability import CapabilityTracker
-    from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline import prompt_history, stages
 
     prompts = pd.DataFrame({"prompt_id": ["p", "q"], "ground_truth": ["", ""], "data_source": ["s", "s"]})
     scores = ["0.25", "0.5", "0.75", "1.0", "0.1", "0.2"]
@@ -190,10 +190,10 @@ def test_pass_threshold_with_fractional_scores_pass_rates_and_raw_advantages(rew
         rewards = stages.reward_table(rollouts, prompts, pool)
     assert rewards["reward"].tolist() == [0.25, 0.5, 0.75, 1.0, 0.1, 0.2]
     assert rewards["verdict"].tolist() == [WRONG, CORRECT, CORRECT, CORRECT, WRONG, WRONG]
-    assert stages.pass_rates(rewards).to_dict() == {"p": 0.75, "q": 0.0}
+    assert prompt_history.pass_rates(rewards).to_dict() == {"p": 0.75, "q": 0.0}
     cap, _ = stages.capability_table(0, rewards, CapabilityTracker())
     assert cap["S"].iloc[0] == pytest.approx(0.375) and cap["zero_variance_groups"].iloc[0] == 0.0
-    history = stages.update_history(stages.empty_history(), rewards, 0, 1)
+    history = prompt_history.update_history(prompt_history.empty_history(), rewards, 0, 1)
     assert dict(zip(history["prompt_id"], history["pass_rates"], strict=True)) == {"p": [0.75], "q": [0.0]}
     adv = stages.advantages_for(rollouts, rewards)
     p = np.array([0.25, 0.5, 0.75, 1.0])
@@ -203,7 +203,7 @@ def test_pass_threshold_with_fractional_scores_pass_rates_and_raw_advantages(rew
     binary = pd.DataFrame(
         {"prompt_id": ["a"] * 4, "reward": [1.0, 0.0, 1.0, 1.0], "verdict": [CORRECT, WRONG, CORRECT, CORRECT]}
     )
-    assert stages.pass_rates(binary)["a"] == (binary["reward"] == 1.0).mean() == 0.75
+    assert prompt_history.pass_rates(binary)["a"] == (binary["reward"] == 1.0).mean() == 0.75
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from helpers_reward import data_overrides
 from safetensors.torch import load_file
 
 from coba_tasks.core.grpo import RewardScaleError
-from coba_tasks.engines.update_batch import NonFiniteUpdateError
+from coba_tasks.engines.update import NonFiniteUpdateError
 from coba_tasks.pipeline.config import load_config
 from coba_tasks.pipeline.store import RunStore, Table
 

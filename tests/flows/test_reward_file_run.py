@@ -133,7 +133,7 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
     assert {"correct", "wrong", "error", "timeout"} <= seen  # the run went on past raises and timeouts
 
     # `coba bench update --run-dir` times what the update of a step trained on: its rows and raw-score advantages
-    from coba_tasks.bench.update import run_batch
+    from coba_tasks.bench.update_bench import run_batch
 
     prompt_ids, completion_ids, adv = run_batch(str(root), 1)
     rollouts, rewards = store.read_table(1, Table.ROLLOUTS), store.read_table(1, Table.REWARDS)

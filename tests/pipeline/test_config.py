@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from coba_tasks.core.allocators import strategies
+from coba_tasks.core.allocation import strategies
 from coba_tasks.core.solvers import coba_solvers
 from coba_tasks.engines.rollout import backends
 from coba_tasks.pipeline.config import (

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from coba_tasks.core.capability import CapabilityTracker
-from coba_tasks.pipeline import stages
+from coba_tasks.pipeline import prompt_history, stages
 
 ALLOC = SimpleNamespace(
     strategy="coba", mode="paper", solver="heap", group_size=4, min_budget=2, max_budget=8, tau="adaptive"
@@ -44,7 +44,7 @@ def test_batches_cover_each_epoch_once():
 
 def test_pass_rates_and_capability():
     rewards = rewards_table({"a": [1, 1, 0, 0], "b": [0, 0], "c": [1, 1, 1]})
-    rates = stages.pass_rates(rewards)
+    rates = prompt_history.pass_rates(rewards)
     assert rates.to_dict() == {"a": 0.5, "b": 0.0, "c": 1.0}
     table, tracker = stages.capability_table(0, rewards, CapabilityTracker())
     row = table.iloc[0]
@@ -57,19 +57,21 @@ def test_pass_rates_and_capability():
 
 
 def test_history_keeps_the_last_visits():
-    h = stages.empty_history()
-    h = stages.update_history(h, rewards_table({"a": [1, 0], "b": [0, 0]}), step=0, window=2)
-    h = stages.update_history(h, rewards_table({"a": [1, 1]}), step=1, window=2)
-    h = stages.update_history(h, rewards_table({"a": [0, 0]}), step=2, window=2)
+    h = prompt_history.empty_history()
+    h = prompt_history.update_history(h, rewards_table({"a": [1, 0], "b": [0, 0]}), step=0, window=2)
+    h = prompt_history.update_history(h, rewards_table({"a": [1, 1]}), step=1, window=2)
+    h = prompt_history.update_history(h, rewards_table({"a": [0, 0]}), step=2, window=2)
     rec = h.set_index("prompt_id")
     assert rec.loc["a", "pass_rates"] == [1.0, 0.0] and rec.loc["a", "last_step"] == 2
     assert rec.loc["b", "pass_rates"] == [0.0] and rec.loc["b", "last_step"] == 0
 
 
 def test_budget_table_uniform_first_then_from_history():
-    first = stages.budget_table(["a", "b", "c"], stages.empty_history(), CapabilityTracker(), ALLOC)
+    first = stages.budget_table(["a", "b", "c"], prompt_history.empty_history(), CapabilityTracker(), ALLOC)
     assert first["budget"].tolist() == [4, 4, 4] and "unseen" in first["fallback"].iloc[0]
-    h = stages.update_history(stages.empty_history(), rewards_table({"a": [1, 1, 1, 0], "b": [0, 0, 0, 1]}), 0, 1)
+    h = prompt_history.update_history(
+        prompt_history.empty_history(), rewards_table({"a": [1, 1, 1, 0], "b": [0, 0, 0, 1]}), 0, 1
+    )
     nxt = stages.budget_table(["a", "b", "c"], h, CapabilityTracker(), ALLOC)
     assert nxt["budget"].sum() == 12 and nxt["pass_rate_est"].tolist()[:2] == [0.75, 0.25]
     assert np.isnan(nxt["pass_rate_est"].iloc[2])
@@ -78,19 +80,21 @@ def test_budget_table_uniform_first_then_from_history():
 
 def test_history_pools_the_solved_flags_knapsack_rl_averages():
     first = rewards_table({"a": [1, 0, 1, 1, 0, 0, 1, 1], "b": [0, 0]}).iloc[::-1]  # rows in another order
-    h = stages.update_history(stages.empty_history(), first, step=0, window=1)
-    h = stages.update_history(h, rewards_table({"a": [0, 0, 0, 0]}), step=1, window=1)
+    h = prompt_history.update_history(prompt_history.empty_history(), first, step=0, window=1)
+    h = prompt_history.update_history(h, rewards_table({"a": [0, 0, 0, 0]}), step=1, window=1)
     rec = h.set_index("prompt_id")
     assert list(rec.loc["a", "pooled_solved"]) == [1, 0, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0]  # sample order, oldest first
     assert list(rec.loc["b", "pooled_solved"]) == [0, 0] and rec.loc["a", "pass_rates"] == [0.0]
-    h = stages.update_history(h, rewards_table({"a": [1] * 16}), step=2, window=1)  # 16 or more: that visit alone
+    h = prompt_history.update_history(
+        h, rewards_table({"a": [1] * 16}), step=2, window=1
+    )  # 16 or more: that visit alone
     assert list(h.set_index("prompt_id").loc["a", "pooled_solved"]) == [1] * 16
 
 
 def test_budget_table_knapsack_uses_its_pooled_estimate():
     alloc = SimpleNamespace(**{**vars(ALLOC), "strategy": "knapsack", "group_size": 8, "max_budget": 32})
-    h = stages.update_history(stages.empty_history(), rewards_table({"a": [1] * 8, "b": [0, 0]}), 0, 1)
-    h = stages.update_history(h, rewards_table({"a": [0] * 4}), 1, 1)
+    h = prompt_history.update_history(prompt_history.empty_history(), rewards_table({"a": [1] * 8, "b": [0, 0]}), 0, 1)
+    h = prompt_history.update_history(h, rewards_table({"a": [0] * 4}), 1, 1)
     table = stages.budget_table(["a", "b", "c"], h, CapabilityTracker(), alloc)
     # a: 12 flags, estimate 8 / 12 (its last visit's pass rate is 0); b: 2 flags, c: none -> no estimate
     assert table["pass_rate_est"].iloc[0] == pytest.approx(2 / 3) and table["pass_rate_est"].iloc[1:].isna().all()
@@ -102,14 +106,18 @@ def test_budget_table_knapsack_uses_its_pooled_estimate():
 
 def test_budget_table_records_the_age_of_each_estimate():
     """estimate_age: the step the budget is for minus the prompt's last visit; NaN without an estimate."""
-    h = stages.update_history(stages.empty_history(), rewards_table({"a": [1, 0], "b": [0, 1]}), 3, 1)
-    h = stages.update_history(h, rewards_table({"b": [1, 1], "c": [0, 0]}), 5, 1)
+    h = prompt_history.update_history(prompt_history.empty_history(), rewards_table({"a": [1, 0], "b": [0, 1]}), 3, 1)
+    h = prompt_history.update_history(h, rewards_table({"b": [1, 1], "c": [0, 0]}), 5, 1)
     table = stages.budget_table(["a", "b", "c", "d"], h, CapabilityTracker(), ALLOC, step=6)
     ages = table["estimate_age"].tolist()
     assert ages[:3] == [3.0, 1.0, 1.0] and np.isnan(ages[3])  # a seen at 3, b and c at 5, d never
     inferred = stages.budget_table(["a", "b", "c", "d"], h, CapabilityTracker(), ALLOC)  # step: newest visit + 1
     assert inferred["estimate_age"].iloc[:3].tolist() == [3.0, 1.0, 1.0]
-    assert stages.budget_table(["a"], stages.empty_history(), CapabilityTracker(), ALLOC)["estimate_age"].isna().all()
+    assert (
+        stages.budget_table(["a"], prompt_history.empty_history(), CapabilityTracker(), ALLOC)["estimate_age"]
+        .isna()
+        .all()
+    )
     # knapsack: a prompt seen but without an estimate (fewer than 8 pooled flags) has no age either
     knap = SimpleNamespace(**{**vars(ALLOC), "strategy": "knapsack"})
     assert stages.budget_table(["a", "b"], h, CapabilityTracker(), knap, step=6)["estimate_age"].isna().all()
@@ -156,11 +164,11 @@ BATCH = ["a", "b", "c", "d", "e", "f", "g", "h"]
 
 
 def _after_visits(window: int = 1) -> tuple[pd.DataFrame, CapabilityTracker]:
-    h, tracker = stages.empty_history(), CapabilityTracker()
+    h, tracker = prompt_history.empty_history(), CapabilityTracker()
     for t, groups in enumerate(VISITS):
         r = rewards_table(groups)
-        h = stages.update_history(h, r, t, window)
-        tracker.update(stages.pass_rates(r).to_numpy())
+        h = prompt_history.update_history(h, r, t, window)
+        tracker.update(prompt_history.pass_rates(r).to_numpy())
     return h, tracker
 
 
@@ -199,13 +207,15 @@ def test_the_last_estimator_allocates_as_before_and_says_what_its_estimates_rest
 def test_history_carries_the_posterior_counts_from_visit_to_visit():
     """Each visit decays a prompt's counts by d and adds its successes and failures; a prompt's first visit
     starts from the prior s * (pbar, 1 - pbar), pbar the pass rate of the rollouts scored before it."""
-    h = stages.update_history(stages.empty_history(), rewards_table({"a": [1, 0, 0, 0], "b": [0, 0]}), 0, 2)
+    h = prompt_history.update_history(
+        prompt_history.empty_history(), rewards_table({"a": [1, 0, 0, 0], "b": [0, 0]}), 0, 2
+    )
     rec = h.set_index("prompt_id")
     # nothing scored before step 0: pbar = 0.5, prior (1, 1), decayed to (0.5, 0.5), then the visit
     assert (rec.loc["a", "posterior_a"], rec.loc["a", "posterior_b"]) == (1.5, 3.5)
     assert (rec.loc["b", "posterior_a"], rec.loc["b", "posterior_b"]) == (0.5, 2.5)
     assert (rec.loc["a", "rollouts_scored"], rec.loc["a", "rollouts_solved"]) == (4, 1)
-    h = stages.update_history(h, rewards_table({"a": [1, 1], "c": [0, 0, 0, 1]}), 1, 2)
+    h = prompt_history.update_history(h, rewards_table({"a": [1, 1], "c": [0, 0, 0, 1]}), 1, 2)
     rec = h.set_index("prompt_id")
     assert (rec.loc["a", "posterior_a"], rec.loc["a", "posterior_b"]) == (2.75, 1.75)  # 0.5 * (1.5, 3.5) + (2, 0)
     # c's prior from pbar = 1 / 6 (one of the 6 rollouts of step 0 solved): (1/3, 5/3), decayed, then (1, 3)
@@ -216,7 +226,9 @@ def test_history_carries_the_posterior_counts_from_visit_to_visit():
     assert h["rollouts_scored"].sum() == 12 and h["rollouts_solved"].sum() == 4
     assert h["rollouts_scored"].dtype == np.int64 and h["posterior_a"].dtype == np.float64
     # the prior strength and decay are the run's
-    other = stages.update_history(stages.empty_history(), rewards_table({"a": [1, 0]}), 0, 1, prior_strength=4, decay=1)
+    other = prompt_history.update_history(
+        prompt_history.empty_history(), rewards_table({"a": [1, 0]}), 0, 1, prior_strength=4, decay=1
+    )
     assert (other["posterior_a"].iloc[0], other["posterior_b"].iloc[0]) == (3.0, 3.0)
 
 
@@ -239,7 +251,7 @@ def test_budget_table_posterior_allocates_on_the_posterior_mean():
     assert (table["estimator"] == "posterior").all() and table["fallback"].eq("").all()
     last = stages.budget_table(BATCH, h, tracker, _alloc())
     assert table["budget"].tolist() != last["budget"].tolist()
-    first = stages.budget_table(BATCH, stages.empty_history(), CapabilityTracker(), alloc)
+    first = stages.budget_table(BATCH, prompt_history.empty_history(), CapabilityTracker(), alloc)
     assert first["budget"].tolist() == [6] * 8 and first["pass_rate_est"].isna().all()
     assert "unseen" in first["fallback"].iloc[0] and (first["estimate_rollouts"] == 0).all()
 
@@ -265,7 +277,7 @@ def test_budget_table_pilot_allocates_the_rest_on_the_posterior_after_the_pilot(
     assert (table["pilot_rollouts"] == 2).all() and (table["estimator"] == "pilot").all()
     assert (table["estimate_age"] == 0).all()  # the estimate's newest rollouts are this step's pilot
     # at step 0 the pilot is all there is: estimates from it, not the uniform fallback
-    first = stages.budget_table(BATCH, stages.empty_history(), CapabilityTracker(), alloc, pilot)
+    first = stages.budget_table(BATCH, prompt_history.empty_history(), CapabilityTracker(), alloc, pilot)
     assert first["pass_rate_est"].notna().all() and first["fallback"].eq("").all()
     assert (first["estimate_age"] == 0).all()
     assert first["pass_rate_est"].iloc[0] == pytest.approx(2.5 / 3) and first["estimate_rollouts"].iloc[0] == 3.0

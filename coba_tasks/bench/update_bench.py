@@ -108,7 +108,7 @@ class PlainUpdate:
     def loss_backward(self, prompts: list[list[int]], completions: list[list[int]], adv: np.ndarray) -> float:
         """Forward and backward over every micro-batch (gradients accumulate); the batch's loss."""
         from coba_tasks.core.grpo import policy_loss
-        from coba_tasks.engines.update_batch import pad_sequences
+        from coba_tasks.engines.update import pad_sequences
 
         token_count = float(sum(len(c) for c in completions))
         advantages = torch.as_tensor(adv, dtype=torch.float32)

@@ -19,8 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from coba_tasks.bench.timing import available_cpus, median_time
-from coba_tasks.core.allocation import allocate
-from coba_tasks.core.allocators import coba_objective
+from coba_tasks.core.allocation import allocate, coba_objective
 from coba_tasks.core.values import adaptive_tau
 
 PAPER = {"M": 512, "B_total": 8192, "min_budget": 2, "max_budget": 128, "heap_s": 0.124, "dp_s": 115.05}

@@ -1,9 +1,10 @@
-"""The allocation's inputs, from the run's tables: each prompt's estimate under ``allocation.estimator`` and
-the rollouts it rests on, and the posterior's counts that the history table carries from visit to visit
+"""The allocator's memory of each prompt: the history table, the pass rates it is made of, the posterior counts it
+carries from visit to visit, and each prompt's estimate under ``allocation.estimator`` with the rollouts it rests on
 (the math: ``coba_tasks.core.estimators``; docs/method.md, section 2).
 
-The history table (``coba_tasks.pipeline.stages.update_history``) holds, per prompt, ``visit_rollouts`` (the
-rollouts of each of its last ``pass_rate_window`` visits, beside ``pass_rates``), ``posterior_a`` and
+The history table (``update_history``; ``steps/t/history.parquet``, written by the capability stage) holds, per
+prompt, its last ``pass_rate_window`` visits' ``pass_rates`` and ``visit_rollouts`` (the rollouts of each),
+``last_step``, ``pooled_solved`` (the solved flags Knapsack-RL's estimate averages), ``posterior_a`` and
 ``posterior_b`` (the posterior's counts after its last visit) and ``rollouts_scored`` and ``rollouts_solved``
 (all its rollouts, and the solved ones: their sums over the prompts give the global pass rate pbar). Every
 estimator's history has them, so a ``last`` run records what ``posterior`` would have estimated.
@@ -26,6 +27,7 @@ from coba_tasks.core.estimators import (
     posterior_mean,
     visit,
 )
+from coba_tasks.core.knapsack import pool_outcomes
 from coba_tasks.engines.verify import solved
 
 POSTERIOR_DTYPES = {
@@ -55,7 +57,7 @@ def prior_pass_rate(history: pd.DataFrame) -> tuple[float, int]:
 
 def visit_counts(rewards: pd.DataFrame) -> pd.DataFrame:
     """Per prompt of a rewards table (index prompt_id, first-seen order): ``successes`` (verdict ``correct``,
-    as ``stages.pass_rates`` counts them) and ``rollouts``."""
+    as ``prompt_history.pass_rates`` counts them) and ``rollouts``."""
     won = solved(rewards).astype(np.int64)
     grouped = won.groupby(rewards["prompt_id"], sort=False)
     return pd.DataFrame({"successes": grouped.sum(), "rollouts": grouped.size()})
@@ -115,3 +117,71 @@ def batch_estimates(
     if scored == 0:  # nothing scored yet: no estimate at all, the allocation is uniform
         return np.full(len(batch), np.nan), np.zeros(len(batch))
     return posterior_mean(a, b), a + b
+
+
+def pass_rates(rewards: pd.DataFrame) -> pd.Series:
+    """Per-prompt pass rate of this step: share of solved rollouts (verdict ``correct``) among its rollouts
+    (index prompt_id). A built-in verifier's ``correct`` is its reward 1; a reward file's is a score of at
+    least ``verify.pass_threshold`` (``coba_tasks.engines.reward_file``), so fractional scores count as
+    solved or not, never as fractions of a pass."""
+    return solved(rewards).groupby(rewards["prompt_id"], sort=False).mean()
+
+
+def update_history(
+    history: pd.DataFrame,
+    rewards: pd.DataFrame,
+    step: int,
+    window: int,
+    prior_strength: float = DEFAULT_PRIOR_STRENGTH,
+    decay: float = DEFAULT_DECAY,
+) -> pd.DataFrame:
+    """Per prompt, its last ``window`` visits' pass rates (the allocator's memory) and rollouts
+    (``visit_rollouts``), ``pooled_solved``, the solved flags (1/0, in sample order, oldest first) that
+    Knapsack-RL's estimate averages (``coba_tasks.core.knapsack.pool_outcomes``), and the Beta posterior's
+    counts after this visit with the rollouts scored and solved so far (``coba_tasks.pipeline.prompt_history``:
+    prior strength s, decay per visit d)."""
+    rates = pass_rates(rewards)
+    ordered = rewards.sort_values("sample_idx", kind="stable")
+    flags = solved(ordered).astype(int).groupby(ordered["prompt_id"], sort=False).agg(list)
+    hist = {pid: list(v) for pid, v in zip(history["prompt_id"], history["pass_rates"], strict=True)}
+    last = dict(zip(history["prompt_id"], history["last_step"], strict=True))
+    pooled = dict(zip(history["prompt_id"], pooled_flags(history), strict=True))
+    sizes = dict(zip(history["prompt_id"], [list(v) for v in history["visit_rollouts"]], strict=True))
+    post = posterior_state(history).to_dict("index")  # prompt_id -> {posterior_a, ..., rollouts_solved}
+    counts, visits = counts_after_visit(history, rewards, prior_strength, decay)
+    for pid, rate in rates.items():
+        hist[pid] = ([*hist.get(pid, []), float(rate)])[-window:]
+        sizes[pid] = ([*sizes.get(pid, []), int(visits.loc[pid, "rollouts"])])[-window:]
+        last[pid] = step
+        pooled[pid] = pool_outcomes(pooled.get(pid, []), flags[pid])
+        was = post.get(pid, {"rollouts_scored": 0.0, "rollouts_solved": 0.0})
+        post[pid] = {
+            "posterior_a": counts.loc[pid, "a"],
+            "posterior_b": counts.loc[pid, "b"],
+            "rollouts_scored": was["rollouts_scored"] + visits.loc[pid, "rollouts"],
+            "rollouts_solved": was["rollouts_solved"] + visits.loc[pid, "successes"],
+        }
+    ids = sorted(hist)
+    return pd.DataFrame(
+        {
+            "prompt_id": ids,
+            "pass_rates": [hist[i] for i in ids],
+            "last_step": np.array([last[i] for i in ids], dtype=np.int64),
+            "pooled_solved": [pooled[i] for i in ids],
+            "visit_rollouts": [[int(n) for n in sizes.get(i, [])] for i in ids],
+            **{c: np.array([post[i][c] for i in ids], dtype=POSTERIOR_DTYPES[c]) for c in POSTERIOR_COLUMNS},
+        }
+    )
+
+
+def pooled_flags(history: pd.DataFrame) -> list[list[int]]:
+    """Each history row's ``pooled_solved``."""
+    return [[int(v) for v in flags] for flags in history["pooled_solved"]]
+
+
+def empty_history() -> pd.DataFrame:
+    """History before the first visit."""
+    lists = {c: pd.Series([], dtype=object) for c in ("prompt_id", "pass_rates", "pooled_solved", "visit_rollouts")}
+    numbers = {"last_step": np.int64, **POSTERIOR_DTYPES}
+    columns = ("prompt_id", "pass_rates", "last_step", "pooled_solved", "visit_rollouts", *POSTERIOR_COLUMNS)
+    return pd.DataFrame({c: lists[c] if c in lists else pd.Series([], dtype=numbers[c]) for c in columns})
