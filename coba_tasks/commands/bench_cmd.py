@@ -7,8 +7,8 @@
     coba bench stages   [--json]
 
 The measurements and their wording are in the package ``coba_tasks.bench`` (``solvers_bench``:
-allocate; ``engines_bench``: rollout, verify; ``update_bench``; ``stages_bench``); a handler runs one, with its progress on stderr,
-and prints its figures (text, or JSON with ``--json``).
+allocate; ``engines_bench``: rollout, verify; ``update_bench``; ``stages_bench``); a handler runs one,
+with its progress on stderr, and prints its figures (text, or JSON with ``--json``).
 """
 
 from __future__ import annotations
