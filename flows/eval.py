@@ -8,7 +8,7 @@
 The model is any Hugging Face model directory: a run's checkpoint (``runs/<name>/checkpoints/NNNNNN``,
 full or LoRA) or a model such as ``models/arith-tiny``. Two tasks in order, as in the training flow's
 evaluation: ``evaluate-model`` starts the rollout engine and the verifier pool, scores every selected
-prompt (``coba_tasks.pipeline.stages.evaluate``) and closes both; ``write-eval-table`` writes the
+prompt (``coba_tasks.pipeline.evaluation.evaluate``) and closes both; ``write-eval-table`` writes the
 per-prompt table (prompt_id, difficulty, data_source, accuracy, samples, solved, ...) atomically where
 ``out_path`` says (an existing file only with ``overwrite=True``, an input of the evaluation never). The
 figures go to a markdown artifact ``eval-<model>`` and are returned. Importing this module starts

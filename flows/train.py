@@ -25,8 +25,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
+from coba_tasks.pipeline.evaluation import eval_steps
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.stages import eval_steps
 from coba_tasks.pipeline.step import (
     due_evaluations,
     eval_plan,

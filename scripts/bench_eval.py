@@ -3,7 +3,7 @@
 A sampled evaluation with a greedy one beside it (``run.eval_samples`` at ``run.eval_temperature`` and
 ``run.eval_top_p``, plus ``run.eval_greedy``) used to generate and score twice (the sampled completions,
 then the greedy ones) with vLLM's own top-p, which sorts the vocabulary of every sequence at every
-step. ``stages.evaluate`` now submits both to the engine in one call, and the engine finds the nucleus
+step. ``evaluation.evaluate`` now submits both to the engine in one call, and the engine finds the nucleus
 without the sort (``coba_tasks.engines.rollout.nucleus``). This times, on the same engine, prompts and
 seeds, alternated (``--repeats`` each): before (separate calls, vLLM's top-p), one call with vLLM's
 top-p, and now (one call, the sort-free top-p); and checks that before and now measure the same (every
@@ -38,7 +38,7 @@ def bench_eval(
 ) -> dict[str, Any]:
     """The figures (see the module docstring), as a dict; times in seconds."""
     from coba_tasks.engines.rollout import make_backend
-    from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline import evaluation
     from coba_tasks.pipeline.config import check_paths, load_config
     from coba_tasks.pipeline.data_run import load_run_datasets
     from coba_tasks.pipeline.run import verifier_pool
@@ -51,7 +51,7 @@ def bench_eval(
             "bench eval times a sampled evaluation: needs run.eval_samples >= 2 and run.eval_temperature > 0"
         )
     test = load_run_datasets(cfg, train=False).test
-    test = stages.sample_eval_prompts(test, cfg.data.eval_prompts, r.seed)
+    test = evaluation.sample_eval_prompts(test, cfg.data.eval_prompts, r.seed)
     progress(f"engine on {cfg.model.path}; {len(test)} prompts x ({r.eval_samples} sampled + greedy)")
     engine = make_backend(
         cfg.rollout.backend,
@@ -67,17 +67,19 @@ def bench_eval(
 
             def one_call(sort_free: bool = True) -> pd.DataFrame:
                 engine.sort_free_top_p = sort_free
-                return stages.evaluate(test, engine, pool, r.eval_samples, r.eval_temperature, greedy=True, **common)
+                return evaluation.evaluate(
+                    test, engine, pool, r.eval_samples, r.eval_temperature, greedy=True, **common
+                )
 
             def separate() -> pd.DataFrame:  # what evaluate did before: each kind apart, vLLM's top-p
                 engine.sort_free_top_p = False
-                sampled = stages.evaluate(test, engine, pool, r.eval_samples, r.eval_temperature, **common)
-                greedy = stages.evaluate(test, engine, pool, 1, 0.0, **common)
+                sampled = evaluation.evaluate(test, engine, pool, r.eval_samples, r.eval_temperature, **common)
+                greedy = evaluation.evaluate(test, engine, pool, 1, 0.0, **common)
                 return sampled.assign(accuracy_greedy=greedy["accuracy"].to_numpy())[one_call_columns]
 
             def sampled_only() -> pd.DataFrame:
                 engine.sort_free_top_p = True
-                return stages.evaluate(test, engine, pool, r.eval_samples, r.eval_temperature, **common)
+                return evaluation.evaluate(test, engine, pool, r.eval_samples, r.eval_temperature, **common)
 
             kinds: dict[str, Callable[[], pd.DataFrame]] = {
                 "separate": separate,
@@ -87,7 +89,9 @@ def bench_eval(
 
             progress("warm-up (engine and verifier workers, 4 prompts)")
             one_call_columns = list(
-                stages.evaluate(test.head(4), engine, pool, r.eval_samples, r.eval_temperature, greedy=True, **common)
+                evaluation.evaluate(
+                    test.head(4), engine, pool, r.eval_samples, r.eval_temperature, greedy=True, **common
+                )
             )
             kinds["sampled_only"] = sampled_only
             times: dict[str, list[float]] = {name: [] for name in kinds}

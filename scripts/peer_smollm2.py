@@ -7,7 +7,7 @@ optimizer step per step, uniform budgets (TRL has no other), for ``--steps`` ste
 alternate (coba-rl, TRL, coba-rl, TRL, ... for ``--rounds`` rounds), so both meet the same machine.
 coba-rl generates with vLLM; TRL with transformers ``generate`` (its vLLM mode does not run on the
 CPU build of vLLM here: docs/trl_peer.md). Both final models are evaluated by coba-rl's own held-out
-evaluation (``stages.evaluate``: the same 120 prompts, avg@4 at temperature 1.0 and top-p 0.9, plus
+evaluation (``evaluation.evaluate``: the same 120 prompts, avg@4 at temperature 1.0 and top-p 0.9, plus
 greedy, with vLLM), so the accuracies compare like with like.
 
 Run from the repository root with coba-rl's venv; TRL lives in its own (docs/trl_peer.md):
@@ -86,7 +86,7 @@ def evaluate(model_dir: Path, args: argparse.Namespace) -> dict:
     """coba-rl's held-out evaluation of a model directory: what a run's evaluation after training measures."""
     from coba_tasks.engines.rollout import make_backend
     from coba_tasks.engines.verify_pool import VerifierPool
-    from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline import evaluation
     from coba_tasks.pipeline.config import load_config
     from coba_tasks.pipeline.data_run import load_run_datasets
 
@@ -95,7 +95,7 @@ def evaluate(model_dir: Path, args: argparse.Namespace) -> dict:
     engine = make_backend("vllm", str(model_dir), dtype="float32", max_model_len=192, seed=0)
     try:
         with VerifierPool(workers=2, timeout_s=5.0) as pool:
-            table = stages.evaluate(test, engine, pool, 4, 1.0, 48, 0, greedy=True, top_p=0.9)
+            table = evaluation.evaluate(test, engine, pool, 4, 1.0, 48, 0, greedy=True, top_p=0.9)
     finally:
         engine.close()
     return {"accuracy": float(table["accuracy"].mean()), "greedy": float(table["accuracy_greedy"].mean())}

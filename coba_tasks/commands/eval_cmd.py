@@ -1,7 +1,7 @@
 """``coba eval``: held-out figures of a model, a run's checkpoint or a LoRA checkpoint on a dataset.
 
 It runs the ``coba-eval`` flow (``flows.eval``), the evaluation a training run makes (one implementation:
-``coba_tasks.pipeline.stages.evaluate``): avg@k, greedy, pass@k (unbiased, k = 1 .. samples), by
+``coba_tasks.pipeline.evaluation.evaluate``): avg@k, greedy, pass@k (unbiased, k = 1 .. samples), by
 difficulty and by data source. The settings are a run config's evaluation settings (``--config``; for a
 run's checkpoint its run's config.yaml, else the defaults) with the options given here on top.
 """

@@ -10,7 +10,7 @@ call these functions, and its settings.
 (with their descriptions) in its parameter form and validates them before the flow starts.
 ``check_eval_inputs`` refuses a model or test file that cannot be evaluated, and an ``out_path`` that is an
 input or (unless asked to overwrite) an existing file, before an engine starts; ``evaluate_model`` starts
-the rollout engine and the verifier pool, scores every selected prompt (``stages.evaluate``, as a training
+the rollout engine and the verifier pool, scores every selected prompt (``evaluation.evaluate``, as a training
 run's evaluation does) and closes both; ``write_eval_table`` writes the per-prompt table atomically.
 """
 
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,13 +35,13 @@ from coba_tasks.engines.lora import (
     is_adapter_checkpoint,
     merge_adapter_checkpoint,
 )
-from coba_tasks.engines.rollout import backends, make_backend
-from coba_tasks.engines.verify import Gsm8kAnswer
+from coba_tasks.engines.rollout import RolloutBackend, SamplingConfig, backends, make_backend
+from coba_tasks.engines.verify import Gsm8kAnswer, VerdictKind, solved
 from coba_tasks.engines.verify_pool import VerifierPool
-from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.config_fields import Section
 from coba_tasks.pipeline.config_sections import (
+    MAIN_TEST_SET,
     DataConfig,
     Dtype,
     ModelConfig,
@@ -53,6 +55,7 @@ from coba_tasks.pipeline.data import load_dataset
 from coba_tasks.pipeline.data_problems import DatasetError
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
 from coba_tasks.pipeline.data_run import check_ground_truths, keep_difficulties
+from coba_tasks.pipeline.stages import check_error_share, reward_table, rollout_tables
 
 # each setting's key in a run's config (section, key): its default there, and where from_config reads it
 CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
@@ -73,6 +76,137 @@ CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
     "gsm8k_answer": (VerifyConfig, "gsm8k_answer"),
     "max_error_share": (VerifyConfig, "max_error_share"),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# What an evaluation scores: its schedule in a run, its prompts, the scoring
+# ---------------------------------------------------------------------------------------------
+
+BOXED = "\\boxed{"  # the answer format of math prompts ("put your final answer within \\boxed{}")
+
+
+def eval_steps(steps: int, every: int) -> list[int]:
+    """The steps whose weights a training run evaluates on held-out prompts: 0 (before training), every
+    ``every`` steps (0: none in between) and ``steps`` (after training).
+
+    >>> eval_steps(12, 5), eval_steps(12, 0), eval_steps(12, 6)
+    ([0, 5, 10, 12], [0, 12], [0, 6, 12])
+    """
+    between = range(every, steps, every) if every else range(0)
+    return sorted({0, *between, steps})
+
+
+def sample_eval_prompts(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame:
+    """The held-out prompts an evaluation scores: a sample of ``prompts`` rows seeded by ``seed`` (the run
+    config's data.eval_prompts and run.seed), or every row when ``prompts`` is 0 or not below their count.
+
+    >>> test = pd.DataFrame({"prompt_id": list("abcde")})
+    >>> sample_eval_prompts(test, 2, seed=0)["prompt_id"].tolist(), len(sample_eval_prompts(test, 0, seed=0))
+    (['c', 'a'], 5)
+    """
+    return test.sample(prompts, random_state=seed).reset_index(drop=True) if 0 < prompts < len(test) else test
+
+
+def evaluate(
+    test: pd.DataFrame,
+    engine: RolloutBackend,
+    pool: Any,
+    samples: int,
+    temperature: float,
+    max_tokens: int,
+    seed: int,
+    greedy: bool = False,
+    top_p: float = 1.0,
+    progress: bool = False,
+    max_error_share: float = 1.0,
+    where: str = "held-out evaluation",
+) -> pd.DataFrame:
+    """Share of solved completions (verdict ``correct``: the mean reward of the built-in verifiers, a score of
+    at least ``verify.pass_threshold`` of a reward file) over ``samples`` completions per held-out prompt
+    (greedy when temperature is 0).
+
+    A sampled evaluation keeps the ``top_p`` nucleus (the paper: avg@16 at temperature 1.0, top-p 0.9).
+    With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
+    as ``accuracy`` when the evaluation is greedy already). ``samples`` and ``solved`` count a prompt's
+    sampled completions and the solved ones among them (pass@k's input). ``answered`` is the share of a prompt's
+    completions with an answer at all (any verdict but ``no_answer``), ``boxed`` the share that write
+    a ``\\boxed{}`` answer (the format math prompts ask for; math-verify also finds unboxed answers).
+    ``errors`` and ``timeouts`` count a prompt's completions (sampled and greedy) that could not be scored;
+    when their share of a held-out set's completions is above ``max_error_share`` (``verify.max_error_share``)
+    the evaluation stops (``ScoringError`` naming ``where`` and the set) instead of reporting their zero
+    rewards as accuracy. A ``test_set`` column of ``test`` (which held-out set a prompt is of) is kept in the
+    table. ``progress`` shows the engine's progress bar while it generates.
+    """
+
+    columns = ["reward", "answered", "boxed"]
+    only_greedy = temperature == 0.0 and samples == 1
+    kinds = [(samples, temperature)] + ([(1, 0.0)] if greedy and not only_greedy else [])
+    batches = [
+        (
+            pd.DataFrame({"prompt_id": test["prompt_id"], "budget": n}),
+            SamplingConfig(temperature=temp, top_p=top_p if temp > 0 else 1.0, max_tokens=max_tokens),
+        )
+        for n, temp in kinds
+    ]
+    # one engine call and one verification pass for the sampled and the greedy completions together
+    tables = rollout_tables(batches, test, engine, run_seed=seed, step=-1, progress=progress)
+    rolls = pd.concat([t.assign(_kind=k) for k, t in enumerate(tables)], ignore_index=True)
+    rewards = reward_table(rolls, test, pool).assign(
+        reward=lambda r: solved(r).astype(np.float64),  # accuracy: the share solved (a reward file's threshold)
+        answered=lambda r: r["verdict"] != str(VerdictKind.NO_ANSWER),
+        boxed=rolls["completion"].str.contains(BOXED, regex=False).to_numpy(),
+        _kind=rolls["_kind"].to_numpy(),
+    )
+    if "test_set" in test:  # each held-out set on its own
+        sets = rewards["prompt_id"].map(test.set_index("prompt_id")["test_set"])
+        for name, part in rewards.groupby(sets, sort=False):
+            check_error_share(part, f"{where} ({name})", max_error_share)
+    else:
+        check_error_share(rewards, where, max_error_share)
+
+    def per_prompt(kind: int) -> pd.DataFrame:
+        """Per prompt (in test order): mean reward, share of completions with an answer, share with \\boxed{}."""
+        of_kind = rewards[rewards["_kind"] == kind]
+        return of_kind.groupby("prompt_id", sort=False)[columns].mean().reindex(test["prompt_id"]).astype(np.float64)
+
+    out = test[["prompt_id"]].copy()
+    if "test_set" in test:  # the held-out set of each prompt (a run's data.test and data.extra_tests)
+        out["test_set"] = test["test_set"].to_numpy()
+    out["difficulty"] = test["difficulty"].to_numpy() if "difficulty" in test else -1
+    sampled = per_prompt(0)
+    out["accuracy"] = sampled["reward"].to_numpy()
+    # what pass@k is computed from (coba_tasks.core.passk): completions drawn and solved, per prompt
+    counts = rewards[rewards["_kind"] == 0].groupby("prompt_id", sort=False)["reward"].agg(["size", "sum"])
+    counts = counts.reindex(test["prompt_id"])
+    out["samples"] = counts["size"].to_numpy().astype(np.int64)
+    out["solved"] = counts["sum"].round().to_numpy().astype(np.int64)
+    out["answered"] = sampled["answered"].to_numpy()
+    out["boxed"] = sampled["boxed"].to_numpy()
+    for column, kind in (("errors", VerdictKind.ERROR), ("timeouts", VerdictKind.TIMEOUT)):
+        count = (rewards["verdict"] == str(kind)).groupby(rewards["prompt_id"], sort=False).sum()
+        out[column] = count.reindex(test["prompt_id"]).fillna(0).to_numpy().astype(np.int64)
+    if greedy:
+        out["accuracy_greedy"] = out["accuracy"].to_numpy() if only_greedy else per_prompt(1)["reward"].to_numpy()
+    out["weight_version"] = engine.weight_version
+    return out.reset_index(drop=True)
+
+
+def eval_prompt_set(cfg: Config, test: pd.DataFrame, extra: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
+    """The prompts every evaluation scores, with their ``test_set``: the ``data.eval_prompts`` sample
+    (seeded by ``run.seed``) of data.test (``MAIN_TEST_SET``), and the same positions of each extra set
+    (``data.extra_tests``: the same problems when the files list them in the same order), whose
+    prompt ids are prefixed with the set's name so that every row of an evaluation has its own id."""
+    n, seed = cfg.data.eval_prompts, cfg.run.seed
+    frames = [sample_eval_prompts(test, n, seed).assign(test_set=MAIN_TEST_SET)]
+    for name, df in (extra or {}).items():
+        renamed = {"test_set": name, "prompt_id": lambda d, name=name: name + "/" + d["prompt_id"]}
+        frames.append(sample_eval_prompts(df, n, seed).assign(**renamed))
+    return pd.concat(frames, ignore_index=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# A model directory on a test file (coba-eval)
+# ---------------------------------------------------------------------------------------------
 
 
 def _default(setting: str) -> Any:
@@ -270,9 +404,7 @@ def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = Fal
             merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coba-eval-"))) / "merged"
             engine_path = str(merge_adapter_checkpoint(model_path, merged, getattr(torch, s.dtype, torch.float32)))
         tokenizer, context, context_from = model_context(engine_path, False, s.max_model_len)
-        selected = stages.sample_eval_prompts(
-            checked, s.eval_prompts, s.seed
-        )  # as a training run draws its held-out set
+        selected = sample_eval_prompts(checked, s.eval_prompts, s.seed)  # as a training run draws its held-out set
         test, unrendered = render_prompts(selected, tokenizer, s.prompt_format)
         if unrendered:
             raise DatasetError(s.test_path, unrendered)
@@ -290,7 +422,7 @@ def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = Fal
         try:
             engine.weight_version = checkpoint_version(model_path)
             pool = VerifierPool(workers=VERIFY.workers, timeout_s=VERIFY.timeout_s, gsm8k_answer=s.gsm8k_answer)
-            table = stages.evaluate(
+            table = evaluate(
                 test,
                 engine,
                 pool,

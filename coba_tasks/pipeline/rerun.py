@@ -30,8 +30,8 @@ from pathlib import Path
 
 from coba_tasks.core.estimators import Estimator
 from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
+from coba_tasks.pipeline.evaluation import eval_steps
 from coba_tasks.pipeline.run import first_step_not_done
-from coba_tasks.pipeline.stages import eval_steps
 from coba_tasks.pipeline.store import PILOT_STAGES, STAGES, RunStore, StoreError, Table, inside_run, step_stages
 
 # Stages a user can rerun, by the file they own in steps/<step>/.

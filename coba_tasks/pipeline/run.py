@@ -37,7 +37,7 @@ from coba_tasks.engines.reward_file import RewardFunction
 from coba_tasks.engines.rollout import make_backend
 from coba_tasks.engines.update import PolicyTrainer, UpdateSettings
 from coba_tasks.engines.verify_pool import VerifierPool
-from coba_tasks.pipeline import prompt_history, stages
+from coba_tasks.pipeline import evaluation, prompt_history
 from coba_tasks.pipeline.config import (
     Config,
     apply_overrides,
@@ -50,7 +50,6 @@ from coba_tasks.pipeline.config import (
     load_config,
 )
 from coba_tasks.pipeline.config_fields import ConfigError
-from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.data_run import load_run_datasets, reward_function
 from coba_tasks.pipeline.deployment import (
     check_deployment_limits,
@@ -352,22 +351,11 @@ def open_run(
             store.write_run_table("bad_rows", data.bad_rows())
     for line in (*data.skip_lines(), *data.overlap_lines()):
         say(line)
-    res = RunResources(cfg=cfg, store=store, prompts=prompts, test=eval_prompt_set(cfg, test, data.extra_tests))
+    res = RunResources(
+        cfg=cfg, store=store, prompts=prompts, test=evaluation.eval_prompt_set(cfg, test, data.extra_tests)
+    )
     _RUNS[str(Path(root).resolve())] = res
     return res
-
-
-def eval_prompt_set(cfg: Config, test: pd.DataFrame, extra: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
-    """The prompts every evaluation scores, with their ``test_set``: the ``data.eval_prompts`` sample
-    (seeded by ``run.seed``) of data.test (``MAIN_TEST_SET``), and the same positions of each extra set
-    (``data.extra_tests``: the same problems when the files list them in the same order), whose
-    prompt ids are prefixed with the set's name so that every row of an evaluation has its own id."""
-    n, seed = cfg.data.eval_prompts, cfg.run.seed
-    frames = [stages.sample_eval_prompts(test, n, seed).assign(test_set=MAIN_TEST_SET)]
-    for name, df in (extra or {}).items():
-        renamed = {"test_set": name, "prompt_id": lambda d, name=name: name + "/" + d["prompt_id"]}
-        frames.append(stages.sample_eval_prompts(df, n, seed).assign(**renamed))
-    return pd.concat(frames, ignore_index=True)
 
 
 def first_step_not_done(store: RunStore, steps: int, removed: Collection[int] = ()) -> int:

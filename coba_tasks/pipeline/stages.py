@@ -36,11 +36,8 @@ from coba_tasks.core.grpo import (
 )
 from coba_tasks.core.knapsack import pooled_estimate
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
-from coba_tasks.engines.verify import VerdictKind, count_verdicts, solved
+from coba_tasks.engines.verify import VerdictKind, count_verdicts
 from coba_tasks.pipeline.prompt_history import batch_estimates, pass_rates, pooled_flags
-
-BOXED = "\\boxed{"  # the answer format of math prompts ("put your final answer within \\boxed{}")
-
 
 # ---------------------------------------------------------------------------------------------
 # Batches: which prompts a step visits (an epoch is one pass over the shuffled dataset)
@@ -428,114 +425,3 @@ def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rew
     ids = torch.as_tensor(pd.factorize(rewards["prompt_id"])[0])
     zero = zero_variance_share(torch.tensor(rewards["reward"].to_numpy(dtype=np.float64)), ids)
     return pd.DataFrame([{"step": step, **metrics, "zero_variance_groups": zero, "rollouts": len(rollouts)}])
-
-
-# ---------------------------------------------------------------------------------------------
-# Held-out evaluation
-# ---------------------------------------------------------------------------------------------
-
-
-def eval_steps(steps: int, every: int) -> list[int]:
-    """The steps whose weights a training run evaluates on held-out prompts: 0 (before training), every
-    ``every`` steps (0: none in between) and ``steps`` (after training).
-
-    >>> eval_steps(12, 5), eval_steps(12, 0), eval_steps(12, 6)
-    ([0, 5, 10, 12], [0, 12], [0, 6, 12])
-    """
-    between = range(every, steps, every) if every else range(0)
-    return sorted({0, *between, steps})
-
-
-def sample_eval_prompts(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame:
-    """The held-out prompts an evaluation scores: a sample of ``prompts`` rows seeded by ``seed`` (the run
-    config's data.eval_prompts and run.seed), or every row when ``prompts`` is 0 or not below their count.
-
-    >>> test = pd.DataFrame({"prompt_id": list("abcde")})
-    >>> sample_eval_prompts(test, 2, seed=0)["prompt_id"].tolist(), len(sample_eval_prompts(test, 0, seed=0))
-    (['c', 'a'], 5)
-    """
-    return test.sample(prompts, random_state=seed).reset_index(drop=True) if 0 < prompts < len(test) else test
-
-
-def evaluate(
-    test: pd.DataFrame,
-    engine: RolloutBackend,
-    pool: Any,
-    samples: int,
-    temperature: float,
-    max_tokens: int,
-    seed: int,
-    greedy: bool = False,
-    top_p: float = 1.0,
-    progress: bool = False,
-    max_error_share: float = 1.0,
-    where: str = "held-out evaluation",
-) -> pd.DataFrame:
-    """Share of solved completions (verdict ``correct``: the mean reward of the built-in verifiers, a score of
-    at least ``verify.pass_threshold`` of a reward file) over ``samples`` completions per held-out prompt
-    (greedy when temperature is 0).
-
-    A sampled evaluation keeps the ``top_p`` nucleus (the paper: avg@16 at temperature 1.0, top-p 0.9).
-    With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
-    as ``accuracy`` when the evaluation is greedy already). ``samples`` and ``solved`` count a prompt's
-    sampled completions and the solved ones among them (pass@k's input). ``answered`` is the share of a prompt's
-    completions with an answer at all (any verdict but ``no_answer``), ``boxed`` the share that write
-    a ``\\boxed{}`` answer (the format math prompts ask for; math-verify also finds unboxed answers).
-    ``errors`` and ``timeouts`` count a prompt's completions (sampled and greedy) that could not be scored;
-    when their share of a held-out set's completions is above ``max_error_share`` (``verify.max_error_share``)
-    the evaluation stops (``ScoringError`` naming ``where`` and the set) instead of reporting their zero
-    rewards as accuracy. A ``test_set`` column of ``test`` (which held-out set a prompt is of) is kept in the
-    table. ``progress`` shows the engine's progress bar while it generates.
-    """
-
-    columns = ["reward", "answered", "boxed"]
-    only_greedy = temperature == 0.0 and samples == 1
-    kinds = [(samples, temperature)] + ([(1, 0.0)] if greedy and not only_greedy else [])
-    batches = [
-        (
-            pd.DataFrame({"prompt_id": test["prompt_id"], "budget": n}),
-            SamplingConfig(temperature=temp, top_p=top_p if temp > 0 else 1.0, max_tokens=max_tokens),
-        )
-        for n, temp in kinds
-    ]
-    # one engine call and one verification pass for the sampled and the greedy completions together
-    tables = rollout_tables(batches, test, engine, run_seed=seed, step=-1, progress=progress)
-    rolls = pd.concat([t.assign(_kind=k) for k, t in enumerate(tables)], ignore_index=True)
-    rewards = reward_table(rolls, test, pool).assign(
-        reward=lambda r: solved(r).astype(np.float64),  # accuracy: the share solved (a reward file's threshold)
-        answered=lambda r: r["verdict"] != str(VerdictKind.NO_ANSWER),
-        boxed=rolls["completion"].str.contains(BOXED, regex=False).to_numpy(),
-        _kind=rolls["_kind"].to_numpy(),
-    )
-    if "test_set" in test:  # each held-out set on its own
-        sets = rewards["prompt_id"].map(test.set_index("prompt_id")["test_set"])
-        for name, part in rewards.groupby(sets, sort=False):
-            check_error_share(part, f"{where} ({name})", max_error_share)
-    else:
-        check_error_share(rewards, where, max_error_share)
-
-    def per_prompt(kind: int) -> pd.DataFrame:
-        """Per prompt (in test order): mean reward, share of completions with an answer, share with \\boxed{}."""
-        of_kind = rewards[rewards["_kind"] == kind]
-        return of_kind.groupby("prompt_id", sort=False)[columns].mean().reindex(test["prompt_id"]).astype(np.float64)
-
-    out = test[["prompt_id"]].copy()
-    if "test_set" in test:  # the held-out set of each prompt (a run's data.test and data.extra_tests)
-        out["test_set"] = test["test_set"].to_numpy()
-    out["difficulty"] = test["difficulty"].to_numpy() if "difficulty" in test else -1
-    sampled = per_prompt(0)
-    out["accuracy"] = sampled["reward"].to_numpy()
-    # what pass@k is computed from (coba_tasks.core.passk): completions drawn and solved, per prompt
-    counts = rewards[rewards["_kind"] == 0].groupby("prompt_id", sort=False)["reward"].agg(["size", "sum"])
-    counts = counts.reindex(test["prompt_id"])
-    out["samples"] = counts["size"].to_numpy().astype(np.int64)
-    out["solved"] = counts["sum"].round().to_numpy().astype(np.int64)
-    out["answered"] = sampled["answered"].to_numpy()
-    out["boxed"] = sampled["boxed"].to_numpy()
-    for column, kind in (("errors", VerdictKind.ERROR), ("timeouts", VerdictKind.TIMEOUT)):
-        count = (rewards["verdict"] == str(kind)).groupby(rewards["prompt_id"], sort=False).sum()
-        out[column] = count.reindex(test["prompt_id"]).fillna(0).to_numpy().astype(np.int64)
-    if greedy:
-        out["accuracy_greedy"] = out["accuracy"].to_numpy() if only_greedy else per_prompt(1)["reward"].to_numpy()
-    out["weight_version"] = engine.weight_version
-    return out.reset_index(drop=True)

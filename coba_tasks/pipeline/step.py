@@ -45,8 +45,8 @@ from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import SamplingConfig
 from coba_tasks.engines.update import NonFiniteUpdateError
+from coba_tasks.pipeline import evaluation, prompt_history, stages
 from coba_tasks.pipeline import pilot as pilot_waves
-from coba_tasks.pipeline import prompt_history, stages
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.run import (
     RunResources,
@@ -182,7 +182,7 @@ def evaluate(res: RunResources, step: int) -> pd.DataFrame:
     evaluation recomputed later (a rerun, a repair, one a kill left out) loads them first (``engine_holds``)."""
     r = res.cfg.run
     with engine_holds(res, step):
-        table = stages.evaluate(
+        table = evaluation.evaluate(
             res.test,
             res.engine,
             res.pool,
@@ -352,7 +352,7 @@ def due_evaluations(res: RunResources, first: int) -> list[int]:
     most ``first`` updates (the step a run continues at) that are not done: a kill between an update and its
     evaluation, or an evaluation rerun or repaired, leaves one; the flow computes them before it continues."""
     r = res.cfg.run
-    due = stages.eval_steps(r.steps, r.eval_every)[1:-1]  # the evaluations before and after training have their own
+    due = evaluation.eval_steps(r.steps, r.eval_every)[1:-1]  # the evaluations before and after training have their own
     return [e for e in due if e <= first and not res.store.is_done(e, Table.EVAL)]
 
 

@@ -20,7 +20,7 @@ from coba_tasks.engines.rollout.base import _BACKENDS
 from coba_tasks.engines.rollout.hf_backend import TransformersBackend
 from coba_tasks.engines.rollout.vllm_backend import VLLMBackend
 from coba_tasks.engines.verify_pool import VerifierPool
-from coba_tasks.pipeline import stages
+from coba_tasks.pipeline import evaluation
 from coba_tasks.pipeline.config import check_platform, config_to_dict, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
 from coba_tasks.pipeline.store import RunStore
@@ -236,7 +236,7 @@ def test_evaluate_samples_with_eval_top_p_and_decodes_greedy_without_it():
     )
     engine = _RecordingEngine()
     with VerifierPool(workers=1, timeout_s=5.0) as pool:  # arith is scored in-process: no worker starts
-        table = stages.evaluate(test, engine, pool, 4, 1.0, 8, seed=0, greedy=True, top_p=0.9)
+        table = evaluation.evaluate(test, engine, pool, 4, 1.0, 8, seed=0, greedy=True, top_p=0.9)
     assert [(s.temperature, s.top_p) for s in engine.samplings] == [(1.0, 0.9), (0.0, 1.0)]
     assert table["accuracy"].tolist() == [1.0, 0.0] and table["weight_version"].tolist() == [4, 4]
     assert table["answered"].tolist() == [1.0, 1.0]  # "3" for 2+2 is wrong, but an answer
@@ -259,7 +259,7 @@ def test_evaluate_counts_the_completions_that_give_an_answer():
     )
     test["data_source"] = "arith"
     with VerifierPool(workers=1, timeout_s=5.0) as pool:
-        table = stages.evaluate(test, _GivingUpEngine(), pool, 4, 1.0, 8, seed=0)
+        table = evaluation.evaluate(test, _GivingUpEngine(), pool, 4, 1.0, 8, seed=0)
     assert table["answered"].tolist() == [0.5, 0.5]  # "?" is no_answer; "4" is an answer, right or wrong
     assert table["accuracy"].tolist() == [0.5, 0.0]
 

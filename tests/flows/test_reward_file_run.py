@@ -66,7 +66,7 @@ def _good(completion: str) -> bool:
 
 @pytest.mark.slow
 def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoints):
-    from coba_tasks.pipeline import run, stages
+    from coba_tasks.pipeline import evaluation, run, stages
     from coba_tasks.pipeline import step as stage_step
 
     model, _ = random_checkpoints
@@ -92,7 +92,7 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
         assert res.pool.reward_function is not None and res.pool.reward_function.pass_threshold == 0.5
         for step in range(2):
             stage_step.plain_step(root, step)
-        held_out = stages.evaluate(res.test, res.engine, res.pool, 1, 0.0, cfg.rollout.max_tokens, cfg.run.seed)
+        held_out = evaluation.evaluate(res.test, res.engine, res.pool, 1, 0.0, cfg.rollout.max_tokens, cfg.run.seed)
         greedy = res.engine.generate(  # the same greedy completions, to score by hand
             [RolloutRequest(r.prompt_id, tuple(r.prompt_token_ids), 1, 0) for r in res.test.itertuples()],
             SamplingConfig(temperature=0.0, max_tokens=cfg.rollout.max_tokens),

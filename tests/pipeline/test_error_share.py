@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from coba_tasks.pipeline import stages
+from coba_tasks.pipeline import evaluation, stages
 from coba_tasks.pipeline.config import HASH_NEUTRAL_DEFAULTS, config_hash, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
 
@@ -118,12 +118,12 @@ def test_a_held_out_set_that_cannot_be_scored_stops_the_evaluation_instead_of_re
     0. The evaluation applies verify.max_error_share to each held-out set and keeps each prompt's error and
     timeout counts."""
     test = _held_out({"test": ["4", "4", "x", "t"], "reworded": ["x", "x", "x", "4"]})
-    table = stages.evaluate(test, _Engine(), _Pool(), 2, 1.0, 8, seed=0, greedy=True, max_error_share=1.0)
+    table = evaluation.evaluate(test, _Engine(), _Pool(), 2, 1.0, 8, seed=0, greedy=True, max_error_share=1.0)
     assert table["errors"].tolist() == [0, 0, 3, 0, 3, 3, 3, 0]  # 2 samples + greedy per prompt
     assert table["timeouts"].tolist() == [0, 0, 0, 3, 0, 0, 0, 0]
     # test: 6 of 12 completions unscored (not above 0.5); reworded: 9 of 12 (above)
     with pytest.raises(stages.ScoringError, match=r"^held-out evaluation at step 2 \(reworded\): 9 of 12 completions"):
-        stages.evaluate(
+        evaluation.evaluate(
             test,
             _Engine(),
             _Pool(),
@@ -135,7 +135,7 @@ def test_a_held_out_set_that_cannot_be_scored_stops_the_evaluation_instead_of_re
             max_error_share=0.5,
             where="held-out evaluation at step 2",
         )
-    table = stages.evaluate(
+    table = evaluation.evaluate(
         test[test["test_set"] == "test"], _Engine(), _Pool(), 2, 1.0, 8, seed=0, max_error_share=0.5
     )
     assert table["accuracy"].tolist() == [1.0, 1.0, 0.0, 0.0]
