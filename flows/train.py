@@ -4,7 +4,7 @@ tasks over the run directory's Parquet tables.
     coba run                                      # configs/demo.yaml, runs/<run.name>
     coba run --config configs/tiny-test.yaml --run-dir runs/t --steps 2 --set optim.lr=3e-5
 
-This module only composes. ``run_step`` calls the stage tasks of ``coba_tasks.pipeline.step`` in the order
+This module only composes. ``run_step`` calls the stage tasks of ``coba_tasks.pipeline.stages`` in the order
 the run directory's contract gives (``store.step_stages``: under ``allocation.estimator = pilot`` the pilot
 and its rewards first); each task's body is that stage's work (skipped when its table is done). Tasks
 pass the run directory and a step number: the long-lived resources of a run (the rollout engine, the
@@ -25,17 +25,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
-from coba_tasks.pipeline.evaluation import eval_steps
+from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, eval_steps, evaluate_step
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.step import (
-    due_evaluations,
-    eval_plan,
-    evaluate,
-    piloted,
-    resume_point,
-    step_tasks,
-    write_step_timing,
-)
+from coba_tasks.pipeline.stages import piloted, resume_point, step_tasks, write_step_timing
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers import trackers
 from coba_tasks.readers.figures import (
@@ -192,10 +184,10 @@ def train_flow(
         if first > 0:
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
         log.info(f"held-out evaluation before training: {eval_plan(res)}")
-        evaluate(directory, 0)
+        evaluate_step(directory, 0)
         log.info(f"held-out accuracy before training: {_eval_text(res, 0)}")
         for due in due_evaluations(res, first):  # a kill, a rerun or a repair left these: from their checkpoints
-            evaluate(directory, due)
+            evaluate_step(directory, due)
             log.info(f"held-out accuracy after step {due} (recomputed): {_eval_text(res, due)}")
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
@@ -208,12 +200,12 @@ def train_flow(
             wall = time.perf_counter() - t0
             res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
             if step + 1 in due_steps and step + 1 < cfg.run.steps:
-                evaluate(directory, step + 1)
+                evaluate_step(directory, step + 1)
                 log.info(f"held-out accuracy after step {step + 1}: {_eval_text(res, step + 1)}")
             trk.log_new()
             run.step_boundary(res, step + 1)
         log.info(f"held-out evaluation after training: {eval_plan(res)}")
-        evaluate(directory, cfg.run.steps)
+        evaluate_step(directory, cfg.run.steps)
         log.info(f"held-out accuracy after training: {_eval_text(res, cfg.run.steps)}")
         trk.log_new()
         summary = make_summary_json(res.store.root, time.perf_counter() - t_start, res.stage_seconds, res.step_walls)

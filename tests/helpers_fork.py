@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from coba_tasks.engines.checkpoint import write_checkpoint_manifest
-from coba_tasks.pipeline import prompt_history, step
+from coba_tasks.pipeline import prompt_history, stages
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict
 from coba_tasks.pipeline.run import RunResources
 from coba_tasks.pipeline.store import RunStore, Table
@@ -35,7 +35,7 @@ def fake_run(root: Path, cfg: Config, steps: int) -> RunStore:
     store.write_table(0, Table.EVAL, pd.DataFrame({"prompt_id": ["e0"], "accuracy": [0.25]}))
     history = prompt_history.empty_history()
     for t in range(steps):
-        budget = step.budget_for(res, t, history, step.tracker_before(res, t))  # the step's first stage
+        budget = stages.budget_for(res, t, history, stages.tracker_before(res, t))  # the step's first stage
         store.write_table(t, Table.BUDGET, budget)
         rows = [(pid, i) for pid, n in zip(budget["prompt_id"], budget["budget"], strict=True) for i in range(int(n))]
         ids, samples = [r[0] for r in rows], [r[1] for r in rows]
@@ -50,7 +50,7 @@ def fake_run(root: Path, cfg: Config, steps: int) -> RunStore:
             }
         )
         store.write_table(t, Table.REWARDS, rewards)
-        capability, history = step.capability_and_history(res, t)
+        capability, history = stages.capability_and_history(res, t)
         store.write_table(t, Table.HISTORY, history)
         store.write_run_table("history", history)
         store.write_table(t, Table.CAPABILITY, capability)

@@ -1,14 +1,14 @@
 """The benchmarks: figures and ratios measured in one run, never asserted (``coba bench ...``).
 
-    solvers.py      coba bench allocate: the CoBA solvers against a plain Python heap, and at scale
-    engines.py      coba bench rollout, verify: rollout backends' tokens/s, verifier items/s
-    update.py       coba bench update: the GRPO update against a plain transformers loop (speed, agreement)
-    stages.py       coba bench stages: a step's stages against bare vLLM, Prefect against plain calls
-    steps_flow.py   coba-bench-steps: the flow ``coba bench stages`` times
-    timing.py       timed calls, medians, the machine's CPUs
+    solvers_bench.py  coba bench allocate: the CoBA solvers against a plain Python heap, and at scale
+    engines_bench.py  coba bench rollout, verify: rollout backends' tokens/s, verifier items/s
+    update_bench.py   coba bench update: the GRPO update against a plain transformers loop (speed, agreement)
+    stages_bench.py   coba bench stages: a step's stages against bare vLLM, Prefect against plain calls
+    steps_flow.py     coba-bench-steps: the flow ``coba bench stages`` times
+    timing.py         timed calls, medians, the machine's CPUs
 
 Each module measures and words its figures (``bench_...``, ``format_...``); the parsers and handlers
 are ``coba_tasks.commands.bench_cmd``. This package sits between the commands and the flows: it runs
-flows and stages, and only the commands import it. Benchmarks that answered a one-time question are
-scripts (``scripts/bench_lora.py``, ``scripts/bench_eval.py``; their figures are in docs/benchmarks.md).
+flows and stages, and only the commands import it. Benchmarks that answered a one-time question were
+scripts, kept at commit e79713f (their figures are in docs/benchmarks.md).
 """

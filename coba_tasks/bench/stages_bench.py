@@ -139,8 +139,8 @@ def bench_stages(
 def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: int, progress) -> dict:
     import torch
 
-    from coba_tasks.pipeline import run
-    from coba_tasks.pipeline import step as stage_step
+    from coba_tasks.pipeline import evaluation, run
+    from coba_tasks.pipeline import stages as stage_step
 
     work.mkdir(parents=True, exist_ok=True)
     flow_dir, plain_dir, scratch_dir = (work / n for n in ("flow", "plain", "scratch"))
@@ -171,7 +171,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
         run.start_resources(res_flow, cfg.model.path, version=0)
         run.start_resources(res, cfg.model.path, version=0, engine=res_flow.engine, pool=res_flow.pool)
         machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
-        stage_step.evaluate.fn(str(root), 0)  # a warm-up of the engine and the pool, untimed (no Prefect)
+        evaluation.evaluate_step.fn(str(root), 0)  # a warm-up of the engine and the pool, untimed (no Prefect)
         progress(f"{steps} steps of each run, interleaved: through Prefect (coba-bench-steps) and as plain calls")
         pairs = bench_steps_flow(str(flow_root), str(root), steps)
         flow, plain = (_step_figures(pairs, side) for side in ("flow", "plain"))

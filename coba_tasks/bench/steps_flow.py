@@ -3,7 +3,7 @@
 ``coba bench stages`` (``coba_tasks.bench.stages_bench``) opens two run directories on one engine and
 calls this flow; each flow-side step is ``run_step``, exactly what ``coba-train`` runs per step (five
 task runs, the progress line, the step's artifacts), and each plain-side step runs the same stage
-functions without Prefect (``coba_tasks.pipeline.step.plain_step``), inside the same flow run, so both sides
+functions without Prefect (``coba_tasks.pipeline.stages.plain_step``), inside the same flow run, so both sides
 meet the same server, threads and load.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from prefect import flow
 
 from coba_tasks.pipeline import run
-from coba_tasks.pipeline.step import plain_step
+from coba_tasks.pipeline.stages import plain_step
 from coba_tasks.pipeline.store import STAGES
 from flows.train import run_step
 

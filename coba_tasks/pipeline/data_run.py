@@ -10,7 +10,7 @@ starts. ``RunDatasets`` holds the result and the skipped rows (``bad_rows.parque
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -18,7 +18,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from coba_tasks.pipeline.config_sections import UnknownSources, test_set_name
+from coba_tasks.pipeline.config_sections import MAIN_TEST_SET, UnknownSources, test_set_name
 from coba_tasks.pipeline.data import is_string_type, read_dataset
 from coba_tasks.pipeline.data_problems import DatasetError, OnBadRows, Problem, all_bad_note, refuse_or_skip
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
@@ -266,3 +266,27 @@ def keep_difficulties(df: pd.DataFrame, levels: Sequence[int], path: str | os.Pa
             f"{', '.join(map(str, present))})"
         )
     return kept.reset_index(drop=True)
+
+
+def sample_eval_prompts(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame:
+    """The held-out prompts an evaluation scores: a sample of ``prompts`` rows seeded by ``seed`` (the run
+    config's data.eval_prompts and run.seed), or every row when ``prompts`` is 0 or not below their count.
+
+    >>> test = pd.DataFrame({"prompt_id": list("abcde")})
+    >>> sample_eval_prompts(test, 2, seed=0)["prompt_id"].tolist(), len(sample_eval_prompts(test, 0, seed=0))
+    (['c', 'a'], 5)
+    """
+    return test.sample(prompts, random_state=seed).reset_index(drop=True) if 0 < prompts < len(test) else test
+
+
+def eval_prompt_set(cfg: Config, test: pd.DataFrame, extra: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
+    """The prompts every evaluation scores, with their ``test_set``: the ``data.eval_prompts`` sample
+    (seeded by ``run.seed``) of data.test (``MAIN_TEST_SET``), and the same positions of each extra set
+    (``data.extra_tests``: the same problems when the files list them in the same order), whose
+    prompt ids are prefixed with the set's name so that every row of an evaluation has its own id."""
+    n, seed = cfg.data.eval_prompts, cfg.run.seed
+    frames = [sample_eval_prompts(test, n, seed).assign(test_set=MAIN_TEST_SET)]
+    for name, df in (extra or {}).items():
+        renamed = {"test_set": name, "prompt_id": lambda d, name=name: name + "/" + d["prompt_id"]}
+        frames.append(sample_eval_prompts(df, n, seed).assign(**renamed))
+    return pd.concat(frames, ignore_index=True)

@@ -1,6 +1,16 @@
-"""Held-out evaluation of a model directory (a run's checkpoint, a LoRA checkpoint or any Hugging Face
-model) on a test Parquet: the work of the ``coba-eval`` flow, whose tasks (``coba_tasks.pipeline.tasks``)
-call these functions, and its settings.
+"""Held-out evaluation, its one home: in a training run and of any model directory.
+
+The scoring (``evaluate``): ``samples`` completions per held-out prompt (and a greedy one), verified, as
+avg@k, greedy accuracy and pass@k's counts per prompt; ``eval_steps`` is when a run evaluates (before
+training, every ``run.eval_every`` steps, after); the prompts are ``data_run.eval_prompt_set``.
+
+In a training run: the task ``evaluate_step(run_dir, t)`` writes ``steps/t/eval.parquet``, the accuracy of
+the weights after t updates (``engine_holds`` loads them when the engine holds others: a rerun, a repair,
+one a kill left out); ``due_evaluations`` are those a continuing run computes first.
+
+Of a model directory (a run's checkpoint, a LoRA checkpoint or any Hugging Face model) on a test Parquet:
+the work of the ``coba-eval`` flow, whose tasks (``coba_tasks.pipeline.tasks``) call these functions, and
+its settings.
 
     settings = EvalSettings(test_path="data/arith_chat_test.parquet", samples=4, temperature=1.0, top_p=0.9)
     settings = EvalSettings.from_config(cfg)      # what a training run's evaluations use
@@ -10,15 +20,18 @@ call these functions, and its settings.
 (with their descriptions) in its parameter form and validates them before the flow starts.
 ``check_eval_inputs`` refuses a model or test file that cannot be evaluated, and an ``out_path`` that is an
 input or (unless asked to overwrite) an existing file, before an engine starts; ``evaluate_model`` starts
-the rollout engine and the verifier pool, scores every selected prompt (``evaluation.evaluate``, as a training
-run's evaluation does) and closes both; ``write_eval_table`` writes the per-prompt table atomically.
+the rollout engine and the verifier pool, scores every selected prompt (``evaluate``, as a training run's
+evaluation does) and closes both; ``write_eval_table`` writes the per-prompt table atomically.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +54,6 @@ from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.config_fields import Section
 from coba_tasks.pipeline.config_sections import (
-    MAIN_TEST_SET,
     DataConfig,
     Dtype,
     ModelConfig,
@@ -54,8 +66,10 @@ from coba_tasks.pipeline.config_sections import (
 from coba_tasks.pipeline.data import load_dataset
 from coba_tasks.pipeline.data_problems import DatasetError
 from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
-from coba_tasks.pipeline.data_run import check_ground_truths, keep_difficulties
-from coba_tasks.pipeline.stages import check_error_share, reward_table, rollout_tables
+from coba_tasks.pipeline.data_run import check_ground_truths, keep_difficulties, sample_eval_prompts
+from coba_tasks.pipeline.run import RunResources, checked_checkpoint
+from coba_tasks.pipeline.stages import check_error_share, engine_weights, reward_table, rollout_tables, stage
+from coba_tasks.pipeline.store import StoreError, Table
 
 # each setting's key in a run's config (section, key): its default there, and where from_config reads it
 CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
@@ -94,17 +108,6 @@ def eval_steps(steps: int, every: int) -> list[int]:
     """
     between = range(every, steps, every) if every else range(0)
     return sorted({0, *between, steps})
-
-
-def sample_eval_prompts(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame:
-    """The held-out prompts an evaluation scores: a sample of ``prompts`` rows seeded by ``seed`` (the run
-    config's data.eval_prompts and run.seed), or every row when ``prompts`` is 0 or not below their count.
-
-    >>> test = pd.DataFrame({"prompt_id": list("abcde")})
-    >>> sample_eval_prompts(test, 2, seed=0)["prompt_id"].tolist(), len(sample_eval_prompts(test, 0, seed=0))
-    (['c', 'a'], 5)
-    """
-    return test.sample(prompts, random_state=seed).reset_index(drop=True) if 0 < prompts < len(test) else test
 
 
 def evaluate(
@@ -189,19 +192,6 @@ def evaluate(
         out["accuracy_greedy"] = out["accuracy"].to_numpy() if only_greedy else per_prompt(1)["reward"].to_numpy()
     out["weight_version"] = engine.weight_version
     return out.reset_index(drop=True)
-
-
-def eval_prompt_set(cfg: Config, test: pd.DataFrame, extra: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
-    """The prompts every evaluation scores, with their ``test_set``: the ``data.eval_prompts`` sample
-    (seeded by ``run.seed``) of data.test (``MAIN_TEST_SET``), and the same positions of each extra set
-    (``data.extra_tests``: the same problems when the files list them in the same order), whose
-    prompt ids are prefixed with the set's name so that every row of an evaluation has its own id."""
-    n, seed = cfg.data.eval_prompts, cfg.run.seed
-    frames = [sample_eval_prompts(test, n, seed).assign(test_set=MAIN_TEST_SET)]
-    for name, df in (extra or {}).items():
-        renamed = {"test_set": name, "prompt_id": lambda d, name=name: name + "/" + d["prompt_id"]}
-        frames.append(sample_eval_prompts(df, n, seed).assign(**renamed))
-    return pd.concat(frames, ignore_index=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,3 +437,97 @@ def write_eval_table(table: pd.DataFrame, out_path: str, overwrite: bool = False
     ``out_path`` (one that appeared during the evaluation, too) is replaced only with ``overwrite``."""
     refuse_existing_out_path(out_path, overwrite)
     return str(write_parquet(table, Path(out_path).resolve()))
+
+
+# ---------------------------------------------------------------------------------------------
+# In a training run: the task, the weights it scores, which evaluations are due
+# ---------------------------------------------------------------------------------------------
+
+EVAL_WEIGHTS_DIR = "eval_weights"  # LoRA: an earlier step's merged policy, for its evaluation (removed after)
+
+
+@stage(Table.EVAL)
+def evaluate_step(res: RunResources, step: int) -> pd.DataFrame:
+    """Held-out accuracy of the weights after ``step`` updates: those the engine holds during a run; an
+    evaluation recomputed later (a rerun, a repair, one a kill left out) loads them first (``engine_holds``)."""
+    r = res.cfg.run
+    with engine_holds(res, step):
+        table = evaluate(
+            res.test,
+            res.engine,
+            res.pool,
+            r.eval_samples,
+            r.eval_temperature,
+            res.cfg.rollout.max_tokens,
+            r.seed,
+            greedy=r.eval_greedy,
+            top_p=r.eval_top_p,
+            progress=sys.stderr.isatty(),  # the engine's progress bar, on a terminal
+            max_error_share=res.cfg.verify.max_error_share,
+            where=f"held-out evaluation at step {step}",
+        )
+    if set(table["weight_version"]) != {step}:  # never a table of other weights under this step's name
+        raise StoreError(f"held-out evaluation at step {step} ran on weight version(s) {set(table['weight_version'])}")
+    return table
+
+
+@contextmanager
+def engine_holds(res: RunResources, version: int) -> Iterator[None]:
+    """The rollout engine holds the policy after ``version`` updates while the block runs: as it is when it
+    holds them already; else they are loaded (the base model at 0, ``checkpoints/<version>``, with LoRA that
+    adapter merged into the base) and the engine's own weights are loaded back after. A checkpoint that is
+    gone stops here in one line (StoreError), before anything is computed."""
+    held = res.engine.weight_version
+    if held == version:
+        yield
+        return
+    _load_version(res, version)
+    try:
+        yield
+    finally:
+        _load_version(res, held)
+
+
+def _load_version(res: RunResources, version: int) -> None:
+    """Load the policy after ``version`` updates into the engine (``engine_holds``)."""
+    cfg = res.cfg
+    if version == 0:
+        res.engine.load_weights(cfg.model.path, version=0)
+        return
+    trainer_holds = res.trainer is not None and res.trainer.updates == version
+    if cfg.model.lora_rank > 0 and trainer_holds:  # the trainer's merged weights, as after its update
+        res.engine.load_weights(engine_weights(res, version), version=version)
+        return
+    ckpt = checked_checkpoint(res.store, version, needed_for=f"the held-out evaluation of step {version} needs it")
+    if cfg.model.lora_rank == 0:
+        res.engine.load_weights(ckpt, version=version)
+        return
+    from coba_tasks.engines.lora import merge_adapter_checkpoint
+
+    merged = res.store.root / EVAL_WEIGHTS_DIR
+    dtype = getattr(torch, cfg.model.dtype) if cfg.model.dtype not in ("auto", "float32") else torch.float32
+    try:
+        res.engine.load_weights(merge_adapter_checkpoint(ckpt, merged, dtype), version=version)
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
+
+
+def due_evaluations(res: RunResources, first: int) -> list[int]:
+    """The held-out evaluations between training's first and last (``run.eval_every``) of the weights after at
+    most ``first`` updates (the step a run continues at) that are not done: a kill between an update and its
+    evaluation, or an evaluation rerun or repaired, leaves one; the flow computes them before it continues."""
+    r = res.cfg.run
+    due = eval_steps(r.steps, r.eval_every)[1:-1]  # the evaluations before and after training have their own
+    return [e for e in due if e <= first and not res.store.is_done(e, Table.EVAL)]
+
+
+def eval_plan(res: RunResources) -> str:
+    """What an evaluation of the run computes, in words: ``90 + 90 held-out prompts x (4 samples + greedy)``."""
+    r = res.cfg.run
+    sizes = res.test["test_set"].value_counts(sort=False) if "test_set" in res.test else [len(res.test)]
+    kinds = f"{r.eval_samples} sample{'s' if r.eval_samples > 1 else ''} at T {r.eval_temperature:g}"
+    if r.eval_temperature == 0 and r.eval_samples == 1:
+        kinds = "greedy"
+    elif r.eval_greedy:
+        kinds += " + greedy"
+    return f"{' + '.join(str(int(n)) for n in sizes)} held-out prompts x ({kinds})"

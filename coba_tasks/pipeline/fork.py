@@ -43,7 +43,7 @@ import pandas as pd
 
 from coba_tasks.core.estimators import Estimator
 from coba_tasks.engines.fileio import new_temporary_dir, sha256_file, write_parquet
-from coba_tasks.pipeline import prompt_history, stages, step
+from coba_tasks.pipeline import prompt_history, stages
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict
 from coba_tasks.pipeline.run import RunResources, checked_checkpoint, read_run_config
 from coba_tasks.pipeline.store import MANIFEST_FILE, RunStore, StoreError, Table
@@ -120,20 +120,20 @@ def fork_point(source: RunStore, cfg: Config) -> ForkPoint | None:
     prompts = source.read_run_table("prompts")
     view = RunResources(cfg=cfg, store=source, prompts=prompts, test=pd.DataFrame())
     their_view = RunResources(cfg=theirs, store=source, prompts=prompts, test=pd.DataFrame())
-    history, tracker = prompt_history.empty_history(), step.tracker_before(view, 0)
+    history, tracker = prompt_history.empty_history(), stages.tracker_before(view, 0)
     budgets: dict[int, pd.DataFrame] = {}
     for u in range(cfg.run.steps):
-        budgets[u] = step.budget_for(view, u, history, tracker)
+        budgets[u] = stages.budget_for(view, u, history, tracker)
         # the source's budget of u: its table, or (its step u not started yet) what its budget stage will write
         if source.is_done(u, Table.BUDGET):
             their_budget = source.read_table(u, Table.BUDGET)
         else:
-            their_budget = step.budget_for(their_view, u, history, tracker)
+            their_budget = stages.budget_for(their_view, u, history, tracker)
         if not _same_rollout_inputs(budgets[u], their_budget):
             return ForkPoint(u, budgets)
         if not (source.is_done(u, Table.CAPABILITY) and source.is_done(u, Table.HISTORY)):
             return None
-        capability, history = step.capability_and_history(view, u)  # the source's tables before u: ours
+        capability, history = stages.capability_and_history(view, u)  # the source's tables before u: ours
         if not (
             _written_as(source, u, Table.CAPABILITY, capability) and _written_as(source, u, Table.HISTORY, history)
         ):

@@ -1,6 +1,6 @@
 """A training run's lifecycle outside Prefect: resolve, open or continue it, hold its resources, close it.
 
-``flows/train.py`` composes these and the stage tasks of ``coba_tasks.pipeline.step``; ``coba bench
+``flows/train.py`` composes these and the stage tasks of ``coba_tasks.pipeline.stages``; ``coba bench
 stages`` calls the same functions without Prefect. Nothing here imports Prefect's flow machinery.
 
     cfg, root, continuing = resolve_run("configs/demo.yaml", run_dir="runs/x")
@@ -37,7 +37,7 @@ from coba_tasks.engines.reward_file import RewardFunction
 from coba_tasks.engines.rollout import make_backend
 from coba_tasks.engines.update import PolicyTrainer, UpdateSettings
 from coba_tasks.engines.verify_pool import VerifierPool
-from coba_tasks.pipeline import evaluation, prompt_history
+from coba_tasks.pipeline import prompt_history
 from coba_tasks.pipeline.config import (
     Config,
     apply_overrides,
@@ -50,7 +50,7 @@ from coba_tasks.pipeline.config import (
     load_config,
 )
 from coba_tasks.pipeline.config_fields import ConfigError
-from coba_tasks.pipeline.data_run import load_run_datasets, reward_function
+from coba_tasks.pipeline.data_run import eval_prompt_set, load_run_datasets, reward_function
 from coba_tasks.pipeline.deployment import (
     check_deployment_limits,
     check_deployment_paths,
@@ -351,9 +351,7 @@ def open_run(
             store.write_run_table("bad_rows", data.bad_rows())
     for line in (*data.skip_lines(), *data.overlap_lines()):
         say(line)
-    res = RunResources(
-        cfg=cfg, store=store, prompts=prompts, test=evaluation.eval_prompt_set(cfg, test, data.extra_tests)
-    )
+    res = RunResources(cfg=cfg, store=store, prompts=prompts, test=eval_prompt_set(cfg, test, data.extra_tests))
     _RUNS[str(Path(root).resolve())] = res
     return res
 

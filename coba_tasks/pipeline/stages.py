@@ -1,28 +1,55 @@
-"""Stage functions of one training step (the pipeline layer): read input tables, call the math or a backend,
-write the output table. Plain functions, testable without Prefect; the flow wraps them as tasks.
+"""One training step: its stages, each a pure function over tables and a Prefect task over the run directory.
 
-Per step t (docs/design.md, "One training step"):
+Per step t, in the order ``store.step_stages`` gives (docs/design.md, "One training step"):
 
-    budget     capability(t-1) + history(t-1) + batch(t) -> steps/t/budget.parquet
-    rollouts   budget(t) + policy            -> steps/t/rollouts.parquet
-    rewards    rollouts(t) + ground truths    -> steps/t/rewards.parquet
-    capability rewards(t) + capability(t-1)   -> steps/t/capability.parquet (+ history.parquet)
-    update     rollouts(t) + rewards(t)       -> steps/t/update.parquet + checkpoints/t+1/
+    budget(run_dir, t)      capability(t-1), history(t-1) -> budget(t)  budget_table: each prompt's completions
+    rollouts(run_dir, t)    budget(t) + policy -> rollouts(t)           rollout_table
+    rewards(run_dir, t)     rollouts(t) + ground truths -> rewards(t)   reward_table
+    capability(run_dir, t)  rewards(t) -> capability(t), history(t)     capability_table, update_history
+    update(run_dir, t)      rollouts(t), rewards(t) -> update(t)        advantages_for, update_row; checkpoints/t+1
 
-The allocation of step t uses only what is known at its start. Seeds derive from
-(run seed, step, prompt id); the capability tracker's state travels in capability.parquet, so
-every output is a function of its inputs and the config.
+The allocation of step t uses only what is known at its start. Seeds derive from (run seed, step, prompt id);
+the capability tracker's state travels in capability.parquet, so every output is a function of its inputs and
+the config. The held-out evaluation of the weights after t updates is ``coba_tasks.pipeline.evaluation``.
+
+``allocation.estimator = pilot`` (docs/method.md, section 2) samples a step's rollouts in two waves; two
+stages lead the step, and the budget is allocated on the posterior after them:
+
+    pilot(run_dir, t)          k = allocation.pilot_rollouts per prompt of the batch -> pilot(t)
+    pilot_rewards(run_dir, t)  the pilot scored -> pilot_rewards(t)
+    budget                     B_i for the whole step (>= B_low >= k, sum B_total)
+    rollouts                   the second wave, B_i - k per prompt, beside the pilot's k (second_wave_table)
+    rewards                    the second wave scored, beside the pilot's rewards (merged_reward_table)
+
+The pilot's rollouts stay in their groups: rollouts(t) holds both waves (the pilot's ``sample_idx`` 0 .. k-1,
+the second wave's k .. B_i - 1), so the rewards, the capability stage, the history and the GRPO advantages all
+see groups of B_i. The pilot's seeds are each group's usual ``rollout_seed(run seed, t, prompt)``, the second
+wave's ``rollout_seed(..., wave=1)``: each rollout is fixed by its wave and its index in the wave.
+
+The pure functions (the module's first part) read and return tables and are testable without Prefect.
+The tasks (its last part) are the stages' work over a run: a body reads its inputs from the run directory,
+calls the stage's pure function and returns its table; ``@stage`` makes the Prefect task and adds what every
+stage does: skip the body when the table is already done (in its step's manifest), pass the tests' fault
+hooks, write the table into ``steps/t`` (atomically, recorded in the manifest last), run what follows the
+stage whether it ran or was done (the update's weight reload), and add the seconds spent to the run's
+timing. A task takes the run directory and the step (never models or tables); the run's engine, verifier
+pool and trainer are looked up by directory (``run.resources``). The update is not retried by Prefect: it
+moves the weights, and a resume recomputes it from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
+from prefect import Task, task
+from prefect.cache_policies import NO_CACHE
 
 from coba_tasks.core.allocation import Allocation, Strategy, plan_allocation
 from coba_tasks.core.capability import CapabilityTracker
@@ -35,13 +62,24 @@ from coba_tasks.core.grpo import (
     zero_variance_share,
 )
 from coba_tasks.core.knapsack import pooled_estimate
+from coba_tasks.engines.engine_sleep import engine_asleep
+from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
+from coba_tasks.engines.update import NonFiniteUpdateError
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
+from coba_tasks.pipeline import prompt_history
+from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.prompt_history import batch_estimates, pass_rates, pooled_flags
-
-# ---------------------------------------------------------------------------------------------
-# Batches: which prompts a step visits (an epoch is one pass over the shuffled dataset)
-# ---------------------------------------------------------------------------------------------
+from coba_tasks.pipeline.run import (
+    RunResources,
+    checked_checkpoint,
+    first_step_not_done,
+    previous_checkpoint,
+    resources,
+    start_resources,
+    update_settings,
+)
+from coba_tasks.pipeline.store import Table, step_stages
 
 
 def batch_for_step(prompt_ids: Sequence[str], step: int, batch_size: int, seed: int, shuffle: bool = True) -> list[str]:
@@ -90,7 +128,7 @@ def rollout_table(
     ``prompts`` holds each prompt's ``prompt_token_ids`` (``coba_tasks.pipeline.data_prompts.render_prompts``): the
     engine receives those ids, the same the update trains on. Column ``logprobs`` is the sampler's
     log-probability of each completion token. ``wave``: which wave of the step's groups this is (its seeds,
-    ``rollout_seed``; 1 is the second wave after a pilot, ``coba_tasks.pipeline.pilot``).
+    ``rollout_seed``; 1 is the second wave after a pilot, ``coba_tasks.pipeline.stages``).
     """
     return rollout_tables([(budget, sampling)], prompts, engine, run_seed, step, wave=wave)[0]
 
@@ -425,3 +463,326 @@ def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rew
     ids = torch.as_tensor(pd.factorize(rewards["prompt_id"])[0])
     zero = zero_variance_share(torch.tensor(rewards["reward"].to_numpy(dtype=np.float64)), ids)
     return pd.DataFrame([{"step": step, **metrics, "zero_variance_groups": zero, "rollouts": len(rollouts)}])
+
+
+# ---------------------------------------------------------------------------------------------
+# The pilot (allocation.estimator = pilot): its request, the second wave beside it, the rewards of both
+# ---------------------------------------------------------------------------------------------
+
+KEY = ["prompt_id", "sample_idx"]
+
+
+def pilot_budget(batch: Sequence[str], k: int) -> pd.DataFrame:
+    """The pilot's request: ``k`` rollouts for each prompt of ``batch``."""
+    if k < 1:
+        raise ValueError(f"the pilot needs at least one rollout per prompt, got k={k}")
+    return pd.DataFrame({"prompt_id": list(batch), "budget": np.full(len(batch), k, dtype=np.int64)})
+
+
+def second_wave_table(
+    budget: pd.DataFrame,
+    pilot: pd.DataFrame,
+    prompts: pd.DataFrame,
+    engine: RolloutBackend,
+    sampling: SamplingConfig,
+    run_seed: int,
+    step: int,
+) -> pd.DataFrame:
+    """The step's rollouts table: each prompt's pilot rollouts (``pilot``, a rollouts table) and its second
+    wave, ``budget.budget`` minus the pilot's rollouts, sampled with the second wave's seeds and numbered on
+    from the pilot's; rows by prompt in budget order, then by ``sample_idx``."""
+    have = pilot.groupby("prompt_id", sort=False).size()
+    missing = sorted(set(budget["prompt_id"]) - set(have.index))
+    if missing or set(have.index) - set(budget["prompt_id"]):
+        raise ValueError(f"the pilot's prompts are not the budget's (first not in both: {missing[:1]})")
+    k = have.reindex(budget["prompt_id"]).to_numpy(dtype=np.int64)
+    rest = budget[["prompt_id"]].assign(budget=budget["budget"].to_numpy(dtype=np.int64) - k)
+    if (rest["budget"] < 0).any():
+        raise ValueError("a budget below its prompt's pilot rollouts")
+    rest = rest[rest["budget"] > 0]
+    if rest.empty:  # every budget is the pilot's k: nothing more to sample
+        return pilot.reset_index(drop=True)
+    wave = rollout_table(rest, prompts, engine, sampling, run_seed, step, wave=1)
+    wave["sample_idx"] += have.reindex(wave["prompt_id"]).to_numpy(dtype=np.int64)
+    both = pd.concat([pilot, wave], ignore_index=True)
+    order = {pid: i for i, pid in enumerate(budget["prompt_id"])}
+    both["_order"] = both["prompt_id"].map(order)
+    return both.sort_values(["_order", "sample_idx"], kind="stable").drop(columns="_order").reset_index(drop=True)
+
+
+def merged_reward_table(
+    rollouts: pd.DataFrame, pilot_rewards: pd.DataFrame, prompts: pd.DataFrame, pool: Any
+) -> pd.DataFrame:
+    """The step's rewards table: the pilot's rewards as they were scored (those the allocation used), the
+    second wave's scored now; rows in ``rollouts`` order."""
+    is_pilot = rollouts[KEY].merge(pilot_rewards[KEY].assign(_pilot=True), on=KEY, how="left")["_pilot"]
+    fresh = rollouts[~is_pilot.fillna(False).astype(bool).to_numpy()]
+    parts = [pilot_rewards] + ([reward_table(fresh, prompts, pool)] if len(fresh) else [])
+    scored = pd.concat(parts, ignore_index=True)
+    table = rollouts[KEY].merge(scored, on=KEY, how="left", validate="one_to_one")
+    if table["verdict"].isna().any():
+        raise ValueError("the pilot's rewards do not cover its rollouts")
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# The stages as Prefect tasks over the run directory
+# ---------------------------------------------------------------------------------------------
+
+ROLLOUT_WEIGHTS_DIR = "rollout_weights"  # LoRA: the merged policy the engine reads (one copy, rewritten)
+
+StageBody = Callable[[RunResources, int], pd.DataFrame]
+
+
+def stage(
+    table: Table,
+    retries: int = 1,
+    then: Callable[[RunResources, int], None] | None = None,
+) -> Callable[[StageBody], Task[[str, int], str]]:
+    """Make a stage body ``(res, step) -> table`` the Prefect task ``(run_dir, step) -> table path`` named
+    ``table`` (task runs ``<table>-step-<step>``): skipped when the table is done, else computed, passed
+    through the tests' fault hooks and written into ``steps/<step>``; then ``then(res, step)``, done or not;
+    timed."""
+
+    def make(body: StageBody) -> Task[[str, int], str]:
+        def run_stage(run_dir: str, step: int) -> str:
+            res, t0 = resources(run_dir), time.perf_counter()
+            if not res.store.is_done(step, table):
+                frame = body(res, step)
+                res.faults.at(step, table)
+                res.store.write_table(step, table, frame)
+            if then is not None:
+                then(res, step)
+            res.timed(table, time.perf_counter() - t0)
+            return str(res.store.table_path(step, table))
+
+        run_stage.__name__ = run_stage.__qualname__ = body.__name__
+        run_stage.__doc__, run_stage.__module__ = body.__doc__, body.__module__
+        options = {"retries": retries, "retry_delay_seconds": 2, "cache_policy": NO_CACHE}
+        return task(run_stage, name=table.value, task_run_name=f"{table.value}-step-{{step}}", **options)
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------
+# The stages (their order: ``store.step_stages``)
+
+
+@stage(Table.PILOT)
+def pilot(res: RunResources, step: int) -> pd.DataFrame:
+    """allocation.estimator = pilot: the first wave, allocation.pilot_rollouts completions of each prompt of the
+    step's batch, from the current policy (each group's usual seed)."""
+    plan = pilot_budget(batch_of(res, step), res.cfg.allocation.pilot_rollouts)
+    return rollout_table(plan, res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
+
+
+@stage(Table.PILOT_REWARDS)
+def pilot_rewards(res: RunResources, step: int) -> pd.DataFrame:
+    """The pilot scored, as the rewards stage scores (and stops on too many errors or timeouts)."""
+    table = reward_table(res.store.read_table(step, Table.PILOT), res.prompts, res.pool)
+    check_error_share(table, f"step {step}", res.cfg.verify.max_error_share)
+    return table
+
+
+@stage(Table.BUDGET)
+def budget(res: RunResources, step: int) -> pd.DataFrame:
+    """The allocation of step t, at its start: each prompt of its batch gets a budget from the history and the
+    Beta shape after step t - 1 (uniform at step 0: no pass rates yet). Under ``allocation.estimator = pilot``
+    on the posterior after the step's pilot: every budget holds the pilot's k and they sum to B_total."""
+    history = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else prompt_history.empty_history()
+    scored = res.store.read_table(step, Table.PILOT_REWARDS) if piloted(res.cfg) else None
+    return budget_for(res, step, history, tracker_before(res, step), pilot=scored)
+
+
+@stage(Table.ROLLOUTS)
+def rollouts(res: RunResources, step: int) -> pd.DataFrame:
+    """Sample each prompt of the step's budget table as many completions as its budget, with the rollout engine
+    (after a pilot: the rest of its budget, beside the pilot's)."""
+    budget = res.store.read_table(step, Table.BUDGET)
+    args = (res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
+    if piloted(res.cfg):
+        return second_wave_table(budget, res.store.read_table(step, Table.PILOT), *args)
+    return rollout_table(budget, *args)
+
+
+@stage(Table.REWARDS)
+def rewards(res: RunResources, step: int) -> pd.DataFrame:
+    """Score every completion with the verifier pool (after a pilot: its rewards kept, the rest scored); a step
+    with too many errors or timeouts stops the run."""
+    rolled = res.store.read_table(step, Table.ROLLOUTS)
+    if piloted(res.cfg):
+        scored = res.store.read_table(step, Table.PILOT_REWARDS)
+        table = merged_reward_table(rolled, scored, res.prompts, res.pool)
+    else:
+        table = reward_table(rolled, res.prompts, res.pool)
+    check_error_share(table, f"step {step}", res.cfg.verify.max_error_share)  # before the table is written
+    return table
+
+
+@stage(Table.CAPABILITY)
+def capability(res: RunResources, step: int) -> pd.DataFrame:
+    """Fold the step's pass rates into the failure rate and the Beta shape; write the prompt history beside it."""
+    table, history = capability_and_history(res, step)
+    res.store.write_table(step, Table.HISTORY, history)
+    res.store.write_run_table("history", history)
+    return table
+
+
+def _reload_policy(res: RunResources, step: int) -> None:
+    """The rollout engine takes the weights the update of ``step`` wrote (also when it was done before);
+    then checkpoints beyond the newest ``run.keep_checkpoints`` are deleted."""
+    res.engine.load_weights(engine_weights(res, step + 1), version=step + 1)
+    res.store.prune_checkpoints(res.cfg.run.keep_checkpoints)
+
+
+@stage(Table.UPDATE, retries=0, then=_reload_policy)
+def update(res: RunResources, step: int) -> pd.DataFrame:
+    """The GRPO update on the step's rollouts; writes checkpoints/<step + 1>. A reward beyond the group
+    statistics' bound or a non-finite update stops the run in one line naming the step (nothing stepped)."""
+    try:
+        return _update(res, step)
+    except (RewardScaleError, NonFiniteUpdateError) as exc:
+        raise type(exc)(f"step {step}: {exc}") from None
+
+
+TASKS = {t.name: t for t in (pilot, pilot_rewards, budget, rollouts, rewards, capability, update)}
+
+
+def piloted(cfg: Config) -> bool:
+    """Whether the run's steps start with a pilot (``allocation.estimator = pilot``)."""
+    return cfg.allocation.estimator == Estimator.PILOT
+
+
+def step_tasks(cfg: Config) -> tuple[Task[[str, int], str], ...]:
+    """The stage tasks of one step of the run, in the order ``store.step_stages`` gives."""
+    return tuple(TASKS[name] for name in step_stages(piloted(cfg)))
+
+
+# ---------------------------------------------------------------------------------------------
+# What the stages share
+
+
+def sampling(cfg: Config) -> SamplingConfig:
+    """How training rollouts are sampled (the config's rollout section)."""
+    r = cfg.rollout
+    return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+
+
+def tracker_before(res: RunResources, step: int) -> CapabilityTracker:
+    """The capability tracker as it was when step ``step`` started."""
+    if step == 0:
+        a = res.cfg.allocation
+        return CapabilityTracker(kappa=a.kappa, window=a.capability_window, gamma=a.gamma)
+    return tracker_from_capability(res.store.read_table(step - 1, Table.CAPABILITY))
+
+
+def capability_and_history(res: RunResources, step: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The capability and history tables of ``step``, from its rewards and the tables of ``step - 1``."""
+    scored = res.store.read_table(step, Table.REWARDS)
+    table, _ = capability_table(step, scored, tracker_before(res, step))
+    # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
+    # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
+    previous = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else prompt_history.empty_history()
+    a = res.cfg.allocation
+    return table, prompt_history.update_history(
+        previous, scored, step, a.pass_rate_window, a.prior_strength, a.posterior_decay
+    )
+
+
+def batch_of(res: RunResources, step: int) -> list[str]:
+    """The prompt ids of ``step``'s batch."""
+    cfg = res.cfg
+    ids = res.prompts["prompt_id"].tolist()
+    return batch_for_step(ids, step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
+
+
+def budget_for(
+    res: RunResources, step: int, history: pd.DataFrame, tracker: CapabilityTracker, pilot: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """budget.parquet of ``step``: its batch allocated from ``history`` (and the pilot's rewards ``pilot``) and
+    the tracker's (alpha, beta)."""
+    return budget_table(batch_of(res, step), history, tracker, res.cfg.allocation, pilot, step)
+
+
+def _update(res: RunResources, step: int) -> pd.DataFrame:
+    ckpt = res.store.checkpoint_dir(step + 1)
+    rolled = res.store.read_table(step, Table.ROLLOUTS)
+    scored = res.store.read_table(step, Table.REWARDS)
+    adv = advantages_for(rolled, scored)
+    prompt_ids, completion_ids, sampler_logprobs = update_sequences(rolled, res.prompts)
+    groups = pd.factorize(rolled["prompt_id"])[0]  # each rollout's prompt (optim.prompt_weighting)
+    tracker = tracker_from_capability(res.store.read_table(step, Table.CAPABILITY))
+    extra_state = {"step": step, "capability": tracker.to_dict()}
+    fsdp = res.cfg.optim.fsdp_processes > 1
+    previous = previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
+    # rollout.sleep_during_update: the engine's GPU memory is free while the update runs; it is awake
+    # again before the new weights are loaded (engine_sleep.json: seconds and memory figures)
+    with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
+        if fsdp:  # a torchrun job of optim.fsdp_processes ranks; it writes the checkpoint itself
+            metrics = fsdp_update(
+                res.cfg.model.path,
+                ckpt,
+                prompt_ids,
+                completion_ids,
+                adv,
+                update_settings(res.cfg),
+                res.cfg.optim.fsdp_processes,
+                checkpoint=previous,
+                seed=res.cfg.run.seed,
+                extra_state=extra_state,
+                sampler_logprobs=sampler_logprobs,
+                group_ids=groups,
+            )
+        else:
+            metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs, groups)
+    if slept:
+        res.store.write_step_json(step, "engine_sleep", slept)
+    if not fsdp:
+        res.trainer.save_checkpoint(ckpt, extra_state=extra_state)
+    return update_row(step, metrics, rolled, scored)
+
+
+def engine_weights(res: RunResources, version: int) -> Path:
+    """Where the rollout engine reads the policy after ``version`` updates: the checkpoint itself, or with
+    LoRA (an adapter checkpoint) the merged weights the trainer holds, written to ``rollout_weights/``."""
+    if res.cfg.model.lora_rank == 0:
+        return res.store.checkpoint_dir(version)
+    return res.trainer.write_rollout_weights(res.store.root / ROLLOUT_WEIGHTS_DIR)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the steps of an opened run start, and a step without Prefect
+
+
+def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, float]) -> dict[str, float]:
+    """steps/<step>/timing.json: wall seconds per stage of this step (not a stage output: not in the
+    manifest); returns them."""
+    seconds = {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Table.EVAL}
+    res.store.write_step_json(step, "timing", seconds)
+    return seconds
+
+
+def plain_step(run_dir: str | Path, step: int) -> None:
+    """One training step as plain calls: the stage bodies in order (``Task.fn``, no Prefect), and
+    timing.json."""
+    res = resources(run_dir)
+    before = dict(res.stage_seconds)
+    for stage_task in step_tasks(res.cfg):
+        stage_task.fn(str(run_dir), step)
+    write_step_timing(res, step, before)
+
+
+def resume_point(res: RunResources) -> int:
+    """Start the resources on the right weights and return the first step to run: a continuing run starts
+    from the checkpoint of its first step not done."""
+    first = first_step_not_done(res.store, res.cfg.run.steps)
+    lora = res.cfg.model.lora_rank > 0
+    ckpt = checked_checkpoint(res.store, first) if first > 0 else None
+    # an adapter checkpoint is not a whole model: the engine starts on the base, then takes the merged weights
+    weights = str(ckpt) if ckpt is not None and not lora else res.cfg.model.path
+    start_resources(res, weights, version=first)
+    if ckpt is not None and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
+        res.trainer.load_checkpoint(ckpt)
+        if lora:
+            res.engine.load_weights(engine_weights(res, first), version=first)
+    return first

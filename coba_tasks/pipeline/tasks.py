@@ -1,5 +1,5 @@
 """The Prefect tasks of the evaluation and bootstrap flows, each wrapping one function of this package (the
-training step's tasks are in ``coba_tasks.pipeline.step``).
+training step's tasks are in ``coba_tasks.pipeline.stages``).
 
 Evaluation (``coba-eval``): ``evaluate-model`` and ``write-eval-table`` (``coba_tasks.pipeline.evaluation``).
 Bootstrap (``coba-bootstrap``): ``build-model``, ``sft-warmup`` and ``sft-eval``

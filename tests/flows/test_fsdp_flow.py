@@ -251,7 +251,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
     rollouts and resumed (so its second update is a resumed run's); the FSDP run's ``fsdp_update`` calls."""
     import flows.train as train
     from coba_tasks.pipeline import faults, run
-    from coba_tasks.pipeline import step as stage_step
+    from coba_tasks.pipeline import stages as stage_step
 
     model, _ = random_checkpoints
     root = tmp_path_factory.mktemp("fsdp-flow")
@@ -394,7 +394,7 @@ def test_the_update_stage_sleeps_the_engine_around_the_job_and_needs_the_previou
 ):
     """The update stage alone on a copy of the FSDP run, the job replaced by a recording fake."""
     from coba_tasks.pipeline import run
-    from coba_tasks.pipeline import step as stage_step
+    from coba_tasks.pipeline import stages as stage_step
 
     stores, _, _ = runs
     original = stores[2]

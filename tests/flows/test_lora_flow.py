@@ -49,7 +49,7 @@ def test_a_lora_run_trains_adapters_resumes_and_evaluates(
 ):
     from coba_tasks.pipeline.evaluation import eval_settings, evaluate_model
     from coba_tasks.pipeline.faults import FAIL_FILE_ENV
-    from coba_tasks.pipeline.step import ROLLOUT_WEIGHTS_DIR
+    from coba_tasks.pipeline.stages import ROLLOUT_WEIGHTS_DIR
     from flows.train import train_flow
 
     model, _ = random_checkpoints

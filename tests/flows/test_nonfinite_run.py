@@ -1,6 +1,6 @@
 """A run whose update cannot be finite stops at that step in one line, and keeps only finite checkpoints.
 
-The stages run as plain functions (``step.plain_step``, the code the Prefect flow runs) on the tiny
+The stages run as plain functions (``stages.plain_step``, the code the Prefect flow runs) on the tiny
 model with the first-character reward (tests/helpers_reward.py), so that the groups hold both rewards.
 """
 
@@ -30,7 +30,7 @@ HUGE_REWARD_FILE = textwrap.dedent(
 
 def _open(tmp_path, model, overrides):
     from coba_tasks.pipeline import run
-    from coba_tasks.pipeline import step as stage_step
+    from coba_tasks.pipeline import stages as stage_step
 
     cfg = load_config("configs/tiny-test.yaml", [f"model.path={model}", "rollout.backend=transformers", *overrides])
     root = (tmp_path / "run").resolve()
@@ -43,7 +43,7 @@ def _stop_message(tmp_path, model, overrides, error: type[Exception], stopping_s
     """Open a run, run its steps up to ``stopping_step``, which must raise ``error``, and close it; the run's
     store and the error's message, which is one line."""
     from coba_tasks.pipeline import run
-    from coba_tasks.pipeline import step as stage_step
+    from coba_tasks.pipeline import stages as stage_step
 
     res, root = _open(tmp_path, model, overrides)
     try:

@@ -1,6 +1,6 @@
 """A short training run on the tiny model scored by a veRL-style reward file (``verify.reward_function``).
 
-The run's stages are called as plain functions (``step.plain_step``: the same stage code the
+The run's stages are called as plain functions (``stages.plain_step``: the same stage code the
 Prefect flow runs, without the Prefect server), two steps on four prompts. The reward file reads each
 prompt's ``extra_info`` (a veRL dataset) to pick what it does with it: a fractional float, a dict with
 extra keys, a raise, or a sleep past ``verify.timeout_s``, each on completions whose first character is
@@ -67,7 +67,7 @@ def _good(completion: str) -> bool:
 @pytest.mark.slow
 def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoints):
     from coba_tasks.pipeline import evaluation, run, stages
-    from coba_tasks.pipeline import step as stage_step
+    from coba_tasks.pipeline import stages as stage_step
 
     model, _ = random_checkpoints
     reward = tmp_path / "verl_reward.py"

@@ -89,7 +89,7 @@ def _mixed_groups(rewards) -> int:
 @pytest.mark.parametrize("name", sorted(CPU_CONFIGS))
 def test_a_shipped_config_has_mixed_groups_in_its_first_steps(name, request, tmp_path, monkeypatch):
     from coba_tasks.pipeline import run
-    from coba_tasks.pipeline import step as stage_step
+    from coba_tasks.pipeline import stages as stage_step
 
     model = request.getfixturevalue("smollm2_model" if CPU_CONFIGS[name] == "smollm2" else "tiny_model")
     monkeypatch.chdir(PROJECT_ROOT)  # the configs' data paths are from the project directory

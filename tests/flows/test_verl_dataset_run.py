@@ -27,7 +27,7 @@ def long_context_model(tmp_path_factory):
 @pytest.mark.slow
 def test_a_training_step_from_a_verl_gsm8k_file(tmp_path, long_context_model):
     from coba_tasks.pipeline import run
-    from coba_tasks.pipeline import step as stage_step
+    from coba_tasks.pipeline import stages as stage_step
 
     train = write_verl_gsm8k(tmp_path / "train.parquet", [("1+2?", "3"), ("4+4?", "8"), ("9-5?", "4"), ("2*3?", "6")])
     test = write_verl_gsm8k(tmp_path / "test.parquet", [("5+1?", "6"), ("7-2?", "5")], split="test")

@@ -332,7 +332,7 @@ def test_the_second_wave_joins_the_pilots_groups_with_seeds_of_its_own():
     with the second wave's seed; a prompt whose budget is its pilot gets none. Its rewards keep the pilot's
     (not scored again) and score the rest."""
     from coba_tasks.engines.rollout import SamplingConfig, rollout_seed
-    from coba_tasks.pipeline import pilot as waves
+    from coba_tasks.pipeline import stages as waves
 
     prompts = pd.DataFrame(
         {

@@ -9,7 +9,7 @@ import pytest
 
 from coba_tasks.pipeline.config import check_paths, config_hash, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
-from coba_tasks.pipeline.evaluation import eval_prompt_set
+from coba_tasks.pipeline.data_run import eval_prompt_set
 from coba_tasks.readers.figures import eval_figures, heldout_gains, paired_gain, split_test_sets
 
 
