@@ -18,7 +18,7 @@ Writes one veRL Parquet file (``coba_tasks.pipeline.data.write_verl_parquet``) t
 the verifier: math-verify, which also reads DAPO's ``Answer:`` line), ``prompt``, ``ability``,
 ``reward_model`` ``{style: "rule", ground_truth}``, ``extra_info`` ``{index, source_index,
 difficulty}``. ``extra_info.index`` is the prompt id: a stable hash of the prompt's messages
-(``coba_tasks.pipeline.data_rows.prompt_hash``), so a problem keeps its id whatever the file order, a rerun
+(``coba_tasks.pipeline.data.prompt_hash``), so a problem keeps its id whatever the file order, a rerun
 gives the same ids, and the same prompt in two files has the same id. ``source_index`` is the
 input's own id (``extra_info.index``, ``unique_id``, ``id``) or its row number; ``difficulty`` is
 MATH's ``level`` where there is one. Rows are deduplicated on the prompt (the first row is kept;
@@ -53,12 +53,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 try:
-    from coba_tasks.pipeline.data import load_dataset, write_verl_parquet
-    from coba_tasks.pipeline.data_rows import prompt_hash
+    from coba_tasks.pipeline.data import load_dataset, prompt_hash, write_verl_parquet
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: import from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from coba_tasks.pipeline.data import load_dataset, write_verl_parquet
-    from coba_tasks.pipeline.data_rows import prompt_hash
+    from coba_tasks.pipeline.data import load_dataset, prompt_hash, write_verl_parquet
 
 # DAPO-Math-17K's own instruction (its prompts are this with the problem in the middle)
 DAPO_TEMPLATE = (

@@ -29,8 +29,7 @@ def bench_rollout(
     from transformers import AutoTokenizer
 
     from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
-    from coba_tasks.pipeline.data import load_dataset
-    from coba_tasks.pipeline.data_prompts import render_prompts
+    from coba_tasks.pipeline.data import load_dataset, render_prompts
 
     df, _ = render_prompts(load_dataset(test_path).head(prompts), AutoTokenizer.from_pretrained(model_path))
     requests = [

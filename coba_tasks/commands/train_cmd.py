@@ -167,7 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from coba_tasks.pipeline.deployment import allow_reward_files
 
         allow_reward_files()
-    from coba_tasks.pipeline.data_run import load_run_datasets
+    from coba_tasks.pipeline.data import load_run_datasets
 
     load_run_datasets(cfg)  # a bad dataset or over-long prompt fails here, before anything is written
     from coba_tasks.commands.prefect_env import configure_prefect

@@ -35,9 +35,9 @@ MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit seed
 
 # The word-valued keys: each Literal is the one list of its words (readers take typing.get_args of it)
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]  # model.dtype
-OnBadRows = Literal["error", "skip"]  # data.on_bad_rows (coba_tasks.pipeline.data_problems)
-PromptFormat = Literal["auto", "chat", "raw"]  # data.prompt_format (coba_tasks.pipeline.data_prompts.render_prompts)
-UnknownSources = Literal["error", "math"]  # verify.unknown_sources (coba_tasks.pipeline.data_run)
+OnBadRows = Literal["error", "skip"]  # data.on_bad_rows (coba_tasks.pipeline.data)
+PromptFormat = Literal["auto", "chat", "raw"]  # data.prompt_format (coba_tasks.pipeline.data.render_prompts)
+UnknownSources = Literal["error", "math"]  # verify.unknown_sources (coba_tasks.pipeline.data)
 Schedule = Literal["adaptive", "reversed", "fixed"]  # allocation.schedule: the paper's ablations reverse or fix it
 ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocation.Mode
 EstimatorName = Literal["last", "posterior", "pilot"]  # allocation.estimator: coba_tasks.core.estimators.Estimator

@@ -2,7 +2,7 @@
 
 The scoring (``evaluate``): ``samples`` completions per held-out prompt (and a greedy one), verified, as
 avg@k, greedy accuracy and pass@k's counts per prompt; ``eval_steps`` is when a run evaluates (before
-training, every ``run.eval_every`` steps, after); the prompts are ``data_run.eval_prompt_set``.
+training, every ``run.eval_every`` steps, after); the prompts are ``data.eval_prompt_set``.
 
 In a training run: the task ``evaluate_step(run_dir, t)`` writes ``steps/t/eval.parquet``, the accuracy of
 the weights after t updates (``engine_holds`` loads them when the engine holds others: a rerun, a repair,
@@ -63,10 +63,16 @@ from coba_tasks.pipeline.config_sections import (
     UnknownSources,
     VerifyConfig,
 )
-from coba_tasks.pipeline.data import load_dataset
-from coba_tasks.pipeline.data_problems import DatasetError
-from coba_tasks.pipeline.data_prompts import check_prompt_lengths, model_context, render_prompts
-from coba_tasks.pipeline.data_run import check_ground_truths, keep_difficulties, sample_eval_prompts
+from coba_tasks.pipeline.data import (
+    DatasetError,
+    check_ground_truths,
+    check_prompt_lengths,
+    keep_difficulties,
+    load_dataset,
+    model_context,
+    render_prompts,
+    sample_eval_prompts,
+)
 from coba_tasks.pipeline.run import RunResources, checked_checkpoint
 from coba_tasks.pipeline.stages import check_error_share, engine_weights, reward_table, rollout_tables, stage
 from coba_tasks.pipeline.store import StoreError, Table
@@ -398,7 +404,7 @@ def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = Fal
         test, unrendered = render_prompts(selected, tokenizer, s.prompt_format)
         if unrendered:
             raise DatasetError(s.test_path, unrendered)
-        if context is not None:  # the same check and message as a run's (coba_tasks.pipeline.data_run)
+        if context is not None:  # the same check and message as a run's (coba_tasks.pipeline.data)
             check_prompt_lengths(
                 test,
                 context,

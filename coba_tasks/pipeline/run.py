@@ -50,7 +50,7 @@ from coba_tasks.pipeline.config import (
     load_config,
 )
 from coba_tasks.pipeline.config_fields import ConfigError
-from coba_tasks.pipeline.data_run import eval_prompt_set, load_run_datasets, reward_function
+from coba_tasks.pipeline.data import eval_prompt_set, load_run_datasets, reward_function
 from coba_tasks.pipeline.deployment import (
     check_deployment_limits,
     check_deployment_paths,

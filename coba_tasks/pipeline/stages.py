@@ -125,7 +125,7 @@ def rollout_table(
 ) -> pd.DataFrame:
     """Generate ``budget.budget`` completions per prompt; one row per completion.
 
-    ``prompts`` holds each prompt's ``prompt_token_ids`` (``coba_tasks.pipeline.data_prompts.render_prompts``): the
+    ``prompts`` holds each prompt's ``prompt_token_ids`` (``coba_tasks.pipeline.data.render_prompts``): the
     engine receives those ids, the same the update trains on. Column ``logprobs`` is the sampler's
     log-probability of each completion token. ``wave``: which wave of the step's groups this is (its seeds,
     ``rollout_seed``; 1 is the second wave after a pilot, ``coba_tasks.pipeline.stages``).

@@ -241,7 +241,7 @@ def test_the_config_check_loads_the_file_in_a_verifier_worker_before_a_run(tmp_p
     anything is written, by importing it in a verifier worker (never in this process: its top-level code
     runs under verify.timeout_s there); the pool of a run carries it with verify.pass_threshold."""
     from coba_tasks.pipeline.config import load_config
-    from coba_tasks.pipeline.data_run import reward_function
+    from coba_tasks.pipeline.data import reward_function
     from coba_tasks.pipeline.run import verifier_pool
 
     cfg = load_config(
@@ -302,7 +302,7 @@ def test_a_reward_file_whose_import_outlasts_the_limit_is_refused_in_one_line_wi
     verifier worker under verify.timeout_s: a top-level sleep past it is one line, in about the limit."""
     from coba_tasks.commands.cli import main
     from coba_tasks.pipeline.config import load_config
-    from coba_tasks.pipeline.data_run import reward_function
+    from coba_tasks.pipeline.data import reward_function
 
     path = tmp_path / "slow_import.py"
     path.write_text(SLOW_IMPORT)

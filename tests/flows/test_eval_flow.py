@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from coba_tasks.pipeline import evaluation
-from coba_tasks.pipeline.data_problems import DatasetError
+from coba_tasks.pipeline.data import DatasetError
 from coba_tasks.pipeline.evaluation import EvalSettings, eval_settings
 
 

@@ -181,7 +181,7 @@ def test_skipped_rows_are_listed_in_bad_rows_parquet(tmp_path, capsys, random_ch
 @pytest.mark.slow
 def test_refused_dataset_leaves_no_run_directory(tmp_path, prefect_harness, random_checkpoints):
     """A prompt longer than the context stops the flow before anything is written; no run directory stays."""
-    from coba_tasks.pipeline.data_problems import DatasetError
+    from coba_tasks.pipeline.data import DatasetError
     from flows.train import train_flow
 
     model, _ = random_checkpoints

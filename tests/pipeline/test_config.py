@@ -695,7 +695,7 @@ def test_docs_config_md_is_up_to_date():
 
 def test_reward_function_and_pass_threshold(tmp_path):
     """verify.reward_function: a path.py[:function] string, verbatim from --set and from YAML; its format is
-    checked here (the file itself where a run's datasets are: coba_tasks.pipeline.data_run.reward_function).
+    checked here (the file itself where a run's datasets are: coba_tasks.pipeline.data.reward_function).
     verify.pass_threshold: any finite number, with a reward function only. Both at their defaults leave
     the hash of existing runs as it was."""
     cfg = load_config(TINY_DEMO)

@@ -16,11 +16,18 @@ from scripts_loader import load_script
 
 from coba_tasks.pipeline.config import apply_overrides, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
-from coba_tasks.pipeline.data import load_dataset, read_dataset, write_verl_parquet
-from coba_tasks.pipeline.data_problems import DatasetError
-from coba_tasks.pipeline.data_prompts import check_prompt_lengths, render_prompts
-from coba_tasks.pipeline.data_rows import LOADED_COLUMNS, prompt_hash
-from coba_tasks.pipeline.data_run import BAD_ROWS_COLUMNS, load_run_datasets
+from coba_tasks.pipeline.data import (
+    BAD_ROWS_COLUMNS,
+    LOADED_COLUMNS,
+    DatasetError,
+    check_prompt_lengths,
+    load_dataset,
+    load_run_datasets,
+    prompt_hash,
+    read_dataset,
+    render_prompts,
+    write_verl_parquet,
+)
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 
@@ -482,7 +489,7 @@ def test_run_datasets_count_test_prompts_also_in_the_training_file(tmp_path: Pat
 def test_ground_truths_are_checked_by_their_verifier_at_load(tmp_path: Path) -> None:
     """A ground truth the row's verifier cannot read is a bad row (named by row and column), not a prompt
     whose every rollout scores `error` (pass rate 0, where CoBA-RL would spend budget)."""
-    from coba_tasks.pipeline.data_run import check_ground_truths
+    from coba_tasks.pipeline.data import check_ground_truths
 
     rows = verl_rows(4)
     rows[1]["reward_model"]["ground_truth"] = "4O"  # a malformed arithmetic answer (letter O)
@@ -515,7 +522,7 @@ def test_a_missing_value_written_as_text_is_not_a_ground_truth(tmp_path: Path) -
 
 
 def test_an_unknown_data_source_stops_the_load_unless_math_is_asked_for(tmp_path: Path) -> None:
-    from coba_tasks.pipeline.data_run import check_ground_truths
+    from coba_tasks.pipeline.data import check_ground_truths
 
     rows = verl_rows(3)
     rows[1]["data_source"] = rows[2]["data_source"] = "my_reward"
@@ -666,7 +673,7 @@ _text = st.text(alphabet=string.ascii_letters + string.digits + " +-*=?", min_si
     answers=st.data(),
 )
 def test_valid_flat_tables_round_trip(tmp_path: Path, prompts: list[str], answers: st.DataObject) -> None:
-    from coba_tasks.pipeline.data_rows import MISSING_TEXTS
+    from coba_tasks.pipeline.data import MISSING_TEXTS
 
     valid = _text.filter(lambda s: s.strip().lower() not in MISSING_TEXTS)  # 'None', 'nan': a missing value
     truths = answers.draw(st.lists(valid, min_size=len(prompts), max_size=len(prompts)))

@@ -31,9 +31,7 @@ from coba_tasks.pipeline.config import (
     load_config,
 )
 from coba_tasks.pipeline.config_fields import SECTIONS, ConfigError
-from coba_tasks.pipeline.data import MESSAGE_TYPE, read_dataset
-from coba_tasks.pipeline.data_problems import DatasetError
-from coba_tasks.pipeline.data_rows import LOADED_COLUMNS
+from coba_tasks.pipeline.data import LOADED_COLUMNS, MESSAGE_TYPE, DatasetError, read_dataset
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -11,8 +11,7 @@ import pytest
 from scripts_loader import load_script
 
 from coba_tasks.engines.verify import score
-from coba_tasks.pipeline.data import load_dataset
-from coba_tasks.pipeline.data_rows import prompt_hash
+from coba_tasks.pipeline.data import load_dataset, prompt_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 

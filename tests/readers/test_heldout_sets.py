@@ -9,7 +9,7 @@ import pytest
 
 from coba_tasks.pipeline.config import check_paths, config_hash, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
-from coba_tasks.pipeline.data_run import eval_prompt_set
+from coba_tasks.pipeline.data import eval_prompt_set
 from coba_tasks.readers.figures import eval_figures, heldout_gains, paired_gain, split_test_sets
 
 
@@ -79,7 +79,7 @@ def test_figures_and_paired_gains_per_held_out_set():
 def test_difficulties_keep_the_rows_of_those_levels(tmp_path, random_checkpoints):
     from helpers_reward import write_flat
 
-    from coba_tasks.pipeline.data_run import keep_difficulties, load_run_datasets
+    from coba_tasks.pipeline.data import keep_difficulties, load_run_datasets
 
     assert load_config("configs/tiny-test.yaml", ["data.difficulties=[0, 2]"]).data.difficulties == (0, 2)
     with pytest.raises(ConfigError, match=r"data.difficulties\[0\]: expected an integer"):

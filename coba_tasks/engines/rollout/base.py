@@ -65,7 +65,7 @@ class RolloutRequest:
     """One prompt's group: ``n`` completions of the prompt ``prompt_token_ids`` with ``seed``.
 
     The token ids are the prompt exactly as the engine receives it, rendered and tokenized once by
-    ``coba_tasks.pipeline.data_prompts.render_prompts`` (the trainer reads the same ids, so the policy is sampled and
+    ``coba_tasks.pipeline.data.render_prompts`` (the trainer reads the same ids, so the policy is sampled and
     trained on one sequence); ``prompt`` is the rendered text, for logs and errors only.
     """
 
@@ -80,7 +80,7 @@ class RolloutRequest:
         if isinstance(ids, str | bytes) or not all(isinstance(t, int | np.integer) for t in ids):
             raise TypeError(
                 f"prompt {self.prompt_id}: prompt_token_ids must be a sequence of token ids (ints), got {ids!r:.80};"
-                " tokenize the prompt first (coba_tasks.pipeline.data_prompts.render_prompts)"
+                " tokenize the prompt first (coba_tasks.pipeline.data.render_prompts)"
             )
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in ids))
 
