@@ -27,7 +27,7 @@ from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, eval_steps, evaluate_step
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.stages import piloted, resume_point, step_tasks, write_step_timing
+from coba_tasks.pipeline.stages import resume_point, step_tasks, write_step_timing
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers import trackers
 from coba_tasks.readers.figures import (
@@ -53,7 +53,7 @@ def run_step(run_dir: str, step: int) -> None:
         stage_task(run_dir, step)
     seconds = write_step_timing(res, step, seconds_before)
     figures = step_figures(res.store, step)
-    k = res.cfg.allocation.pilot_rollouts if piloted(res.cfg) else 0
+    k = res.cfg.allocation.pilot_rollouts if res.cfg.allocation.piloted else 0
     quiet = no_signal_streak(res.store, step)  # steps in a row whose every group scored alike
     elapsed = time.perf_counter() - t0
     line = step_line(step, res.cfg.run.steps, figures, seconds, elapsed, no_signal=quiet, pilot=k)

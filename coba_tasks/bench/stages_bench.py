@@ -7,17 +7,12 @@ Everything runs in one process, one after the other, on the same machine state:
    ``llm.generate(prompts, [SamplingParams(n=b_i, seed=s_i, ...)])`` on the same ``vllm.LLM``
    object (prompts and parameters built outside the timed region), alternated and compared by
    medians. The Parquet write of the rollouts table is a figure of its own.
-2. **A step through Prefect vs the same step as plain function calls, interleaved.** Two run
-   directories with the same config share one vLLM engine and one verifier pool (each run has its
-   own trainer). Inside one flow run (``coba_tasks/bench/steps_flow.py``), step t of the first run
-   goes through ``run_step``, what ``coba-train`` runs per step (five task runs, the progress line,
-   the artifacts), and step t of the second run runs the same five stages as plain function calls
-   (``plain_step``, without Prefect) plus the same timing.json write; the order alternates
-   every step (flow first on even steps), and before the second run of a pair the engine is given
-   the step's weights back (untimed). Both sides thus meet the same load, server and threads; the
-   ratio flow / plain is printed per step with its median, smallest and largest value, and both
-   directories hold the same tables (compared by sha256), so both did the same work. Prefect's own
-   time as the flow sees it (step wall - stage bodies) is printed beside it.
+2. **A step through Prefect.** The run's steps go through the training flow (``coba-train``, the
+   flow ``coba run`` starts: the stage task runs, the progress line, the artifacts); per stage the mean
+   seconds of its body (timing.json) and Prefect's own time per step as the flow measures it in every
+   run (the step's wall time minus the time inside the stage bodies, summary.json's
+   ``prefect_overhead_seconds_per_step``) as a share of the step. The stages below are then measured
+   on the finished run, its last step's tables and its final weights.
 3. **Parquet per step.** ``RunStore.write_table`` and ``read_table`` (sha256 verified) of each of
    the step's tables, in a scratch run directory.
 4. **Verification.** ``VerifierPool.score`` items per second on the step's rollouts.
@@ -46,6 +41,7 @@ from coba_tasks.bench.timing import median_time as bench_median_time
 from coba_tasks.pipeline.store import STAGES, Table
 
 GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
+Train = Callable[[Any, str], dict]  # (config, run directory) -> the summary of the training flow (coba-train)
 EVAL_PROMPTS = 16  # held-out prompts per evaluation in the benchmark's runs (unless --set data.eval_prompts=...)
 # a step's tables (the pilot's only under allocation.estimator = pilot, which the benchmark does not time)
 STEP_TABLES = tuple(t.value for t in Table if t not in (Table.EVAL, Table.PILOT, Table.PILOT_REWARDS))
@@ -60,7 +56,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _bench_config(config_path: str | None, overrides: Sequence[str], steps: int):
-    """The config of both runs: the file with the overrides, ``steps`` steps, no evaluation in between."""
+    """The config of the run: the file with the overrides, ``steps`` steps, no evaluation in between."""
     from coba_tasks.pipeline.config import check_paths, load_config
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -86,34 +82,8 @@ def _bench_config(config_path: str | None, overrides: Sequence[str], steps: int)
     return cfg
 
 
-def _step_figures(pairs: Sequence[dict], side: str) -> dict[str, Any]:
-    """Means over the steps of one side of ``steps_flow.bench_steps_flow``'s pairs."""
-    walls = [p[side]["wall_s"] for p in pairs]
-    outside = [p[side]["wall_s"] - p[side]["inside_s"] for p in pairs]
-    return {
-        "step_s": _mean(walls),
-        "outside_stages_s": _mean(outside),  # for the flow: Prefect's own time per step
-        "stage_s": {s.value: _mean([p[side]["stage_s"][s] for p in pairs]) for s in STAGES},
-    }
-
-
-def _same_tables(a: Path, b: Path, steps: int) -> list[str]:
-    """Tables whose sha256 differs between the two run directories (or that one of them lacks)."""
-    from coba_tasks.pipeline.store import RunStore
-
-    sa, sb = RunStore.open(a), RunStore.open(b)
-    differ = []
-    for step in range(steps + 1):
-        ma, mb = sa.manifest(step), sb.manifest(step)
-        for name in sorted(set(ma) | set(mb)):
-            if name == "eval" and not (name in ma and name in mb):
-                continue  # the flow evaluates after training too; the plain run does not
-            if ma.get(name, {}).get("sha256") != mb.get(name, {}).get("sha256"):
-                differ.append(f"{step:06d}/{name}")
-    return differ
-
-
 def bench_stages(
+    train: Train,
     config_path: str | None = "configs/demo-tiny.yaml",
     overrides: Sequence[str] = (),
     steps: int = 3,
@@ -123,28 +93,30 @@ def bench_stages(
 ) -> dict:
     """Measure where a training step's time goes (see the module docstring); returns the figures.
 
-    Prefect must be configured (``configure_prefect()``, or a test harness) before the call.
-    ``work_dir`` keeps the two run directories (``flow/``, ``plain/``) and the scratch one; by
-    default they live in a temporary directory removed at the end. Times are seconds.
+    ``train(config, run_dir)`` runs the training flow on a new run directory and returns its summary
+    (``coba bench stages`` passes ``flows.train.train_flow``); Prefect must be configured
+    (``configure_prefect()``, or a test harness) before the call. ``work_dir`` keeps the run directory
+    (``run/``) and the scratch one; by default they live in a temporary directory removed at the end.
+    Times are seconds.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     cfg = _bench_config(config_path, list(overrides), steps)
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="coba-bench-stages-") as tmp:
-            return _bench(cfg, config_path, Path(tmp), steps, repeats, progress)
-    return _bench(cfg, config_path, Path(work_dir), steps, repeats, progress)
+            return _bench(train, cfg, config_path, Path(tmp), steps, repeats, progress)
+    return _bench(train, cfg, config_path, Path(work_dir), steps, repeats, progress)
 
 
-def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: int, progress) -> dict:
+def _bench(train: Train, cfg: Any, config_path: str | None, work: Path, steps: int, repeats: int, progress) -> dict:
     import torch
 
-    from coba_tasks.pipeline import evaluation, run
+    from coba_tasks.pipeline import run
     from coba_tasks.pipeline import stages as stage_step
 
     work.mkdir(parents=True, exist_ok=True)
-    flow_dir, plain_dir, scratch_dir = (work / n for n in ("flow", "plain", "scratch"))
-    for d in (flow_dir, plain_dir, scratch_dir):
+    run_dir, scratch_dir = (work / n for n in ("run", "scratch"))
+    for d in (run_dir, scratch_dir):
         if d.exists() and any(d.iterdir()):
             raise ValueError(f"{d} is not empty; give bench stages an empty work directory")
     machine = {
@@ -156,28 +128,22 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
-    # -- 2. the same steps through Prefect and as plain calls, interleaved --------------------------
-    # Two run directories on one engine and one verifier pool (each run its own trainer): step t of
-    # the flow run, then step t of the plain run (the other order on odd steps), so both meet the same
-    # machine load. Before the second run of a pair the engine gets back the weights of step t (the
-    # first run's update moved them on; the two runs' checkpoints are bit-identical), untimed.
-    from coba_tasks.bench.steps_flow import bench_steps_flow
-
-    flow_root, root = flow_dir.resolve(), plain_dir.resolve()
-    res_flow = run.open_run(flow_root, cfg, continuing=False)
-    res = run.open_run(root, cfg, continuing=False)
+    # -- 2. the steps through the training flow, as coba run runs them --------------------------------
+    progress(f"{steps} steps through the training flow (coba-train)")
+    summary = train(cfg, str(run_dir))
+    res = run.open_run(run_dir.resolve(), cfg, continuing=True)
     try:
-        progress("start the engine, the verifier pool and the two runs' trainers")
-        run.start_resources(res_flow, cfg.model.path, version=0)
-        run.start_resources(res, cfg.model.path, version=0, engine=res_flow.engine, pool=res_flow.pool)
-        machine["torch_threads"] = torch.get_num_threads()  # what the steps run with
-        evaluation.evaluate_step.fn(str(root), 0)  # a warm-up of the engine and the pool, untimed (no Prefect)
-        progress(f"{steps} steps of each run, interleaved: through Prefect (coba-bench-steps) and as plain calls")
-        pairs = bench_steps_flow(str(flow_root), str(root), steps)
-        flow, plain = (_step_figures(pairs, side) for side in ("flow", "plain"))
-
-        t = steps - 1  # the step whose inputs and outputs the stage benchmarks use
+        progress("start the engine, the verifier pool and the trainer on the run's final weights")
+        stage_step.resume_point(res)
+        machine["torch_threads"] = torch.get_num_threads()  # what the stages run with
         store = res.store
+        timings = [store.read_json(f"steps/{t:06d}/timing.json") for t in range(steps)]
+        step = {
+            "step_s": float(summary["step_seconds_mean"]),
+            "outside_stages_s": float(summary["prefect_overhead_seconds_per_step"]),
+            "stage_s": {s.value: _mean([float(timing[s]) for timing in timings]) for s in STAGES},
+        }
+        t = steps - 1  # the step whose inputs and outputs the stage benchmarks use
         budget = store.read_table(t, Table.BUDGET)
         rollouts = store.read_table(t, Table.ROLLOUTS)
         rewards = store.read_table(t, Table.REWARDS)
@@ -185,27 +151,15 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
         verify = _bench_verify(res, rollouts, rewards, repeats, progress)
         parquet = _bench_parquet(store, scratch_dir, cfg, t, repeats, progress)
         update = _bench_update(res, rollouts, rewards, scratch_dir, repeats, progress)
-    finally:  # the pool and the engine are shared: closed once, with the flow side
-        run.close_run(res, engine=False, pool=False)
-        run.close_run(res_flow)
+    finally:
+        run.close_run(res)
 
     machine["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    differ = _same_tables(flow_dir, plain_dir, steps)
-    orchestration_s = flow["step_s"] - plain["step_s"]
     rollout["write_s"] = parquet["tables"]["rollouts"]["write_s"]
-    pair_ratios = [p["flow"]["wall_s"] / p["plain"]["wall_s"] for p in pairs]
     ratios = {
         "rollout_stage_over_bare": rollout["stage_s"] / rollout["bare_s"],
         "rollout_stage_and_write_over_bare": (rollout["stage_s"] + rollout["write_s"]) / rollout["bare_s"],
-        "flow_over_plain_step": flow["step_s"] / plain["step_s"],
-        "orchestration_share": orchestration_s / flow["step_s"],
-        "prefect_overhead_share_in_flow": flow["outside_stages_s"] / flow["step_s"],
-        "flow_over_plain_pairs": {
-            "median": float(statistics.median(pair_ratios)),
-            "min": float(min(pair_ratios)),
-            "max": float(max(pair_ratios)),
-            "each": pair_ratios,
-        },
+        "orchestration_share": step["outside_stages_s"] / step["step_s"],
     }
     goals = {
         name: {"value": ratios[name], "goal": limit, "met": bool(ratios[name] <= limit)}
@@ -227,14 +181,7 @@ def _bench(cfg: Any, config_path: str | None, work: Path, steps: int, repeats: i
             "model": cfg.model.path,
         },
         "rollout": rollout,
-        "step": {
-            "flow": flow,
-            "plain": plain,
-            "orchestration_s": orchestration_s,
-            "pairs": pairs,
-            "same_tables": not differ,
-            "tables_differ": differ,
-        },
+        "step": step,
         "parquet": parquet,
         "verify": verify,
         "update": update,
@@ -410,7 +357,6 @@ def format_stages(result: dict) -> str:
     """Human-readable report of ``bench_stages``: the figures, the ratios, their goals and whether met."""
     m, sh, ro, st = result["machine"], result["shape"], result["rollout"], result["step"]
     pq, ve, up, ra, go = result["parquet"], result["verify"], result["update"], result["ratios"], result["goals"]
-    flow, plain, pr = st["flow"], st["plain"], ra["flow_over_plain_pairs"]
     g_roll, g_orch = go["rollout_stage_over_bare"], go["orchestration_share"]
     lines = [
         f"Where a training step's time goes ({result['config']}, {result['steps']} steps; "
@@ -429,24 +375,15 @@ def format_stages(result: dict) -> str:
         f"(stage + write) / bare = {ra['rollout_stage_and_write_over_bare']:.3f}x; "
         f"same completions: {'yes' if ro['same_completions'] else 'NO'}",
         "",
-        f"2. One step through Prefect vs the same stages as plain function calls (mean of {result['steps']} steps)",
-        f"  {'':<34}{'flow':>10}{'plain':>10}",
+        f"2. One step through the training flow (mean of {result['steps']} steps)",
     ]
     for name in STAGES:
-        lines.append(f"  {'stage ' + name:<34}{_fmt_s(flow['stage_s'][name]):>10}{_fmt_s(plain['stage_s'][name]):>10}")
-    outside_flow = flow["step_s"] - sum(flow["stage_s"].values())
+        lines.append(f"  {'stage ' + name:<34}{_fmt_s(st['stage_s'][name]):>10}")
     lines += [
-        f"  {'outside the stage bodies':<34}{_fmt_s(outside_flow):>10}{_fmt_s(plain['outside_stages_s']):>10}",
-        f"  {'step':<34}{_fmt_s(flow['step_s']):>10}{_fmt_s(plain['step_s']):>10}",
-        f"  flow / plain per step (interleaved): median {pr['median']:.3f}x, smallest {pr['min']:.3f}x, largest "
-        f"{pr['max']:.3f}x ({', '.join(f'{x:.3f}' for x in pr['each'])})",
-        f"  flow / plain = {ra['flow_over_plain_step']:.3f}x (means); orchestration (flow - plain) "
-        f"{_fmt_s(st['orchestration_s'])} = {ra['orchestration_share']:.1%} of a flow step "
+        f"  {'outside the stage bodies (Prefect)':<34}{_fmt_s(st['outside_stages_s']):>10}",
+        f"  {'step':<34}{_fmt_s(st['step_s']):>10}",
+        f"  Prefect's own time per step (step wall - stage bodies) = {ra['orchestration_share']:.1%} of a step "
         f"(goal <= {g_orch['goal']:.0%}: {_met(g_orch)})",
-        f"  Prefect overhead as the flow measures it (step wall - stage bodies): {_fmt_s(flow['outside_stages_s'])}"
-        f" = {ra['prefect_overhead_share_in_flow']:.1%} of a flow step",
-        "  same tables in both run directories: "
-        + ("yes" if st["same_tables"] else "NO (" + ", ".join(st["tables_differ"][:6]) + ")"),
         "",
         "3. Parquet per step (write = RunStore.write_table, read = read_table with sha256)",
         f"  {'table':<14}{'rows':>8}{'bytes':>12}{'write':>11}{'read':>11}",

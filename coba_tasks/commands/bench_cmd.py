@@ -158,13 +158,13 @@ def _add_stages(bench_sub: Any) -> None:
     add_command(
         bench_sub,
         "stages",
-        help="where a training step's time goes: rollout stage vs bare vLLM, Prefect vs plain calls, Parquet, "
-        "verifier, update",
-        description="Run a few training steps through the Prefect flow and the same steps as plain function calls "
-        "on temporary run directories, then time the rollout stage against a bare vllm.LLM.generate with the same "
-        "prompts, budgets and seeds, the Parquet write and read of each of the step's tables, the verifier and the "
-        "GRPO update. Prints the figures and the ratios with their goals (rollout stage / bare vLLM <= 1.10, "
-        "orchestration <= 10% of a step); asserts nothing.",
+        help="where a training step's time goes: rollout stage vs bare vLLM, Prefect's share, Parquet, verifier, "
+        "update",
+        description="Run a few training steps through the Prefect training flow on a temporary run directory "
+        "(the seconds of each stage and Prefect's own time per step), then time the rollout stage against a bare "
+        "vllm.LLM.generate with the same prompts, budgets and seeds, the Parquet write and read of each of the "
+        "step's tables, the verifier and the GRPO update. Prints the figures and the ratios with their goals "
+        "(rollout stage / bare vLLM <= 1.10, Prefect <= 10% of a step); asserts nothing.",
         examples=[
             "coba bench stages",
             "coba bench stages --steps 5 --json > stages.json",
@@ -183,7 +183,7 @@ def _add_stages(bench_sub: Any) -> None:
                 metavar="KEY=VALUE",
                 help="override a config key, e.g. --set data.prompts_per_step=64 (repeatable)",
             ),
-            option("--steps", type=positive_int, default=3, help="training steps in each run (default 3)"),
+            option("--steps", type=positive_int, default=3, help="training steps of the run (default 3)"),
             JSON_OPTION,
         ],
         func=cmd_bench_stages,
@@ -251,5 +251,10 @@ def cmd_bench_stages(args: argparse.Namespace) -> int:
     from coba_tasks.commands.prefect_env import configure_prefect
 
     configure_prefect()
-    result = bench_stages(args.config, list(args.set or []), steps=args.steps, progress=print_progress)
+    from flows.train import train_flow
+
+    def train(cfg: Any, run_dir: str) -> dict:
+        return train_flow(config=cfg, run_dir=run_dir)
+
+    result = bench_stages(train, args.config, list(args.set or []), steps=args.steps, progress=print_progress)
     return print_figures(result, args.json, format_stages)

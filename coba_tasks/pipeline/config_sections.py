@@ -379,6 +379,11 @@ class AllocationConfig(Section):
             raise PydanticCustomError("config", _TAU)
         return number
 
+    @property
+    def piloted(self) -> bool:
+        """Whether each step starts with a pilot (``estimator = pilot``): ``store.step_stages(piloted)``."""
+        return self.estimator == Estimator.PILOT
+
     @model_validator(mode="after")
     def _budgets(self) -> AllocationConfig:
         if self.max_budget < self.min_budget:
@@ -389,7 +394,7 @@ class AllocationConfig(Section):
                 "knapsack has its own estimate (the mean of a prompt's newest 16 rollouts); set "
                 "allocation.estimator=last with knapsack, or allocation.strategy=coba or uniform",
             )
-        if self.estimator == Estimator.PILOT and self.pilot_rollouts > self.min_budget:
+        if self.piloted and self.pilot_rollouts > self.min_budget:
             self._fail(
                 "pilot_rollouts",
                 f"must be <= allocation.min_budget ({self.min_budget}): every budget holds its pilot's rollouts; "

@@ -28,10 +28,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coba_tasks.core.estimators import Estimator
 from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.pipeline.evaluation import eval_steps
-from coba_tasks.pipeline.run import first_step_not_done
+from coba_tasks.pipeline.run import first_step_not_done, read_run_config
 from coba_tasks.pipeline.store import PILOT_STAGES, STAGES, RunStore, StoreError, Table, inside_run, step_stages
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
@@ -110,12 +109,11 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
 
 
 def _piloted(store: RunStore) -> bool:
-    """Whether the run's steps start with a pilot (its config's ``allocation.estimator``)."""
+    """Whether the run's steps start with a pilot (its config's ``allocation.piloted``); a damaged config: no."""
     try:
-        allocation = store.read_config().get("allocation") or {}
+        return read_run_config(store).allocation.piloted
     except StoreError:
         return False
-    return isinstance(allocation, dict) and allocation.get("estimator") == Estimator.PILOT
 
 
 def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:

@@ -413,14 +413,9 @@ def verifier_pool(cfg: Config) -> VerifierPool:
     )
 
 
-def start_resources(
-    res: RunResources, model_path: str, version: int, engine: Any = None, pool: VerifierPool | None = None
-) -> None:
+def start_resources(res: RunResources, model_path: str, version: int) -> None:
     """Start what a run keeps alive between steps: the rollout engine on ``model_path`` (weight
     version ``version``), the verifier pool and the training model (from the config's model path).
-
-    ``engine`` and ``pool``, when given, are used instead of new ones (``coba bench stages`` runs two
-    run directories on one engine and one pool; the caller closes them once).
 
     With ``optim.fsdp_processes`` > 1 no training model is built here: each update is a torchrun job
     that loads the policy and the AdamW state from the last checkpoint and writes the next one, so
@@ -431,25 +426,21 @@ def start_resources(
     """
     cfg = res.cfg
     r = cfg.rollout
-    res.engine = (
-        engine
-        if engine is not None
-        else make_backend(
-            r.backend,
-            model_path,
-            dtype=cfg.model.dtype,
-            max_model_len=r.max_model_len or None,
-            seed=cfg.run.seed,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            trust_remote_code=cfg.model.trust_remote_code,
-            in_process=r.in_process,
-            sleep_mode=r.sleep_during_update,
-            tensor_parallel_size=r.tensor_parallel_size,  # GPUs per engine (each Ray actor asks Ray for as many)
-            **({"engines": r.engines} if r.backend == "vllm-ray" else {}),  # Ray actors (docs/scale_out.md)
-        )
+    res.engine = make_backend(
+        r.backend,
+        model_path,
+        dtype=cfg.model.dtype,
+        max_model_len=r.max_model_len or None,
+        seed=cfg.run.seed,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        trust_remote_code=cfg.model.trust_remote_code,
+        in_process=r.in_process,
+        sleep_mode=r.sleep_during_update,
+        tensor_parallel_size=r.tensor_parallel_size,  # GPUs per engine (each Ray actor asks Ray for as many)
+        **({"engines": r.engines} if r.backend == "vllm-ray" else {}),  # Ray actors (docs/scale_out.md)
     )
     res.engine.weight_version = version
-    res.pool = pool if pool is not None else verifier_pool(cfg)
+    res.pool = verifier_pool(cfg)
     settings = update_settings(cfg)
     if cfg.optim.fsdp_processes > 1:
         import torch
@@ -462,11 +453,11 @@ def start_resources(
         res.trainer = PolicyTrainer(cfg.model.path, settings, seed=cfg.run.seed)
 
 
-def close_run(res: RunResources, engine: bool = True, pool: bool = True) -> None:
-    """Close the run's verifier pool and engine (unless shared: ``engine``/``pool`` False) and unregister it."""
-    if pool and res.pool is not None:
+def close_run(res: RunResources) -> None:
+    """Close the run's verifier pool and engine and unregister it."""
+    if res.pool is not None:
         res.pool.close()
-    if engine and res.engine is not None:
+    if res.engine is not None:
         res.engine.close()
     _RUNS.pop(str(res.store.root.resolve()), None)
 

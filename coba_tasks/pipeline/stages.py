@@ -590,7 +590,7 @@ def budget(res: RunResources, step: int) -> pd.DataFrame:
     Beta shape after step t - 1 (uniform at step 0: no pass rates yet). Under ``allocation.estimator = pilot``
     on the posterior after the step's pilot: every budget holds the pilot's k and they sum to B_total."""
     history = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else prompt_history.empty_history()
-    scored = res.store.read_table(step, Table.PILOT_REWARDS) if piloted(res.cfg) else None
+    scored = res.store.read_table(step, Table.PILOT_REWARDS) if res.cfg.allocation.piloted else None
     return budget_for(res, step, history, tracker_before(res, step), pilot=scored)
 
 
@@ -600,7 +600,7 @@ def rollouts(res: RunResources, step: int) -> pd.DataFrame:
     (after a pilot: the rest of its budget, beside the pilot's)."""
     budget = res.store.read_table(step, Table.BUDGET)
     args = (res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
-    if piloted(res.cfg):
+    if res.cfg.allocation.piloted:
         return second_wave_table(budget, res.store.read_table(step, Table.PILOT), *args)
     return rollout_table(budget, *args)
 
@@ -610,7 +610,7 @@ def rewards(res: RunResources, step: int) -> pd.DataFrame:
     """Score every completion with the verifier pool (after a pilot: its rewards kept, the rest scored); a step
     with too many errors or timeouts stops the run."""
     rolled = res.store.read_table(step, Table.ROLLOUTS)
-    if piloted(res.cfg):
+    if res.cfg.allocation.piloted:
         scored = res.store.read_table(step, Table.PILOT_REWARDS)
         table = merged_reward_table(rolled, scored, res.prompts, res.pool)
     else:
@@ -648,14 +648,9 @@ def update(res: RunResources, step: int) -> pd.DataFrame:
 TASKS = {t.name: t for t in (pilot, pilot_rewards, budget, rollouts, rewards, capability, update)}
 
 
-def piloted(cfg: Config) -> bool:
-    """Whether the run's steps start with a pilot (``allocation.estimator = pilot``)."""
-    return cfg.allocation.estimator == Estimator.PILOT
-
-
 def step_tasks(cfg: Config) -> tuple[Task[[str, int], str], ...]:
     """The stage tasks of one step of the run, in the order ``store.step_stages`` gives."""
-    return tuple(TASKS[name] for name in step_stages(piloted(cfg)))
+    return tuple(TASKS[name] for name in step_stages(cfg.allocation.piloted))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -760,16 +755,6 @@ def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, fl
     seconds = {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Table.EVAL}
     res.store.write_step_json(step, "timing", seconds)
     return seconds
-
-
-def plain_step(run_dir: str | Path, step: int) -> None:
-    """One training step as plain calls: the stage bodies in order (``Task.fn``, no Prefect), and
-    timing.json."""
-    res = resources(run_dir)
-    before = dict(res.stage_seconds)
-    for stage_task in step_tasks(res.cfg):
-        stage_task.fn(str(run_dir), step)
-    write_step_timing(res, step, before)
 
 
 def resume_point(res: RunResources) -> int:

@@ -1,6 +1,6 @@
 """A run whose update cannot be finite stops at that step in one line, and keeps only finite checkpoints.
 
-The stages run as plain functions (``stages.plain_step``, the code the Prefect flow runs) on the tiny
+The stages run as plain functions (each stage task's body, ``Task.fn``: the code the Prefect flow runs) on the tiny
 model with the first-character reward (tests/helpers_reward.py), so that the groups hold both rewards.
 """
 
@@ -48,9 +48,11 @@ def _stop_message(tmp_path, model, overrides, error: type[Exception], stopping_s
     res, root = _open(tmp_path, model, overrides)
     try:
         for step in range(stopping_step):
-            stage_step.plain_step(root, step)
+            for stage_task in stage_step.step_tasks(res.cfg):  # one step, without Prefect
+                stage_task.fn(str(root), step)
         with pytest.raises(error) as info:
-            stage_step.plain_step(root, stopping_step)
+            for stage_task in stage_step.step_tasks(res.cfg):  # one step, without Prefect
+                stage_task.fn(str(root), stopping_step)
     finally:
         run.close_run(res)
     message = str(info.value)

@@ -1,7 +1,7 @@
 """A short training run on the tiny model scored by a veRL-style reward file (``verify.reward_function``).
 
-The run's stages are called as plain functions (``stages.plain_step``: the same stage code the
-Prefect flow runs, without the Prefect server), two steps on four prompts. The reward file reads each
+The run's stages are called as plain functions (each stage task's body, ``Task.fn``: the same stage
+code the Prefect flow runs, without the Prefect server), two steps on four prompts. The reward file reads each
 prompt's ``extra_info`` (a veRL dataset) to pick what it does with it: a fractional float, a dict with
 extra keys, a raise, or a sleep past ``verify.timeout_s``, each on completions whose first character is
 not a lowercase letter or a digit (about 60 % of the random tiny model's samples).
@@ -91,7 +91,8 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
         assert stage_step.resume_point(res) == 0
         assert res.pool.reward_function is not None and res.pool.reward_function.pass_threshold == 0.5
         for step in range(2):
-            stage_step.plain_step(root, step)
+            for stage_task in stage_step.step_tasks(res.cfg):  # one step, without Prefect
+                stage_task.fn(str(root), step)
         held_out = evaluation.evaluate(res.test, res.engine, res.pool, 1, 0.0, cfg.rollout.max_tokens, cfg.run.seed)
         greedy = res.engine.generate(  # the same greedy completions, to score by hand
             [RolloutRequest(r.prompt_id, tuple(r.prompt_token_ids), 1, 0) for r in res.test.itertuples()],
