@@ -14,7 +14,7 @@ from pydantic import BeforeValidator, StrictBool, StrictInt, field_validator, mo
 from pydantic_core import PydanticCustomError
 
 from coba_tasks.core.allocation import Mode, Strategy, strategies
-from coba_tasks.core.estimators import DEFAULT_DECAY, DEFAULT_PILOT_ROLLOUTS, DEFAULT_PRIOR_STRENGTH, Estimator
+from coba_tasks.core.capability import DEFAULT_DECAY, DEFAULT_PILOT_ROLLOUTS, DEFAULT_PRIOR_STRENGTH, Estimator
 from coba_tasks.core.solvers import coba_solvers
 from coba_tasks.engines.rollout import backends
 from coba_tasks.engines.verify import Gsm8kAnswer
@@ -40,7 +40,7 @@ PromptFormat = Literal["auto", "chat", "raw"]  # data.prompt_format (coba_tasks.
 UnknownSources = Literal["error", "math"]  # verify.unknown_sources (coba_tasks.pipeline.data)
 Schedule = Literal["adaptive", "reversed", "fixed"]  # allocation.schedule: the paper's ablations reverse or fix it
 ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocation.Mode
-EstimatorName = Literal["last", "posterior", "pilot"]  # allocation.estimator: coba_tasks.core.estimators.Estimator
+EstimatorName = Literal["last", "posterior", "pilot"]  # allocation.estimator: coba_tasks.core.capability.Estimator
 # optim.rollout_correction: coba_tasks.core.grpo.RolloutCorrection's values (not imported here: it pulls in torch)
 RolloutCorrectionLevel = Literal["none", "token", "sequence"]
 # optim.prompt_weighting: coba_tasks.core.grpo.PromptWeighting's values (not imported here either)

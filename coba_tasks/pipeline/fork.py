@@ -41,7 +41,7 @@ from typing import Any
 
 import pandas as pd
 
-from coba_tasks.core.estimators import Estimator
+from coba_tasks.core.capability import Estimator
 from coba_tasks.engines.fileio import new_temporary_dir, sha256_file, write_parquet
 from coba_tasks.pipeline import prompt_history, stages
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict

@@ -1,6 +1,6 @@
 """The allocator's memory of each prompt: the history table, the pass rates it is made of, the posterior counts it
 carries from visit to visit, and each prompt's estimate under ``allocation.estimator`` with the rollouts it rests on
-(the math: ``coba_tasks.core.estimators``; docs/method.md, section 2).
+(the math: ``coba_tasks.core.capability``; docs/method.md, section 2).
 
 The history table (``update_history``; ``steps/t/history.parquet``, written by the capability stage) holds, per
 prompt, its last ``pass_rate_window`` visits' ``pass_rates`` and ``visit_rollouts`` (the rollouts of each),
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from coba_tasks.core.estimators import (
+from coba_tasks.core.capability import (
     DEFAULT_DECAY,
     DEFAULT_PRIOR_STRENGTH,
     Estimator,

@@ -52,8 +52,7 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from coba_tasks.core.allocation import Allocation, Strategy, plan_allocation
-from coba_tasks.core.capability import CapabilityTracker
-from coba_tasks.core.estimators import Estimator
+from coba_tasks.core.capability import CapabilityTracker, Estimator
 from coba_tasks.core.grpo import (
     RewardScaleError,
     group_advantages,
@@ -62,10 +61,9 @@ from coba_tasks.core.grpo import (
     zero_variance_share,
 )
 from coba_tasks.core.knapsack import pooled_estimate
-from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
-from coba_tasks.engines.update import NonFiniteUpdateError
+from coba_tasks.engines.update import NonFiniteUpdateError, engine_asleep
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
 from coba_tasks.pipeline import prompt_history
 from coba_tasks.pipeline.config import Config

@@ -14,11 +14,11 @@ from char_prompts import char_ids, with_char_ids
 from scripts_loader import load_script
 
 from coba_tasks.engines import rollout
-from coba_tasks.engines.engine_sleep import engine_asleep
 from coba_tasks.engines.rollout import Rollout, RolloutBackend, SamplingConfig, make_backend
 from coba_tasks.engines.rollout.base import _BACKENDS
 from coba_tasks.engines.rollout.hf_backend import TransformersBackend
 from coba_tasks.engines.rollout.vllm_backend import VLLMBackend
+from coba_tasks.engines.update import engine_asleep
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import evaluation
 from coba_tasks.pipeline.config import check_platform, config_to_dict, load_config

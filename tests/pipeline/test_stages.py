@@ -235,7 +235,7 @@ def test_history_carries_the_posterior_counts_from_visit_to_visit():
 def test_budget_table_posterior_allocates_on_the_posterior_mean():
     """estimator=posterior: each prompt's estimate is its posterior mean, resting on a + b; a prompt never
     visited gets the prior (pbar, s); before any rollout is scored every estimate is NaN (uniform)."""
-    from coba_tasks.core.estimators import counts_before, global_pass_rate, posterior_mean
+    from coba_tasks.core.capability import counts_before, global_pass_rate, posterior_mean
 
     h, tracker = _after_visits()
     alloc = _alloc(estimator="posterior", prior_strength=2.0, posterior_decay=0.5)
@@ -259,7 +259,7 @@ def test_budget_table_posterior_allocates_on_the_posterior_mean():
 def test_budget_table_pilot_allocates_the_rest_on_the_posterior_after_the_pilot():
     """estimator=pilot: the estimate is the posterior after the pilot's k rollouts per prompt joined the visit;
     every budget counts the pilot's k (>= B_low >= k) and they sum to B_total; the table records k."""
-    from coba_tasks.core.estimators import counts_before, global_pass_rate, posterior_mean, visit
+    from coba_tasks.core.capability import counts_before, global_pass_rate, posterior_mean, visit
 
     h, tracker = _after_visits()
     alloc = _alloc(estimator="pilot", prior_strength=2.0, posterior_decay=0.5, pilot_rollouts=2)

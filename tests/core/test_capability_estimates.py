@@ -1,4 +1,4 @@
-"""The posterior's math (coba_tasks/core/estimators.py): the prior from the global pass rate, the decay per
+"""The posterior's math (coba_tasks/core/capability.py): the prior from the global pass rate, the decay per
 visit, the update and the mean the allocation uses."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coba_tasks.core.estimators import (
+from coba_tasks.core.capability import (
     Estimator,
     counts_before,
     global_pass_rate,
