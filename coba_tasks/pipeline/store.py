@@ -54,7 +54,7 @@ import operator
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
@@ -323,13 +323,16 @@ class RunStore:
         """
         return _write_tracked(inside_run(self.root, self.step_dir(step)), _check_name(name), df, self.config_hash)
 
-    def read_table(self, step: int, name: str, verify: bool = True) -> pd.DataFrame:
-        """Read a done table; with ``verify``, check its size and sha256 against the manifest first.
+    def read_table(
+        self, step: int, name: str, verify: bool = True, columns: Sequence[str] | None = None
+    ) -> pd.DataFrame:
+        """Read a done table (only ``columns``, when given); with ``verify``, check its size and sha256 against
+        the manifest first.
 
         Raises:
             StoreError: the table is not done, or its file is missing, altered, truncated or unreadable.
         """
-        return _read_tracked(self.step_dir(step), _check_name(name), verify)
+        return _read_tracked(self.step_dir(step), _check_name(name), verify, columns)
 
     def damage(self, step: int, name: str) -> str | None:
         """Why a table listed in the step's manifest is unusable (missing, truncated, altered,
@@ -481,7 +484,7 @@ def _write_tracked(directory: Path, name: str, df: pd.DataFrame, config_hash: st
     return path
 
 
-def _read_tracked(directory: Path, name: str, verify: bool) -> pd.DataFrame:
+def _read_tracked(directory: Path, name: str, verify: bool, columns: Sequence[str] | None = None) -> pd.DataFrame:
     entries = _read_manifest(directory)
     path = directory / f"{name}.parquet"  # never a path taken from the manifest: it could point anywhere
     entry = entries.get(name)
@@ -505,7 +508,7 @@ def _read_tracked(directory: Path, name: str, verify: bool) -> pd.DataFrame:
                 f"(the file was altered); {_REPAIR_HINT}"
             )
     try:
-        return pq.read_table(path).to_pandas()
+        return pq.read_table(path, columns=None if columns is None else list(columns)).to_pandas()
     except (pa.ArrowException, OSError) as e:
         raise StoreError(f"{path}: unreadable Parquet ({e}); {_REPAIR_HINT}") from e
 

@@ -181,19 +181,12 @@ def effective_prompts_of(t: RunTables, step: int) -> float:
         if "effective_prompts" in update and len(update):
             return float(update["effective_prompts"].iloc[0])
     if {Table.ROLLOUTS, Table.REWARDS} <= done:
-        return token_effective_prompts(_rollout_tokens(t, step), t.table(step, Table.REWARDS))
+        return token_effective_prompts(
+            # the token ids and log-probs are most of the table's bytes: two columns, unhashed (as coba inspect --sql)
+            t.store.read_table(step, Table.ROLLOUTS, verify=False, columns=("prompt_id", "n_tokens")),
+            t.table(step, Table.REWARDS),
+        )
     return math.nan
-
-
-def _rollout_tokens(t: RunTables, step: int) -> pd.DataFrame:
-    """prompt_id and n_tokens of rollouts(step), read alone (the table's token ids and log-probs are most of
-    its bytes; the file is not hashed, as ``coba inspect --sql`` reads it); empty without ``n_tokens``."""
-    import pyarrow.parquet as pq
-
-    path = t.store.table_path(step, Table.ROLLOUTS)
-    if "n_tokens" not in pq.read_schema(path).names:
-        return pd.DataFrame()
-    return pd.read_parquet(path, columns=["prompt_id", "n_tokens"])
 
 
 def group_figures(rewards: pd.DataFrame) -> dict[str, float]:

@@ -43,7 +43,9 @@ def _step(store: RunStore, s: int, evaluate: bool, shift: float = 0.0) -> None:
     """The tables of training step ``s`` (and the evaluation after it); ``shift`` moves its loss."""
     ids, idx = ["a", "a", "b", "b"], [0, 1, 0, 1]
     store.write_table(
-        s, Table.ROLLOUTS, pd.DataFrame({"prompt_id": ids, "sample_idx": idx, "completion": list("wxyz")})
+        s,
+        Table.ROLLOUTS,
+        pd.DataFrame({"prompt_id": ids, "sample_idx": idx, "completion": list("wxyz"), "n_tokens": [3, 1, 2, 2]}),
     )
     rewards = pd.DataFrame({"prompt_id": ids, "sample_idx": idx, "reward": [1.0, 0.0, 0.0, 0.0], "verdict": "wrong"})
     store.write_table(s, Table.REWARDS, rewards)
@@ -84,11 +86,11 @@ def test_step_metrics_and_samples_from_the_tables(tmp_path):
     assert (m["update/clip_frac"], m["update/entropy"]) == (0.1, 2.0)
     assert m["update/sampler_trainer_gap"] == 0.01 and m["time/update_seconds"] == 2.0 and m["time/step_seconds"] == 3
     assert "heldout/accuracy" not in m
-    # the step's mechanisms (readers.mechanisms): a mixed, b not; no verdict correct, so pass@2 0; no estimate,
-    # and no n_tokens to weigh N_eff by: those are not logged
+    # the step's mechanisms (readers.mechanisms): a mixed, b not; no verdict correct, so pass@2 0; no estimate
+    # (not logged); N_eff from the rollouts' tokens (the update table has none): one mixed prompt, 1.0
     assert (m["mechanisms/prompts"], m["mechanisms/mixed_groups"], m["mechanisms/estimated"]) == (2, 1, 0)
-    assert m["mechanisms/train_pass_at_2"] == 0.0
-    assert "mechanisms/estimate_mae" not in m and "mechanisms/effective_prompts" not in m
+    assert m["mechanisms/train_pass_at_2"] == 0.0 and m["mechanisms/effective_prompts"] == 1.0
+    assert "mechanisms/estimate_mae" not in m
     m0 = trackers.step_metrics(t, 0)
     assert m0["heldout/accuracy"] == 0.5 and m0["heldout/accuracy_L2"] == 1.0 and "update/loss" not in m0
     samples = trackers.step_samples(t, 1)
