@@ -111,22 +111,17 @@ def bench_verify(arith_items: int = 20_000, math_items: int = 300, workers: int 
         pool.start()
         pool.score(maths[:4])  # warm the workers' caches
         vm, math_s = timed(pool.score, maths)
-    return {
-        "benchmark": "verify",
-        "workers": workers,
-        "arith": {
-            "items": arith_items,
-            "seconds": arith_s,
-            "items_per_s": arith_items / arith_s,
-            "verdicts": count_verdicts(va),
-        },
-        "math": {
-            "items": math_items,
-            "seconds": math_s,
-            "items_per_s": math_items / math_s,
-            "verdicts": count_verdicts(vm),
-        },
-    }
+
+    def figures(items: int, seconds: float, verdicts: Any) -> dict:
+        return {
+            "items": items,
+            "seconds": seconds,
+            "items_per_s": items / seconds,
+            "verdicts": count_verdicts(verdicts),
+        }
+
+    arith_figures, math_figures = figures(arith_items, arith_s, va), figures(math_items, math_s, vm)
+    return {"benchmark": "verify", "workers": workers, "arith": arith_figures, "math": math_figures}
 
 
 def format_verify(result: dict) -> str:

@@ -114,9 +114,7 @@ def bench_allocate(
     dp_unit = dp_s / (m * (total - low * m) * (up - low))
     heap_unit = heap_s / ((total - low * m) * math.log2(m))
     sweep = []
-    if sizes is None:
-        sizes = SWEEP_M[:3] if quick else SWEEP_M
-    for mm in sizes:
+    for mm in sizes if sizes is not None else (SWEEP_M[:3] if quick else SWEEP_M):
         progress(f"sweep M = {mm:,}")
         pp = rng.uniform(0.0, 1.0, size=mm)
         tot = 16 * mm
@@ -133,8 +131,7 @@ def bench_allocate(
             row.update(heap_s=None, heap_predicted_s=predicted, heap_over_threshold=None, same_allocation=None)
         predicted = dp_unit * mm * spare * (up - low)
         if predicted <= DP_LIMIT_S:
-            d_s, _ = median_time(lambda pp=pp, tot=tot: run("dp", pp, tot), 1)
-            row["dp_s"] = d_s
+            row["dp_s"] = median_time(lambda pp=pp, tot=tot: run("dp", pp, tot), 1)[0]
         else:
             row.update(dp_s=None, dp_predicted_s=predicted)
         sweep.append(row)

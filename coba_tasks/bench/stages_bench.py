@@ -26,6 +26,7 @@ printed with whether this run met them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -36,7 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.bench.timing import available_cpus
+from coba_tasks.bench.timing import available_cpus, timed
 from coba_tasks.bench.timing import median_time as bench_median_time
 from coba_tasks.pipeline.store import STAGES, Table
 
@@ -49,10 +50,6 @@ STEP_TABLES = tuple(t.value for t in Table if t not in (Table.EVAL, Table.PILOT,
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return bench_median_time(fn, repeats, warmup=False)  # stateful calls (the update): no untimed extra call
-
-
-def _mean(xs: Sequence[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
 def _bench_config(config_path: str | None, overrides: Sequence[str], steps: int):
@@ -99,13 +96,10 @@ def bench_stages(
     (``run/``) and the scratch one; by default they live in a temporary directory removed at the end.
     Times are seconds.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     cfg = _bench_config(config_path, list(overrides), steps)
-    if work_dir is None:
-        with tempfile.TemporaryDirectory(prefix="coba-bench-stages-") as tmp:
-            return _bench(train, cfg, config_path, Path(tmp), steps, repeats, progress)
-    return _bench(train, cfg, config_path, Path(work_dir), steps, repeats, progress)
+    kept = contextlib.nullcontext(work_dir)
+    with kept if work_dir is not None else tempfile.TemporaryDirectory(prefix="coba-bench-stages-") as work:
+        return _bench(train, cfg, config_path, Path(work), steps, repeats, progress)
 
 
 def _bench(train: Train, cfg: Any, config_path: str | None, work: Path, steps: int, repeats: int, progress) -> dict:
@@ -141,12 +135,10 @@ def _bench(train: Train, cfg: Any, config_path: str | None, work: Path, steps: i
         step = {
             "step_s": float(summary["step_seconds_mean"]),
             "outside_stages_s": float(summary["prefect_overhead_seconds_per_step"]),
-            "stage_s": {s.value: _mean([float(timing[s]) for timing in timings]) for s in STAGES},
+            "stage_s": {s.value: float(sum(float(timing[s]) for timing in timings) / steps) for s in STAGES},
         }
         t = steps - 1  # the step whose inputs and outputs the stage benchmarks use
-        budget = store.read_table(t, Table.BUDGET)
-        rollouts = store.read_table(t, Table.ROLLOUTS)
-        rewards = store.read_table(t, Table.REWARDS)
+        budget, rollouts, rewards = (store.read_table(t, n) for n in (Table.BUDGET, Table.ROLLOUTS, Table.REWARDS))
         rollout = _bench_rollout(res, cfg, budget, t, repeats, progress, stage_step.sampling(cfg))
         verify = _bench_verify(res, rollouts, rewards, repeats, progress)
         parquet = _bench_parquet(store, scratch_dir, cfg, t, repeats, progress)
@@ -217,32 +209,26 @@ def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, pro
                 )
             )
 
-    def stage():
-        return stages.rollout_table(budget, res.prompts, res.engine, sampling, cfg.run.seed, step)
-
-    def bare():
-        return llm.generate(prompts, params, use_tqdm=False)
-
+    calls = {
+        "stage": lambda: stages.rollout_table(budget, res.prompts, res.engine, sampling, cfg.run.seed, step),
+        "bare": lambda: llm.generate(prompts, params, use_tqdm=False),
+    }
     progress(f"rollout: stage vs bare vLLM, {repeats} alternating repeats")
-    table, outputs = stage(), bare()  # warm-up
-    stage_t, bare_t = [], []
+    last = {name: call() for name, call in calls.items()}  # warm-up
+    times: dict[str, list[float]] = {"stage": [], "bare": []}
     for i in range(repeats):  # alternate the order so that a drift in the machine's load hits both
         for name in ("stage", "bare") if i % 2 == 0 else ("bare", "stage"):
-            t0 = time.perf_counter()
-            if name == "stage":
-                table = stage()
-                stage_t.append(time.perf_counter() - t0)
-            else:
-                outputs = bare()
-                bare_t.append(time.perf_counter() - t0)
-    bare_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
+            last[name], seconds = timed(calls[name])
+            times[name].append(seconds)
+    table = last["stage"]
+    bare_ids = [list(c.token_ids) for out in last["bare"] for c in out.outputs]
     tokens = int(table["n_tokens"].sum())
-    bare_s = statistics.median(bare_t)
+    bare_s = statistics.median(times["bare"])
     return {
         "prompts": len(budget),
         "completions": len(table),
         "tokens": tokens,
-        "stage_s": statistics.median(stage_t),
+        "stage_s": statistics.median(times["stage"]),
         "bare_s": bare_s,
         "bare_tokens_per_s": tokens / bare_s,
         "same_completions": [list(x) for x in table["token_ids"]] == bare_ids,
@@ -252,15 +238,8 @@ def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, pro
 def _bench_verify(res: Any, rollouts: Any, rewards: Any, repeats: int, progress) -> dict:
     from coba_tasks.engines.verify import count_verdicts
 
-    meta = res.prompts.set_index("prompt_id")
-    items = list(
-        zip(
-            rollouts["completion"].tolist(),
-            meta.loc[rollouts["prompt_id"], "ground_truth"].tolist(),
-            meta.loc[rollouts["prompt_id"], "data_source"].tolist(),
-            strict=True,
-        )
-    )
+    meta = res.prompts.set_index("prompt_id").loc[rollouts["prompt_id"]]
+    items = list(zip(rollouts["completion"], meta["ground_truth"], meta["data_source"], strict=True))
     progress(f"verify: VerifierPool.score on {len(items)} rollouts")
     res.pool.score(items[:4])  # workers (if the sources need them) start outside the timing
     seconds, verdicts = _median_time(lambda: res.pool.score(items), repeats)

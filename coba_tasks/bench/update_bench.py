@@ -226,11 +226,10 @@ def bench_update(
             lora_breakdowns.append(dict(lora.timings))
     with tempfile.TemporaryDirectory(prefix="coba-bench-update-") as tmp:
         progress("checkpoint save")
-        save_s, save_mb, reload_s = _save_and_reload(trainer, model_path, Path(tmp) / "full", reload, progress)
+        saved = _save_and_reload(trainer, model_path, Path(tmp) / "full", reload, progress)
         if lora is not None:
-            lora_save = _save_and_reload(lora, model_path, Path(tmp) / "lora", reload, progress)
+            lora_saved = _save_and_reload(lora, model_path, Path(tmp) / "lora", reload, progress)
     plain_med, ours_med = statistics.median(plain_s), statistics.median(ours_s)
-    breakdown = _median_breakdown(breakdowns)
     flops_plain = 6 * params * all_tokens  # forward + backward of every token of every full sequence
     lora_result = None
     if lora is not None:
@@ -241,12 +240,8 @@ def bench_update(
             "seconds": lora_med,
             "completion_tokens_per_s": completion_count / lora_med,
             "runs_s": lora_s,
-            "breakdown_s": {
-                **_median_breakdown(lora_breakdowns),
-                "checkpoint_save": lora_save[0],
-                "weight_reload": lora_save[2],
-            },
-            "checkpoint_mb": lora_save[1],
+            "breakdown_s": _breakdown(lora_breakdowns, lora_saved),
+            "checkpoint_mb": lora_saved[1],
         }
     skipped = int(metrics.get("skipped_rows", 0))
     return {
@@ -279,8 +274,8 @@ def bench_update(
             "runs_s": ours_s,
             "skipped_rows": skipped,
             "skipped_tokens": int(metrics.get("skipped_tokens", 0)),
-            "breakdown_s": {**breakdown, "checkpoint_save": save_s, "weight_reload": reload_s},
-            "checkpoint_mb": save_mb,
+            "breakdown_s": _breakdown(breakdowns, saved),
+            "checkpoint_mb": saved[1],
         },
         "lora": lora_result,
         "speedup": plain_med / ours_med,
@@ -288,8 +283,10 @@ def bench_update(
     }
 
 
-def _median_breakdown(breakdowns: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in ("forward", "backward", "optimizer")}
+def _breakdown(breakdowns: list[dict[str, float]], saved: tuple[float, float, float | None]) -> dict[str, Any]:
+    """The medians of the updates' forward, backward and optimizer seconds, then ``_save_and_reload``'s seconds."""
+    medians = {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in ("forward", "backward", "optimizer")}
+    return {**medians, "checkpoint_save": saved[0], "weight_reload": saved[2]}
 
 
 def _save_and_reload(
@@ -299,22 +296,17 @@ def _save_and_reload(
     includes writing the merged weights the engine reads."""
     ckpt, save_s = timed(trainer.save_checkpoint, out)
     size_mb = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) / 1e6
-    reload_s = None
-    if reload:
-        progress(f"weight reload into a vLLM engine ({out.name})")
-        reload_s = _reload_seconds(model_path, ckpt, trainer if trainer.peft_model is not None else None)
-    return save_s, size_mb, reload_s
-
-
-def _reload_seconds(model_path: str, checkpoint: Path, lora_trainer: Any = None) -> float:
+    if not reload:
+        return save_s, size_mb, None
+    progress(f"weight reload into a vLLM engine ({out.name})")
     from coba_tasks.engines.rollout import make_backend
 
     engine = make_backend("vllm", model_path, dtype="float32", max_model_len=256, seed=0)
     try:
         t0 = time.perf_counter()
-        weights = lora_trainer.write_rollout_weights(checkpoint.parent / "merged") if lora_trainer else checkpoint
+        weights = trainer.write_rollout_weights(ckpt.parent / "merged") if trainer.peft_model is not None else ckpt
         engine.load_weights(weights, version=1)
-        return time.perf_counter() - t0
+        return save_s, size_mb, time.perf_counter() - t0
     finally:
         engine.close()
 

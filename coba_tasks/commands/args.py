@@ -57,14 +57,8 @@ def non_negative_float(value: str) -> float:
 
 
 def option(*flags: str, **keywords: Any) -> Option:
-    """One argument as data: ``parser.add_argument(*flags, **keywords)`` when ``add_options`` adds it."""
+    """One argument as data: ``parser.add_argument(*flags, **keywords)`` when ``add_command`` adds it."""
     return flags, keywords
-
-
-def add_options(parser: Any, options: Iterable[Option]) -> None:
-    """Add each ``option(...)`` row to ``parser`` (an ``ArgumentParser`` or an argument group), in order."""
-    for flags, keywords in options:
-        parser.add_argument(*flags, **keywords)
 
 
 def add_command(
@@ -87,7 +81,8 @@ def add_command(
         epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_options(parser, options)
+    for flags, keywords in options:
+        parser.add_argument(*flags, **keywords)
     if func is not None:
         parser.set_defaults(func=func)
     return parser

@@ -1,10 +1,5 @@
-"""``coba bench``: the benchmark group, the parsers and handlers of its benchmarks.
-
-    coba bench allocate [--json]
-    coba bench rollout  [--json]
-    coba bench verify   [--json]
-    coba bench update   [--json]
-    coba bench stages   [--json]
+"""``coba bench``: the benchmark group, the parsers and handlers of its benchmarks (allocate, rollout, verify,
+update, stages; each with ``--json``).
 
 The measurements and their wording are in the package ``coba_tasks.bench`` (``solvers_bench``:
 allocate; ``engines_bench``: rollout, verify; ``update_bench``; ``stages_bench``); a handler runs one,
@@ -228,20 +223,9 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
     """``coba bench update``: run the benchmark, print the figures (or one JSON line); 0."""
     from coba_tasks.bench.update_bench import bench_update, format_update
 
-    result = bench_update(
-        args.model,
-        run_dir=args.run_dir,
-        step=args.step,
-        groups=args.groups,
-        prompt_tokens=args.prompt_tokens,
-        completion_tokens=args.completion_tokens,
-        micro_batch=args.micro_batch,
-        repeats=args.repeats,
-        reload=args.reload,
-        threads=args.threads,
-        lora_rank=args.lora_rank,
-        progress=print_progress,
-    )
+    names = ("run_dir", "step", "groups", "prompt_tokens", "completion_tokens", "micro_batch", "repeats", "reload")
+    given = {name: getattr(args, name) for name in (*names, "threads", "lora_rank")}
+    result = bench_update(args.model, progress=print_progress, **given)
     return print_figures(result, args.json, format_update, indent=None)
 
 

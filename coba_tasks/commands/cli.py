@@ -1,27 +1,9 @@
-"""The ``coba`` command line.
+"""The ``coba`` command line (``coba --help`` lists the subcommands; each has ``--help`` with examples).
 
-    coba demo                      the allocation demo (simulated training; no model needed)
-    coba bootstrap                 build and warm up the default tiny model (a Prefect flow)
-    coba convert-gguf              turn a GGUF file (or one shipped in a pip package) into a HF model directory
-    coba run                       train with CoBA-RL budgets (the Prefect training flow)
-    coba resume                    continue a stopped run from the first stage not done
-    coba inspect                   a run's summary, one stage table, or read-only SQL over its Parquet files
-    coba report                    PNG plots and an HTML page for a run
-    coba eval                      held-out avg@k, greedy and pass@k of a model or a checkpoint on a dataset
-    coba export                    a run's checkpoint as a standalone Hugging Face model directory (LoRA merged)
-    coba compare                   uniform vs knapsack vs CoBA-RL (and ablations) on the same budget
-    coba rerun                     recompute one stage of one step (and what depends on it)
-    coba setup-server              a Prefect server for workers: the work pool and crash detection
-    coba bench allocate [--json]   time the allocators at the paper's setting and at scale
-    coba bench rollout  [--json]   tokens per second of the rollout backends
-    coba bench verify   [--json]   verifier items per second
-    coba bench stages   [--json]   a training step's stages: against bare vLLM and plain function calls
-    coba bench update   [--json]   the GRPO update against a plain transformers loop (speed, agreement, LoRA)
-
-Each subcommand has ``--help`` with examples. Each command module declares its own subcommands and handlers
-(a ``Command``, ``coba_tasks.commands.args``: ``demo``, ``model_cmd``, ``eval_cmd``, ``compare``, ``server_setup``; or
-``add_..._parser``: ``train_cmd``, ``model_cmd``, ``inspection``, ``report``, ``bench_cmd``); this module builds the
-top-level parser from them and runs the chosen handler (``main``).
+Each command module declares its own subcommands and handlers (a ``Command``, ``coba_tasks.commands.args``:
+``demo``, ``model_cmd``, ``eval_cmd``, ``compare``, ``server_setup``; or ``add_..._parser``: ``train_cmd``,
+``model_cmd``, ``inspection``, ``report``, ``bench_cmd``); this module builds the top-level parser from them and
+runs the chosen handler (``main``).
 """
 
 from __future__ import annotations

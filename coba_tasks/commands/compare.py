@@ -17,13 +17,8 @@ first allocation that differs: the first run trains those steps once and forks t
 (``coba_tasks.commands.compare_fork``; bit for bit what training them from their start gives), unless
 ``--no-fork``.
 
-Then the runs are read back into tables in ``<out>/`` (``coba_tasks.commands.compare_tables`` lists
-them): runs, results (accuracy against steps and rollouts spent), steps (the schedule, the share
-of rollouts with a non-zero advantage and the mechanisms of ``coba_tasks.readers.mechanisms``: the
-estimates' error against the realized pass rates, N_eff, mixed groups, first solved, pass@2), budgets by
-level and by pass-rate estimate, class transitions, the estimates' error by age, ``final.json`` (gain per
-strategy, the paired difference to uniform GRPO with its 95 % interval and the smallest difference the
-design detects, where the rollouts went and the mechanisms' means) and ``compare.png``.
+Then the runs are read back into the tables, ``final.json`` and ``compare.png`` in ``<out>/``
+(``coba_tasks.commands.compare_tables`` lists and computes them).
 
     coba compare --strategies uniform,knapsack,coba --seeds 3 --steps 24
 """
@@ -209,19 +204,13 @@ def run_all(
     (``earlier``); returns the run directories of this sitting. ``check_configs`` has checked them. With
     ``fork``, the runs of a seed share the steps before their allocations part (``compare_fork``)."""
     from coba_tasks.commands import compare_fork as cf
+    from coba_tasks.commands.train_cmd import allow_user_code
 
     runs = []
     earlier = earlier or {}
     for i, (strategy, seed) in enumerate(order, start=1):
         ov, cfg = planned[(strategy, seed)]
-        if cfg.model.trust_remote_code:
-            from coba_tasks.pipeline.run import allow_remote_code
-
-            allow_remote_code()  # the user's own command asks for the model's code (the runs' processes inherit it)
-        if cfg.verify.reward_function.strip():
-            from coba_tasks.pipeline.deployment import allow_reward_files
-
-            allow_reward_files()  # and for its reward file
+        allow_user_code(cfg)  # the runs' processes inherit it
         run_dir = out / f"{strategy}-seed{seed}"
         where = f"[{i}/{len(order)}] {run_dir.name}"
         if (run_dir / "summary.json").is_file():

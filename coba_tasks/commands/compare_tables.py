@@ -25,19 +25,16 @@ what the row is about:
                          over the run by their age (``mechanisms.by_age``)
 
 ``assemble`` adds the rows of runs finished in an earlier sitting (``--out``'s own tables, then those
-of ``--kept``) for the runs that have no directory here. ``final_table`` (gain per strategy),
-``paired_table`` (the paired difference to a baseline with its 95 % interval and the smallest
-difference the design detects) and ``mechanism_table`` (where each strategy's rollouts went, N_eff, the
-estimates' error, mixed groups, first-solved prompts, pass@2) are what
-``coba compare`` prints and writes to ``final.json``; ``plot`` draws ``compare.png``.
+of ``--kept``) for the runs that have no directory here. ``final_table``, ``paired_table`` and
+``mechanism_table`` are what ``coba compare`` prints and writes to ``final.json``; ``plot`` draws ``compare.png``.
 """
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -132,9 +129,11 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
     level = prompts.set_index("prompt_id")["difficulty"] if prompts is not None and "difficulty" in prompts else None
     visits: dict[str, list[tuple[int, float]]] = {}
     mech = run_mechanisms(t)
-    per_step = mech.steps.set_index("step")[[c for c in STEP_COLUMNS if c != "step"]].to_dict("index")
+    step_columns = [c for c in STEP_COLUMNS if c != "step"]
+    per_step = mech.steps.set_index("step")[step_columns].to_dict("index")
     spent = 0  # rollouts of the steps before this one: what the model evaluated at this step trained on
-    by_bin: dict[str, list[int]] = {}
+    bin_prompts: Counter[str] = Counter()
+    bin_rollouts: Counter[str] = Counter()
     for step in t.steps:
         done = t.done[step]
         if Table.EVAL in done:
@@ -149,6 +148,7 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
             rewards = t.table(step, Table.REWARDS)
             rates = prompt_history.pass_rates(rewards)
             sizes = rewards.groupby("prompt_id").size()
+            rollouts = int(sizes.sum())
             mixed = ((rates > 0) & (rates < 1)).reindex(sizes.index)
             out["steps"].append(
                 {
@@ -158,48 +158,39 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
                     # the Beta parameters the step's budgets were allocated with (fixed and reversed
                     # schedules differ from the tracker's alpha, beta); NaN for strategies without them
                     **_allocation_beta(t, step),
-                    "rollouts": int(sizes.sum()),
+                    "rollouts": rollouts,
                     "effective_gradient_ratio": 1.0 - float(cap["zero_variance_groups"]),
                     # share of the step's rollouts in groups with non-zero reward variance (non-zero advantage)
                     "effective_rollout_ratio": float(sizes[mixed].sum() / sizes.sum()),
                     # estimates against realized pass rates, N_eff, mixed groups, first solved, pass@2
-                    **per_step.get(step, {c: math.nan for c in STEP_COLUMNS if c != "step"}),
+                    **per_step.get(step, dict.fromkeys(step_columns, math.nan)),
                 }
             )
-            spent += int(sizes.sum())
+            spent += rollouts
             for pid, rate in rates.items():
                 visits.setdefault(pid, []).append((step, float(rate)))
         if step < planned and Table.BUDGET in done:
             b = t.table(step, Table.BUDGET)
             for est, budget in zip(b["pass_rate_est"], b["budget"], strict=True):
-                cell = by_bin.setdefault(pass_rate_bin(float(est)), [0, 0])
-                cell[0] += 1
-                cell[1] += int(budget)
+                bin_prompts[pass_rate_bin(float(est))] += 1
+                bin_rollouts[pass_rate_bin(float(est))] += int(budget)
             if level is not None:
-                b = b.assign(difficulty=level.reindex(b["prompt_id"]).to_numpy())
-                for lv, grp in b.groupby("difficulty"):
-                    out["budget_by_level"].append(
-                        {
-                            **key,
-                            "step": step,
-                            "difficulty": int(lv),
-                            "prompts": len(grp),
-                            "mean_budget": float(grp["budget"].mean()),
-                            "total_budget": int(grp["budget"].sum()),
-                        }
-                    )
-    for name in PASS_RATE_BINS:
-        prompts_n, rollouts_n = by_bin.get(name, [0, 0])
-        out["budget_by_pass_rate"].append({**key, "pass_rate_bin": name, "prompts": prompts_n, "rollouts": rollouts_n})
-    counts: dict[tuple[str, str], int] = {}
-    for seq in visits.values():
-        seq.sort()
-        for (_, a), (_, b) in itertools.pairwise(seq):
-            pair = (_class_of(a), _class_of(b))
-            counts[pair] = counts.get(pair, 0) + 1
-    for a in CLASSES:
-        for b in CLASSES:
-            out["transitions"].append({**key, "from_class": a, "to_class": b, "prompts": counts.get((a, b), 0)})
+                out["budget_by_level"] += [
+                    {**key, "step": step, "difficulty": int(lv), "prompts": len(g)}
+                    | {"mean_budget": float(g.mean()), "total_budget": int(g.sum())}
+                    for lv, g in b.groupby(level.reindex(b["prompt_id"]).to_numpy())["budget"]
+                ]
+    out["budget_by_pass_rate"] = [
+        {**key, "pass_rate_bin": name, "prompts": bin_prompts[name], "rollouts": bin_rollouts[name]}
+        for name in PASS_RATE_BINS
+    ]
+    counts = Counter(
+        (_class_of(a), _class_of(b)) for seq in visits.values() for (_, a), (_, b) in itertools.pairwise(sorted(seq))
+    )
+    out["transitions"] = [
+        {**key, "from_class": a, "to_class": b, "prompts": counts[(a, b)]}
+        for a, b in itertools.product(CLASSES, CLASSES)
+    ]
     out["estimate_by_age"] += [{**key, **r} for r in by_age(mech.rows).to_dict("records")]
     summary = t.summary_file() or {}
     out["runs"].append(
@@ -217,12 +208,8 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
 
 def read_tables(directory: Path) -> dict[str, pd.DataFrame]:
     """The tables a comparison wrote into ``directory`` (empty frames for the ones absent)."""
-    return {
-        name: pd.read_parquet(directory / f"{name}.parquet")
-        if (directory / f"{name}.parquet").is_file()
-        else pd.DataFrame()
-        for name in TABLES
-    }
+    paths = {name: directory / f"{name}.parquet" for name in TABLES}
+    return {name: pd.read_parquet(path) if path.is_file() else pd.DataFrame() for name, path in paths.items()}
 
 
 def finished_runs(tables: dict[str, pd.DataFrame]) -> dict[tuple[str, int], str]:
@@ -335,12 +322,9 @@ def paired_difference(diffs: Sequence[float], power: float = POWER) -> dict[str,
     d = np.asarray(diffs, dtype=float)
     n = len(d)
     mean = float(d.mean()) if n else math.nan
-    if n < 2:
-        nan = math.nan
-        return {"pairs": n, "mean": mean, "sd": nan, "ci_low": nan, "ci_high": nan, "mdd": nan, "p": nan}
-    if np.allclose(d, d[0], rtol=0.0, atol=1e-12):
-        nan = math.nan
-        return {"pairs": n, "mean": mean, "sd": 0.0, "ci_low": nan, "ci_high": nan, "mdd": nan, "p": nan}
+    if n < 2 or np.allclose(d, d[0], rtol=0.0, atol=1e-12):
+        nans = dict.fromkeys(("ci_low", "ci_high", "mdd", "p"), math.nan)
+        return {"pairs": n, "mean": mean, "sd": math.nan if n < 2 else 0.0, **nans}
     sd = float(d.std(ddof=1))
     se = sd / math.sqrt(n)
     t975 = float(stats.t.ppf(0.975, n - 1))
@@ -446,11 +430,11 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
         row = "".join(cells(r, m) for m, _ in shown)
         lines.append(f"{r['strategy']:<{w}} {r['seeds']:>5}  {row}{r['avg_gain_per_1k_rollouts']:+.4f}")
     if not paired.empty:
-        lines.append("")
-        lines.append(
+        lines += [
+            "",
             f"paired difference to {paired['baseline'].iloc[0]} on the same seed (final accuracy): "
-            f"mean [95 % interval], smallest difference detectable with {POWER:.0%} power"
-        )
+            f"mean [95 % interval], smallest difference detectable with {POWER:.0%} power",
+        ]
         for r in paired.itertuples():
             head = f"  {r.strategy:<{w}} {r.measure:<7} {r.pairs} seeds  {r.mean:+.3f}"
             if r.pairs < 2:  # no spread to make an interval from
@@ -460,8 +444,7 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
             else:
                 lines.append(f"{head} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]  detectable {r.mdd:.3f}")
     if not mechanism.empty:
-        lines.append("")
-        lines.append("where the rollouts went (means over seeds):")
+        lines += ["", "where the rollouts went (means over seeds):"]
         for r in mechanism.to_dict("records"):
             bins = "  ".join(
                 f"{name} {r[f'rollouts_share {name}']:.2f}" for name in PASS_RATE_BINS if f"rollouts_share {name}" in r
@@ -471,13 +454,13 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
                 f"{r['first_solved_per_run']:.1f}/run, explore steps {r['explore_steps_per_run']:.1f}/run; "
                 f"by pass rate: {bins}"
             )
-        lines.append("")
-        lines.append(
+        lines += [
+            "",
             "per step (means over steps and seeds): N_eff of the update, mixed groups of the prompts, pass@2 of the "
             "groups; the estimates the budget used against the realized pass rates (MAE, bias = realized - "
-            "estimate, r), their age in steps, MAE and bias by age"
-        )
-        lines += [_mechanism_line(r, w) for r in mechanism.to_dict("records")]
+            "estimate, r), their age in steps, MAE and bias by age",
+            *(_mechanism_line(r, w) for r in mechanism.to_dict("records")),
+        ]
     return "\n".join(lines)
 
 
@@ -526,6 +509,14 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
     strategies = list(dict.fromkeys(results["strategy"])) if not results.empty else []
     colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(strategies)}
     x = "rollouts_spent" if "rollouts_spent" in results else "step"
+
+    def per_step(ax: Any, frame: pd.DataFrame, lines: Sequence[tuple[str, str, str]]) -> None:
+        for s in strategies:  # the mean over seeds per step of each (column, line style, label) of lines
+            g = frame[frame["strategy"] == s].groupby("step")
+            for col, ls, what in lines:
+                mean = g[col].mean()
+                ax.plot(mean.index, mean.to_numpy(), color=colors[s], ls=ls, label=f"{s}: {what}")
+
     for ax, col, title in (
         (axes[0, 0], "accuracy", "held-out accuracy, avg@k at temperature 1"),
         (axes[0, 1], "accuracy_greedy", "held-out accuracy, greedy"),
@@ -540,18 +531,12 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
             xlabel="rollouts trained on" if x != "step" else "step",
             ylabel="accuracy (mean +- std over seeds)",
         )
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     ax = axes[1, 0]
-    for s in strategies:
-        g = steps[steps["strategy"] == s].groupby("step")[["effective_rollout_ratio", "effective_gradient_ratio"]]
-        g = g.mean()
-        ax.plot(g.index, g["effective_rollout_ratio"].to_numpy(), color=colors[s], label=f"{s}: rollouts")
-        ax.plot(g.index, g["effective_gradient_ratio"].to_numpy(), color=colors[s], ls=":", label=f"{s}: groups")
+    per_step(ax, steps, [("effective_rollout_ratio", "-", "rollouts"), ("effective_gradient_ratio", ":", "groups")])
     ax.set(
         title="share with non-zero reward variance: rollouts (solid), groups (dotted)", xlabel="step", ylim=(0, 1.02)
     )
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax = axes[1, 1]
     if not by_bin.empty:
@@ -568,26 +553,17 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:
     ax = axes[2, 0]
     ax.axhspan(*PAPER_ALPHA_RANGE, color="0.85", label="the paper's alpha over training (about 8 -> 3)")
     ax.axhline(EXPLORE_ALPHA, color="0.4", ls=":", lw=1, label=f"alpha {EXPLORE_ALPHA}: explore side below")
-    for s in strategies:
-        g = steps[steps["strategy"] == s].groupby("step")[["alloc_alpha", "alloc_beta"]].mean()
-        ax.plot(g.index, g["alloc_alpha"].to_numpy(), color=colors[s], label=f"{s}: alpha")
-        ax.plot(g.index, g["alloc_beta"].to_numpy(), color=colors[s], ls="--", label=f"{s}: beta")
+    per_step(ax, steps, [("alloc_alpha", "-", "alpha"), ("alloc_beta", "--", "beta")])
     ax.set(title="allocation Beta(alpha, beta): alpha solid, beta dashed", xlabel="step")
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     ax = axes[2, 1]
-    for s in strategies:
-        g = results[results["strategy"] == s].groupby("step")
-        for col, ls, what in (("boxed", "-", "\\boxed{} answers"), ("answered", ":", "an answer at all")):
-            if col in results and results[col].notna().any():
-                ax.plot(g[col].mean().index, g[col].mean().to_numpy(), color=colors[s], ls=ls, label=f"{s}: {what}")
+    answers = (("boxed", "-", "\\boxed{} answers"), ("answered", ":", "an answer at all"))
+    per_step(ax, results, [a for a in answers if a[0] in results and results[a[0]].notna().any()])
     ax.set(title="held-out completions with \\boxed{} (solid), with any answer (dotted)", xlabel="step", ylim=(0, 1.02))
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    for ax in (*axes[0], axes[1, 0], *axes[2]):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
+    path = atomic_write(out / "compare.png", lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)
-    path = out / "compare.png"
-    atomic_write(path, lambda f: f.write(buf.getvalue()))
     return path

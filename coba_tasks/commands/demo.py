@@ -51,6 +51,7 @@ def simulate(cfg: DemoConfig, emit: Callable[[str], None] = print) -> dict:
     total = cfg.prompts * cfg.group_size
     tracker = CapabilityTracker()
     pass_rates = np.full(cfg.prompts, np.nan)  # unseen before the first visit
+    bounds = {"min_budget": cfg.min_budget, "max_budget": cfg.max_budget}
     rows = []
     emit(
         f"CoBA-RL allocation demo: M = {cfg.prompts} prompts at {LEVELS} difficulty levels, "
@@ -62,19 +63,11 @@ def simulate(cfg: DemoConfig, emit: Callable[[str], None] = print) -> dict:
     emit(header + "    knapsack by level 0..4")
     for step in range(cfg.steps):
         skill = -0.5 + 0.75 * step  # the simulated policy improves every step
-        plan = plan_allocation(
-            pass_rates,
-            total,
-            alpha=tracker.alpha,
-            beta=tracker.beta,
-            min_budget=cfg.min_budget,
-            max_budget=cfg.max_budget,
+        plan = plan_allocation(pass_rates, total, alpha=tracker.alpha, beta=tracker.beta, **bounds)
+        knap = plan_allocation(pass_rates, total, strategy="knapsack", **bounds)
+        by_level, knap_level = (
+            [float(b[level == lv].mean()) for lv in range(LEVELS)] for b in (plan.budgets, knap.budgets)
         )
-        knap = plan_allocation(
-            pass_rates, total, strategy="knapsack", min_budget=cfg.min_budget, max_budget=cfg.max_budget
-        )
-        by_level = [float(plan.budgets[level == lv].mean()) for lv in range(LEVELS)]
-        knap_level = [float(knap.budgets[level == lv].mean()) for lv in range(LEVELS)]
         successes = rng.binomial(plan.budgets, _true_pass_prob(skill, level))
         pass_rates = successes / plan.budgets
         alpha, beta = tracker.alpha, tracker.beta

@@ -1,24 +1,14 @@
 """``coba inspect``: look inside a run directory, also while the run is still going.
 
-The views of a run, all read-only (nothing is ever written into the run directory):
-
-* ``run_summary`` / ``format_summary``: steps done, held-out accuracy, the failure rate and
-  (alpha, beta), budget statistics, verdict counts, rollouts, wall time (when finished);
-* ``show_table``: one stage's table of one step (``steps/NNNNNN/<stage>.parquet``);
-* ``run_sql``: a SELECT over every done table of the run with DuckDB, one view per stage;
-* ``show_mechanisms``: per step, the estimates the allocation used against the pass rates realized, N_eff,
-  mixed groups, first-solved prompts and pass@2; or the estimates' error by age; or per allocated prompt.
-
-Only *done* tables are read: a table counts when its entry is in the step's manifest and its file
-exists (``RunStore.is_done``). File lists come from the manifests, never from a glob, so the
-temporaries a writer leaves beside a table (``.<name>.parquet.<hex>.tmp``) and a table being
-written right now are invisible; a run in progress can be inspected at any moment.
+Every view is read-only: nothing is ever written into the run directory. Only *done* tables are read: a
+table counts when its entry is in the step's manifest and its file exists (``RunStore.is_done``). File lists
+come from the manifests, never from a glob, so the temporaries a writer leaves beside a table
+(``.<name>.parquet.<hex>.tmp``) and a table being written right now are invisible; a run in progress can be
+inspected at any moment. ``run_summary`` and ``show_table`` check each file's sha256 against the manifest
+(``RunStore.read_table``); ``run_sql`` lets DuckDB read the files directly (no hashing).
 
 Step numbering is the store's (``coba_tasks.pipeline.store.Table``): a table lives in the directory of
 the step that uses it.
-
-``run_summary`` and ``show_table`` read through ``RunStore.read_table``, which checks each file's
-sha256 against the manifest; ``run_sql`` lets DuckDB read the files directly (no hashing).
 
 The views and their rendering are readers of the run (``coba_tasks.readers.views`` and, for the SQL,
 ``coba_tasks.readers.sql``); this module is the command's parser and handler.
@@ -129,24 +119,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not columns:
             raise ValueError("--columns: give comma-separated column names, e.g. --columns prompt_id,reward")
 
+    limit = DEFAULT_LIMIT if args.limit is None else args.limit  # of a table or the prompts
     if table_mode:
-        limit = DEFAULT_LIMIT if args.limit is None else args.limit
         print(show_table(args.run_dir, args.step, args.stage, limit=limit, columns=columns, fmt=fmt))
         return 0
     if getattr(args, "prompts", False):
-        limit = DEFAULT_LIMIT if args.limit is None else args.limit
         print(show_prompts(args.run_dir, limit=limit, columns=columns, fmt=fmt))
         return 0
     if mechanisms is not None:
         print(show_mechanisms(args.run_dir, mechanisms, limit=args.limit, columns=columns, fmt=fmt))
         return 0
     if args.sql is not None:
-        df = run_sql(args.run_dir, args.sql)
-        df = select_columns(df, columns, "the query result")
-        total = len(df)
-        if args.limit:
-            df = df.head(args.limit)
-        print(render(df, fmt, total=total))
+        df = select_columns(run_sql(args.run_dir, args.sql), columns, "the query result")
+        print(render(df.head(args.limit) if args.limit else df, fmt, total=len(df)))
         return 0
     if columns is not None or args.limit is not None or fmt == "csv":
         raise ValueError(

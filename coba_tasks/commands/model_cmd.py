@@ -70,12 +70,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     configure_prefect()
     from flows.bootstrap import bootstrap_flow
 
-    chosen = {
-        "steps": args.steps,
-        "threads": getattr(args, "threads", None),
-        "label_noise": getattr(args, "label_noise", None),
-        "give_up": getattr(args, "give_up", None),
-    }
+    chosen = {k: getattr(args, k, None) for k in ("steps", "threads", "label_noise", "give_up")}  # coba run: no threads
     cfg = BootstrapConfig(seed=args.seed, **{k: v for k, v in chosen.items() if v is not None})
     figures = bootstrap_flow(out_dir=str(out), train_path=args.train, test_path=args.test, cfg=cfg, force=args.force)
     levels = "  ".join(f"level {k}: {v:.2f}" for k, v in figures["accuracy_by_difficulty"].items())

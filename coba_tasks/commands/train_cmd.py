@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.commands.args import Option, add_command, option, positive_int
+from coba_tasks.commands.args import add_command, option, positive_int
 from coba_tasks.commands.console import VERBOSE_OPTION
 from coba_tasks.commands.model_cmd import cmd_bootstrap
 
@@ -54,16 +53,16 @@ def add_train_parsers(subparsers: Any) -> None:
         func=cmd_run,
     )
 
-    _add_run_dir_command(
+    add_command(
         subparsers,
         "resume",
-        "the run directory to continue",
         help="continue a stopped or failed run from the first stage not done",
         description="Continue the run in --run-dir with its own config (config.yaml): stages already done (in their "
         "step's _manifest.json) are not recomputed, so the finished run equals an uninterrupted one. A run written "
         "by another schema version is refused.",
         examples=["coba resume --run-dir runs/demo", "coba resume --run-dir runs/demo --repair"],
         options=[
+            option("--run-dir", required=True, help="the run directory to continue"),
             option(
                 "--repair",
                 action="store_true",
@@ -87,10 +86,9 @@ def add_train_parsers(subparsers: Any) -> None:
         func=cmd_resume,
     )
 
-    _add_run_dir_command(
+    add_command(
         subparsers,
         "rerun",
-        "the run directory",
         help="recompute one stage of one step (and everything after it)",
         description="Recompute the stage --stage of step --step. Everything computed after it is invalid too: the "
         "command first lists those outputs, removes them only with --yes, then resumes the run, which recomputes "
@@ -102,6 +100,7 @@ def add_train_parsers(subparsers: Any) -> None:
             "coba rerun --run-dir runs/demo --step 12 --stage eval --yes --no-resume",
         ],
         options=[
+            option("--run-dir", required=True, help="the run directory"),
             option("--step", type=int, required=True, help="the step (0-based, as in steps/NNNNNN/)"),
             option("--stage", required=True, choices=RERUNNABLE, help="the stage to recompute"),
             option("--yes", action="store_true", help="remove the invalidated outputs (default: only list them)"),
@@ -112,24 +111,12 @@ def add_train_parsers(subparsers: Any) -> None:
     )
 
 
-def _add_run_dir_command(
-    subparsers: Any, name: str, run_dir_help: str, options: Sequence[Option], **texts: Any
-) -> argparse.ArgumentParser:
-    """A subcommand (``add_command``'s ``texts``) on an existing run: its first argument, ``--run-dir``, is required,
-    then its ``options``."""
-    run_dir = option("--run-dir", required=True, help=run_dir_help)
-    return add_command(subparsers, name, options=[run_dir, *options], **texts)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     """Run ``coba run``: load and check the config and the data, then the training flow in a new run directory."""
-    from coba_tasks.pipeline.config import check_paths, load_config
+    from coba_tasks.pipeline.config import check_installed, check_paths, load_config
 
-    overrides = list(args.set or [])
-    if args.steps is not None:
-        overrides.append(f"run.steps={args.steps}")
-    if args.dataset is not None:
-        overrides.append(f"data.train={args.dataset}")
+    given = {"run.steps": args.steps, "data.train": args.dataset}
+    overrides = [*(args.set or []), *(f"{key}={value}" for key, value in given.items() if value is not None)]
     cfg = load_config(args.config, overrides)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.run.name
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -137,16 +124,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.bootstrap_if_missing and not (Path(cfg.model.path) / "config.json").is_file():
         _check_default_tiny_model(cfg.model.path)  # a mistyped model.path is never built under that name
         print(f"model {cfg.model.path} is missing: bootstrapping it first")
-        rc = cmd_bootstrap(
-            argparse.Namespace(
-                out=cfg.model.path,
-                train="data/arith_train.parquet",
-                test="data/arith_test.parquet",
-                seed=0,
-                steps=None,
-                force=False,
-            )
-        )
+        data = {"train": "data/arith_train.parquet", "test": "data/arith_test.parquet"}
+        rc = cmd_bootstrap(argparse.Namespace(out=cfg.model.path, **data, seed=0, steps=None, force=False))
         if rc:
             return rc
     elif args.bootstrap_if_missing:
@@ -156,17 +135,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if note:
             print(note)
     check_paths(cfg)
-    from coba_tasks.pipeline.config import check_installed
-
     check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra, before Prefect
-    if cfg.model.trust_remote_code:  # the user's own command turns it on, on this machine
-        from coba_tasks.pipeline.run import allow_remote_code
-
-        allow_remote_code()
-    if cfg.verify.reward_function.strip():  # the user's own command: its reward file may run
-        from coba_tasks.pipeline.deployment import allow_reward_files
-
-        allow_reward_files()
+    allow_user_code(cfg)
     from coba_tasks.pipeline.data import load_run_datasets
 
     load_run_datasets(cfg)  # a bad dataset or over-long prompt fails here, before anything is written
@@ -178,6 +148,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = train_flow(config=cfg, run_dir=str(run_dir))  # the config built and checked here, typed
     _print_summary(summary)
     return 0
+
+
+def allow_user_code(cfg: Any) -> None:
+    """Let the model's own code (``model.trust_remote_code``) and the reward file (``verify.reward_function``)
+    of ``cfg`` run: the user's own command asks for them, on this machine (processes it starts inherit it)."""
+    if cfg.model.trust_remote_code:
+        from coba_tasks.pipeline.run import allow_remote_code
+
+        allow_remote_code()
+    if cfg.verify.reward_function.strip():
+        from coba_tasks.pipeline.deployment import allow_reward_files
+
+        allow_reward_files()
 
 
 def _check_default_tiny_model(path: str) -> None:
@@ -195,7 +178,7 @@ def _check_default_tiny_model(path: str) -> None:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """Run ``coba resume``: check the run (lock, config, tables, inputs, checkpoint), then continue its flow."""
-    from coba_tasks.pipeline.run import read_run_config
+    from coba_tasks.pipeline.run import check_inputs, checked_checkpoint, first_step_not_done, read_run_config
     from coba_tasks.pipeline.runlock import RunLock
     from coba_tasks.pipeline.store import RunStore
 
@@ -205,23 +188,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from coba_tasks.pipeline.config import check_installed
 
     check_installed(cfg.run.trackers)
-    if cfg.model.trust_remote_code:
-        if not getattr(args, "trust_remote_code", False):
-            raise ValueError(
-                f"{store.root / 'config.yaml'} sets model.trust_remote_code: the model's own code would run; "
-                "resume it with --trust-remote-code if you trust that model"
-            )
-        from coba_tasks.pipeline.run import allow_remote_code
-
-        allow_remote_code()
-    if cfg.verify.reward_function.strip():  # the user's own run: its reward file (hash checked below) may run
-        from coba_tasks.pipeline.deployment import allow_reward_files
-
-        allow_reward_files()
+    if cfg.model.trust_remote_code and not args.trust_remote_code:
+        raise ValueError(
+            f"{store.root / 'config.yaml'} sets model.trust_remote_code: the model's own code would run; "
+            "resume it with --trust-remote-code if you trust that model"
+        )
+    allow_user_code(cfg)  # the reward file's hash is checked below
     from coba_tasks.pipeline.rerun import apply_rerun, damaged_tables, plan_repair
 
     damaged = damaged_tables(store)  # every done table is checked against its manifest (size, sha256)
-    if damaged and not getattr(args, "repair", False):
+    if damaged and not args.repair:
         step, name, reason = damaged[0]
         raise ValueError(f"{len(damaged)} damaged table(s), the first at step {step} ({name}): {reason}")
     if damaged:
@@ -230,8 +206,6 @@ def cmd_resume(args: argparse.Namespace) -> int:
         print(plan.describe(store.root))
         with RunLock(store.root):
             apply_rerun(store, plan)
-    from coba_tasks.pipeline.run import first_step_not_done
-
     first = first_step_not_done(store, cfg.run.steps)
     summary_file = store.root / "summary.json"
     if first == cfg.run.steps and summary_file.is_file():
@@ -239,9 +213,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         _print_summary(json.loads(summary_file.read_text()))
         return 0
     # what the flow checks too, here first so that a refusal is one line, not a failed flow run's log
-    from coba_tasks.pipeline.run import check_inputs, checked_checkpoint
-
-    changed = getattr(args, "allow_changed_inputs", False)
+    changed = args.allow_changed_inputs
     check_inputs(store, cfg, changed, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
     if first > 0:
         checked_checkpoint(store, first)  # a partial or damaged checkpoint: the file and the rerun that mends it

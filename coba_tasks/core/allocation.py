@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from coba_tasks.core.knapsack import knapsack_rl
+from coba_tasks.core.knapsack import equal_shares, knapsack_rl
 from coba_tasks.core.registry import Registry
 from coba_tasks.core.solvers import CobaProblem, Solver, coba_solve, coba_solver, coba_solvers
 from coba_tasks.core.values import adaptive_tau, coba_value, knapsack_value
@@ -145,28 +145,20 @@ allocator = _ALLOCATORS.get  # the strategy registered under a name, or None
 
 def uniform_budgets(m: int, total_budget: int) -> np.ndarray:
     """B_total // M each, the remainder one at a time to the first prompts; (M,) int64."""
-    budgets = np.full(m, total_budget // m, dtype=np.int64)
-    budgets[: total_budget - int(budgets.sum())] += 1
-    return budgets
+    return equal_shares(total_budget, m)
+
+
+def _plan(req: AllocationRequest, strategy: Strategy, budgets: np.ndarray, **fields: Any) -> Allocation:
+    """An ``Allocation`` of ``req``: ``fields`` over the defaults (no values, gains, mode, solver or tau)."""
+    nan = np.full(req.size, np.nan)
+    defaults = {"pass_rates": req.pass_rates, "values": nan, "marginal_gains": nan.copy(), "mode": "", "solver": ""}
+    defaults |= {"groups": np.full(req.size, "all", dtype=object), "tau": float("nan")}
+    return Allocation(budgets=budgets, strategy=strategy.value, alpha=req.alpha, beta=req.beta, **(defaults | fields))
 
 
 @register_allocator(Strategy.UNIFORM.value)
 def _uniform(req: AllocationRequest) -> Allocation:
-    m = req.size
-    nan = np.full(m, np.nan)
-    return Allocation(
-        budgets=uniform_budgets(m, req.total_budget),
-        pass_rates=req.pass_rates,
-        values=nan,
-        marginal_gains=nan.copy(),
-        groups=np.full(m, "all", dtype=object),
-        strategy=Strategy.UNIFORM.value,
-        mode="",
-        solver="",
-        alpha=req.alpha,
-        beta=req.beta,
-        tau=float("nan"),
-    )
+    return _plan(req, Strategy.UNIFORM, uniform_budgets(req.size, req.total_budget))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,21 +170,12 @@ def _resolve_tau(tau: str | float, p: np.ndarray) -> float:
     return adaptive_tau(p) if tau == "adaptive" else float(tau)
 
 
-def _coba_plan(req: AllocationRequest, budgets: np.ndarray, problem: CobaProblem, groups: np.ndarray) -> Allocation:
+def _coba_plan(
+    req: AllocationRequest, budgets: np.ndarray, problem: CobaProblem, groups: np.ndarray, **extras: Any
+) -> Allocation:
     gains = np.where(budgets < req.max_budget, problem.marginal_gains(budgets), np.nan)
-    return Allocation(
-        budgets=budgets,
-        pass_rates=req.pass_rates,
-        values=problem.values(budgets),
-        marginal_gains=gains,
-        groups=groups,
-        strategy=Strategy.COBA.value,
-        mode=req.mode.value,
-        solver=req.solver.value,
-        alpha=req.alpha,
-        beta=req.beta,
-        tau=problem.tau,
-    )
+    fields = {"values": problem.values(budgets), "marginal_gains": gains, "groups": groups, "tau": problem.tau}
+    return _plan(req, Strategy.COBA, budgets, mode=req.mode.value, solver=req.solver.value, **fields, **extras)
 
 
 @register_allocator(Strategy.COBA.value)
@@ -266,8 +249,7 @@ def _coba_released(req: AllocationRequest) -> Allocation:
         left = distribute_proportional(budgets, np.arange(m), left, np.ones(m), req.max_budget)
     assert left == 0
     full = CobaProblem(p, req.alpha, req.beta, tau if np.isfinite(tau) else _resolve_tau(req.tau, p), req.min_budget)
-    plan = _coba_plan(req, budgets, full, groups)
-    return replace(plan, extras={"heap_share": share, "heap_budget": heap_budget})
+    return _coba_plan(req, budgets, full, groups, extras={"heap_share": share, "heap_budget": heap_budget})
 
 
 def coba_objective(budgets: np.ndarray, pass_rates: np.ndarray, alpha: float, beta: float, tau: float) -> float:
@@ -294,20 +276,10 @@ def _knapsack(req: AllocationRequest) -> Allocation:
     plan = knapsack_rl(req.pass_rates, req.seen, req.total_budget, req.min_budget, req.max_budget)
     p = np.where(req.seen, req.pass_rates, np.nan)
     budgets = plan.budgets
-    return Allocation(
-        budgets=budgets,
-        pass_rates=p,
-        values=knapsack_value(budgets, p),
-        marginal_gains=np.where(budgets < req.max_budget, knapsack_gain(budgets, p), np.nan),
-        groups=plan.groups,
-        strategy=Strategy.KNAPSACK.value,
-        mode="",
-        solver=Solver.DP.value,
-        alpha=req.alpha,
-        beta=req.beta,
-        tau=float("nan"),
-        extras={"estimated_cost": plan.estimated_cost, "surplus": plan.surplus},
-    )
+    gains = np.where(budgets < req.max_budget, knapsack_gain(budgets, p), np.nan)
+    extras = {"estimated_cost": plan.estimated_cost, "surplus": plan.surplus}
+    fields = {"pass_rates": p, "values": knapsack_value(budgets, p), "marginal_gains": gains, "groups": plan.groups}
+    return _plan(req, Strategy.KNAPSACK, budgets, solver=Solver.DP.value, extras=extras, **fields)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,16 +347,7 @@ def plan_allocation(
 
 
 def _validate(
-    pass_rates: Any,
-    total_budget: Any,
-    strategy: Any,
-    min_budget: Any,
-    max_budget: Any,
-    alpha: Any,
-    beta: Any,
-    tau: Any,
-    mode: Any,
-    solver: Any,
+    pass_rates, total_budget, strategy, min_budget, max_budget, alpha, beta, tau, mode, solver
 ) -> AllocationRequest:
     if allocator(strategy) is None:
         raise ValueError(f"unknown allocation strategy {strategy!r}; valid strategies: {', '.join(strategies())}")
@@ -427,22 +390,10 @@ def _validate(
     beta = DEFAULT_BETA if beta is None else float(beta)
     if not (np.isfinite(alpha) and alpha > 0 and np.isfinite(beta) and beta > 0):
         raise ValueError(f"alpha and beta must be positive finite numbers, got alpha={alpha}, beta={beta}")
-    if isinstance(tau, str):
-        if tau != "adaptive":
-            raise ValueError(f"tau must be 'adaptive' or a positive number, got {tau!r}")
-    else:
-        if isinstance(tau, bool) or not np.isfinite(float(tau)) or float(tau) <= 0:
+    if not (isinstance(tau, str) and tau == "adaptive"):
+        if isinstance(tau, str | bool) or not np.isfinite(float(tau)) or float(tau) <= 0:
             raise ValueError(f"tau must be 'adaptive' or a positive number, got {tau!r}")
         tau = float(tau)
     return AllocationRequest(
-        pass_rates=p,
-        seen=seen,
-        total_budget=total_budget,
-        min_budget=min_budget,
-        max_budget=max_budget,
-        alpha=alpha,
-        beta=beta,
-        tau=tau,
-        mode=Mode(mode),
-        solver=Solver(solver),
+        p, seen, total_budget, min_budget, max_budget, alpha, beta, tau, Mode(mode), Solver(solver)
     )

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 STATE_VERSION = 1
+_SHAPE_KEYS = ("kappa", "window", "gamma", "alpha_min", "alpha_max", "lam")  # the settings in the saved state
 
 
 def transform_failure_rate(fbar: float, gamma: float = 10.0) -> float:
@@ -159,18 +160,8 @@ class CapabilityTracker:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe state; ``from_dict(to_dict())`` continues exactly."""
-        return {
-            "version": STATE_VERSION,
-            "kappa": self.kappa,
-            "window": self.window,
-            "gamma": self.gamma,
-            "alpha_min": self.alpha_min,
-            "alpha_max": self.alpha_max,
-            "lam": self.lam,
-            "failure_rates": list(self.failure_rates),
-            "alpha": self.alpha,
-            "beta": self.beta,
-        }
+        state = {"version": STATE_VERSION} | {k: getattr(self, k) for k in _SHAPE_KEYS}
+        return state | {"failure_rates": list(self.failure_rates), "alpha": self.alpha, "beta": self.beta}
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> CapabilityTracker:
@@ -180,38 +171,18 @@ class CapabilityTracker:
             raise ValueError(
                 f"capability state version {version!r} is not supported (this build reads version {STATE_VERSION})"
             )
-        return cls(
-            kappa=float(state["kappa"]),
-            window=int(state["window"]),
-            gamma=float(state["gamma"]),
-            alpha_min=float(state["alpha_min"]),
-            alpha_max=float(state["alpha_max"]),
-            lam=float(state["lam"]),
-            failure_rates=[float(f) for f in state["failure_rates"]],
-            _alpha=float(state["alpha"]),
-            _beta=float(state["beta"]),
-        )
+        shape = {k: int(state[k]) if k == "window" else float(state[k]) for k in _SHAPE_KEYS}
+        failure_rates = [float(f) for f in state["failure_rates"]]
+        return cls(**shape, failure_rates=failure_rates, _alpha=float(state["alpha"]), _beta=float(state["beta"]))
 
 
 # ---------------------------------------------------------------------------------------------
-# Each prompt's pass-rate estimate
-#
-# Per-prompt pass-rate estimators: what the allocation is told of each prompt (docs/method.md, section 2).
-#
-# ``allocation.estimator`` chooses one:
-#
-# - ``last``: the mean pass rate of the prompt's last ``pass_rate_window`` visits (the paper's estimate;
-#   one visit by default);
-# - ``posterior``: a Beta(a, b) posterior over the prompt's pass rate. Before its first visit the prior is
-#   Beta(s * pbar, s * (1 - pbar)), pbar the pass rate of every rollout scored so far (0.5 before any), s the
-#   prior strength; at each visit the counts are multiplied by the decay d, then the visit's successes are
-#   added to a and its failures to b. The estimate is the posterior mean a / (a + b), resting on a + b
-#   (pseudo-)rollouts;
-# - ``pilot``: the same posterior, updated at the step itself with a first wave of k rollouts per prompt
-#   from the current policy (part of the visit: the step's later rollouts join the same update).
-#
-# Pure numpy: no I/O, no pandas. The posterior's counts travel in the history table
-# (``coba_tasks.pipeline.prompt_history.update_history``), so a resumed run continues from them exactly.
+# Each prompt's pass-rate estimate (``allocation.estimator``; docs/method.md, section 2): ``last`` (the mean
+# pass rate of its last ``pass_rate_window`` visits), ``posterior`` (a Beta(a, b) posterior: the prior
+# Beta(s * pbar, s * (1 - pbar)) before its first visit, pbar the pass rate of every rollout scored so far;
+# at each visit the counts times the decay d, plus the visit's successes to a and failures to b; the
+# estimate a / (a + b)) or ``pilot`` (the same posterior, updated at the step itself with a first wave of
+# k rollouts per prompt). The counts travel in the history table (``prompt_history.update_history``).
 # ---------------------------------------------------------------------------------------------
 
 UNINFORMED_PASS_RATE = 0.5  # pbar before any rollout is scored

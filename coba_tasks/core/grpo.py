@@ -89,6 +89,10 @@ def reward_scale_message(where: str, reward: float) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _shapes(*tensors: torch.Tensor) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in tensors)
+
+
 def _check_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
     if rewards.ndim != 1 or group_ids.ndim != 1 or rewards.shape != group_ids.shape:
         raise ValueError(
@@ -99,8 +103,11 @@ def _check_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
         raise ValueError(f"group_ids must be an integer tensor (prompt index), got {group_ids.dtype}")
 
 
-def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
-    return rewards.dtype if rewards.dtype.is_floating_point else torch.get_default_dtype()
+def _group_range(r: torch.Tensor, inv: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group (``inv`` from ``torch.unique``): the smallest and the largest of the float64 rewards ``r``."""
+    zeros = torch.zeros(n_groups, dtype=torch.float64, device=r.device)
+    lo, hi = (zeros.scatter_reduce(0, inv, r, reduce=op, include_self=False) for op in ("amin", "amax"))
+    return lo, hi
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = ADV_EPS) -> torch.Tensor:
@@ -130,7 +137,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
     tensor([ 0.5773, -1.1547, -0.7071,  0.5773,  0.7071,  0.0000,  0.0000])
     """
     _check_groups(rewards, group_ids)
-    out_dtype = _out_dtype(rewards)
+    out_dtype = rewards.dtype if rewards.dtype.is_floating_point else torch.get_default_dtype()
     if rewards.numel() == 0:
         return torch.zeros(0, dtype=out_dtype, device=rewards.device)
     r = rewards.to(torch.float64)  # (N,)
@@ -149,8 +156,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
     dev = r - mean[inv]  # (N,) two-pass: centre first, then square (stable)
     var = zeros.index_add(0, inv, dev * dev) / (cnt - 1.0)  # (G,) unbiased
     std = var.sqrt()
-    lo = zeros.scatter_reduce(0, inv, r, reduce="amin", include_self=False)  # (G,)
-    hi = zeros.scatter_reduce(0, inv, r, reduce="amax", include_self=False)  # (G,)
+    lo, hi = _group_range(r, inv, n_groups)  # (G,), (G,)
     adv = dev / (std[inv] + eps)  # (N,)
     # All-equal group: mean_i may differ from r_ij by a rounding error, so zero it explicitly.
     adv = torch.where((lo == hi)[inv], torch.zeros_like(adv), adv)
@@ -168,9 +174,7 @@ def zero_variance_share(rewards: torch.Tensor, group_ids: torch.Tensor) -> float
         return 0.0
     r = rewards.to(torch.float64)
     uniq, inv = torch.unique(group_ids, return_inverse=True)
-    zeros = torch.zeros(uniq.numel(), dtype=torch.float64, device=r.device)
-    lo = zeros.scatter_reduce(0, inv, r, reduce="amin", include_self=False)
-    hi = zeros.scatter_reduce(0, inv, r, reduce="amax", include_self=False)
+    lo, hi = _group_range(r, inv, uniq.numel())
     return float((lo == hi).to(torch.float64).mean())
 
 
@@ -238,23 +242,11 @@ class KLKind(StrEnum):
     K3 = "k3"  # ref/pi - 1 - log(ref/pi): unbiased, non-negative, low variance ("low_var_kl")
 
 
-def _kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:
-    return -log_ratio
-
-
-def _kl_k2(log_ratio: torch.Tensor) -> torch.Tensor:
-    return 0.5 * log_ratio.square()
-
-
-def _kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    return torch.expm1(log_ratio) - log_ratio  # exp(x) - 1 - x, accurate near x = 0
-
-
-# Each estimator takes log(ref / pi) = ref_logp - logp, clamped to +/- LOG_RATIO_MAX.
+# Each estimator takes x = log(ref / pi) = ref_logp - logp, clamped to +/- LOG_RATIO_MAX.
 _KL_ESTIMATORS: dict[KLKind, Callable[[torch.Tensor], torch.Tensor]] = {
-    KLKind.K1: _kl_k1,
-    KLKind.K2: _kl_k2,
-    KLKind.K3: _kl_k3,
+    KLKind.K1: lambda x: -x,
+    KLKind.K2: lambda x: 0.5 * x.square(),
+    KLKind.K3: lambda x: torch.expm1(x) - x,  # exp(x) - 1 - x, accurate near x = 0
 }
 
 
@@ -270,10 +262,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, k
     except ValueError:
         raise ValueError(f"unknown KL estimator {kind!r}; choose one of {[k.value for k in KLKind]}") from None
     if logp.shape != ref_logp.shape or logp.shape != mask.shape:
-        raise ValueError(
-            f"logp, ref_logp and mask must have one shape, got {tuple(logp.shape)}, "
-            f"{tuple(ref_logp.shape)}, {tuple(mask.shape)}"
-        )
+        raise ValueError(f"logp, ref_logp and mask must have one shape, got {_shapes(logp, ref_logp, mask)}")
     log_ratio = (ref_logp.detach() - logp).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)  # (B, T) log(ref / pi)
     kl = fn(log_ratio)
     return torch.where(mask.bool(), kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
@@ -320,8 +309,7 @@ def rollout_correction_weights(
         raise ValueError("rollout_correction_weights needs level token or sequence, got none")
     if logp_old.shape != logp_sampler.shape or logp_old.shape != mask.shape or logp_old.ndim != 2:
         raise ValueError(
-            f"logp_old, logp_sampler and mask must all be (B, T), got {tuple(logp_old.shape)}, "
-            f"{tuple(logp_sampler.shape)}, {tuple(mask.shape)}"
+            f"logp_old, logp_sampler and mask must all be (B, T), got {_shapes(logp_old, logp_sampler, mask)}"
         )
     if not cap > 0:
         raise ValueError(f"the rollout correction's cap must be > 0, got {cap}")
@@ -355,12 +343,8 @@ def rollout_correction_stats(
     m = mask.bool()
     n = int(m.sum())
     if n == 0:
-        return {
-            "is_ratio_mean": float("nan"),
-            "is_ratio_max": float("nan"),
-            "is_clipped_frac": 0.0,
-            "is_masked_frac": 0.0,
-        }
+        nan = float("nan")
+        return {"is_ratio_mean": nan, "is_ratio_max": nan, "is_clipped_frac": 0.0, "is_masked_frac": 0.0}
     r = ratio.detach()[m].double().cpu()
     d = dropped.bool()[m].cpu()
     clipped = 0 if cap is None else int(((r > cap) & ~d).sum())
@@ -465,11 +449,8 @@ def policy_loss(
         advantages: (B,) one advantage per sequence (``group_advantages``); constant.
         mask: (B, T) bool or 0/1 float, 1 on response tokens that count.
         clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
-        token_count: the normaliser. ``None``: the number of unmasked tokens in *this* call
-            (the loss is the token mean of this batch). With gradient accumulation pass the
-            unmasked-token count of the *whole* batch (all micro-batches; in data-parallel
-            training, of all ranks) to every micro-batch: the micro-batch losses then sum to the
-            full-batch loss, and their accumulated gradients equal the full-batch gradient.
+        token_count: the normaliser; ``None``: the unmasked tokens of *this* call (its token mean). With
+            gradient accumulation, those of the *whole* batch, all micro-batches and ranks (module docstring).
         weights: (B, T) or None; per-token weights that multiply ``L_t`` (detached): the rollout
             correction's (``rollout_correction_weights``). A weight-0 token adds nothing to the loss
             but still counts in ``token_count``. None = no weight (the same numbers as without it).
@@ -487,10 +468,7 @@ def policy_loss(
         - ``n_tokens``: the number of unmasked tokens in this call.
     """
     if logp_new.ndim != 2 or logp_new.shape != logp_old.shape or logp_new.shape != mask.shape:
-        raise ValueError(
-            f"logp_new, logp_old and mask must all be (B, T), got {tuple(logp_new.shape)}, "
-            f"{tuple(logp_old.shape)}, {tuple(mask.shape)}"
-        )
+        raise ValueError(f"logp_new, logp_old and mask must all be (B, T), got {_shapes(logp_new, logp_old, mask)}")
     if advantages.shape != logp_new.shape[:1]:
         raise ValueError(f"advantages must be (B,) = ({logp_new.shape[0]},), got {tuple(advantages.shape)}")
     if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
@@ -512,11 +490,9 @@ def policy_loss(
     with torch.no_grad():
         n = int(mask.sum())
         if n == 0:
-            nan = float("nan")
-            stats = dict.fromkeys(("clip_frac", "approx_kl", "approx_kl_k1", "ratio_mean", "ratio_max"), nan)
+            stats = dict.fromkeys(("clip_frac", "approx_kl", "approx_kl_k1", "ratio_mean", "ratio_max"), float("nan"))
         else:
-            lr = log_ratio.detach()
-            r = ratio.detach()
+            lr, r = log_ratio.detach(), ratio.detach()
             stats = {
                 "clip_frac": float(masked_mean((surr_clipped > surr).to(r.dtype), mask)),
                 "approx_kl": float(masked_mean(torch.expm1(lr) - lr, mask)),

@@ -131,8 +131,7 @@ def knapsack_rl(
     p = np.asarray(p, dtype=np.float64)
     valid = np.asarray(has_estimate, dtype=bool)
     m = p.size
-    share = np.full(m, total_budget // m, dtype=np.int64)  # the official n (B_total = M * n there)
-    share[: total_budget % m] += 1
+    share = equal_shares(total_budget, m)  # the official n (B_total = M * n there)
     mixed = valid & (p > 0) & (p < 1)
     zero = ~valid | (p.astype(np.float32) == 0)  # no estimate counts as 0, as in the official array
     groups = np.where(~valid, NO_ESTIMATE, np.where(mixed, MIXED, np.where(p >= 1, ONE, ZERO))).astype(object)

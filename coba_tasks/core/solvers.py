@@ -88,15 +88,10 @@ coba_solvers = _COBA_SOLVERS.names  # the registered CoBA solvers' names, sorted
 coba_solver = _COBA_SOLVERS.get  # the CoBA solver registered under a name, or None
 
 
-def coba_log_gains(problem: CobaProblem) -> tuple[np.ndarray, np.ndarray]:
-    """(a0, k): log-gain of the j-th extra rollout of prompt i is a0[i] - k[i] * j."""
-    return problem.a - problem.k * problem.min_budget, problem.k
-
-
 def coba_solve(problem: CobaProblem, spare: int, cap: int, solver: Solver) -> np.ndarray:
     """Extras (n,) int64 above B_low: ``spare`` rollouts placed by ``solver``, at most ``cap`` per prompt."""
-    a0, k = coba_log_gains(problem)
-    return _COBA_SOLVERS[solver.value](a0, k, spare, cap, problem)
+    a0 = problem.a - problem.k * problem.min_budget  # the j-th extra rollout of prompt i: log-gain a0[i] - k[i] * j
+    return _COBA_SOLVERS[solver.value](a0, problem.k, spare, cap, problem)
 
 
 def greedy_heap(first_keys: list[float], next_key: Callable[[int, int], float], total: int, cap: int) -> np.ndarray:
@@ -131,8 +126,7 @@ def heap_extras(a0: np.ndarray, k: np.ndarray, spare: int, cap: int, problem: Co
     the heap holds (-log_gain, prompt index), which breaks ties by prompt order (``greedy_heap``).
     Returns extras (n,) int64.
     """
-    a0l = a0.tolist()
-    kl = k.tolist()
+    a0l, kl = a0.tolist(), k.tolist()
     return greedy_heap([-a for a in a0l], lambda i, j: kl[i] * j - a0l[i], spare, cap)
 
 

@@ -89,14 +89,6 @@ def coba_gain_params(p: np.ndarray, alpha: float, beta: float, tau: float) -> tu
     return a, k
 
 
-def mixed_group_probability(n: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """1 - p^N - (1 - p)^N: the probability that a group of N rollouts at pass rate p holds both a success
-    and a failure (a non-zero GRPO gradient); 0 for p in {0, 1}; broadcasts."""
-    n = np.asarray(n, dtype=np.float64)
-    p = np.asarray(p, dtype=np.float64)
-    return 1.0 - p**n - (1.0 - p) ** n
-
-
 def effective_number(weights: np.ndarray) -> float:
     """N_eff = (sum w)^2 / sum w^2 of non-negative weights (shape (M,)): the number of equal weights with the
     same spread, M when all are equal, 1 when one holds everything; 0.0 when every weight is 0. Sums with
@@ -113,7 +105,7 @@ def effective_number(weights: np.ndarray) -> float:
 
 
 def knapsack_value(n: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """Knapsack-RL value(N, p) = (1 - p^N - (1 - p)^N) * p * (1 - p)^2 (``mixed_group_probability`` times
-    p (1 - p)^2); broadcasts."""
-    p = np.asarray(p, dtype=np.float64)
-    return mixed_group_probability(n, p) * p * (1.0 - p) ** 2
+    """Knapsack-RL value(N, p) = (1 - p^N - (1 - p)^N) * p * (1 - p)^2, the probability that a group of N
+    rollouts holds both a success and a failure (a non-zero GRPO gradient) times p (1 - p)^2; broadcasts."""
+    n, p = np.asarray(n, dtype=np.float64), np.asarray(p, dtype=np.float64)
+    return (1.0 - p**n - (1.0 - p) ** n) * p * (1.0 - p) ** 2

@@ -8,14 +8,10 @@ split by difficulty level. The target (issue: the default model) is an overall a
 0.2 and 0.6, high on the easiest level and near zero on the hardest, in a few minutes on 2 cores:
 a policy with room to improve, and a spread of pass rates for the allocator to work on.
 
-The default teacher leaves a quarter of the problems unanswered (``give_up``): the warmed-up model
-then gives up ("?") on about a quarter of its samples, whatever the problem, much as a base model
-often ignores the answer format a verifier wants. Unlearning that habit is what RL from the
-verifier's reward does well on this tiny model; its arithmetic moves much less (docs/experiments.md).
-
-Reproducible: the seed fixes the initial weights and the order of the training examples; the
-number of steps (not a time budget) ends training. Stage functions here are plain; the Prefect
-flow in ``flows/bootstrap.py`` wraps them.
+The default teacher leaves a quarter of the problems unanswered (``give_up``), a habit shared by
+every prompt that RL from the verifier's reward unlearns well on this tiny model (docs/experiments.md).
+Reproducible: the seed fixes the initial weights and the order of the training examples; the number
+of steps (not a time budget) ends training. The Prefect flow in ``flows/bootstrap.py`` wraps these.
 """
 
 from __future__ import annotations
@@ -41,6 +37,7 @@ from coba_tasks.engines.fileio import (
     files_of,
     new_temporary_dir,
     publish_dir,
+    read_json_record,
 )
 from coba_tasks.engines.model import TinyLlamaSpec, build_char_tokenizer, build_tiny_llama, save_hf
 from coba_tasks.engines.update import pad_sequences
@@ -79,9 +76,7 @@ class BootstrapConfig:
     # near miss (the true value off by 1 or 10: a slipped last digit or carry). 0 = clean answers.
     label_noise: float = 0.0
     # A teacher that sometimes gives up: each time an example is drawn, with this probability its
-    # target is GIVE_UP ("?", no answer: reward 0) instead of the answer. 0 = it always answers. The
-    # default model is warmed up with 0.25: giving up is a habit shared by every prompt, which RL from
-    # the verifier's reward can unlearn in a few steps (docs/experiments.md, "Does RL improve held-out accuracy here?").
+    # target is GIVE_UP ("?", no answer: reward 0) instead of the answer. 0 = it always answers.
     give_up: float = 0.25
 
     def __post_init__(self) -> None:
@@ -202,22 +197,20 @@ def train_sft(
     prompts, answers = train["prompt_text"].tolist(), train["ground_truth"].tolist()
     examples = encode_examples(tok, prompts, answers)
     rng = np.random.default_rng(cfg.seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.98),
-    )
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+    groups.append({"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0})
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
     weights = level_balanced_weights(train)
     if cfg.label_noise == 0 and cfg.give_up == 0:
         all_ids, all_mask, all_labels = collate(examples, tok.pad_token_id)  # (N, T) each, built once
     else:  # (V, N, T): variant 0 the true answers, one per near-miss offset (GAVE_UP - 1), GIVE_UP
         # an option that is off keeps its slots (the variant indices are fixed) filled with the true answers
+        noisy = cfg.label_noise > 0
         variants = [examples]
-        for d in NEAR_MISSES:
-            noisy = cfg.label_noise > 0
-            variants.append(encode_examples(tok, prompts, near_miss_answers(answers, d)) if noisy else examples)
+        variants += [
+            encode_examples(tok, prompts, near_miss_answers(answers, d)) if noisy else examples for d in NEAR_MISSES
+        ]
         variants.append(encode_examples(tok, prompts, [GIVE_UP] * len(answers)))
         all_ids, all_mask, all_labels = (
             t.view(len(variants), len(examples), -1)
@@ -351,13 +344,10 @@ def stale_bootstrap_note(model_dir: str | Path) -> str | None:
     ``make demo-tiny`` keeps an existing model; one warmed up before the default teacher changed (it gave
     up on no problem then) leaves RL almost nothing to learn, so say how to rebuild it.
     """
-    path = Path(model_dir) / METRICS_FILE
-    if not path.is_file():
+    record = read_json_record(Path(model_dir) / METRICS_FILE)
+    if record is None:
         return None  # not a bootstrapped model: the user's own checkpoint
-    try:
-        saved = json.loads(path.read_text()).get("config", {})
-    except (OSError, ValueError):
-        return None
+    saved = record.get("config", {})
     used, default = float(saved.get("give_up", 0.0)), BootstrapConfig().give_up
     if used == default:
         return None

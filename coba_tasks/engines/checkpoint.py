@@ -2,25 +2,15 @@
 
 Kept apart from the update (``coba_tasks.engines.update``) because the same layout is written by two
 writers, ``PolicyTrainer.save_checkpoint`` and rank 0 of an FSDP update (``coba_tasks.engines.fsdp_update``),
-and checked by readers that never train (a resume, a rerun, ``coba-eval``).
-
-Checkpoints are Hugging Face layout with safetensors (the rollout engine reloads them in place)
-plus ``trainer/optimizer.safetensors`` (AdamW moments and steps as tensors, the torch RNG state) and
-``trainer/trainer_state.json`` (param groups, update count, the caller's extra state), so a resumed
-run continues exactly; with ``dtype`` bfloat16 or float16 ``model.safetensors`` is in that dtype for
-the rollout engine and the float32 weights go to ``trainer/master.safetensors``. No pickle anywhere.
-A checkpoint is written into a temporary sibling and renamed into place when whole, with
-``checkpoint.json`` (every file's size and sha256) written last: ``verify_checkpoint`` checks a
-checkpoint against it before a run resumes from it, and ``PolicyTrainer.load_checkpoint`` (with
-``load_weights``, ``load_adapter_weights`` and ``load_optimizer_state`` here) loads all or nothing
-(every parameter and its AdamW state, or ``CheckpointError``).
+and checked by readers that never train (a resume, a rerun, ``coba-eval``). The layout is docs/design.md's
+(``checkpoints/N/``): Hugging Face layout with safetensors plus ``trainer/``, no pickle anywhere, written
+in a temporary sibling and renamed into place when whole, with ``checkpoint.json`` (every file's size and
+sha256, ``verify_checkpoint``) written last; loaded all or nothing (``CheckpointError``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import secrets
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +19,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file, save_model
+
+from coba_tasks.engines.fileio import new_temporary_dir, sha256_file
 
 # Kept in a subdirectory: vLLM's reload reads every *.safetensors file beside the model.
 OPTIMIZER_FILE = "trainer/optimizer.safetensors"
@@ -116,12 +108,9 @@ def _write_model(
 def _fresh_temporary(final: Path) -> Path:
     """A new empty ``.<name>.<hex>.tmp`` beside ``final``; temporaries of killed writers of it go first
     (one writer per run directory: the run lock)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{final.name}.*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
-    tmp.mkdir()
-    return tmp
+    return new_temporary_dir(final)
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -136,7 +125,8 @@ def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
     master = ckpt / MASTER_FILE
     weights = master if master.is_file() else ckpt / "model.safetensors"
     try:
-        stored = set(safe_open_keys(weights))
+        with safe_open(str(weights), framework="pt") as f:
+            stored = set(f.keys())
     except (OSError, RuntimeError, ValueError) as exc:  # missing, or not a safetensors file
         raise CheckpointError(f"{weights}: cannot read the policy weights ({exc})") from exc
     names_by_storage: dict[int, list[str]] = {}  # tied weights share one storage and are stored once
@@ -186,12 +176,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt: Path) -> dict[s
     return state
 
 
-def safe_open_keys(path: Path) -> list[str]:
-    """The tensor names of a safetensors file, read from its header."""
-    with safe_open(str(path), framework="pt") as f:
-        return list(f.keys())
-
-
 def _some(names: Sequence[str], shown: int = 3) -> str:
     names = sorted(names)
     if not names:
@@ -203,15 +187,10 @@ def _some(names: Sequence[str], shown: int = 3) -> str:
 # -- the checkpoint manifest ------------------------------------------------------------------------
 
 
-def _file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def write_checkpoint_manifest(ckpt: Path) -> Path:
     """``checkpoint.json``: every file of the checkpoint (relative path -> bytes and sha256), written last."""
     files = {
-        p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "sha256": _file_sha256(p)}
+        p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(ckpt.rglob("*"))
         if p.is_file() and p.name != CHECKPOINT_MANIFEST
     }
@@ -248,7 +227,7 @@ def verify_checkpoint(ckpt_dir: str | Path) -> None:
         size = path.stat().st_size
         if size != entry.get("bytes"):
             raise CheckpointError(f"{path}: {size} bytes, {CHECKPOINT_MANIFEST} says {entry.get('bytes')} (truncated?)")
-        if _file_sha256(path) != entry.get("sha256"):
+        if sha256_file(path) != entry.get("sha256"):
             raise CheckpointError(f"{path}: sha256 differs from {CHECKPOINT_MANIFEST}'s (the file was altered)")
 
 
@@ -288,14 +267,10 @@ def optimizer_from_tensors(
     if state:
         keys = set().union(*(set(v) for v in state.values()))
         partial = [i for i in params if set(state.get(i, {})) != keys]
-        if partial or set(state) - set(params):
-            raise ValueError(
-                f"{len(partial)} of {len(params)} parameters lack some of their state ({', '.join(sorted(keys))})"
-                + (
-                    f"; state for unknown parameters {sorted(set(state) - set(params))[:3]}"
-                    if set(state) - set(params)
-                    else ""
-                )
-            )
+        unknown = sorted(set(state) - set(params))
+        if partial or unknown:
+            extra = f"; state for unknown parameters {unknown[:3]}" if unknown else ""
+            lack = f"{len(partial)} of {len(params)} parameters lack some of their state"
+            raise ValueError(f"{lack} ({', '.join(sorted(keys))}){extra}")
     restored = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
     optimizer.load_state_dict({"state": state, "param_groups": restored})

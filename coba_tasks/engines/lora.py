@@ -1,39 +1,25 @@
 """LoRA for the policy update, with peft: the adapter, its checkpoints, and merged weights for the engine.
 
-What. With ``model.lora_rank`` > 0 the trainer wraps the policy with peft's LoRA (``add_lora``): every
-targeted linear layer ``W`` gets a trainable ``B @ A`` of rank r, scaled by ``alpha / r``, and the base
-weights are frozen. Only the adapter (A and B) and its AdamW state are trained and checkpointed: a
-checkpoint is peft's own layout, ``adapter_model.safetensors`` and ``adapter_config.json`` (its
-``base_model_name_or_path`` is the absolute path of ``model.path``), so ``PeftModel.from_pretrained``
-and transformers' ``from_pretrained`` of the checkpoint directory load it as they load any adapter.
-
-An adapter is a difference to one base model, so a checkpoint also records that base's content hash
-(``adapter_base.json``: its absolute path and ``content_sha256``, hashed once per process: ``base_sha256``
-caches it by the files' sizes and modification times). Merging (``merge_adapter_checkpoint``), a held-out
-evaluation and a resume refuse a base whose hash differs (``check_adapter_base``: ``AdapterBaseError``); a
-checkpoint written before the hash was recorded is taken with a warning, its base unchecked.
+With ``model.lora_rank`` > 0 the trainer wraps the policy with peft's LoRA (``add_lora``): every targeted
+linear layer ``W`` gets a trainable ``B @ A`` of rank r, scaled by ``alpha / r``, the base weights frozen.
+A checkpoint holds the adapter and its AdamW state in peft's own layout (``adapter_model.safetensors``,
+``adapter_config.json`` naming ``model.path`` by its absolute path), so peft and transformers load it as
+any adapter, and ``adapter_base.json``: that base's content hash, checked before the adapter is put on a
+base again (``check_adapter_base``).
 
 The rollout engine samples from the merged weights ``W + (alpha / r) * B @ A`` (``save_merged``): vLLM
-and the transformers backend then run a plain model of the base's shape, and a reload after each
-update is the same in-place reload as for full fine-tuning. The merged copy is not a checkpoint: the
-run keeps one, ``rollout_weights/`` in the run directory, written again after every update and on a
-resume (from the base model and the checkpoint's adapter). ``merge_adapter_checkpoint`` does the same
-for ``coba-eval`` of a LoRA checkpoint.
+and the transformers backend then run a plain model of the base's shape, reloaded in place after each
+update as for full fine-tuning. The run keeps one merged copy, ``rollout_weights/`` in the run
+directory; ``merge_adapter_checkpoint`` does the same for ``coba-eval`` of a LoRA checkpoint. Why merged
+rather than vLLM's LoRA adapters: docs/benchmarks.md.
 
-Why merged rather than vLLM's LoRA adapters: docs/benchmarks.md measures both on the CPU.
-
-How the update computes a LoRA layer. peft's layer computes ``x W^T + s (x A^T) B^T``: two more matrix
-products over the activations and two elementwise passes (a scale and an add) in the forward, as many
-again in the backward, which on a CPU cost most of what freezing the base saves (docs/benchmarks.md).
 ``MergedLoraLinear`` (registered with peft for ``nn.Linear``, so peft still builds, saves, loads and
-merges the adapters) computes the same layer as one product with the merged weight, ``x (W + s B A)^T``:
-the forward costs what the frozen layer costs, and the backward adds four rank-r products for the
-gradients of A and B to the input gradient the frozen base needs anyway. The merge (``merged_weight``,
-one ``addmm`` over the weight) is done again in the backward rather than kept, which costs less than
-holding a second copy of every weight. A layer the fast path does not cover (dropout, DoRA, several
-adapters, a trainable base bias) runs peft's own forward.
-
-Numerics: the trainer and the engine multiply by the same merged weights (``merged_state_dict`` calls
+merges the adapters) computes the layer as one product with the merged weight, ``x (W + s B A)^T``,
+instead of peft's ``x W^T + s (x A^T) B^T``, whose two extra products and elementwise passes cost on a
+CPU most of what freezing the base saves (docs/benchmarks.md). The merge (``merged_weight``) is made
+again in the backward rather than kept, which costs less than a second copy of every weight. A layer
+the fast path does not cover (dropout, DoRA, several adapters, a trainable base bias) runs peft's own
+forward. The trainer and the engine multiply by the same merged weights (``merged_state_dict`` calls
 ``merged_weight`` too), so what is left of the sampler/trainer gap (``logprob_diff_*``) is the two
 engines' kernels.
 """
@@ -43,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +37,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
+
+from coba_tasks.engines.fileio import content_sha256, new_temporary_dir
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -200,8 +187,7 @@ def save_merged(model: torch.nn.Module, out_dir: str | Path, dtype: torch.dtype 
     """Write the merged weights as a Hugging Face model directory (config and ``model.safetensors`` in
     ``dtype``) at ``out_dir``, whole or not at all: built beside it and renamed into place."""
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+    tmp = new_temporary_dir(out)
     try:
         model.save_pretrained(tmp, state_dict=merged_state_dict(model, dtype), safe_serialization=True)
         if out.exists():
@@ -227,8 +213,6 @@ def save_adapter(peft_model: Any, out_dir: Path, base_model_path: str | Path, ba
 def base_sha256(path: str | Path) -> str:
     """``content_sha256`` of a base model directory, computed once per process for as long as none of its
     files changes size or modification time (a base model can be gigabytes; a run checks it at every load)."""
-    from coba_tasks.engines.fileio import content_sha256
-
     root = Path(path).resolve()
     stats = []
     for folder, _, names in os.walk(root):

@@ -6,9 +6,6 @@ each, plus <pad>, <s>, </s>, <unk>) with the ``tokenizers`` library, and the mod
 (``config.json``, ``model.safetensors``, ``tokenizer.json``), so vLLM, transformers and any HF tool
 load them like any other checkpoint; wherever a model path is configured, any HF causal LM
 directory works instead.
-
-The input and output embeddings are not tied by default (the default model was built that way;
-tying them is a spec option, and real models that tie them train and reload like any other).
 """
 
 from __future__ import annotations

@@ -1,42 +1,21 @@
 """A reward file: the user's own reward function (``verify.reward_function``), with veRL's signature.
 
-What. ``verify.reward_function: path/to/file.py:function`` names a Python file and a function in it
+``verify.reward_function: path/to/file.py:function`` names a Python file and a function in it
 (``compute_score`` when ``:function`` is left out): veRL's ``custom_reward_function.path`` and
 ``.name``. The function is called as veRL calls it, with keyword arguments::
 
     compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)
 
-``data_source`` is the row's ``data_source``; ``solution_str`` the completion's text; ``ground_truth``
-the row's ground truth as the run loaded it (a string: ``reward_model.ground_truth`` of a veRL file,
-``answer`` of a flat one); ``extra_info`` a fresh copy of the row's ``extra_info`` dict (``{}`` for a
-flat file or a row without one). It returns a number (the reward) or a dict whose ``score`` key is the
-reward; the dict's other keys become columns of ``rewards.parquet``. A file written for veRL's
-``custom_reward_function`` works unchanged. With a reward file, every row is scored by it, whatever its
-``data_source`` (the built-in verifiers are not consulted), as in veRL.
+It returns a number (the reward) or a dict whose ``score`` key is the reward; the dict's other keys
+become columns of ``rewards.parquet`` (``plain_value``; a key named like a column of the table is
+written as ``extra_<key>``). A reward ``>= pass_threshold`` is ``correct``, any other finite reward
+``wrong``; a function that raises, or returns anything else, gives its item ``error`` (reward 0) with
+the exception's last line in ``detail``. With a reward file, every row is scored by it, whatever its
+``data_source``, as in veRL. docs/operations.md ("Your own reward") is the user's guide.
 
-Verdicts. A reward ``>= pass_threshold`` (``verify.pass_threshold``, default 1.0) is ``correct``
-(solved: what CoBA-RL's pass rates count), any other finite reward ``wrong``; the GRPO advantage uses
-the raw reward. A function that raises on an item gives it ``error`` (reward 0) with the exception's
-last line (``ValueError: ...``, and the line of the file it came from) in ``detail``; so does a
-return that is not a finite number nor a dict with a numeric ``score``. An item that runs past
-``verify.timeout_s`` is ``timeout`` (reward 0): the function runs in the verifier pool's worker
-processes, under the same hard wall-clock limit as the built-in verifiers. Note that 0 is then the
-reward of an error or a timeout, even where the file's own rewards are negative.
-
-Extra keys. Values that are bools, numbers, strings or None go to their column as they are (a column
-whose values mix kinds is written as text); any other value (a list, a dict, an object) is written as
-its JSON text, or its ``repr`` when JSON cannot hold it. A key named like a column of the table
-(``reward``, ``verdict``, ...) is written as ``extra_<key>``.
-
-Trust and limits. The file is code: it is imported from its path in the verifier pool's worker processes
-only (never in the trainer's process: the check before a run starts imports it in a worker too), with the
-rights of the run's user. Its import has ``verify.timeout_s`` (a file whose top-level code runs longer is
-refused in one line), each call the same limit; each worker is the kernel's first choice when memory runs
-out (``oom_score_adj`` 1000 on Linux), so a file that eats memory loses its worker, not the trainer. There
-is no other limit: it can read and write what the user can and reach the network. Nothing is unpickled
-and nothing is fetched. A flow started from a deployment runs a reward file only where its worker allows
-it (``COBA_ALLOW_REWARD_FILES=1``) and only inside the project or the worker's roots
-(``coba_tasks.pipeline.deployment``); put there only files you would run yourself.
+The file is code: it is imported from its path in the verifier pool's worker processes only
+(``coba_tasks.engines.verify_pool``: never in the trainer's process), under ``verify.timeout_s`` for its
+import and for each call. Nothing is unpickled and nothing is fetched.
 
 How to use::
 
@@ -47,6 +26,7 @@ How to use::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -121,17 +101,10 @@ class RewardFunction:
 
     def load(self) -> Callable[..., Any]:
         """The function, imported once per process; RewardFileError (one line) when it cannot be."""
-        key = (self.path, self.name)
-        fn = _LOADED.get(key)
-        if fn is None:
-            fn = _import_function(self.path, self.name)
-            _LOADED[key] = fn
-        return fn
+        return _import_function(self.path, self.name)
 
 
-_LOADED: dict[tuple[str, str], Callable[..., Any]] = {}
-
-
+@functools.cache  # a file that failed is tried again: an exception is not cached
 def _import_function(path: str, name: str) -> Callable[..., Any]:
     file = Path(path)
     if not file.is_file():

@@ -97,23 +97,13 @@ def shared_prefix_pass(
     completion tokens (zeros at padding), the (n, C) mask of real tokens and the (T, V) float32
     log-probabilities of the whole vocabulary at the real tokens (for the entropy), all of the sampling
     distribution: the logits divided by ``temperature`` (the rollouts' sampling temperature) before the
-    log-softmax. With ``grad`` it returns
-    the chunk's loss (a scalar tensor, or None for no loss), which is backpropagated into the weights
-    (``.grad`` accumulates); without ``grad`` nothing is backpropagated and the return value is ignored.
+    log-softmax. With ``grad`` it returns the chunk's loss (a scalar tensor, or None for no loss), which is
+    backpropagated into the weights (``.grad`` accumulates); without ``grad`` the return value is ignored.
     ``timings`` (when given) accumulates the seconds spent in ``forward`` and ``backward``.
     """
     for start in range(0, len(groups), chunk):
-        _block(
-            model,
-            groups[start : start + chunk],
-            completions,
-            on_chunk,
-            chunk,
-            grad,
-            autocast_dtype,
-            timings,
-            temperature,
-        )
+        block = groups[start : start + chunk]
+        _block(model, block, completions, on_chunk, chunk, grad, autocast_dtype, timings, temperature)
 
 
 def _block(model, groups, completions, on_chunk, chunk, grad, autocast_dtype, timings, temperature) -> None:

@@ -29,20 +29,9 @@ in it for the rollout engine, the float32 weights going to ``trainer/master.safe
 bfloat16 weights would not train at the paper's lr 1e-6: an AdamW step of ~1e-6 is below half a
 bfloat16 ulp of nearly every weight (measured: 98.5% of weights N(0, 0.02) never moved in 10 steps).
 
-Checkpoints (``save_checkpoint``, ``load_checkpoint``): Hugging Face layout with safetensors plus
-the AdamW state, the RNG and the trainer state, written whole or not at all and loaded all or
-nothing; the layout and its serialisation live in ``coba_tasks.engines.checkpoint``.
-
-Data parallelism: ``update`` reads which rows it computes, and how its sums meet other processes',
-from ``self.shard`` (a ``DataShard``: the whole batch in one process). ``coba_tasks.engines.fsdp_update``
-runs the same ``update`` in several processes with the policy wrapped by FSDP and a ``DataShard`` that
-holds one rank's share of each mini-batch; nothing else changes.
-
-The module in its order: what the update is told (``UpdateSettings``, built from the run config by
-``coba_tasks.pipeline.run.update_settings``; the learning-rate schedule and the optimizer); a step's
-rollouts as the update sees them, the helpers that need no model (``pad_sequences``, ``DataShard``, the
-sampler gap ``sampler_gap`` / ``sampler_gap_rows``, the rollout correction's layout and statistics,
-``PromptWeights``, the checks that stop a non-finite update); then ``PolicyTrainer``.
+Checkpoints (``save_checkpoint``, ``load_checkpoint``): ``coba_tasks.engines.checkpoint``. Data
+parallelism: ``coba_tasks.engines.fsdp_update`` runs the same ``update`` in several processes, with the
+policy wrapped by FSDP and a ``self.shard`` (``DataShard``) that holds one rank's share of each mini-batch.
 """
 
 from __future__ import annotations
@@ -53,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -357,9 +346,7 @@ def rollout_ratio_stats(
     if sampler_logprobs is None or width == 0:
         nan = float("nan")
         return {"is_ratio_mean": nan, "is_ratio_max": nan, "is_clipped_frac": 0.0, "is_masked_frac": 0.0}
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, t in enumerate(rows):
-        mask[i, : len(t)] = True
+    mask = torch.arange(width) < torch.tensor([len(t) for t in rows]).unsqueeze(1)  # (n, width)
     old = padded_rows(rows, mask.double())
     theirs = padded_rows([torch.tensor(list(lp), dtype=torch.float64) for lp in sampler_logprobs], mask.double())
     applied = RolloutCorrection(level) is not RolloutCorrection.NONE
@@ -370,18 +357,13 @@ def rollout_ratio_stats(
 
 
 class PromptWeights:
-    """How the update's loss weighs a step's prompts (``optim.prompt_weighting``; docs/method.md).
+    """How the update's loss weighs a step's prompts (``optim.prompt_weighting``; docs/method.md says how).
 
     ``coba_tasks.core.grpo.prompt_loss_weights`` gives each row a token weight c_r from the *whole step*
-    (its prompt's share: 1 under ``tokens``, N / (M * T_i) under ``equal``); a mini-batch's loss is
-    ``sum_r c_r sum_t L_rt / sum_r c_r T_r`` over its rows, the normaliser counting every row of the
-    mini-batch (those left out of the passes too), as the token mean counts every token. With one
-    mini-batch that is ``(1/M) sum_i (1/T_i) sum_{t in i} L_t`` under ``equal``; with several, each
-    mini-batch weighs its tokens as the step does, normalised over the mini-batch (as the token mean
-    divides by the mini-batch's tokens). Every process of a data-parallel update reads the whole step, so
-    each computes the same weights and normalisers: the summed gradient is the single-process one.
-
-    ``group_ids`` (one per row, the prompt it answers); None groups the rows by identical prompt token ids.
+    (1 under ``tokens``, N / (M * T_i) under ``equal``); a mini-batch's loss is ``sum_r c_r sum_t L_rt /
+    sum_r c_r T_r`` over its rows, the normaliser counting every row of the mini-batch (those left out of
+    the passes too). ``group_ids`` (one per row, the prompt it answers); None groups the rows by identical
+    prompt token ids.
     """
 
     def __init__(
@@ -438,16 +420,6 @@ class PromptWeights:
 # ---------------------------------------------------------------------------------------------
 # The training model
 # ---------------------------------------------------------------------------------------------
-
-
-class _Batch(NamedTuple):
-    """A step's rollouts as ``PolicyTrainer.update`` takes them."""
-
-    prompt_ids: Sequence[Sequence[int]]
-    completion_ids: Sequence[Sequence[int]]
-    advantages: np.ndarray | torch.Tensor
-    sampler_logprobs: Sequence[Sequence[float]] | None
-    prompts: PromptWeights  # how the loss weighs the step's prompts
 
 
 class PolicyTrainer:
@@ -551,11 +523,9 @@ class PolicyTrainer:
         if len(prompt_ids) == 0:
             raise ValueError("GRPO update on an empty batch")
         check_advantages(advantages, self.settings.lr)  # never a pass, let alone a step, on a NaN advantage
-        weights = PromptWeights(self.settings.prompt_weighting, prompt_ids, completion_ids, group_ids)
-        batch = _Batch(prompt_ids, completion_ids, advantages, sampler_logprobs, weights)
-        if self.shared_prefix_unavailable() is None:
-            return self._update_shared_prefix(batch)
-        return self._update_full_sequences(batch)
+        prompts = PromptWeights(self.settings.prompt_weighting, prompt_ids, completion_ids, group_ids)
+        run = self._update_shared_prefix if self.shared_prefix_unavailable() is None else self._update_full_sequences
+        return run(prompt_ids, completion_ids, advantages, sampler_logprobs, prompts)
 
     def shared_prefix_unavailable(self) -> str | None:
         """Why this trainer updates on full sequences; None when it encodes each group's prompt once."""
@@ -592,6 +562,25 @@ class PolicyTrainer:
         )
         return weights
 
+    def _chunk_loss(self, totals, prompts, idx, logp, old, adv, mask, rc, ref, mb_tokens: float) -> torch.Tensor:
+        """The loss of the rows ``idx`` (their (B, T) ``logp``, ``old``, float ``mask``, the rollout correction's
+        ``rc`` and the reference's ``ref`` log-probabilities, None when off), normalised by ``mb_tokens``; adds
+        its loss, KL and clipped tokens to ``totals``."""
+        s = self.settings
+        weights = prompts.loss_weights(idx, rc, logp)  # times each row's prompt weight (none under tokens)
+        loss, stats = policy_loss(
+            logp, old, adv[idx], mask, s.clip_low, s.clip_high, token_count=mb_tokens, weights=weights
+        )
+        if ref is not None:
+            kl = masked_mean(prompts.weigh(kl_penalty(logp, ref, mask), idx), mask, mb_tokens)
+            loss = loss + s.kl_coef * kl
+            totals["kl"] += float(kl.detach()) * mb_tokens
+        totals["loss"] += float(loss.detach()) * mb_tokens
+        n_tok = float(mask.sum())
+        if n_tok > 0:
+            totals["clip_tokens"] += stats["clip_frac"] * n_tok
+        return loss
+
     def _begin_update(self) -> dict[str, float]:
         """Sets this update's learning rate and train mode; returns the metric sums to fill."""
         for group in self.optimizer.param_groups:  # the warm-up follows the update count, so a resume agrees
@@ -621,11 +610,10 @@ class PolicyTrainer:
         """``update_epochs`` epochs over the ``n`` rows in ``parts`` mini-batches (shuffled when more than one;
         the order is seeded by the update count, so a resume agrees), one optimizer step each: ``mini_batch(rows,
         tokens)`` accumulates the gradients of the mini-batch's ``trained`` rows; its normaliser ``tokens`` counts
-        the completion tokens of all its rows (``tokens_of``; weighted by prompt under ``equal``; a mini-batch
-        without any is skipped). A mini-batch whose rows are all skipped still makes its optimizer step, with a
-        zero gradient (AdamW's momentum and weight decay move the weights then too), as the update without
-        skipping would. A mini-batch whose loss or gradient norm is not finite stops the update before its
-        optimizer step (``NonFiniteUpdateError``). Returns the optimizer steps made."""
+        the completion tokens of all its rows (``tokens_of``; a mini-batch without any is skipped). A mini-batch
+        whose rows are all skipped still makes its optimizer step, with a zero gradient (AdamW's momentum and
+        weight decay move the weights then too), as the update without skipping would. Returns the optimizer
+        steps made."""
         gen = torch.Generator().manual_seed(self.updates)
         trained = trained.cpu()
         opt_steps, planned = 0, self.settings.update_epochs * parts
@@ -655,10 +643,11 @@ class PolicyTrainer:
         opt_steps: int,
         gap: tuple[float, float],
         trained: torch.Tensor,
-        lengths: Sequence[int],
+        completion_ids: Sequence[Sequence[int]],
         is_stats: dict[str, float],
     ) -> dict[str, float]:
         s = self.settings
+        lengths = [len(c) for c in completion_ids]
         self.optimizer.zero_grad(set_to_none=True)  # free the gradients' memory until the next update
         self.model.eval()
         self.updates += 1
@@ -704,18 +693,18 @@ class PolicyTrainer:
         self.optimizer.step()
         self._time("optimizer", t0)
 
-    def _update_shared_prefix(self, batch: _Batch) -> dict[str, float]:
+    def _update_shared_prefix(
+        self, prompt_ids, completion_ids, advantages, sampler_logprobs, prompts
+    ) -> dict[str, float]:
         """``update`` with each group's prompt encoded once and the output projection only at completion
         tokens (``coba_tasks.engines.shared_prefix``). The same loss and gradients as the full-sequence
         update, within float rounding. With one optimizer step (``mini_batches`` 1, ``update_epochs`` 1)
         logp_old is the same forward's log-probabilities, detached: the weights have not moved yet, so a
         separate pass would compute the same numbers again."""
-        prompt_ids, completion_ids, advantages, sampler_logprobs, prompts = batch
         s = self.settings
         n = len(prompt_ids)
         adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32), device=self.device)
-        lengths = [len(c) for c in completion_ids]
-        token_count = float(sum(lengths))
+        token_count = float(sum(len(c) for c in completion_ids))
         if token_count == 0:
             raise ValueError("GRPO update: no completion tokens in the batch")
         parts = max(1, min(s.mini_batches, n))
@@ -747,54 +736,26 @@ class PolicyTrainer:
                     old = logp.detach()
                 else:
                     old = padded_rows([old_rows[r] for r in idx.tolist()], logp)
-                weights = mask.to(logp.dtype)
                 rc = None
                 if sampler_rows is not None:  # the rollout correction's weights, from logp_old and the sampler's
                     theirs = padded_rows([sampler_rows[r] for r in idx.tolist()], logp)
                     rc = self._correction_weights(old, theirs, mask)
-                rc = prompts.loss_weights(idx, rc, logp)  # times each row's prompt weight (none under tokens)
-                loss, stats = policy_loss(
-                    logp, old, adv[idx], weights, s.clip_low, s.clip_high, token_count=mb_tokens, weights=rc
-                )
-                if self.ref_model is not None:
-                    ref = padded_rows([ref_rows[r] for r in idx.tolist()], logp)
-                    kl = masked_mean(prompts.weigh(kl_penalty(logp, ref, weights), idx), weights, mb_tokens)
-                    loss = loss + s.kl_coef * kl
-                    totals["kl"] += float(kl.detach()) * mb_tokens
-                totals["loss"] += float(loss.detach()) * mb_tokens
-                n_tok = float(weights.sum())
-                if n_tok > 0:
-                    totals["clip_tokens"] += stats["clip_frac"] * n_tok
+                ref = None if self.ref_model is None else padded_rows([ref_rows[r] for r in idx.tolist()], logp)
+                loss = self._chunk_loss(totals, prompts, idx, logp, old, adv, mask.to(logp.dtype), rc, ref, mb_tokens)
                 with torch.no_grad():  # H = -sum p log p, from the log-softmax this chunk computed anyway
                     lp = all_logp.detach()
                     totals["entropy"] += _exact_sum(-(lp.exp() * lp).sum(-1))  # per token, then summed exactly
                     totals["entropy_tokens"] += float(lp.shape[0])
                 return loss
 
-            shared_prefix_pass(
-                self.model,
-                group_by_prompt(prompt_ids, rows.tolist()),
-                completion_ids,
-                on_chunk,
-                chunk=s.micro_batch_size,
-                grad=True,
-                autocast_dtype=self.compute_dtype,
-                timings=self.timings,
-                temperature=self.settings.temperature,
-            )
+            self._shared_pass(self.model, group_by_prompt(prompt_ids, rows.tolist()), completion_ids, on_chunk, True)
 
         opt_steps = self._mini_batch_steps(n, parts, prompts.tokens, mini_batch, totals, trained)
-        gap = sampler_gap_rows(
-            [old_rows[r] for r in kept_rows],
-            None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_rows],
-            [completion_ids[r] for r in kept_rows],
-        )
-        is_stats = self._ratio_stats(
-            [old_rows[r] for r in kept_rows],
-            None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_rows],
-        )
-        is_stats |= prompts.figures(advantages)
-        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths, is_stats)
+        kept_old = [old_rows[r] for r in kept_rows]
+        kept_sampler = None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_rows]
+        gap = sampler_gap_rows(kept_old, kept_sampler, [completion_ids[r] for r in kept_rows])
+        is_stats = self._ratio_stats(kept_old, kept_sampler) | prompts.figures(advantages)
+        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, completion_ids, is_stats)
 
     def _grouped_logprobs(
         self,
@@ -812,21 +773,18 @@ class PolicyTrainer:
                 out[r] = logp[i][mask[i]].detach()
 
         with torch.no_grad():
-            shared_prefix_pass(
-                model,
-                group_by_prompt(prompt_ids, rows),
-                completion_ids,
-                keep,
-                chunk=self.settings.micro_batch_size,
-                grad=False,
-                autocast_dtype=self.compute_dtype,
-                timings=self.timings,
-                temperature=self.settings.temperature,
-            )
+            self._shared_pass(model, group_by_prompt(prompt_ids, rows), completion_ids, keep, False)
 
-    def _update_full_sequences(self, batch: _Batch) -> dict[str, float]:
+    def _shared_pass(self, model, groups, completion_ids, on_chunk, grad: bool) -> None:
+        """``shared_prefix_pass`` in this trainer's micro-batches, compute dtype and temperature."""
+        s = self.settings
+        kw = {"chunk": s.micro_batch_size, "autocast_dtype": self.compute_dtype, "temperature": s.temperature}
+        shared_prefix_pass(model, groups, completion_ids, on_chunk, grad=grad, timings=self.timings, **kw)
+
+    def _update_full_sequences(
+        self, prompt_ids, completion_ids, advantages, sampler_logprobs, prompts
+    ) -> dict[str, float]:
         """``update`` on padded ``prompt + completion`` sequences: the reference, and what FSDP ranks run."""
-        prompt_ids, completion_ids, advantages, sampler_logprobs, prompts = batch
         s = self.settings
         self.timings = {}
         ids, attn, comp = pad_sequences(prompt_ids, completion_ids, self.pad_id)
@@ -848,17 +806,10 @@ class PolicyTrainer:
             self._time("forward", t0)
             ref_logp = self._all_logprobs(self.ref_model, ids, attn, kept) if self.ref_model is not None else None
         kept_list = kept.tolist()
-        gap = sampler_gap(
-            logp_old[kept],
-            mask[kept],
-            None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_list],
-            [completion_ids[r] for r in kept_list],
-        )
-        kept_mask = mask[kept].bool()
-        is_stats = self._ratio_stats(
-            [row[m] for row, m in zip(logp_old[kept], kept_mask, strict=True)],
-            None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_list],
-        )
+        kept_sampler = None if sampler_logprobs is None else [sampler_logprobs[r] for r in kept_list]
+        gap = sampler_gap(logp_old[kept], mask[kept], kept_sampler, [completion_ids[r] for r in kept_list])
+        kept_old = [row[m] for row, m in zip(logp_old[kept], mask[kept].bool(), strict=True)]
+        is_stats = self._ratio_stats(kept_old, kept_sampler) | prompts.figures(advantages)
         rc_weights = None  # (B, T-1), fixed for the whole update: logp_old is the behaviour policy's
         if s.corrects_rollouts:
             rc_weights = self._correction_weights(logp_old, sampler_padded(sampler_logprobs, mask, logp_old), mask)
@@ -875,54 +826,25 @@ class PolicyTrainer:
                 t0 = time.perf_counter()
                 logp, ent = self._logprobs(self.model, ids[idx], attn[idx], with_entropy=True)
                 self._time("forward", t0)
-                loss, stats = policy_loss(
-                    logp,
-                    logp_old[idx],
-                    adv[idx],
-                    mask[idx],
-                    s.clip_low,
-                    s.clip_high,
-                    token_count=mb_tokens,
-                    weights=prompts.loss_weights(idx, None if rc_weights is None else rc_weights[idx], logp),
-                )
-                if ref_logp is not None:
-                    kl = masked_mean(
-                        prompts.weigh(kl_penalty(logp, ref_logp[idx], mask[idx]), idx), mask[idx], mb_tokens
-                    )
-                    loss = loss + s.kl_coef * kl
-                    totals["kl"] += float(kl.detach()) * mb_tokens
+                rc = None if rc_weights is None else rc_weights[idx]
+                ref = None if ref_logp is None else ref_logp[idx]
+                loss = self._chunk_loss(totals, prompts, idx, logp, logp_old[idx], adv, mask[idx], rc, ref, mb_tokens)
                 t0 = time.perf_counter()
                 loss.backward()
                 self._time("backward", t0)
-                totals["loss"] += float(loss.detach()) * mb_tokens
-                n_tok = float(mask[idx].sum())
-                if n_tok > 0:
-                    totals["clip_tokens"] += stats["clip_frac"] * n_tok
                 totals["entropy"] += _exact_sum(ent.detach()[mask[idx] > 0])
-                totals["entropy_tokens"] += n_tok
+                totals["entropy_tokens"] += float(mask[idx].sum())
 
         opt_steps = self._mini_batch_steps(n, parts, prompts.tokens, mini_batch, totals, trained)
-        lengths = [len(c) for c in completion_ids]
-        is_stats |= prompts.figures(advantages)
-        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, lengths, is_stats)
+        return self._finish_update(totals, token_count, n, opt_steps, gap, trained, completion_ids, is_stats)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str | Path, extra_state: dict[str, Any] | None = None) -> Path:
         """Model + tokenizer (HF layout, safetensors), optimizer state (safetensors) and trainer state (JSON).
         With LoRA the adapter (peft's layout) instead of the model: the base is ``model.path``."""
-        tensors, groups = optimizer_to_tensors(self.optimizer)
         adapter = (self.peft_model, self.model_path, self.base_sha256) if self.peft_model is not None else None
-        return write_checkpoint(
-            out_dir,
-            self.model,
-            self.tokenizer,
-            self.compute_dtype,
-            tensors,
-            groups,
-            self.updates,
-            extra_state,
-            adapter=adapter,
-        )
+        state = (*optimizer_to_tensors(self.optimizer), self.updates, extra_state)  # tensors, groups, updates, extra
+        return write_checkpoint(out_dir, self.model, self.tokenizer, self.compute_dtype, *state, adapter=adapter)
 
     def write_rollout_weights(self, out_dir: str | Path) -> Path:
         """The policy as whole weights for the rollout engine (LoRA: the adapters merged into the base, in
@@ -935,11 +857,7 @@ class PolicyTrainer:
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer state and RNG from ``save_checkpoint`` output; returns the extra state.
-
-        All or nothing: every parameter of the model must be in the checkpoint and nothing else
-        (tied embeddings, stored once, count as both), and every parameter must have its AdamW state;
-        otherwise ``CheckpointError`` names the file and the tensors. (``verify_checkpoint`` checks the
-        files against the checkpoint's manifest; the run does that before it loads one.)"""
+        All or nothing (``coba_tasks.engines.checkpoint``: ``CheckpointError`` names the file and the tensors)."""
         ckpt = Path(ckpt_dir)
         if self.peft_model is not None:
             load_adapter_weights(self.peft_model, ckpt, (self.model_path, self.base_sha256))
@@ -958,37 +876,23 @@ def _exact_sum(values: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# The rollout engine asleep while the update runs
-#
-# The rollout engine asleep while the GRPO update runs (``rollout.sleep_during_update``).
+# The rollout engine asleep while the GRPO update runs (``rollout.sleep_during_update``)
 #
 # On one GPU the rollout engine (vLLM: weights plus a KV cache sized by ``gpu_memory_utilization``)
 # and the training model (weights, gradients, AdamW moments, activations) share the memory. The
 # engine is idle during the update, so the training step puts it to sleep before the update and
-# wakes it after, before the new weights are loaded into it:
-#
-#     with engine_asleep(engine, enabled=cfg.rollout.sleep_during_update) as record:
-#         metrics = trainer.update(...)
-#     engine.load_weights(ckpt, version)       # awake again here
-#     if record:
-#         store.write_step_json(7, "engine_sleep", record)
-#
-# ``record`` holds the seconds that sleeping and waking took and, where CUDA is available, the
-# device memory at each point (``cuda_memory``): used by every process (total minus free, what
-# ``nvidia-smi`` shows; the vLLM engine is another process on a GPU) and allocated by torch in this
-# process (the trainer). Reading them costs microseconds; without CUDA the memory entries are null.
-# Before waking, torch's cache of freed blocks (the update's activations) is given back to the
-# device, or the engine could not take its memory back.
+# wakes it after, before the new weights are loaded into it. Before waking, torch's cache of freed
+# blocks (the update's activations) is given back to the device, or the engine could not take its
+# memory back.
 # ---------------------------------------------------------------------------------------------
 
 MIB = 2**20
 
 
 def cuda_memory() -> dict[str, float] | None:
-    """Device memory now, in MiB: ``used`` (all processes), ``total``, and torch's ``allocated`` and
-    ``reserved`` in this process, plus ``peak_allocated`` since the last reset; None without CUDA."""
-    import torch
-
+    """Device memory now, in MiB: ``used`` (all processes, the vLLM engine's included: what ``nvidia-smi``
+    shows), ``total``, and torch's ``allocated`` and ``reserved`` in this process (the trainer), plus
+    ``peak_allocated`` since the last reset; None without CUDA. Reading them costs microseconds."""
     if not torch.cuda.is_available():
         return None
     free, total = torch.cuda.mem_get_info()
@@ -1002,15 +906,11 @@ def cuda_memory() -> dict[str, float] | None:
 
 
 def _release_cached_memory() -> None:
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def _reset_peak() -> None:
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 

@@ -33,20 +33,9 @@ the main thread, and its ``TimeoutException`` derives from ``BaseException``, so
 thread); the time limit is the pool's (``coba_tasks.engines.verify_pool``), since some answers make
 sympy run for ever.
 
-How to use::
-
-    from coba_tasks.engines.verify import count_verdicts, score
-
-    score("95", "95", "arith").verdict                # in-process, no timeout: trusted input only
-    counts = count_verdicts(verdicts)                 # {"correct": .., "wrong": .., ...}
-
 A user's reward file with veRL's ``compute_score`` signature (``verify.reward_function``) replaces
-these verifiers for a run: ``coba_tasks.engines.reward_file``.
-
-- ``openai/gsm8k`` and ``gsm8k`` under ``verify.gsm8k_answer=strict`` or ``flexible`` (default ``math``:
-  math-verify as above): veRL's GSM8K scorer. ``strict`` reads the number after the last ``#### `` in the
-  last 300 characters (commas removed), ``flexible`` the last number there; either compares it with the
-  ground truth as text. ``verifier_for(source, gsm8k_answer=...)`` picks them; they run in-process.
+these verifiers for a run: ``coba_tasks.engines.reward_file``. ``verify.gsm8k_answer=strict`` or
+``flexible`` scores ``openai/gsm8k`` and ``gsm8k`` with veRL's GSM8K scorer instead (``gsm8k_verifier``).
 
 Custom verifiers: ``@register_verifier("my_source")`` on a module-level function
 ``(completion: str, ground_truth: str) -> Verdict``. Pool workers receive the function by reference
@@ -163,8 +152,6 @@ def count_verdicts(verdicts: Iterable[Verdict | str]) -> dict[str, int]:
 # --------------------------------------------------------------------------- registry
 
 VerifierFn = Callable[[str, str], Verdict]
-
-
 TruthCheck = Callable[[str], None]
 
 
@@ -361,15 +348,8 @@ def arith_chat_verifier(completion: str, ground_truth: str) -> Verdict:
 _DAPO_ANSWER_LINE = re.compile(r"^[ \t]*\**answer\**[ \t]*:.*\S.*$", re.IGNORECASE | re.MULTILINE)
 
 
-class _DropTimeoutDisabledWarning(logging.Filter):
-    """math-verify warns once per process that its timeouts are off; we time items out ourselves."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
-for _name in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
+for _name in ("math_verify.parser", "math_verify.grader"):  # its warning that its timeouts are off: we time items out
+    logging.getLogger(_name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
 
 
 def _mv_parse(text: str) -> list[Any]:

@@ -16,35 +16,17 @@ A cheap guard in front of it: a completion longer than ``max_chars`` (default 1,
 characters, far above what any generation length produces) is scored ``error`` without being
 sent to a worker, so it costs neither a worker's time limit nor a worker restart.
 
-How to use::
+How to use: ``score_batch(items, timeout_s=5.0)`` scores one batch of ``(completion, ground_truth,
+data_source)``; a training run keeps one ``VerifierPool(workers=4, timeout_s=5.0)`` (a context manager)
+and calls its ``score(items)`` every step.
 
-    from coba_tasks.engines.verify import count_verdicts
-    from coba_tasks.engines.verify_pool import VerifierPool, score_batch
-
-    verdicts = score_batch(items, timeout_s=5.0)      # items: [(completion, ground_truth, data_source)]
-    with VerifierPool(workers=4, timeout_s=5.0) as pool:  # a training run keeps one pool for all steps
-        for step in steps:
-            verdicts = pool.score(items_of(step))
-            counts = count_verdicts(verdicts)         # {"correct": .., "wrong": .., ...}
-
-A reward file (``verify.reward_function``, ``coba_tasks.engines.reward_file``): ``VerifierPool(reward_function=rf)``
-scores every item with it instead, in the workers, under the same limit. Workers receive its path and
-function name, never the function, and import the file when they start, with the per-item limit for the
-import (a worker past it stops the batch with one ``RewardFileError``); an item may carry a fourth field,
-the row's ``extra_info`` dict. ``check_reward_function`` is the check a run makes before it starts: the
-file imported in a worker, never in the caller's process.
-
-Memory: each worker makes itself the kernel's first choice when memory runs out (``oom_score_adj`` 1000,
-Linux), so a verifier or reward file that eats memory loses its worker (its item scores ``error``), not
-the trainer beside it.
+A reward file (``verify.reward_function``, ``coba_tasks.engines.reward_file``): workers receive its path
+and function name, never the function, and import the file when they start, with the per-item limit for
+the import (a worker past it stops the batch with one ``RewardFileError``). ``check_reward_function`` is
+the check a run makes before it starts: the file imported in a worker, never in the caller's process.
 
 Fast path: verifiers registered with ``in_process=True`` (``arith``: one regex, cannot hang) are
-scored in the calling process, never sent to a worker; a batch of only such items starts no
-process at all.
-
-Workers receive a verifier function by reference (pickle), so it must live in an importable module;
-a worker imports the modules of all verifiers registered when it starts (so module import time does
-not count against an item's limit), and any other on first use.
+scored in the calling process; a batch of only such items starts no process at all.
 
 Caveats: ``spawn`` re-imports the main script in each worker, so a script that scores batches
 needs an ``if __name__ == "__main__":`` guard. A pool round trip costs about 1 ms per item.
@@ -267,10 +249,7 @@ class VerifierPool:
         """Start the workers now and wait until each is ready (otherwise the first batch that needs them does)."""
         self._spawn_missing()
         while starting := [w for w in self._workers if not w.ready]:
-            wait_s = max(0.0, min(w.start_deadline(self.startup_timeout_s) for w in starting) - time.monotonic())
-            wait([w.conn for w in starting] + [w.process.sentinel for w in starting], timeout=wait_s)
-            for slot in range(len(self._workers)):
-                self._service(slot, [], {})
+            self._wait_and_service(starting, [], {})
         return self
 
     def close(self) -> None:
@@ -317,17 +296,15 @@ class VerifierPool:
             )
             entries.append((checker, "", gt))
         verdicts = self._score_entries(entries)
-        reasons: dict[tuple[str, str], str | None] = {}
-        for key, k in index.items():
+        reasons: dict[tuple[str, str], str] = {}  # none for a usable ground truth
+        for (gt, src), k in index.items():
             v = verdicts[k]
-            if v.verdict is VerdictKind.CORRECT:
-                reasons[key] = None
-            elif v.verdict is VerdictKind.TIMEOUT:
-                reasons[key] = (
-                    f"the {key[1]} verifier could not read the ground truth {key[0]!r} within {self.timeout_s:g} s"
+            if v.verdict is VerdictKind.TIMEOUT:
+                reasons[gt, src] = (
+                    f"the {src} verifier could not read the ground truth {gt!r} within {self.timeout_s:g} s"
                 )
-            else:
-                reasons[key] = v.detail or f"the {key[1]} verifier cannot read the ground truth {key[0]!r}"
+            elif v.verdict is not VerdictKind.CORRECT:
+                reasons[gt, src] = v.detail or f"the {src} verifier cannot read the ground truth {gt!r}"
         return [reasons.get((str(gt), str(src))) for gt, src in items]
 
     def _score_entries(self, entries: Sequence[tuple[Verifier, str, str]]) -> list[Verdict]:
@@ -363,10 +340,7 @@ class VerifierPool:
                 # batch, so stop them all; the next batch starts fresh ones.
                 self.close()
                 raise
-        done = [r for r in results if r is not None]
-        if len(done) != len(entries):  # cannot happen: every branch above sets a verdict
-            raise RuntimeError(f"internal error: {len(entries) - len(done)} items left without a verdict")
-        return done
+        return results  # type: ignore[return-value]  # every entry has its verdict now
 
     # -- the dispatch loop
 
@@ -387,14 +361,17 @@ class VerifierPool:
                         self._replace(slot)
                         continue
                     w.item, w.deadline = i, time.monotonic() + self.timeout_s
-            active = [w for w in self._workers if not w.ready or w.item is not None]
             if not pending and all(w.item is None for w in self._workers):
                 return
-            deadlines = [w.deadline if w.ready else w.start_deadline(self.startup_timeout_s) for w in active]
-            wait_s = max(0.0, min(deadlines) - time.monotonic())
-            wait([w.conn for w in active] + [w.process.sentinel for w in active], timeout=wait_s)
-            for slot in range(len(self._workers)):
-                self._service(slot, results, names)
+            self._wait_and_service([w for w in self._workers if not w.ready or w.item is not None], results, names)
+
+    def _wait_and_service(self, active: list[_Worker], results: list[Verdict | None], names: dict[int, str]) -> None:
+        """Wait until one of ``active`` answers, dies or reaches its deadline, then service every worker."""
+        deadlines = [w.deadline if w.ready else w.start_deadline(self.startup_timeout_s) for w in active]
+        wait_s = max(0.0, min(deadlines) - time.monotonic())
+        wait([w.conn for w in active] + [w.process.sentinel for w in active], timeout=wait_s)
+        for slot in range(len(self._workers)):
+            self._service(slot, results, names)
 
     def _spawn_missing(self) -> None:
         while len(self._workers) < self.n_workers:

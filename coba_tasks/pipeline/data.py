@@ -1,46 +1,24 @@
 """Prompt datasets, one concept from the file to the run: read veRL-format or flat Parquet into one validated
-table (and write veRL Parquet), what can be wrong with a row and the bad-row policy, each row read and
-checked, the prompts rendered and tokenized as the model sees them, and a run's datasets after every check
-(``load_run_datasets``) with the prompts its held-out evaluations score (``eval_prompt_set``).
+table (and write veRL Parquet), the bad-row policy, the prompts rendered and tokenized as the model sees them,
+and a run's datasets after every check (``load_run_datasets``) with the prompts its held-out evaluations score
+(``eval_prompt_set``).
 
-Two input layouts are accepted (docs/design.md, "Input data"):
+Two input layouts (docs/design.md, "Components"), told apart by the type of ``prompt``: **veRL** (a list of
+``{role, content}``, with ``data_source``, ``reward_model {style, ground_truth}``, optional ``ability`` and
+``extra_info {index, difficulty, ...}``) and **flat** (a string, with ``answer``; optional ``data_source``,
+``ability``, ``difficulty`` and ``prompt_id``). ``load_dataset`` returns one row per prompt with the columns
+of ``LOADED_COLUMNS``; the prompt id is ``extra_info.index`` or the ``prompt_id`` column, else
+``prompt_hash(messages)``; a missing difficulty is -1; ``extra_info`` is JSON text (the reward file's argument).
 
-- **veRL**, unchanged: ``data_source`` (string), ``prompt`` (list of ``{role, content}``),
-  ``ability`` (optional), ``reward_model`` (struct ``{style, ground_truth}``) and ``extra_info``
-  (optional struct ``{index, difficulty, ...}``). DAPO-Math-17K, GSM8K and MATH as prepared by
-  veRL's scripts load as they are.
-- **flat**: ``prompt`` (a string, the user message) and ``answer``; optional ``data_source``,
-  ``ability``, ``difficulty`` and ``prompt_id``.
-
-The layout is told apart by the type of ``prompt``: a list means veRL, a string means flat.
-``load_dataset`` returns one row per prompt with the columns in ``LOADED_COLUMNS``
-(``coba_tasks.pipeline.data``, which reads and checks each row):
-
-- ``prompt_id``: ``str(extra_info.index)`` (veRL) or the ``prompt_id`` column (flat) when present,
-  else ``prompt_hash(messages)``, a stable hash of the prompt;
-- ``data_source``, ``ability``: strings (a flat table's source defaults to ``default_source``);
-- ``difficulty``: ``extra_info.difficulty`` or a ``difficulty`` column as an int, -1 when missing;
-- ``prompt_text``: the content of the last user message; ``messages``: the whole chat prompt (what the
-  model sees is rendered from these by ``coba_tasks.pipeline.data.render_prompts``);
-- ``ground_truth``: ``reward_model.ground_truth`` or ``answer`` as a string;
-- ``extra_info``: a veRL row's ``extra_info`` as JSON text (``{}`` for a flat row): the ``extra_info``
-  argument of a reward file (``verify.reward_function``).
-
-Validation happens on load, so a bad file stops a run before it starts: every row is checked,
-and ``DatasetError`` (``coba_tasks.pipeline.data``) reports the first few bad rows by
-number and column, e.g. ``data/x.parquet: row 17, column reward_model.ground_truth: ground truth is
-empty``. Row numbers count from 0, as in ``pandas.read_parquet(path).iloc[row]``. With
-``on_bad_rows="skip"`` (the config's ``data.on_bad_rows``) bad rows are dropped instead and returned
-as ``Problem``s (a duplicated id keeps its first row); a file whose every row is bad, or that is bad
-as a whole (not Parquet, a column missing or of the wrong type), is still an error. A run's files
-with every check (ground truths, rendering, prompt lengths): ``coba_tasks.pipeline.data``.
-
-``write_verl_parquet`` writes the veRL layout atomically (temporary name, then ``os.replace``) and
-deterministically (explicit schema, no pandas metadata), so a generator rerun gives the same bytes.
+Every row is checked on load; ``DatasetError`` names the file, the row (counted from 0, as in
+``pandas.read_parquet(path).iloc[row]``) and the column of the first few bad rows. With ``on_bad_rows="skip"``
+bad rows are dropped and returned as ``Problem``s (a duplicated id keeps its first row); a file whose every
+row is bad, or that is bad as a whole, is still an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -55,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from coba_tasks.engines.fileio import write_parquet
+from coba_tasks.pipeline.config_fields import ConfigError, short
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET, OnBadRows, PromptFormat, UnknownSources, test_set_name
 
 if TYPE_CHECKING:
@@ -150,7 +129,6 @@ HASH_CHARS = 16
 
 Messages = list[dict[str, str]]
 Row = dict[str, Any]
-RowReader = Callable[[Row], Row]
 
 
 class _BadValue(Exception):
@@ -176,26 +154,6 @@ def prompt_hash(messages: Messages) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:HASH_CHARS]
 
 
-def column_values(table: pa.Table) -> list[Row]:
-    """The table as Python rows (structs become dicts, lists become lists)."""
-    columns = {name: table.column(name).to_pylist() for name in table.column_names}
-    return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
-
-
-def read_rows(raw_rows: list[Row], reader: RowReader) -> tuple[list[Row], list[Problem]]:
-    """Apply ``reader`` to every row; collect the problems instead of stopping at the first."""
-    rows, problems = [], []
-    for i, raw in enumerate(raw_rows):
-        try:
-            row = reader(raw)
-        except _BadValue as e:
-            problems.append(Problem(e.column, e.message, row=i))
-            continue
-        row["_row"] = i
-        rows.append(row)
-    return rows, problems
-
-
 def read_verl_row(raw: Row) -> Row:
     """One veRL row -> the loaded fields."""
     messages = _messages(raw["prompt"])
@@ -216,7 +174,7 @@ def read_verl_row(raw: Row) -> Row:
     }
 
 
-def make_flat_reader(default_source: str) -> RowReader:
+def make_flat_reader(default_source: str) -> Callable[[Row], Row]:
     """A reader for rows of a flat (``prompt``, ``answer``) table."""
 
     def read(raw: Row) -> Row:
@@ -314,7 +272,7 @@ def _difficulty(value: Any, column: str) -> int:
     )
     level = int(value) if integral or (isinstance(value, str) and _is_ascii_integer(value.strip())) else None
     if level is None or not INT64_MIN <= level <= INT64_MAX:
-        raise _BadValue(column, f"difficulty must be an integer (64-bit), got {_short_repr(value)}")
+        raise _BadValue(column, f"difficulty must be an integer (64-bit), got {short(value)}")
     return level
 
 
@@ -322,11 +280,6 @@ def _is_ascii_integer(text: str) -> bool:
     """'12', '-3': what ``int()`` reads, without '+', '_' or non-ASCII digits."""
     digits = text.removeprefix("-")
     return digits.isascii() and digits.isdigit()
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _required_string(value: Any, column: str) -> str:
@@ -380,27 +333,23 @@ MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 REWARD_MODEL_TYPE = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
 
 Layout = Literal["verl", "flat"]
+MISSING_HINT = (
+    f"missing; a veRL table needs columns {', '.join(VERL_REQUIRED)}, "
+    f"a flat table needs columns {', '.join(FLAT_REQUIRED)}"
+)
 
 
 def load_dataset(
     path: str | os.PathLike[str], default_source: str = "math", on_bad_rows: OnBadRows = "error"
 ) -> pd.DataFrame:
-    """Read a veRL or flat Parquet file of prompts and validate every row.
-
-    Args:
-        path: the Parquet file.
-        default_source: ``data_source`` for rows of a flat table that have none.
-        on_bad_rows: ``"error"`` refuses a file with any bad row; ``"skip"`` drops the bad rows
-            (``read_dataset`` also returns what was dropped).
-
-    Returns:
-        One row per prompt, in file order, with the columns of ``LOADED_COLUMNS``. The index is
-        the row's number in the file: 0..n-1 unless rows were skipped.
+    """Read a veRL or flat Parquet file of prompts and validate every row: one row per prompt, in file order,
+    with the columns of ``LOADED_COLUMNS``, indexed by the row's number in the file (0..n-1 unless rows were
+    skipped). ``default_source`` is the ``data_source`` of flat rows without one; ``on_bad_rows="skip"`` drops
+    bad rows (``read_dataset`` also returns them).
 
     Raises:
-        DatasetError: the file is not Parquet, lacks a column, or has bad rows (null or empty
-            ground truth or prompt, duplicated prompt id, ...) and ``on_bad_rows`` is
-            ``"error"`` or every row is bad; the message lists the first few.
+        DatasetError: the file is not Parquet, lacks a column, or has bad rows (null or empty ground truth or
+            prompt, duplicated prompt id, ...) and ``on_bad_rows`` is ``"error"`` or every row is bad.
         FileNotFoundError: there is no such file.
     """
     return read_dataset(path, default_source, on_bad_rows)[0]
@@ -415,13 +364,18 @@ def read_dataset(
         table = _read_table(path)
         layout = _detect_layout(table.schema, path)
         _check_columns(table.schema, layout, path)
-        values = column_values(table)
+        values = table.to_pylist()  # structs become dicts, lists lists
     except (UnicodeDecodeError, pa.ArrowException) as e:
         raise DatasetError(path, f"not a readable Parquet file: damaged ({error_reason(e)})") from e
     if table.num_rows == 0:
         raise DatasetError(path, "the table has no rows")
     reader = read_verl_row if layout == "verl" else make_flat_reader(default_source)
-    rows, problems = read_rows(values, reader)
+    rows, problems = [], []
+    for i, raw in enumerate(values):  # every problem collected, not just the first
+        try:
+            rows.append({**reader(raw), "_row": i})
+        except _BadValue as e:
+            problems.append(Problem(e.column, e.message, row=i))
     problems += duplicate_ids(rows)
     problems.sort(key=lambda p: p.row or 0)
     refuse_or_skip(path, table.num_rows, problems, on_bad_rows)
@@ -430,17 +384,10 @@ def read_dataset(
 
 
 def write_verl_parquet(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
-    """Write prompts in the veRL layout, atomically and deterministically.
-
-    Args:
-        df: columns ``data_source`` (str), ``prompt`` (list of ``{role, content}``), ``ability``
-            (str), ``reward_model`` (``{style, ground_truth}``) and ``extra_info`` (a dict per row,
-            same keys in every row). Other columns are not written.
-        path: the destination; its directory is created if needed.
-
-    Returns:
-        The path written.
-    """
+    """Write prompts in the veRL layout, atomically and deterministically (explicit schema, no pandas metadata:
+    a generator rerun gives the same bytes); returns the path. ``df`` has ``data_source``, ``prompt`` (list of
+    ``{role, content}``), ``ability``, ``reward_model`` (``{style, ground_truth}``) and ``extra_info`` (a dict
+    per row, same keys in every row); other columns are not written."""
     missing = [c for c in VERL_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"write_verl_parquet: missing columns {missing}; a veRL table needs {list(VERL_COLUMNS)}")
@@ -468,7 +415,8 @@ def _read_table(path: str | os.PathLike[str]) -> pa.Table:
     except FileNotFoundError:
         raise
     except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # not Parquet; IO, type, damaged names
-        _refuse_repeated_columns(path, _schema_names(path))  # a valid file whose column names repeat
+        with contextlib.suppress(pa.ArrowException, OSError, UnicodeDecodeError):  # even the footer is unreadable
+            _refuse_repeated_columns(path, pq.read_schema(path).names)  # a valid file whose column names repeat
         raise DatasetError(path, f"not a readable Parquet file ({error_reason(e)})") from e
     _refuse_repeated_columns(path, table.column_names)
     try:  # a damaged file can decode into invalid values (strings that are not UTF-8, bad offsets)
@@ -479,14 +427,6 @@ def _read_table(path: str | os.PathLike[str]) -> pa.Table:
         if pa.types.is_dictionary(column.type):
             table = table.set_column(i, column.name, table.column(i).cast(column.type.value_type))
     return table
-
-
-def _schema_names(path: str | os.PathLike[str]) -> list[str]:
-    """The column names in the file's footer; empty when even that cannot be read."""
-    try:
-        return pq.read_schema(path).names
-    except (pa.ArrowException, OSError, UnicodeDecodeError):
-        return []
 
 
 def _refuse_repeated_columns(path: str | os.PathLike[str], names: list[str]) -> None:
@@ -507,7 +447,7 @@ def _is_list(t: pa.DataType) -> bool:
 def _detect_layout(schema: pa.Schema, path: str | os.PathLike[str]) -> Layout:
     """veRL if ``prompt`` is a list (of messages), flat if it is a string."""
     if "prompt" not in schema.names:
-        raise DatasetError(path, [Problem("prompt", _missing_hint())])
+        raise DatasetError(path, [Problem("prompt", MISSING_HINT)])
     prompt_type = schema.field("prompt").type
     if _is_list(prompt_type):
         return "verl"
@@ -519,17 +459,10 @@ def _detect_layout(schema: pa.Schema, path: str | os.PathLike[str]) -> Layout:
     raise DatasetError(path, [Problem("prompt", message)])
 
 
-def _missing_hint() -> str:
-    return (
-        f"missing; a veRL table needs columns {', '.join(VERL_REQUIRED)}, "
-        f"a flat table needs columns {', '.join(FLAT_REQUIRED)}"
-    )
-
-
 def _check_columns(schema: pa.Schema, layout: Layout, path: str | os.PathLike[str]) -> None:
     """Every required column is there, and a veRL ``reward_model`` is a struct with ``ground_truth``."""
     required = VERL_REQUIRED if layout == "verl" else FLAT_REQUIRED
-    problems = [Problem(c, _missing_hint()) for c in required if c not in schema.names]
+    problems = [Problem(c, MISSING_HINT) for c in required if c not in schema.names]
     if layout == "verl" and "reward_model" in schema.names:
         rm_type = schema.field("reward_model").type
         if not pa.types.is_struct(rm_type):
@@ -581,14 +514,8 @@ def render_prompts(
     The rollout engine receives ``prompt_token_ids`` as they are (a token prompt: it tokenizes
     nothing) and the trainer reads the same ids, so the policy is trained on the sequence it sampled.
 
-    Args:
-        df: a frame of ``load_dataset`` (columns ``prompt_text`` and ``messages``).
-        tokenizer: the policy's Hugging Face tokenizer.
-        prompt_format: ``auto``, ``chat`` or ``raw`` (the config's ``data.prompt_format``).
-
-    Returns:
-        ``df`` with two more columns, ``prompt_rendered`` (the text) and ``prompt_token_ids`` (a list
-        of ints per row), and the problems of rows whose template failed to render (those rows dropped).
+    Returns ``df`` (a frame of ``load_dataset``) with ``prompt_rendered`` (the text) and ``prompt_token_ids``
+    (a list of ints per row), and the problems of rows whose template failed to render (those rows dropped).
     """
     fmt = prompt_format_of(tokenizer, prompt_format)
     texts, problems = [], []
@@ -682,8 +609,6 @@ def model_context(model_path: str, trust_remote_code: bool, max_model_len: int) 
     ``max_position_embeddings``. ConfigError naming ``model.path`` when the model cannot be read.
     """
     from transformers import AutoConfig, AutoTokenizer
-
-    from coba_tasks.pipeline.config_fields import ConfigError
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -804,10 +729,7 @@ def check_ground_truths(
     scores those rows, as it checks them here. Results are kept for the process, so a second load of the
     same rows (``coba run`` checks, then its flow) costs nothing.
     """
-    from coba_tasks.engines.verify import (
-        UNKNOWN_SOURCE_HINT,
-        registered_verifiers,
-    )
+    from coba_tasks.engines.verify import UNKNOWN_SOURCE_HINT, registered_verifiers
     from coba_tasks.engines.verify import unknown_sources as find_unknown
     from coba_tasks.engines.verify_pool import VerifierPool
 
@@ -872,43 +794,28 @@ def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
     out = RunDatasets(train=None, test=pd.DataFrame(), tokenizer=tokenizer)
     keys = (("data.train", cfg.data.train),) if train else ()
     extra = tuple((f"data.extra_tests[{i}]", p) for i, p in enumerate(cfg.data.extra_tests))
-    v = cfg.verify
+    v, on_bad = cfg.verify, cfg.data.on_bad_rows
     for key, path in (*keys, ("data.test", cfg.data.test), *extra):
-        df, problems = read_dataset(path, on_bad_rows=cfg.data.on_bad_rows)
+        df, problems = read_dataset(path, on_bad_rows=on_bad)
         df = keep_difficulties(df, cfg.data.difficulties, path)
         rows = len(df) + len(problems)
-        try:
-            df, bad_truths = (
-                (df, [])
-                if custom_reward
-                else check_ground_truths(df, path, cfg.data.on_bad_rows, v.unknown_sources, v.workers, v.timeout_s)
-            )
-        except DatasetError as e:
-            if not problems or not e.problems:
-                raise
-            # skipping: the rows left after the load all have bad ground truths; report the whole file's rows
-            every = sorted(problems + e.problems, key=lambda p: p.row or 0)
-            raise DatasetError(path, every, note=all_bad_note(rows)) from e
-        problems = sorted(problems + bad_truths, key=lambda p: p.row or 0)
-        df, unrendered = render_prompts(df, tokenizer, cfg.data.prompt_format)
-        if unrendered:
-            if cfg.data.on_bad_rows == "error":
-                raise DatasetError(path, unrendered)
-            problems = sorted(problems + unrendered, key=lambda p: p.row or 0)
-            if df.empty:
-                raise DatasetError(path, problems, note=all_bad_note(rows))
+        # each check: (frame, *args) -> (the rows kept, the problems of those skipped), or DatasetError
+        checks: list[tuple[Callable[..., tuple[pd.DataFrame, list[Problem]]], tuple[Any, ...]]] = []
+        if not custom_reward:
+            checks.append((check_ground_truths, (path, on_bad, v.unknown_sources, v.workers, v.timeout_s)))
+        checks.append((_render_checked, (tokenizer, cfg.data.prompt_format, path, on_bad)))
         if context is not None:
+            checks.append((check_prompt_lengths, (context, cfg.rollout.max_tokens, path, on_bad, context_from)))
+        for check, args in checks:
             try:
-                df, too_long = check_prompt_lengths(
-                    df, context, cfg.rollout.max_tokens, path, cfg.data.on_bad_rows, context_from
-                )
+                df, found = check(df, *args)
             except DatasetError as e:
-                if not problems:
+                if not problems or not e.problems:
                     raise
-                # skipping: the rows left after the load are all too long; report the whole file's rows
+                # skipping: the rows left by the earlier checks all fail this one; report the whole file's rows
                 every = sorted(problems + e.problems, key=lambda p: p.row or 0)
-                raise DatasetError(path, every, note=all_bad_note(len(df) + len(problems))) from e
-            problems = sorted(problems + too_long, key=lambda p: p.row or 0)
+                raise DatasetError(path, every, note=all_bad_note(rows)) from e
+            problems = sorted(problems + found, key=lambda p: p.row or 0)
         if problems:
             out.skipped[key] = (str(path), problems)
         if key.startswith("data.extra_tests"):
@@ -921,14 +828,21 @@ def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
     return out
 
 
+def _render_checked(
+    df: pd.DataFrame, tokenizer: Any, prompt_format: PromptFormat, path: str | os.PathLike[str], on_bad_rows: OnBadRows
+) -> tuple[pd.DataFrame, list[Problem]]:
+    """``render_prompts``, its unrendered rows refused or skipped as every other check's bad rows are."""
+    out, unrendered = render_prompts(df, tokenizer, prompt_format)
+    refuse_or_skip(path, len(df), unrendered, on_bad_rows)
+    return out, unrendered
+
+
 def keep_difficulties(df: pd.DataFrame, levels: Sequence[int], path: str | os.PathLike[str]) -> pd.DataFrame:
     """The rows of ``df`` whose difficulty is in ``levels`` (``data.difficulties``; empty keeps every row).
 
     Raises:
         ConfigError: the file has no difficulty levels, or none of its rows is of those levels.
     """
-    from coba_tasks.pipeline.config_fields import ConfigError
-
     if not levels:
         return df
     present = sorted(int(x) for x in df["difficulty"].unique()) if "difficulty" in df else []

@@ -152,11 +152,7 @@ def check_deployment_limits(values: Mapping[str, int | None]) -> None:
 
 def config_limits(cfg: Config) -> dict[str, int]:
     """The values of ``cfg`` that ``check_deployment_limits`` caps."""
-    out = {}
-    for key in DEPLOYMENT_CAPS:
-        section, name = key.split(".")
-        out[key] = getattr(getattr(cfg, section), name)
-    return out
+    return {key: getattr(getattr(cfg, section), name) for key in DEPLOYMENT_CAPS for section, name in [key.split(".")]}
 
 
 def check_reward_files(cfg: Config) -> None:

@@ -1,27 +1,15 @@
 """Held-out evaluation, its one home: in a training run and of any model directory.
 
-The scoring (``evaluate``): ``samples`` completions per held-out prompt (and a greedy one), verified, as
-avg@k, greedy accuracy and pass@k's counts per prompt; ``eval_steps`` is when a run evaluates (before
-training, every ``run.eval_every`` steps, after); the prompts are ``data.eval_prompt_set``.
+``evaluate`` scores ``samples`` completions per held-out prompt (and a greedy one) as avg@k, greedy accuracy
+and pass@k's counts per prompt; ``eval_steps`` is when a run evaluates; the prompts are
+``data.eval_prompt_set``. In a run, the task ``evaluate_step(run_dir, t)`` writes ``steps/t/eval.parquet``
+(``engine_holds`` loads the weights after t updates when the engine holds others); ``due_evaluations`` are
+those a continuing run computes first.
 
-In a training run: the task ``evaluate_step(run_dir, t)`` writes ``steps/t/eval.parquet``, the accuracy of
-the weights after t updates (``engine_holds`` loads them when the engine holds others: a rerun, a repair,
-one a kill left out); ``due_evaluations`` are those a continuing run computes first.
-
-Of a model directory (a run's checkpoint, a LoRA checkpoint or any Hugging Face model) on a test Parquet:
-the work of the ``coba-eval`` flow, whose tasks (``coba_tasks.pipeline.tasks``) call these functions, and
-its settings.
-
-    settings = EvalSettings(test_path="data/arith_chat_test.parquet", samples=4, temperature=1.0, top_p=0.9)
-    settings = EvalSettings.from_config(cfg)      # what a training run's evaluations use
-    settings = eval_settings({"samples": 0})      # ValueError: one line naming the field and the fix
-
-``EvalSettings`` is one typed, frozen model, the flow's parameter: a Prefect deployment shows its fields
-(with their descriptions) in its parameter form and validates them before the flow starts.
-``check_eval_inputs`` refuses a model or test file that cannot be evaluated, and an ``out_path`` that is an
-input or (unless asked to overwrite) an existing file, before an engine starts; ``evaluate_model`` starts
-the rollout engine and the verifier pool, scores every selected prompt (``evaluate``, as a training run's
-evaluation does) and closes both; ``write_eval_table`` writes the per-prompt table atomically.
+Of a model directory (the ``coba-eval`` flow, ``coba_tasks.pipeline.tasks``): ``EvalSettings`` is the flow's
+typed, frozen parameter (``EvalSettings.from_config(cfg)``: a run's; ``eval_settings({...})``: checked, one
+line per problem); ``check_eval_inputs`` refuses what cannot be evaluated or written before an engine starts;
+``evaluate_model`` scores the model; ``write_eval_table`` writes the per-prompt table atomically.
 """
 
 from __future__ import annotations
@@ -37,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -357,8 +346,6 @@ EVAL_TABLE_COLUMNS = ("prompt_id", "accuracy", "weight_version")  # what marks a
 def is_eval_table(path: str | Path) -> bool:
     """Whether ``path`` is a per-prompt evaluation table (a Parquet file with ``EVAL_TABLE_COLUMNS``), read
     from its schema alone."""
-    import pyarrow.parquet as pq
-
     try:
         names = set(pq.read_schema(path).names)
     except (OSError, ValueError):  # not Parquet, unreadable
@@ -414,28 +401,25 @@ def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = Fal
                 context_from.replace("rollout.max_model_len", "max_model_len"),
             )
         engine = make_backend(s.backend, engine_path, dtype=s.dtype, max_model_len=s.max_model_len or None, seed=s.seed)
-        pool = None
-        try:
-            engine.weight_version = checkpoint_version(model_path)
-            pool = VerifierPool(workers=VERIFY.workers, timeout_s=VERIFY.timeout_s, gsm8k_answer=s.gsm8k_answer)
-            table = evaluate(
-                test,
-                engine,
-                pool,
-                s.samples,
-                s.temperature,
-                s.max_tokens,
-                s.seed,
-                greedy=s.greedy,
-                top_p=s.top_p,
-                progress=progress,
-                max_error_share=s.max_error_share,
-            )
-            return table.assign(data_source=test["data_source"].to_numpy()) if "data_source" in test else table
-        finally:
-            if pool is not None:
-                pool.close()
-            engine.close()
+        stack.callback(engine.close)  # after the pool's (the stack closes in reverse)
+        engine.weight_version = checkpoint_version(model_path)
+        pool = stack.enter_context(
+            VerifierPool(workers=VERIFY.workers, timeout_s=VERIFY.timeout_s, gsm8k_answer=s.gsm8k_answer)
+        )
+        table = evaluate(
+            test,
+            engine,
+            pool,
+            s.samples,
+            s.temperature,
+            s.max_tokens,
+            s.seed,
+            greedy=s.greedy,
+            top_p=s.top_p,
+            progress=progress,
+            max_error_share=s.max_error_share,
+        )
+        return table.assign(data_source=test["data_source"].to_numpy()) if "data_source" in test else table
 
 
 def write_eval_table(table: pd.DataFrame, out_path: str, overwrite: bool = False) -> str:
@@ -508,8 +492,6 @@ def _load_version(res: RunResources, version: int) -> None:
     if cfg.model.lora_rank == 0:
         res.engine.load_weights(ckpt, version=version)
         return
-    from coba_tasks.engines.lora import merge_adapter_checkpoint
-
     merged = res.store.root / EVAL_WEIGHTS_DIR
     dtype = getattr(torch, cfg.model.dtype) if cfg.model.dtype not in ("auto", "float32") else torch.float32
     try:

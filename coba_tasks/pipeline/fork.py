@@ -82,13 +82,8 @@ class ForkError(ValueError):
 
 def differing_keys(a: Config, b: Config) -> list[str]:
     """The ``section.key`` names whose values differ between two configs."""
-    da, db = config_to_dict(a), config_to_dict(b)
-    return sorted(
-        f"{section}.{key}"
-        for section in da.keys() | db.keys()
-        for key in (da.get(section) or {}).keys() | (db.get(section) or {}).keys()
-        if (da.get(section) or {}).get(key) != (db.get(section) or {}).get(key)
-    )
+    da, db = config_to_dict(a), config_to_dict(b)  # the same sections and keys: every key has a value
+    return sorted(f"{section}.{key}" for section, keys in da.items() for key in keys if keys[key] != db[section][key])
 
 
 def shares_prefix(a: Config, b: Config) -> bool:

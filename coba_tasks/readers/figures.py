@@ -1,14 +1,7 @@
-"""A run's figures, computed once from its done tables (``coba_tasks.readers.tables``).
-
-- Per table: ``eval_figures`` (held-out avg@k, pass@k, greedy, answer rates, by level and held-out set;
-  ``eval_table_figures`` adds the data sources, for ``coba eval``),
-  ``capability_figures``, ``budget_figures``, ``update_figures``; ``step_figures`` gathers those of one
-  training step (its progress line, its artifacts and the trackers show them).
-- Per run: ``run_summary``, every figure ``coba inspect``, ``coba report`` and summary.json show;
-  ``summary_json`` flattens it, with the timings the flow measured, into summary.json. Its
-  ``mechanisms`` (estimates against realized pass rates, N_eff, mixed groups, first solved, pass@2) come
-  from ``coba_tasks.readers.mechanisms``.
-- ``no_signal_streak`` / ``no_signal_steps``: steps whose every group scored alike (nothing learned).
+"""A run's figures, computed once from its done tables (``coba_tasks.readers.tables``): per table
+(``eval_figures``, ``capability_figures``, ``budget_figures``, ``update_figures``; ``step_figures`` for one
+training step) and per run (``run_summary``, what ``coba inspect``, ``coba report`` and summary.json show;
+``summary_json`` flattens it into summary.json), and the steps without signal (every group scored alike).
 """
 
 from __future__ import annotations
@@ -17,6 +10,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from datetime import date, datetime
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -184,32 +178,37 @@ def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
     t = run if isinstance(run, RunTables) else load_run(run)
     steps_done = t.steps_with(Table.UPDATE)
 
+    evals = t.steps_with(Table.EVAL)
     heldout = []
-    for s in t.steps_with(Table.EVAL):
+    for s in evals:
         ev = split_test_sets(t.table(s, Table.EVAL))[MAIN_TEST_SET]
-        item: dict[str, Any] = {"step": s, "accuracy": _mean(ev, "accuracy"), "prompts": len(ev)}
-        if "difficulty" in ev.columns and "accuracy" in ev.columns:
+        has_acc = "accuracy" in ev.columns
+        item: dict[str, Any] = {
+            "step": s,
+            "accuracy": float(ev["accuracy"].astype(float).mean()) if has_acc and len(ev) else None,
+            "prompts": len(ev),
+        }
+        if "difficulty" in ev.columns and has_acc:
             item["by_difficulty"] = _group_means(ev, "difficulty", "accuracy")
         heldout.append(item)
-    evals = t.steps_with(Table.EVAL)
     before = eval_figures(t.table(0, Table.EVAL)) if 0 in evals else None
     after = eval_figures(t.table(evals[-1], Table.EVAL)) | {"step": evals[-1]} if evals and evals[-1] > 0 else None
     gains = heldout_gains(t.table(0, Table.EVAL), t.table(evals[-1], Table.EVAL)) if before and after else {}
 
-    cap_steps = t.steps_with(Table.CAPABILITY)
-    capability: dict[str, Any] = {"first": None, "latest": None}
-    for key, s in (("first", cap_steps[0] if cap_steps else None), ("latest", cap_steps[-1] if cap_steps else None)):
-        if s is not None:
-            row = t.table(s, Table.CAPABILITY)
-            capability[key] = {"step": s} | {f: _first(row, f) for f in CAPABILITY_FIELDS if f in row.columns}
+    def first_row(step: int, name: Table, fields: Sequence[str]) -> dict[str, Any]:
+        row = t.table(step, name)
+        return {"step": step} | {f: plain(row[f].iloc[0]) if len(row) else None for f in fields if f in row.columns}
+
+    caps = t.steps_with(Table.CAPABILITY)
+    capability = {
+        key: first_row(caps[i], Table.CAPABILITY, CAPABILITY_FIELDS) if caps else None
+        for key, i in (("first", 0), ("latest", -1))
+    }
 
     verdict_frame, _ = t.verdicts_by_step()
     verdicts = {k: int(v) for k, v in verdict_frame.sum().items()} if len(verdict_frame) else {}
 
-    last_update = None
-    if steps_done:
-        row = t.table(steps_done[-1], Table.UPDATE)
-        last_update = {"step": steps_done[-1]} | {f: _first(row, f) for f in UPDATE_FIELDS if f in row.columns}
+    last_update = first_row(steps_done[-1], Table.UPDATE, UPDATE_FIELDS) if steps_done else None
     updates = t.stacked(Table.UPDATE)
     gap_mean = updates["logprob_diff_mean"].mean() if "logprob_diff_mean" in updates else None
     gap_max = updates["logprob_diff_max"].max() if "logprob_diff_max" in updates else None
@@ -261,11 +260,8 @@ def no_signal_streak(store: RunStore, step: int) -> int:
 def no_signal_steps(t: RunTables) -> dict[str, Any]:
     """The done steps with no mixed group (``steps``) and the longest run of them in a row (``longest``)."""
     steps = [s for s in t.steps_with(Table.CAPABILITY) if _no_signal(t.table(s, Table.CAPABILITY))]
-    longest = run = 0
-    for i, s in enumerate(steps):
-        run = run + 1 if i and steps[i - 1] == s - 1 else 1
-        longest = max(longest, run)
-    return {"steps": steps, "longest": longest}
+    runs = groupby(enumerate(steps), lambda i_s: i_s[1] - i_s[0])  # a run of consecutive steps: one key
+    return {"steps": steps, "longest": max((len(list(run)) for _, run in runs), default=0)}
 
 
 def summary_json(
@@ -333,12 +329,8 @@ def _budget_stats(t: RunTables, steps: list[int]) -> dict[str, Any] | None:
     if "budget" not in budgets.columns or budgets.empty:
         return None
     figures = budget_figures(budgets)
-    stats: dict[str, Any] = {
-        "steps": len(steps),
-        "rows": len(budgets),
-        **{k: float(figures[k]) for k in ("min", "mean", "max")},
-        "mean_by_difficulty": None,
-    }
+    stats: dict[str, Any] = {"steps": len(steps), "rows": len(budgets)}
+    stats |= {k: float(figures[k]) for k in ("min", "mean", "max")} | {"mean_by_difficulty": None}
     prompts = t.prompts()
     if prompts is not None and "prompt_id" in budgets.columns and {"prompt_id", "difficulty"} <= set(prompts.columns):
         left = budgets[["prompt_id", "budget"]].assign(prompt_id=lambda d: d["prompt_id"].astype(str))
@@ -351,16 +343,6 @@ def _budget_stats(t: RunTables, steps: list[int]) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
-
-
-def _mean(df: pd.DataFrame, col: str) -> float | None:
-    if col not in df.columns or df.empty:
-        return None
-    return float(df[col].astype(float).mean())
-
-
-def _first(df: pd.DataFrame, col: str) -> Any:
-    return plain(df[col].iloc[0]) if len(df) else None
 
 
 def _group_means(df: pd.DataFrame, by: str, col: str) -> dict[str, float]:

@@ -52,19 +52,8 @@ from coba_tasks.readers.tables import RunTables
 
 PASS_AT = 2  # k of the training groups' pass@k: every group has at least allocation.min_budget >= 2 rollouts
 MIN_CORR_PROMPTS = 3  # fewer estimated prompts than this: no correlation
-STEP_COLUMNS = (
-    "step",
-    "prompts",
-    "estimated",
-    "estimate_mae",
-    "estimate_bias",
-    "estimate_corr",
-    "estimate_age_mean",
-    "effective_prompts",
-    "mixed_groups",
-    "first_solved",
-    f"train_pass_at_{PASS_AT}",
-)
+STEP_COLUMNS = ("step", "prompts", "estimated", "estimate_mae", "estimate_bias", "estimate_corr", "estimate_age_mean")
+STEP_COLUMNS += ("effective_prompts", "mixed_groups", "first_solved", f"train_pass_at_{PASS_AT}")
 AGE_COLUMNS = ("age", "prompts", "estimate_mae", "estimate_bias")
 ROW_COLUMNS = ("step", "prompt_id", "budget", "estimate", "realized", "age", "seen")
 

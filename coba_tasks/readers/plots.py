@@ -48,14 +48,22 @@ def _pyplot():
     return plt
 
 
+def _subplots(*grid: int, **kw):
+    return _pyplot().subplots(*grid, layout="constrained", **kw)
+
+
+def _legend_right(ax, **kw) -> None:
+    """The legend outside the axes, on their right."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False, **kw)
+
+
 def _save(fig, path: Path) -> Path:
     """Render ``fig`` to PNG bytes and write them atomically; close the figure."""
-    plt = _pyplot()
+    buf = io.BytesIO()
     try:
-        buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=DPI)
     finally:
-        plt.close(fig)
+        _pyplot().close(fig)
     data = buf.getvalue()
     return atomic_write(path, lambda f: f.write(data))
 
@@ -78,8 +86,7 @@ def _step_axis(ax, steps: Sequence[int]) -> None:
 
 
 def plot_accuracy(run: RunTables, path: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
+    fig, ax = _subplots(figsize=(9.5, 5.2))
     evals = run.by_step(Table.EVAL)
     eval_steps = sorted(evals)
     all_steps: list[int] = list(eval_steps)
@@ -100,27 +107,18 @@ def plot_accuracy(run: RunTables, path: Path) -> Path:
             if diff.notna().any() and not (diff.dropna() == -1).all():
                 ev = ev.assign(difficulty=diff)
                 levels = sorted(ev.loc[ev["difficulty"] >= 0, "difficulty"].dropna().unique())
-                cmap = plt.get_cmap("viridis")
+                cmap = _pyplot().get_cmap("viridis")
                 for i, level in enumerate(levels):
                     by = ev[ev["difficulty"] == level].groupby("_step")["accuracy"].mean()
                     colour = cmap(i / max(1, len(levels) - 1) * 0.9)
-                    ax.plot(
-                        by.index,
-                        by.values,
-                        ".-",
-                        lw=1.0,
-                        ms=4,
-                        color=colour,
-                        alpha=0.85,
-                        label=f"held-out, difficulty {int(level)}",
-                    )
+                    label = f"held-out, difficulty {int(level)}"
+                    ax.plot(by.index, by.values, ".-", lw=1.0, ms=4, color=colour, alpha=0.85, label=label)
     cap = run.stacked(Table.CAPABILITY).reset_index(drop=True)
     if "S" in cap.columns and len(cap):
         s_steps = cap["step"].astype(int).tolist()
         all_steps += s_steps
-        ax.plot(
-            s_steps, cap["S"].astype(float), "--", color="C3", lw=1.8, label="training pass rate S (step's rollouts)"
-        )
+        label = "training pass rate S (step's rollouts)"
+        ax.plot(s_steps, cap["S"].astype(float), "--", color="C3", lw=1.8, label=label)
     if not all_steps:
         _no_data(ax, "no held-out evaluation or training step yet")
     _step_axis(ax, all_steps)
@@ -128,13 +126,12 @@ def plot_accuracy(run: RunTables, path: Path) -> Path:
     ax.set_ylabel("accuracy / pass rate")
     ax.set_title("Held-out accuracy and training pass rate per step")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+        _legend_right(ax)
     return _save(fig, path)
 
 
 def plot_capability(run: RunTables, path: Path) -> Path:
-    plt = _pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.5, 6.4), sharex=True, layout="constrained")
+    fig, (top, bottom) = _subplots(2, 1, figsize=(9.5, 6.4), sharex=True)
     cap = run.stacked(Table.CAPABILITY).reset_index(drop=True)
     steps = cap["step"].astype(int).tolist()
     if "F" in cap.columns:
@@ -146,8 +143,9 @@ def plot_capability(run: RunTables, path: Path) -> Path:
     top.grid(True, alpha=0.3)
     for col, colour in (("alpha", "C0"), ("beta", "C1")):
         if col in cap.columns:
-            label = f"{col} (after step t)"
-            bottom.plot(steps, cap[col].astype(float), "o-", ms=3.5, color=colour, lw=1.8, label=label)
+            bottom.plot(
+                steps, cap[col].astype(float), "o-", ms=3.5, color=colour, lw=1.8, label=f"{col} (after step t)"
+            )
     values = pd.concat([cap[c].astype(float) for c in ("alpha", "beta") if c in cap.columns] or [pd.Series([0.0])])
     finite = values[np.isfinite(values)]
     if len(finite):
@@ -157,7 +155,6 @@ def plot_capability(run: RunTables, path: Path) -> Path:
     bottom.set_ylabel("alpha, beta")
     bottom.legend(loc="center right", fontsize=9)
     _step_axis(bottom, steps)
-    top.set_xlabel("")
     return _save(fig, path)
 
 
@@ -185,27 +182,23 @@ def _marker_sizes(x: pd.Series, y: pd.Series) -> tuple[np.ndarray, np.ndarray, n
 
 
 def plot_scatter(run: RunTables, path: Path, steps: list[int]) -> Path:
-    plt = _pyplot()
     from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(9.5, 5.6), layout="constrained")
+    fig, ax = _subplots(figsize=(9.5, 5.6))
     any_unseen = False
     budget_min, budget_max = math.inf, 0.0
     handles: list[Line2D] = []
-    n = len(steps)
 
     def area(count: np.ndarray) -> np.ndarray:  # marker area grows with the number of prompts it stands for
         return 14.0 * np.sqrt(count) + 6.0
 
-    budgets = run.by_step(Table.BUDGET)
-
     for i, t in enumerate(steps):
-        b = budgets[t]
+        b = run.table(t, Table.BUDGET)
         est = pd.to_numeric(b["pass_rate_est"], errors="coerce")
         budget = pd.to_numeric(b["budget"], errors="coerce")
         colour = f"C{i % 10}"
         # Pass-rate estimates are often the same fractions; shift each step a little so every colour shows.
-        dodge = (i - (n - 1) / 2) * 0.012
+        dodge = (i - (len(steps) - 1) / 2) * 0.012
         seen = est.notna() & budget.notna()
         unseen = est.isna() & budget.notna()
         if seen.any():
@@ -218,18 +211,8 @@ def plot_scatter(run: RunTables, path: Path, steps: list[int]) -> Path:
         if budget.notna().any():
             budget_min = min(budget_min, float(budget.min()))
             budget_max = max(budget_max, float(budget.max()))
-        handles.append(
-            Line2D(
-                [],
-                [],
-                marker="o",
-                ls="",
-                color=colour,
-                alpha=0.7,
-                ms=7,
-                label=f"step {t}: {int(seen.sum())} seen, {int(unseen.sum())} unseen",
-            )
-        )
+        label = f"step {t}: {int(seen.sum())} seen, {int(unseen.sum())} unseen"
+        handles.append(Line2D([], [], marker="o", ls="", color=colour, alpha=0.7, ms=7, label=label))
     if not steps:
         _no_data(ax, "no budget table yet")
     if steps and budget_min > 0:
@@ -254,20 +237,12 @@ def plot_scatter(run: RunTables, path: Path, steps: list[int]) -> Path:
     ax.set_title("Budget vs. pass-rate estimate (marker area grows with the number of prompts)")
     ax.grid(True, alpha=0.3)
     if handles:
-        ax.legend(
-            handles=handles,
-            loc="upper left",
-            bbox_to_anchor=(1.01, 1.0),
-            fontsize=9,
-            frameon=False,
-            title="budget used by",
-        )
+        _legend_right(ax, handles=handles, title="budget used by")
     return _save(fig, path)
 
 
 def plot_budget_hist(run: RunTables, path: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 5.0), layout="constrained")
+    fig, ax = _subplots(figsize=(9.5, 5.0))
     frames = [pd.to_numeric(b["budget"], errors="coerce") for b in run.by_step(Table.BUDGET).values() if "budget" in b]
     budgets = pd.concat(frames, ignore_index=True).dropna() if frames else pd.Series(dtype=float)
     if len(budgets):
@@ -299,8 +274,7 @@ def plot_budget_hist(run: RunTables, path: Path) -> Path:
 
 
 def plot_verdicts(run: RunTables, path: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 5.0), layout="constrained")
+    fig, ax = _subplots(figsize=(9.5, 5.0))
     v, from_rewards = run.verdicts_by_step()
     if len(v):
         steps = v.index.astype(int).to_numpy()
@@ -314,7 +288,7 @@ def plot_verdicts(run: RunTables, path: Path) -> Path:
         ax.set_ylim(0, max(1.0, float(bottom.max())) * 1.02)
         ax.grid(True, alpha=0.3, axis="y")
         ax.grid(False, axis="x")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False, title="verdict (total)")
+        _legend_right(ax, title="verdict (total)")
     else:
         _no_data(ax, "no rewards yet")
     ax.set_ylabel("rollouts")
@@ -326,8 +300,7 @@ def plot_verdicts(run: RunTables, path: Path) -> Path:
 
 
 def plot_update(run: RunTables, path: Path) -> Path:
-    plt = _pyplot()
-    fig, (gap_ax, norm_ax) = plt.subplots(1, 2, figsize=(11.0, 4.2), layout="constrained")
+    fig, (gap_ax, norm_ax) = _subplots(1, 2, figsize=(11.0, 4.2))
     u = run.stacked(Table.UPDATE).reset_index(drop=True)
     # runs made before the sampler's log-probabilities were recorded have no gap columns
     gap = u[["step", "logprob_diff_mean", "logprob_diff_max"]].dropna() if "logprob_diff_mean" in u else u.iloc[:0]
@@ -356,10 +329,9 @@ def plot_mechanisms(run: RunTables, path: Path) -> Path:
     """Per step: N_eff of the update beside the mixed groups and the prompts; the estimates the budget was
     allocated with against the pass rates realized (MAE, bias, correlation) and pass@2; and by the
     estimates' age, their MAE and bias over the run (``coba_tasks.readers.mechanisms``)."""
-    plt = _pyplot()
     m = run_mechanisms(run)
     s = m.steps
-    fig, (n_ax, e_ax, a_ax) = plt.subplots(1, 3, figsize=(15.0, 4.2), layout="constrained")
+    fig, (n_ax, e_ax, a_ax) = _subplots(1, 3, figsize=(15.0, 4.2))
     if len(s):
         steps = s["step"].astype(int).tolist()
         for col, style, label in (
@@ -382,8 +354,8 @@ def plot_mechanisms(run: RunTables, path: Path) -> Path:
         _step_axis(e_ax, steps)
         e_ax.legend(fontsize=9, frameon=False)
     else:
-        _no_data(n_ax, "no step with rewards yet")
-        _no_data(e_ax, "no step with rewards yet")
+        for ax in (n_ax, e_ax):
+            _no_data(ax, "no step with rewards yet")
     n_ax.set_title("prompts, mixed groups and N_eff per step")
     e_ax.set_title("the allocation's estimates against the realized pass rates")
     ages = by_age(m.rows)
@@ -403,11 +375,9 @@ def plot_mechanisms(run: RunTables, path: Path) -> Path:
 
 
 def plot_stage_time(stage_seconds: dict[str, float], wall: float | None, path: Path) -> Path:
-    plt = _pyplot()
     items = sorted(stage_seconds.items(), key=lambda kv: kv[1])
-    fig, ax = plt.subplots(figsize=(9.5, 1.4 + 0.5 * len(items)), layout="constrained")
-    names = [k for k, _ in items]
-    secs = [v for _, v in items]
+    fig, ax = _subplots(figsize=(9.5, 1.4 + 0.5 * len(items)))
+    names, secs = [k for k, _ in items], [v for _, v in items]
     total = sum(secs)
     ax.barh(names, secs, color="C0")
     for y, s in enumerate(secs):
@@ -430,10 +400,7 @@ def stage_timing(summary: dict[str, Any] | None) -> tuple[dict[str, float] | Non
     raw = summary.get("stage_seconds")
     if not isinstance(raw, dict) or not raw:
         return None, f"{SUMMARY_FILE} has no stage_seconds, so there is no stage timing."
-    out: dict[str, float] = {}
-    for k, v in raw.items():
-        if isinstance(v, int | float) and math.isfinite(v):
-            out[str(k)] = float(v)
+    out = {str(k): float(v) for k, v in raw.items() if isinstance(v, int | float) and math.isfinite(v)}
     if not out:
         return None, f"{SUMMARY_FILE}: stage_seconds holds no numbers, so there is no stage timing."
     return out, ""

@@ -67,16 +67,8 @@ UPDATE_PNG = "update.png"
 MECHANISMS_PNG = "mechanisms.png"
 STAGE_TIME_PNG = "stage_time.png"
 INDEX_HTML = "index.html"
-PLOT_FILES = (
-    ACCURACY_PNG,
-    CAPABILITY_PNG,
-    SCATTER_PNG,
-    BUDGET_HIST_PNG,
-    VERDICTS_PNG,
-    UPDATE_PNG,
-    MECHANISMS_PNG,
-    STAGE_TIME_PNG,
-)
+PLOT_FILES = (ACCURACY_PNG, CAPABILITY_PNG, SCATTER_PNG, BUDGET_HIST_PNG, VERDICTS_PNG, UPDATE_PNG, MECHANISMS_PNG)
+PLOT_FILES += (STAGE_TIME_PNG,)
 
 _CAPTIONS = {
     ACCURACY_PNG: "Held-out accuracy of the weights after t updates (overall, and one thin line per difficulty "

@@ -55,15 +55,9 @@ def run_sql(run_dir: str | os.PathLike[str], query: str) -> pd.DataFrame:
     allowed = [_abs(p) for paths in files.values() for _, p in paths] + [_abs(p) for p in prompts]
     empty = [name for name in TABLE_NAMES if not files[name]] + (["prompts"] if not prompts else [])
 
-    con = duckdb.connect(
-        ":memory:",
-        config={
-            "python_enable_replacements": False,  # no `select * from some_python_variable`
-            "autoinstall_known_extensions": False,
-            "autoload_known_extensions": False,
-            "allow_community_extensions": False,
-        },
-    )
+    # python_enable_replacements off: no `select * from some_python_variable`
+    off = ("python_enable_replacements", "autoinstall_known_extensions", "autoload_known_extensions")
+    con = duckdb.connect(":memory:", config=dict.fromkeys((*off, "allow_community_extensions"), False))
     try:
         try:
             con.execute("SET temp_directory = ''")  # never spill (the working directory may be the run)
@@ -115,11 +109,8 @@ def _view_sql(con: Any, name: str, paths: list[str]) -> str:
     """CREATE VIEW for one stage: the union of its files by column name, with ``step`` from the directory."""
     if not paths:
         return f'CREATE VIEW "{name}" AS SELECT NULL::INTEGER AS step WHERE false'
-    source = (
-        "read_parquet(["
-        + ", ".join(_sql_str(p) for p in paths)
-        + f"], filename = '{_FILE_COLUMN}', union_by_name = true)"
-    )
+    files = ", ".join(_sql_str(p) for p in paths)
+    source = f"read_parquet([{files}], filename = '{_FILE_COLUMN}', union_by_name = true)"
     names = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()]
     exclude = ", ".join([_FILE_COLUMN] + (["step"] if "step" in names else []))
     step = f"CAST(regexp_extract({_FILE_COLUMN}, '{_STEP_DIR_SQL_RE}', 1) AS INTEGER)"

@@ -83,11 +83,7 @@ class RunTables:
         for s in self.steps:
             if Table.CAPABILITY in self.done[s]:
                 cap = self.table(s, Table.CAPABILITY)
-                rows[s] = {
-                    v: int(cap[f"{_VERDICT_PREFIX}{v}"].fillna(0).sum())
-                    for v in VERDICTS
-                    if f"{_VERDICT_PREFIX}{v}" in cap
-                }
+                rows[s] = {v: int(cap[c].fillna(0).sum()) for v in VERDICTS if (c := f"{_VERDICT_PREFIX}{v}") in cap}
             elif Table.REWARDS in self.done[s]:
                 rows[s] = count_verdicts(self.table(s, Table.REWARDS)["verdict"])
                 from_rewards.append(s)

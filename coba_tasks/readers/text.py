@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import groupby
 from typing import Any
 
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
@@ -17,16 +18,8 @@ def step_ranges(steps: Sequence[int]) -> str:
     >>> step_ranges([0, 1, 2, 3, 4, 5, 8, 10, 11, 12]), step_ranges([])
     ('0-5, 8, 10-12', '')
     """
-    out: list[str] = []
-    steps = list(steps)
-    i = 0
-    while i < len(steps):
-        j = i
-        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
-            j += 1
-        out.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
-        i = j + 1
-    return ", ".join(out)
+    runs = [[s for _, s in run] for _, run in groupby(enumerate(steps), lambda i_s: i_s[1] - i_s[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def figure_table(title: str, rows: list[tuple[str, Any]]) -> str:
@@ -59,7 +52,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     with its paired gain, greedy, answer rates, F, alpha and beta, budgets, verdicts, the last update."""
     rows: list[tuple[str, str]] = []
     latest = s.get("latest_step")
-    step_line = f"{s.get('step_dirs', 0)} directories, last done {_or_dash(s.get('last_step_done'))}"
+    last = s.get("last_step_done")
+    step_line = f"{s.get('step_dirs', 0)} directories, last done {'-' if last is None else last}"
     rows.append(("steps", step_line + f", {s.get('total_rollouts', 0):,} rollouts"))
     if latest is not None and not s.get("finished"):
         rows.append(("latest step", f"{latest['step']}: " + (", ".join(latest.get("tables") or []) or "nothing yet")))
@@ -73,22 +67,13 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("verdicts", "  ".join(cells)))
     gap = s.get("logprob_gap") or {}
     if gap.get("max") is not None:
-        rows.append(
-            (
-                "train/rollout log-prob gap",
-                f"mean over steps {_num(gap.get('mean'), '.2e')}, largest token {gap['max']:.2e}",
-            )
-        )
+        text = f"mean over steps {_num(gap.get('mean'), '.2e')}, largest token {gap['max']:.2e}"
+        rows.append(("train/rollout log-prob gap", text))
     quiet = s.get("no_signal") or {}
     if quiet.get("steps"):
         n, done = len(quiet["steps"]), s.get("steps_done", 0)
-        rows.append(
-            (
-                "no signal",
-                f"steps {step_ranges(quiet['steps'])} ({n} of {done}, {quiet['longest']} in a row): every group's "
-                f"rollouts scored alike, so the update learned nothing there; {NO_SIGNAL_FIX}",
-            )
-        )
+        text = f"steps {step_ranges(quiet['steps'])} ({n} of {done}, {quiet['longest']} in a row): every group's "
+        rows.append(("no signal", f"{text}rollouts scored alike, so the update learned nothing there; {NO_SIGNAL_FIX}"))
     rows += mechanism_rows(s.get("mechanisms"))
     upd = s.get("last_update")
     if upd:
@@ -120,36 +105,27 @@ bias -0.050
     """
     if not m:
         return []
-    rows = [
-        (
-            "mechanisms",
-            f"means over {m['steps']} steps: N_eff {_num(m.get('effective_prompts'), '.2f')}, mixed groups "
-            f"{_num(m.get('mixed_groups'), '.1f')} of {_num(m.get('prompts'), '.1f')} prompts, pass@2 "
-            f"{_num(m.get('train_pass_at_2'), '.3f')}; first solved {m.get('first_solved', 0)}",
-        )
-    ]
+    text = (
+        f"means over {m['steps']} steps: N_eff {_num(m.get('effective_prompts'), '.2f')}, mixed groups "
+        f"{_num(m.get('mixed_groups'), '.1f')} of {_num(m.get('prompts'), '.1f')} prompts, pass@2 "
+        f"{_num(m.get('train_pass_at_2'), '.3f')}; first solved {m.get('first_solved', 0)}"
+    )
+    rows = [("mechanisms", text)]
     if not m.get("estimated"):
         return [*rows, ("  estimates", "none yet (no prompt had an estimate when it was allocated)")]
-    rows.append(
-        (
-            "  estimates",
-            f"MAE {_num(m.get('estimate_mae'), '.3f')}, bias {_num(m.get('estimate_bias'), '+.3f')} (realized - "
-            f"estimate), r {_num(m.get('estimate_corr'), '.2f')}, age {_num(m.get('estimate_age_mean'), '.1f')} "
-            f"steps ({m['estimated']:,} estimated prompts)",
-        )
+    text = (
+        f"MAE {_num(m.get('estimate_mae'), '.3f')}, bias {_num(m.get('estimate_bias'), '+.3f')} (realized - "
+        f"estimate), r {_num(m.get('estimate_corr'), '.2f')}, age {_num(m.get('estimate_age_mean'), '.1f')} "
+        f"steps ({m['estimated']:,} estimated prompts)"
     )
+    rows.append(("  estimates", text))
     ages = m.get("by_age") or []
     shown = [a for a in ages if a["age"] <= AGES_SHOWN]
     older = [a for a in ages if a["age"] > AGES_SHOWN]
     if older:
         n = sum(a["prompts"] for a in older)
-        shown.append(
-            {
-                "age": f">{AGES_SHOWN}",
-                "prompts": n,
-                **{k: sum(a[k] * a["prompts"] for a in older) / n for k in ("estimate_mae", "estimate_bias")},
-            }
-        )
+        means = {k: sum(a[k] * a["prompts"] for a in older) / n for k in ("estimate_mae", "estimate_bias")}
+        shown.append({"age": f">{AGES_SHOWN}", "prompts": n, **means})
     if shown:
         cells = [
             f"{a['age']}: {a['prompts']:,} prompts MAE {_num(a['estimate_mae'], '.3f')} bias "
@@ -166,13 +142,8 @@ def _heldout_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         return [("held-out acc", "no eval yet")]
     first, last = heldout[0], heldout[-1]
     at = ", ".join(str(h["step"]) for h in heldout)
-    rows = [
-        (
-            "held-out acc",
-            f"{_num(first.get('accuracy'), '.3f')} -> {_num(last.get('accuracy'), '.3f')}"
-            f"  (step {first['step']} -> step {last['step']}; evaluated at {at})",
-        )
-    ]
+    acc = f"{_num(first.get('accuracy'), '.3f')} -> {_num(last.get('accuracy'), '.3f')}"
+    rows = [("held-out acc", f"{acc}  (step {first['step']} -> step {last['step']}; evaluated at {at})")]
     a, b = first.get("by_difficulty") or {}, last.get("by_difficulty") or {}
     levels = _sorted_levels(set(a) | set(b))
     if levels:
@@ -181,19 +152,11 @@ def _heldout_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         )
     before, after = s.get("heldout_before") or {}, s.get("heldout_after") or {}
     for name, g in (s.get("heldout_gain") or {}).items():  # avg@k, paired by prompt: step 0 -> the latest eval
-        b, a = (
-            (before, after)
-            if name == MAIN_TEST_SET
-            else ((x.get("test_sets") or {}).get(name) or {} for x in (before, after))
-        )
+        sets = [(x.get("test_sets") or {}).get(name) or {} for x in (before, after)]
+        b, a = (before, after) if name == MAIN_TEST_SET else sets
         se = f" ± {g['se']:.3f} s.e." if g.get("se") is not None else ""
-        rows.append(
-            (
-                "  gain",
-                f"{name}: {_num(b.get('accuracy'), '.3f')} -> {_num(a.get('accuracy'), '.3f')}, "
-                f"{_num(g.get('gain'), '+.3f')}{se} over {g.get('prompts', 0)} prompts",
-            )
-        )
+        acc = f"{name}: {_num(b.get('accuracy'), '.3f')} -> {_num(a.get('accuracy'), '.3f')}"
+        rows.append(("  gain", f"{acc}, {_num(g.get('gain'), '+.3f')}{se} over {g.get('prompts', 0)} prompts"))
     for key, label, what in (
         ("greedy", "greedy", ""),
         ("answered", "answered", " (share of completions with an answer)"),
@@ -225,18 +188,13 @@ def _capability_rows(cap: dict[str, Any]) -> list[tuple[str, str]]:
 def _budget_rows(budget: dict[str, Any] | None) -> list[tuple[str, str]]:
     if not budget:
         return [("budget", "no done step yet")]
-    rows = [
-        (
-            "budget",
-            f"min {_num(budget.get('min'), 'g')}  mean {_num(budget.get('mean'), '.2f')}  "
-            f"max {_num(budget.get('max'), 'g')}  over {budget.get('steps')} steps ({budget.get('rows'):,} prompts)",
-        )
-    ]
+    text = f"min {_num(budget.get('min'), 'g')}  mean {_num(budget.get('mean'), '.2f')}  "
+    text += f"max {_num(budget.get('max'), 'g')}  over {budget.get('steps')} steps ({budget.get('rows'):,} prompts)"
+    rows = [("budget", text)]
     by_level = budget.get("mean_by_difficulty") or {}
     if by_level:
-        rows.append(
-            ("  by difficulty", "  ".join(f"L{k} {_num(by_level[k], '.1f')}" for k in _sorted_levels(by_level)))
-        )
+        levels = "  ".join(f"L{k} {_num(by_level[k], '.1f')}" for k in _sorted_levels(by_level))
+        rows.append(("  by difficulty", levels))
     return rows
 
 
@@ -244,10 +202,6 @@ def _num(value: Any, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return format(value, spec)
-
-
-def _or_dash(value: Any) -> str:
-    return "-" if value is None else str(value)
 
 
 def _sorted_levels(levels: Any) -> list[str]:

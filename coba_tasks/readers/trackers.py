@@ -13,13 +13,10 @@ Offline, under the run directory::
     trackers/mlflow/          an MLflow store: mlflow.db (SQLite) and artifacts/
     trackers/wandb/           Weights & Biases offline runs (`wandb sync` uploads them)
 
-A resumed run continues the same tracker run and logs only the steps not logged yet (TensorBoard also
-purges anything after the last step recorded, left by a crash between logging and recording it). Each
-logged step's tables are fingerprinted (their manifests' sha256) in state.json; a step whose tables
-changed since (``coba rerun``, ``coba resume --repair``) is logged again with its new figures:
-TensorBoard rewinds its run to the first such step, MLflow and W&B, which cannot rewind a run, log the
-whole run again into a new tracker run (the earlier one is left as it was; MLflow tags it
-``coba.superseded_by``).
+A resumed run continues the same tracker run and logs only the steps not logged yet. Each logged step's
+tables are fingerprinted (their manifests' sha256) in state.json; a step whose tables changed since is
+logged again: TensorBoard rewinds its run, MLflow and W&B log the whole run again into a new tracker run
+(docs/operations.md, "Experiment trackers").
 One adapter per library behind ``_Tracker``; the flow calls ``open_trackers``, ``Trackers.log_new``
 after each step and evaluation, and ``Trackers.close``.
 """
@@ -242,11 +239,8 @@ class _MLflow(_Tracker):
         self.client = MlflowClient(tracking_uri=store_uri(self.directory))
         if run_id is None:
             exp = self.client.get_experiment_by_name(run_name)
-            eid = (
-                exp.experiment_id
-                if exp
-                else self.client.create_experiment(run_name, artifact_location=(self.directory / "artifacts").as_uri())
-            )
+            artifacts = (self.directory / "artifacts").as_uri()
+            eid = exp.experiment_id if exp else self.client.create_experiment(run_name, artifact_location=artifacts)
             run_id = self.client.create_run(eid, run_name=run_name).info.run_id
             items = [Param(k, str(v)[:6000]) for k, v in params.items()]
             for i in range(0, len(items), 100):

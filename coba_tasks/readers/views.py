@@ -1,18 +1,8 @@
-"""What ``coba inspect`` prints, apart from SQL: the run summary as text, one stage's table, the prompts.
-
-* ``format_summary``: ``run_summary``'s dict (``coba_tasks.readers.figures``) as aligned lines: steps
-  done, held-out accuracy, the failure rate and (alpha, beta), budget statistics, verdict counts,
-  rollouts, wall time (when finished);
-* ``show_table``: one stage's table of one step (``steps/NNNNNN/<stage>.parquet``);
-* ``show_prompts``: the run's training prompts as the model saw them;
-* ``show_mechanisms``: the mechanisms of each step (``coba_tasks.readers.mechanisms``), the estimates'
-  error by age, or each allocated prompt's estimate beside its realized pass rate;
-* ``render``: a DataFrame as an aligned ``table`` (long cells cut), ``csv`` or ``json``.
-
-Also the checks of what a caller passes (run directory, stage, step, format, limit, columns), shared
-with the SQL view and the command in ``coba_tasks.commands.inspection``. Only done tables are read,
-through ``RunStore.read_table`` (each file's sha256 checked against the manifest); see
-``coba_tasks.commands.inspection`` for the step numbering.
+"""What ``coba inspect`` prints, apart from SQL: the run summary as text (``format_summary``), one stage's
+table of one step (``show_table``), the prompts (``show_prompts``), the mechanisms (``show_mechanisms``),
+each through ``render`` (aligned ``table``, ``csv`` or ``json``); and the checks of what a caller passes,
+shared with ``coba_tasks.readers.sql`` and ``coba_tasks.commands.inspection`` (which has the step numbering).
+Only done tables are read, through ``RunStore.read_table`` (each file's sha256 checked against the manifest).
 """
 
 from __future__ import annotations
@@ -46,10 +36,6 @@ _CELL_WIDTH = 48  # characters a cell may take in the ``table`` format before it
 _UNSAFE_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")  # a spreadsheet runs a cell that starts so (OWASP)
 _NUMBER_RE = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # a number: data, whatever its sign
-
-
-# ---------------------------------------------------------------------------------------------
-# Summary (computed in coba_tasks.readers.figures, shared with the report and summary.json)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -99,17 +85,13 @@ def show_table(
         raise ValueError(
             f"stage {stage!r} is not done at step {step} yet (done there: {', '.join(ordered(done)) or 'nothing'})"
         )
-    df = store.read_table(step, stage)
-    df = select_columns(df, columns, f"{stage} at step {step}")
-    total = len(df)
-    if limit:
-        df = df.head(limit)
+    df = select_columns(store.read_table(step, stage), columns, f"{stage} at step {step}")
     note = None
     if stage == "budget" and "pilot" in done:  # allocation.estimator = pilot: the step allocated it, after its pilot
         note = f"(the budget step {step} uses, allocated by step {step} after its pilot)"
     elif stage == "budget":
         note = f"(the budget step {step} uses, allocated from the tables of step {step - 1})" if step else None
-    return render(df, fmt, total=total, note=note)
+    return _render_head(df, limit, fmt, note)
 
 
 PROMPT_COLUMNS = ("prompt_id", "difficulty", "prompt_tokens", "prompt_rendered")  # what --prompts shows by default
@@ -133,9 +115,7 @@ def show_prompts(
         df.insert(len(df.columns), "prompt_tokens", [len(ids) for ids in df["prompt_token_ids"]])
     if columns is None:
         columns = [c for c in PROMPT_COLUMNS if c in df.columns] or None
-    df = select_columns(df, columns, "prompts")
-    total = len(df)
-    return render(df.head(limit) if limit else df, fmt, total=total)
+    return _render_head(select_columns(df, columns, "prompts"), limit, fmt)
 
 
 MECHANISM_VIEWS: tuple[str, ...] = ("steps", "age", "prompts")  # what `coba inspect --mechanisms` shows
@@ -167,8 +147,12 @@ def show_mechanisms(
     m = run_mechanisms(load_run(run_dir))
     df = {"steps": m.steps, "age": by_age(m.rows), "prompts": m.rows}[view]
     df = select_columns(df, columns, f"the {view} view of --mechanisms")
-    total = len(df)
-    return render(df.head(limit) if limit else df, fmt, total=total, note=_MECHANISM_NOTES[view])
+    return _render_head(df, limit, fmt, _MECHANISM_NOTES[view])
+
+
+def _render_head(df: pd.DataFrame, limit: int | None, fmt: str, note: str | None = None) -> str:
+    """``render`` of the first ``limit`` rows (all for None or 0), saying how many there were."""
+    return render(df.head(limit) if limit else df, fmt, total=len(df), note=note)
 
 
 def render(df: pd.DataFrame, fmt: str = "table", total: int | None = None, note: str | None = None) -> str:
@@ -187,19 +171,13 @@ def render(df: pd.DataFrame, fmt: str = "table", total: int | None = None, note:
         text = json.dumps(records, ensure_ascii=False, allow_nan=False)
         return _UNSAFE_RE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
     if fmt == "csv":
-        out = df.copy()
-        for col in out.columns:
-            if _is_text(out[col]):
-                out[col] = [_csv_cell(v) for v in out[col]]
+        out = _text_cells(df, _csv_cell)
         out.columns = [_csv_cell(str(c)) for c in out.columns]
         return out.to_csv(index=False).rstrip("\n")
     if df.columns.empty or df.empty:
         text = "(no rows; columns: " + (", ".join(map(str, df.columns)) or "none") + ")"
     else:
-        shown = df.copy()
-        for col in shown.columns:
-            if _is_text(shown[col]):
-                shown[col] = [_short(v) for v in shown[col]]
+        shown = _text_cells(df, _short)
         shown.columns = [escape_controls(str(c)) for c in shown.columns]
         text = shown.to_string(index=False)
     text = escape_controls(text)  # the footer and anything pandas wrote too
@@ -248,8 +226,13 @@ def escape_controls(text: str) -> str:
     return _UNSAFE_RE.sub(escape, text)
 
 
-def _is_text(column: pd.Series) -> bool:
-    return column.dtype == object or pd.api.types.is_string_dtype(column.dtype)
+def _text_cells(df: pd.DataFrame, cell: Any) -> pd.DataFrame:
+    """A copy of ``df`` with ``cell`` applied to each value of its text (and object) columns."""
+    out = df.copy()
+    for col in out.columns:
+        if out[col].dtype == object or pd.api.types.is_string_dtype(out[col].dtype):
+            out[col] = [cell(v) for v in out[col]]
+    return out
 
 
 def _csv_cell(value: Any) -> Any:
@@ -301,15 +284,11 @@ def _check_format(fmt: Any) -> None:
         raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
 
 
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    return int(step)
+def _check_step(value: Any, what: str = "step must be a non-negative integer") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{what}, got {value!r}")
+    return int(value)
 
 
 def _check_limit(limit: Any) -> int | None:
-    if limit is None:
-        return None
-    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0:
-        raise ValueError(f"limit must be a non-negative integer or None, got {limit!r}")
-    return int(limit)
+    return None if limit is None else _check_step(limit, "limit must be a non-negative integer or None")

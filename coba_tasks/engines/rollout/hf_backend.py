@@ -3,21 +3,14 @@
 The same interface and rows as the vLLM backend (it is the tests' reference for them). Groups are generated
 in batches (prompts of one length together, left-padded where lengths differ, at most ``max_num_seqs``
 sequences and, on CUDA, as many as ``gpu_memory_utilization`` leaves room for: ``rows_that_fit``). Each
-group draws its tokens with a ``torch.Generator`` of its own, seeded with the group's seed, so a group does
-not depend on the rest of the batch: it gets the tokens the same group sampled alone gets (up to float
-rounding of a padded batch).
+group draws its tokens with a ``torch.Generator`` seeded with the group's seed, so it gets the tokens it would
+get alone (up to float rounding of a padded batch).
 
-Memory grows with sequences x length, not x vocabulary: ``_GroupSampler``, the last logits processor,
-keeps each step's log-probability of the drawn tokens, one float per sequence, and no step's scores.
-The sampler log-probabilities are of the distribution each token was drawn from: log_softmax of the
-scores after temperature and top-p (transformers' own warpers), as the trainer computes them
-(log_softmax(logits / T)) and as the vLLM backend records them; greedy decoding takes argmax z.
-
-Only the sampling settings coba-rl controls reach ``generate`` (``generation_config``: greedy selection of
-the token ``_GroupSampler`` leaves (no sampling warper runs in greedy mode), the token budget, the tokenizer's
-eos and pad ids; every other logits processor off). A model directory's own ``generation_config.json`` (a
-repetition penalty, an n-gram ban, min-p, top-k...: Qwen2.5-Instruct ships one) is set aside when the model
-loads, since ``generate`` fills every setting left unset from it.
+``_GroupSampler``, the last logits processor, draws the tokens and keeps one log-probability per sequence and
+step (memory grows with sequences x length, not x vocabulary): log_softmax of the scores after temperature and
+top-p, as the trainer computes them. Only the settings coba-rl controls reach ``generate``: a model
+directory's own ``generation_config.json`` (a repetition penalty, min-p...: Qwen2.5-Instruct ships one) is
+set aside when the model loads, since ``generate`` fills every setting left unset from it.
 """
 
 from __future__ import annotations
@@ -27,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
 
@@ -53,8 +54,6 @@ class TransformersBackend(RolloutBackend):
         **_: Any,
     ) -> None:
         super().__init__()
-        from transformers import AutoTokenizer
-
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,13 +65,13 @@ class TransformersBackend(RolloutBackend):
         self._load(model_path)
 
     def _load(self, path: str | Path) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=self.dtype, trust_remote_code=self.trust_remote_code
         ).to(self.device)
         self.model.eval()
-        self.model.generation_config = _neutral_generation_config()  # not the directory's generation_config.json
+        # a config that sets nothing, not the directory's generation_config.json: generate fills what a call
+        # leaves unset from transformers' defaults (no penalty, no n-gram ban, no min-p)
+        self.model.generation_config = GenerationConfig()
         self.model_path = str(path)
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
@@ -239,20 +238,10 @@ def rows_that_fit(config: Any, prompt_len: int, max_tokens: int, budget_bytes: f
     return int(budget_bytes // per_row) if budget_bytes > 0 else 0
 
 
-def _neutral_generation_config() -> Any:
-    """A generation config that sets nothing: ``generate`` fills what a call leaves unset from the model's
-    generation config, then from transformers' defaults (no penalty, no n-gram ban, no min-p)."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig()
-
-
 def generation_config(sampling: SamplingConfig, eos: int | None, pad: int | None) -> Any:
     """The ``GenerationConfig`` of one batch: greedy selection (``_GroupSampler`` draws the tokens and leaves
     one), at most ``sampling.max_tokens`` new tokens, stopping at ``eos``; every logits processor beyond
     the sampler's is off."""
-    from transformers import GenerationConfig
-
     return GenerationConfig(
         max_new_tokens=sampling.max_tokens,
         do_sample=False,

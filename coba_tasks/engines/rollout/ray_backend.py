@@ -1,34 +1,23 @@
 """Rollouts spread over several vLLM engines through Ray: the ``vllm-ray`` backend.
 
-A step's requests are sharded by budget (``shard_by_budget``: largest group first onto the least
-loaded engine), so each engine generates about the same number of rollouts; every request stays
-whole on one engine, since its seed covers its whole group. Each engine is a Ray actor that holds a
-``VLLMBackend`` on the same checkpoint, so the rows it returns are the rows one ``VLLMBackend``
-would return for the same requests (seeds are per request, a group does not depend on the rest
-of the batch). ``generate`` calls all actors at once and puts the rows back in request order.
+A step's requests are sharded by budget (``shard_by_budget``), each request whole on one engine (its seed
+covers its group). Each engine is a Ray actor holding a ``VLLMBackend`` on the same checkpoint, so the rows
+are those one ``VLLMBackend`` would return; ``generate`` calls all actors at once and puts the rows back in
+request order.
 
     backend = make_backend("vllm-ray", "models/arith-tiny", engines=2, dtype="float32")
     rows = backend.generate(requests, SamplingConfig())   # the same rows as make_backend("vllm", ...)
     backend.load_weights("runs/demo/checkpoints/000001", version=1)   # every engine
     backend.close()                                      # the actors, and Ray if this backend started it
 
-Ray. A running cluster is joined when ``ray_address`` (or Ray's own ``RAY_ADDRESS``, e.g. ``auto``
-after ``ray start --head`` on this host) names it, or when this process already called
-``ray.init``; otherwise the backend starts a local Ray instance (``num_cpus`` = the larger of the
-cores and the engines' CPUs, no dashboard, workers' logs not copied here) and shuts it down on
-``close``. Each actor takes ``cpus_per_engine`` CPUs (default 1: on CPU, one thread per engine)
-and, where the cluster has GPUs, ``gpus_per_engine`` GPUs (default: vLLM's ``tensor_parallel_size``,
-the option of that name or the key in ``extra``, else 1). The actors get ``VLLM_CPU_KVCACHE_SPACE``
-(GiB of KV cache on CPU; this process's value, else 1) and ``VLLM_LOGGING_LEVEL`` through
-``runtime_env``.
+Ray. A running cluster is joined when ``ray_address`` (or ``RAY_ADDRESS``) names it or this process already
+called ``ray.init``; otherwise a local Ray instance is started (and shut down on ``close``). Each actor takes
+``cpus_per_engine`` CPUs and, where the cluster has GPUs, ``gpus_per_engine`` GPUs (default: vLLM's
+``tensor_parallel_size``). ``model_path`` and the paths given to ``load_weights`` are made absolute and opened
+by the actors: on several hosts they must name the same files on every host.
 
-Paths. ``model_path`` and every path given to ``load_weights`` are made absolute here and opened by
-the actors, wherever Ray placed them: on several hosts they must name the same files on every host
-(a shared file system mounted at the same place).
-
-Engine death. Inside an actor, ``VLLMBackend`` replaces a dead vLLM engine itself. If an actor
-process dies (killed, out of memory), the next call that reaches it starts a new actor on the
-model path, loads the last weights given to ``load_weights`` into it and runs that actor's share
+Engine death. Inside an actor, ``VLLMBackend`` replaces a dead vLLM engine itself. If an actor process dies,
+the next call that reaches it starts a new actor, loads the last weights into it and runs that actor's share
 of the call again, once (Ray's own actor restart would come back with the first weights).
 """
 
@@ -109,9 +98,6 @@ class _EngineActor:
     def wake_up(self) -> None:
         self.backend.wake_up()
 
-    def restarts(self) -> int:
-        return self.backend.restarts
-
     def close(self) -> None:
         self.backend.close()
 
@@ -141,7 +127,7 @@ class RayVLLMBackend(RolloutBackend):
         self._ray = ray
         self._started_ray = False
         self._actors: list[Any] = []
-        self._n_engines = engines
+        self.engines = engines  # vLLM engines (Ray actors)
         self._closed = False
         self._weights_path: str | None = None
         self.restarts = 0  # actors started to replace a dead one
@@ -180,11 +166,6 @@ class RayVLLMBackend(RolloutBackend):
         except BaseException:
             self.close()
             raise
-
-    @property
-    def engines(self) -> int:
-        """Number of vLLM engines (Ray actors)."""
-        return self._n_engines
 
     def _spawn(self) -> Any:
         return self._actor_cls.remote(self.model_path, self._options)

@@ -1,33 +1,21 @@
 """The ``vllm`` rollout backend: one vLLM engine kept for the whole run, weights reloaded in place.
 
-After a GRPO update the new checkpoint is loaded in place through ``vllm_worker.WeightReload`` (vLLM's
-``reload_weights``, made right for tied input/output embeddings), which takes a fraction of a second
-instead of a new engine's start. Each prompt is a token prompt (the ids ``render_prompts`` made: vLLM
-tokenizes nothing) with its own ``SamplingParams(n=B_i, seed=..., logprobs=0)``: per-prompt group
-sizes are native, and each row carries the sampler's log-probability of every token it sampled, of
-the distribution it sampled from (vLLM's ``processed_logprobs``: after the temperature). Top-p < 1
-goes through ``nucleus.NucleusLogitsProcessor`` (the same nucleus as vLLM's own top-p, without its sort
-of the vocabulary; ``sort_free_top_p = False`` gives vLLM's own).
-``tensor_parallel_size`` (the config's ``rollout.tensor_parallel_size``) splits the engine over that
-many GPUs of its host (vLLM's own tensor parallelism; CUDA only). On CPU the engine runs in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one executor) unless the caller set that variable: it starts in
-seconds rather than minutes on 2 cores; prefills are not chunked, and an eager engine (the default
-there) compiles nothing, vLLM's one torch.compile helper included (see ``VLLMBackend.__init__``).
+After an update the new checkpoint is loaded in place (``vllm_worker.WeightReload``: vLLM's ``reload_weights``,
+made right for tied embeddings), a fraction of a second instead of a new engine's start. Each prompt is a token
+prompt with its own ``SamplingParams(n=B_i, seed=..., logprobs=0)``; each row carries the sampler's log p of
+every token, after the temperature (``processed_logprobs``). Top-p < 1 goes through
+``nucleus.NucleusLogitsProcessor`` (vLLM's nucleus without its sort; ``sort_free_top_p = False`` gives vLLM's
+own). On CPU the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless the caller set that
+variable: it starts in seconds rather than minutes on 2 cores.
 
-Engine death. A vLLM engine whose engine-core process died (killed, out of memory, a crash) stays
-dead: every later call raises. ``VLLMBackend`` notices it (``EngineDeadError``, or any error while
-vLLM's own liveness flag says the engine is dead), closes the dead engine, starts a new one with
-the same arguments, reloads the last weights given to ``load_weights`` (so ``weight_version`` stays
-true) and runs the call again, once; it logs "rollout engine died (...); started a new engine".
-Rollouts after a restart equal those the old engine would have produced: seeds are per request.
-If the new engine fails too, the error is raised (the Prefect task retry then tries again).
+Engine death. An engine whose engine-core process died stays dead. ``VLLMBackend`` notices it
+(``EngineDeadError``, or any error while vLLM's liveness flag says dead), starts a new engine with the same
+arguments, reloads the last weights (``weight_version`` stays true) and runs the call again, once, logging
+"rollout engine died (...); started a new engine". Seeds are per request, so the rows are those the old engine
+would have given.
 
-Sleep. ``sleep()`` frees the engine's accelerator memory while the GRPO update runs and
-``wake_up()`` takes it back (the config's ``rollout.sleep_during_update``): started with
-``sleep_mode=True`` (``LLM(enable_sleep_mode=True)``), ``llm.sleep(level=1)`` offloads the weights
-to CPU memory and drops the KV cache; CUDA only (vLLM's CPU platform refuses sleep mode, and
-``sleep_unavailable`` says so before a run starts). A sleeping engine's scheduler is paused, so
-``generate`` and ``load_weights`` wake it first.
+Sleep (``rollout.sleep_during_update``, CUDA only): ``sleep()`` offloads the weights to CPU memory and drops
+the KV cache while the update runs (``llm.sleep(level=1)``); ``generate`` and ``load_weights`` wake it first.
 """
 
 from __future__ import annotations
@@ -107,6 +95,10 @@ class VLLMBackend(RolloutBackend):
             # temperature (and top-p), as the trainer computes them (log_softmax(logits / T))
             "logprobs_mode": "processed_logprobs",
             "use_tqdm_on_load": False,  # no progress bar at every engine start
+            "worker_extension_cls": WORKER_EXTENSION,  # the in-place reload (vllm_worker)
+            # top-p without sorting the vocabulary (nucleus); requests name their p in extra_args
+            "logits_processors": [NUCLEUS_PROCESSOR],
+            "tensor_parallel_size": tp,  # GPUs this engine is split over (vLLM's own worker processes)
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
@@ -118,11 +110,6 @@ class VLLMBackend(RolloutBackend):
             # happened to be chunked. Whole-prompt prefills keep every group a function of its seed alone.
             # (vLLM then raises max_num_batched_tokens to the context length by itself.)
             kwargs["enable_chunked_prefill"] = False
-        # the in-place reload, made right for tied input/output embeddings (coba_tasks.engines.rollout.vllm_worker)
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION
-        # top-p without sorting the vocabulary (coba_tasks.engines.rollout.nucleus): the same nucleus, found
-        # among the most probable tokens; requests name their p in extra_args (see generate_many)
-        kwargs["logits_processors"] = [NUCLEUS_PROCESSOR]
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
         if on_cpu and kwargs["enforce_eager"]:
@@ -138,7 +125,6 @@ class VLLMBackend(RolloutBackend):
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
-        kwargs["tensor_parallel_size"] = tp  # GPUs this engine is split over (vLLM's own worker processes)
         kwargs.update(extra or {})
         self._asleep = False
         self._llm_kwargs = kwargs  # to start an identical engine if this one dies
@@ -238,14 +224,10 @@ class VLLMBackend(RolloutBackend):
         self.weight_version = int(version)
 
     def close(self) -> None:
-        llm = getattr(self, "_llm", None)
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None)
-            if callable(shutdown):
-                shutdown()
-            self._llm = None
-        self._closed = True
+        shutdown = getattr(getattr(getattr(self, "_llm", None), "llm_engine", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        self._llm, self._closed = None, True
 
     # -- sleep during the update
 
