@@ -30,13 +30,7 @@ from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.stages import resume_point, step_tasks, write_step_timing
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers import trackers
-from coba_tasks.readers.figures import (
-    NO_SIGNAL_FIX,
-    NO_SIGNAL_STEPS,
-    eval_figures,
-    no_signal_streak,
-    step_figures,
-)
+from coba_tasks.readers.figures import NO_SIGNAL_FIX, NO_SIGNAL_STEPS, eval_figures, no_signal_streak, step_figures
 from coba_tasks.readers.figures import summary_json as make_summary_json
 from coba_tasks.readers.text import figure_table
 

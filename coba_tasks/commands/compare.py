@@ -302,9 +302,7 @@ def _train_in_own_process(
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
+# --- Command line
 
 EXAMPLES = [
     "coba compare --strategies uniform,knapsack,coba,coba-released --seeds 3 --steps 24",

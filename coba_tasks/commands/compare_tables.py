@@ -58,14 +58,9 @@ STEP_MEANS = (
     "estimate_age_mean",
     "train_pass_at_2",
 )
-# the pass-rate estimate a prompt was allocated with, in bins (right-closed; exact 0 and 1 apart)
-# the bins strictly between 0 and 1 and the range of pass rates each covers (low excluded, high included but 1)
-INTERIOR_PASS_RATE_BINS = {
-    "(0, 0.25]": (0.0, 0.25),
-    "(0.25, 0.5]": (0.25, 0.5),
-    "(0.5, 0.75]": (0.5, 0.75),
-    "(0.75, 1)": (0.75, 1.0),
-}
+# the pass-rate estimate a prompt was allocated with, in bins (right-closed; exact 0 and 1 apart): each bin
+# strictly between 0 and 1 by its upper end
+INTERIOR_PASS_RATE_BINS = {"(0, 0.25]": 0.25, "(0.25, 0.5]": 0.5, "(0.5, 0.75]": 0.75, "(0.75, 1)": 1.0}
 PASS_RATE_BINS = ("unseen", "0", *INTERIOR_PASS_RATE_BINS, "1")
 POWER = 0.8  # the power at which the smallest detectable difference is given
 # the paper's capability schedule (its Fig. 5, Qwen2.5-7B-Instruct): alpha from about 8 down to about 3
@@ -81,7 +76,7 @@ def pass_rate_bin(rate: float) -> str:
         return "0"
     if rate >= 1.0:
         return "1"
-    return next(name for name, (_, high) in INTERIOR_PASS_RATE_BINS.items() if rate <= high)
+    return next(name for name, high in INTERIOR_PASS_RATE_BINS.items() if rate <= high)
 
 
 def _class_of(rate: float) -> str:
@@ -193,16 +188,8 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
     ]
     out["estimate_by_age"] += [{**key, **r} for r in by_age(mech.rows).to_dict("records")]
     summary = t.summary_file() or {}
-    out["runs"].append(
-        {
-            **key,
-            "config_hash": t.store.config_hash,
-            "finished": bool(summary),
-            "steps": int(planned),
-            "rollouts": spent,
-            "wall_seconds": float(summary.get("wall_seconds", math.nan)),
-        }
-    )
+    run = {"config_hash": t.store.config_hash, "finished": bool(summary), "steps": int(planned), "rollouts": spent}
+    out["runs"].append({**key, **run, "wall_seconds": float(summary.get("wall_seconds", math.nan))})
     return out
 
 
@@ -263,8 +250,7 @@ def write_tables(out: Path, tables: dict[str, pd.DataFrame]) -> None:
         write_parquet(df, out / f"{name}.parquet")
 
 
-# ---------------------------------------------------------------------------------------------
-# Statistics
+# --- Statistics
 
 
 def _first_last(results: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -330,15 +316,8 @@ def paired_difference(diffs: Sequence[float], power: float = POWER) -> dict[str,
     t975 = float(stats.t.ppf(0.975, n - 1))
     mdd = (t975 + float(stats.t.ppf(power, n - 1))) * se
     p = float(2 * stats.t.sf(abs(mean) / se, n - 1))  # se > 0: equal differences returned above
-    return {
-        "pairs": n,
-        "mean": mean,
-        "sd": sd,
-        "ci_low": mean - t975 * se,
-        "ci_high": mean + t975 * se,
-        "mdd": mdd,
-        "p": p,
-    }
+    ci = {"ci_low": mean - t975 * se, "ci_high": mean + t975 * se}
+    return {"pairs": n, "mean": mean, "sd": sd, **ci, "mdd": mdd, "p": p}
 
 
 def paired_table(results: pd.DataFrame, baseline: str = "uniform") -> pd.DataFrame:
@@ -491,8 +470,7 @@ def write_final(out: Path, final: pd.DataFrame, paired: pd.DataFrame, mechanism:
     atomic_write(out / "final.json", lambda f: f.write(json.dumps(record, indent=2).encode()))
 
 
-# ---------------------------------------------------------------------------------------------
-# The plot
+# --- The plot
 
 
 def plot(out: Path, tables: dict[str, pd.DataFrame]) -> Path:

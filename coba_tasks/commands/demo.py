@@ -101,10 +101,7 @@ def simulate(cfg: DemoConfig, emit: Callable[[str], None] = print) -> dict:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run ``coba demo``: the simulation's table, printed."""
-    simulate(
-        DemoConfig(steps=args.steps, prompts=args.prompts, group_size=args.group_size, seed=args.seed),
-        emit=print,
-    )
+    simulate(DemoConfig(steps=args.steps, prompts=args.prompts, group_size=args.group_size, seed=args.seed), emit=print)
     return 0
 
 

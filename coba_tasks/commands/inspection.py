@@ -35,8 +35,7 @@ from coba_tasks.readers.views import (
     show_table,
 )
 
-# ---------------------------------------------------------------------------------------------
-# CLI
+# --- CLI
 
 EPILOG = """examples:
   coba inspect --run-dir runs/demo                       # summary (works while the run is going)

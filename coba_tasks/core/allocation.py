@@ -138,9 +138,7 @@ strategies = _ALLOCATORS.names  # the registered strategies' names, sorted
 allocator = _ALLOCATORS.get  # the strategy registered under a name, or None
 
 
-# ---------------------------------------------------------------------------------------------
-# Uniform (GRPO)
-# ---------------------------------------------------------------------------------------------
+# --- Uniform (GRPO)
 
 
 def uniform_budgets(m: int, total_budget: int) -> np.ndarray:
@@ -161,9 +159,7 @@ def _uniform(req: AllocationRequest) -> Allocation:
     return _plan(req, Strategy.UNIFORM, uniform_budgets(req.size, req.total_budget))
 
 
-# ---------------------------------------------------------------------------------------------
-# CoBA-RL
-# ---------------------------------------------------------------------------------------------
+# --- CoBA-RL
 
 
 def _resolve_tau(tau: str | float, p: np.ndarray) -> float:
@@ -257,9 +253,7 @@ def coba_objective(budgets: np.ndarray, pass_rates: np.ndarray, alpha: float, be
     return float(coba_value(np.asarray(budgets), np.asarray(pass_rates), alpha, beta, tau).sum())
 
 
-# ---------------------------------------------------------------------------------------------
-# Knapsack-RL (the official rule: coba_tasks.core.knapsack)
-# ---------------------------------------------------------------------------------------------
+# --- Knapsack-RL (the official rule: coba_tasks.core.knapsack)
 
 
 def knapsack_gain(n: np.ndarray, p: np.ndarray) -> np.ndarray:
@@ -282,9 +276,7 @@ def _knapsack(req: AllocationRequest) -> Allocation:
     return _plan(req, Strategy.KNAPSACK, budgets, solver=Solver.DP.value, extras=extras, **fields)
 
 
-# ---------------------------------------------------------------------------------------------
-# The front end: a request checked and handed to its strategy
-# ---------------------------------------------------------------------------------------------
+# --- The front end: a request checked and handed to its strategy
 
 
 DEFAULT_ALPHA = 9.0  # (kappa - 2, 2) with kappa = 11: the shape before the first update

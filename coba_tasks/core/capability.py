@@ -1,23 +1,10 @@
 """What the model can do: the failure rate over the pool and its Beta shape, and each prompt's pass-rate
 estimate (docs/method.md).
 
-After each training step's rollouts are verified, the step's per-prompt pass rates give the
-failure rate F_t = 1 - mean_i(pass_rate_i) (a mean over prompts, not over rollouts). A moving
-average over the last ``window`` steps, a sigmoid transform below 0.5 and a clip turn it into the
-shape (alpha, beta) of the Beta density that the CoBA value function uses for the *next* step:
-
-    Fbar  = mean(F_{t-window+1} .. F_t)
-    Ftil  = Fbar                            if Fbar > 0.5
-          = sigmoid(gamma * (Fbar - 0.5))   otherwise
-    alpha = clip(alpha_min + lam * Ftil, alpha_min, alpha_max)
-    beta  = kappa - alpha
-
-The mode of Beta(alpha, beta), (alpha - 1) / (kappa - 2), equals Ftil when lam = kappa - 2 and
-alpha_min = 1: a weak model (high F) puts its budget on easy prompts ("exploit"), a strong one on
-hard prompts ("explore").
-
-Pure Python and numpy: no I/O, no Prefect. The state round-trips through ``to_dict`` /
-``from_dict`` (JSON-safe), so a resumed run continues exactly.
+A step's failure rate F_t = 1 - mean_i(pass_rate_i) (over prompts, not rollouts), averaged over ``window``
+steps, transformed and clipped, gives the shape (alpha, beta) of the Beta density the CoBA value uses for the
+*next* step (equations: docs/method.md, sections 3-4). Pure Python and numpy; the state round-trips through
+``to_dict`` / ``from_dict`` (JSON-safe), so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -52,15 +39,10 @@ def beta_mode(alpha: float, beta: float) -> float:
 class CapabilityTracker:
     """Tracks the policy's failure rate across steps and gives the Beta shape (alpha, beta).
 
-    Args:
-        kappa: alpha + beta, the concentration of the Beta density (paper default 11).
-        window: number of recent steps in the moving average of F (released code: 1).
-        gamma: steepness of the sigmoid applied when Fbar <= 0.5.
-        alpha_min: lower clip of alpha (default 1).
-        alpha_max: upper clip of alpha (default kappa - 1).
-        lam: slope of alpha in Ftil (default kappa - 2, which makes the mode equal Ftil).
-
-    Before the first update, (alpha, beta) = (kappa - 2, 2) (released code).
+    ``kappa`` = alpha + beta (paper: 11); ``window``: steps in the moving average of F (released code: 1);
+    ``gamma``: the sigmoid's steepness; alpha is clipped to [``alpha_min``, ``alpha_max``] (default kappa - 1)
+    with slope ``lam`` in Ftil (default kappa - 2: the mode equals Ftil). Before the first update (alpha,
+    beta) = (kappa - 2, 2) (released code).
 
     >>> t = CapabilityTracker()
     >>> t.alpha, t.beta
@@ -101,7 +83,6 @@ class CapabilityTracker:
             self._alpha = self.kappa - 2.0
             self._beta = 2.0
 
-    # -- state -------------------------------------------------------------------------------
     @property
     def alpha(self) -> float:
         """Current alpha (for the next step's allocation)."""
@@ -136,12 +117,8 @@ class CapabilityTracker:
         """Number of updates so far."""
         return len(self.failure_rates)
 
-    # -- update ------------------------------------------------------------------------------
     def update(self, step_pass_rates: Sequence[float] | np.ndarray) -> tuple[float, float]:
-        """Fold in one step's per-prompt pass rates (shape (M,), values in [0, 1]).
-
-        Returns the new (alpha, beta), to be used for the next step's allocation.
-        """
+        """Fold in one step's per-prompt pass rates, (M,) in [0, 1]; the new (alpha, beta), for the next step."""
         rates = np.asarray(step_pass_rates, dtype=np.float64)
         if rates.ndim != 1 or rates.size == 0:
             raise ValueError(f"step_pass_rates must be a non-empty 1-D sequence, got shape {rates.shape}")
@@ -176,14 +153,12 @@ class CapabilityTracker:
         return cls(**shape, failure_rates=failure_rates, _alpha=float(state["alpha"]), _beta=float(state["beta"]))
 
 
-# ---------------------------------------------------------------------------------------------
-# Each prompt's pass-rate estimate (``allocation.estimator``; docs/method.md, section 2): ``last`` (the mean
+# --- Each prompt's pass-rate estimate (``allocation.estimator``; docs/method.md, section 2): ``last`` (the mean
 # pass rate of its last ``pass_rate_window`` visits), ``posterior`` (a Beta(a, b) posterior: the prior
 # Beta(s * pbar, s * (1 - pbar)) before its first visit, pbar the pass rate of every rollout scored so far;
 # at each visit the counts times the decay d, plus the visit's successes to a and failures to b; the
 # estimate a / (a + b)) or ``pilot`` (the same posterior, updated at the step itself with a first wave of
 # k rollouts per prompt). The counts travel in the history table (``prompt_history.update_history``).
-# ---------------------------------------------------------------------------------------------
 
 UNINFORMED_PASS_RATE = 0.5  # pbar before any rollout is scored
 DEFAULT_PRIOR_STRENGTH = 2.0  # s: the prior weighs as much as two rollouts (allocation.prior_strength)

@@ -4,46 +4,11 @@ CoBA-RL gives each prompt its own number of rollouts B_i, so a batch holds group
 sizes. Everything here groups by prompt id (an int64 tensor next to the rewards), never by
 reshaping to a fixed group size, so ragged, unsorted and non-contiguous groups just work.
 
-Equations. Rollout j of prompt i has reward r_ij and response tokens t = 1 .. T_ij:
-
-    A_ij      = (r_ij - mean_i) / (std_i + 1e-6)        mean, std over prompt i's B_i rollouts
-    rho_ijt   = exp(logp_new_ijt - logp_old_ijt)         per-token probability ratio
-    L_ijt     = max(-A_ij * rho_ijt, -A_ij * clip(rho_ijt, 1 - eps_low, 1 + eps_high))
-    loss      = sum_{i,j,t} L_ijt / sum_{i,j} T_ij       token mean over the whole batch
-
-with eps_low = 0.2 and eps_high = 0.28. ``std_i`` is the unbiased sample standard deviation
-(``torch.std``'s default, as veRL's GRPO outcome advantage), a group whose rewards are all
-equal gets A = 0 exactly, and a group of size 1 is an error (B_low >= 2 rules it out).
-
-How this deviates from PPO:
-
-- no value function: the baseline is the group mean, the scale the group std (GRPO);
-- the advantage is per sequence, the same for every token of a response;
-- "clip-higher" (DAPO): the upper clip bound 1 + 0.28 is looser than the lower 1 - 0.2, so a
-  low-probability token with a positive advantage can grow further before its gradient stops;
-- "token-mean" aggregation: every unmasked token of the batch weighs the same, instead of a mean
-  per sequence then over sequences (which favours short responses);
-- no KL term by default (``kl_penalty`` exists for a configurable coefficient); no entropy bonus.
-
-Rollout correction (truncated importance sampling, off by default; docs/method.md): the tokens were
-sampled by the rollout engine, whose log-probabilities ``logp_samp`` differ slightly from the
-trainer's ``logp_old`` of the same weights (bf16 kernels, another attention implementation). With
-``rollout_correction_weights`` each token's loss ``L_ijt`` is multiplied by a detached weight
-
-    token:     w_ijt = min(exp(logp_old_ijt - logp_samp_ijt), C)
-    sequence:  w_ijt = min(exp(sum_t' (logp_old_ijt' - logp_samp_ijt')), C)   the same for every t
-
-and, with a mask threshold tau > 1, tokens (token level) or whole sequences (sequence level) whose
-ratio lies outside [1/tau, tau] get weight 0. The normaliser stays sum_{i,j} T_ij.
-
-Prompt weighting (``prompt_loss_weights``, ``optim.prompt_weighting``): under the token mean a prompt
-weighs its T_i = sum_j T_ij tokens, so its weight grows with its rollouts. ``equal`` gives row (i, j)
-the token weight c_ij = N / (M * T_i) (N the batch's tokens, M its prompts) and the normaliser
-sum_{i,j} c_ij T_ij, so that loss = (1/M) sum_i (1/T_i) sum_{j,t} L_ijt: each prompt weighs 1/M.
-
-Micro-batches (gradient accumulation): ``policy_loss`` takes ``token_count``, the normaliser.
-Pass the token count of the *whole* batch to each micro-batch and the micro-batch losses sum to
-the full-batch loss, so their accumulated gradients equal the full-batch gradient.
+The equations, how they deviate from PPO (no value function, clip-higher, token-mean, no KL by default)
+and why: docs/method.md sections 14-18 ("Rollout correction", "Prompt weighting"). ``std_i`` is the unbiased
+sample std, an all-equal group gets A = 0 exactly, and a group of size 1 is an error (B_low >= 2 rules it
+out). Micro-batches: pass the *whole* batch's token count as ``token_count`` to each and their losses sum
+to the full-batch loss, so their accumulated gradients equal the full-batch gradient.
 
 Shapes: B sequences, T tokens (padded), V vocabulary. Everything is torch in, torch out: no I/O.
 """
@@ -84,9 +49,7 @@ def reward_scale_message(where: str, reward: float) -> str:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Advantages
-# ---------------------------------------------------------------------------------------------
+# --- Advantages
 
 
 def _shapes(*tensors: torch.Tensor) -> str:
@@ -111,25 +74,11 @@ def _group_range(r: torch.Tensor, inv: torch.Tensor, n_groups: int) -> tuple[tor
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = ADV_EPS) -> torch.Tensor:
-    """GRPO advantages A_ij = (r_ij - mean_i) / (std_i + eps), grouped by ``group_ids``.
-
-    Args:
-        rewards: (N,) one reward per rollout (float, int or bool).
-        group_ids: (N,) int, the prompt each rollout belongs to. Groups may have different sizes;
-            ids need not be sorted or contiguous.
-        eps: added to the std (1e-6, as the paper).
-
-    Returns:
-        (N,) advantages in the rewards' float dtype (the default dtype for integer rewards),
-        computed in float64. ``std_i`` is the unbiased sample std (Bessel's correction, the
-        ``torch.std`` default, as veRL); a group of 2 with rewards {0, 1} gets -/+ 0.7071.
-        A group whose rewards are all equal gets exactly 0.
-
-    Raises:
-        ValueError: a group has a single rollout (its sample std is undefined), naming the id.
-        RewardScaleError: a reward is not finite or beyond +/- ``REWARD_BOUND``, naming its group id.
-
-    Vectorised: one ``unique`` plus ``index_add_``/``scatter_reduce`` passes, no loop over groups.
+    """GRPO advantages A_ij = (r_ij - mean_i) / (std_i + eps) of (N,) rewards grouped by (N,) int
+    ``group_ids`` (any sizes, order or ids). Computed in float64, returned in the rewards' float dtype (the
+    default dtype for integer rewards); std_i is the unbiased sample std (as veRL); an all-equal group gets
+    exactly 0. ValueError for a group of a single rollout, RewardScaleError for a reward that is not finite
+    or beyond +/- ``REWARD_BOUND``, each naming the group id.
 
     >>> r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     >>> g = torch.tensor([7, 7, 3, 7, 3, 9, 9])
@@ -178,9 +127,7 @@ def zero_variance_share(rewards: torch.Tensor, group_ids: torch.Tensor) -> float
     return float((lo == hi).to(torch.float64).mean())
 
 
-# ---------------------------------------------------------------------------------------------
-# Token-level helpers
-# ---------------------------------------------------------------------------------------------
+# --- Token-level helpers
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: float | int | torch.Tensor | None = None) -> torch.Tensor:
@@ -229,9 +176,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Losses
-# ---------------------------------------------------------------------------------------------
+# --- Losses
 
 
 class KLKind(StrEnum):
@@ -286,23 +231,11 @@ def rollout_correction_weights(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Truncated importance-sampling weights of the sampled tokens, (B, T) -> (weights, ratio, dropped).
 
-    Args:
-        logp_old: (B, T) the trainer's log-probs of the sampled tokens under the behaviour policy
-            (the weights before the update: ``policy_loss``'s ``logp_old``); constant.
-        logp_sampler: (B, T) the rollout engine's log-probs of the same tokens; constant.
-        mask: (B, T) 1 on the completion tokens.
-        level: ``"token"`` (one ratio per token) or ``"sequence"`` (exp of the row's summed log-ratio,
-            the same for each of its tokens). ``"none"`` is refused: call nothing then.
-        cap: C, the weight is min(ratio, C); must be > 0.
-        mask_threshold: tau; 0 = no masking, else > 1: a token (token level) or a row (sequence
-            level) whose ratio is outside [1/tau, tau] gets weight 0.
-
-    Returns:
-        ``weights`` (B, T) min(ratio, C), 0 where dropped and off the mask; ``ratio`` (B, T) the ratio
-        before truncation (at sequence level the row's ratio on each of its tokens), 1 off the mask;
-        ``dropped`` (B, T) bool, the masked-out completion tokens. All without gradients.
-
-    The log-ratio (a token's, or a row's sum) is clamped to +/- LOG_RATIO_MAX before ``exp``.
+    ``logp_old`` is the trainer's (``policy_loss``'s), ``logp_sampler`` the rollout engine's, both constant.
+    ``level`` ``"sequence"`` gives every token its row's ratio (exp of the summed log-ratio); ``"none"`` is
+    refused. ``weights`` = min(ratio, ``cap``), 0 where dropped and off the mask; ``mask_threshold`` tau (0:
+    none, else > 1) drops a token (or row) whose ratio is outside [1/tau, tau]. ``ratio`` is before truncation,
+    1 off the mask. All without gradients; the log-ratio is clamped to +/- LOG_RATIO_MAX before ``exp``.
     """
     kind = RolloutCorrection(level)
     if kind is RolloutCorrection.NONE:
@@ -366,18 +299,10 @@ class PromptWeighting(StrEnum):
 def prompt_loss_weights(group_ids: torch.Tensor, lengths: torch.Tensor, weighting: str = "tokens") -> torch.Tensor:
     """Each row's token weight c_r in the loss ``sum_r c_r sum_t L_rt / sum_r c_r T_r``, (n,) float64, no gradient.
 
-    Args:
-        group_ids: (n,) int, the prompt of each row (as ``group_advantages``; any order, any sizes).
-        lengths: (n,) the number of completion tokens T_r of each row.
-        weighting: ``"tokens"``: c_r = 1, the token mean. ``"equal"``: c_r = N / (M * T_i), with N = sum_r T_r
-            the batch's completion tokens, T_i those of row r's group i and M the number of groups with at
-            least one completion token (a group without any has no token to weigh: its rows get 0).
-
-    Under ``equal`` the loss is ``(1/M) sum_i (1/T_i) sum_{t in group i} L_t``: each prompt's group weighs
-    1/M whatever its number of rollouts. M counts every prompt of the batch, those whose rewards are all
-    equal too (their loss is 0, as under ``tokens``, where their tokens count in the normaliser), so when
-    every group has the same token count T, c_r = N / (M * T) = 1 exactly and both weightings give the
-    same loss bit for bit. sum_r c_r T_r = N (within rounding): the normaliser keeps the token mean's scale.
+    ``lengths`` are the rows' completion tokens T_r. ``"tokens"``: c_r = 1, the token mean. ``"equal"``:
+    c_r = N / (M * T_i), N = sum_r T_r, T_i the tokens of row r's group and M the number of groups with at
+    least one token (a group without any gets 0); docs/method.md, "Prompt weighting". With every T_i equal,
+    c_r = 1 exactly: both weightings give the same loss bit for bit.
 
     >>> prompt_loss_weights(torch.tensor([0, 0, 1, 1]), torch.tensor([3, 5, 1, 3]), "equal")
     tensor([0.7500, 0.7500, 1.5000, 1.5000], dtype=torch.float64)
@@ -408,10 +333,7 @@ def effective_prompts(
     carry a gradient (at least one rollout with a non-zero advantage).
 
     W_i = sum_{r in i} c_r T_r is prompt i's total weight in the loss (``weights`` = c_r, ``prompt_loss_weights``;
-    ``lengths`` = T_r): under ``tokens`` its token count, under ``equal`` N / M for every prompt. N_eff is the
-    number of prompts of equal weight that would give the same spread: under ``equal`` the number of prompts
-    with a gradient; under ``tokens`` fewer when a few prompts hold most tokens (3 prompts of 30 rollouts
-    and 29 of 2, all of one length, give 7.8). 0.0 when no prompt carries a gradient.
+    ``lengths`` = T_r). 0.0 when no prompt carries a gradient.
 
     >>> effective_prompts(torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([6, 6, 1, 1, 4, 4]),
     ...                   torch.ones(6), torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0]))
@@ -439,33 +361,16 @@ def policy_loss(
     token_count: float | int | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-surrogate GRPO loss with clip-higher and token-mean aggregation.
+    """Clipped-surrogate GRPO loss with clip-higher and token-mean aggregation: (loss, stats).
 
-    Args:
-        logp_new: (B, T) log-probs of the response tokens under the policy being trained
-            (the only input gradients flow through).
-        logp_old: (B, T) the same under the policy before this update (computed by the training
-            model, not the sampler); treated as constant.
-        advantages: (B,) one advantage per sequence (``group_advantages``); constant.
-        mask: (B, T) bool or 0/1 float, 1 on response tokens that count.
-        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
-        token_count: the normaliser; ``None``: the unmasked tokens of *this* call (its token mean). With
-            gradient accumulation, those of the *whole* batch, all micro-batches and ranks (module docstring).
-        weights: (B, T) or None; per-token weights that multiply ``L_t`` (detached): the rollout
-            correction's (``rollout_correction_weights``). A weight-0 token adds nothing to the loss
-            but still counts in ``token_count``. None = no weight (the same numbers as without it).
-
-    Returns:
-        ``(loss, stats)``: ``loss`` a scalar tensor, ``sum_t L_t / token_count`` over unmasked
-        tokens (0 if there are none). ``stats`` (floats over this call's unmasked tokens, NaN if
-        none; ``n_tokens`` lets the caller weight micro-batches):
-
-        - ``clip_frac``: share of tokens where the clipped branch is strictly the larger one
-          (its gradient is zero there);
-        - ``approx_kl``: k3 estimate of KL(pi_old || pi_new), mean of (rho - 1) - log rho;
-        - ``approx_kl_k1``: mean of logp_old - logp_new (unbiased, can be negative);
-        - ``ratio_mean``, ``ratio_max``: of rho;
-        - ``n_tokens``: the number of unmasked tokens in this call.
+    Gradients flow through ``logp_new`` only; ``logp_old`` is the trainer's (not the sampler's), before this
+    update; ``advantages`` (B,) one per sequence. ``token_count``: the normaliser, None for this call's
+    unmasked tokens; with gradient accumulation the *whole* batch's, all micro-batches and ranks.
+    ``weights`` (B, T): the rollout correction's, multiplying L_t; a weight-0 token still counts in
+    ``token_count``. ``loss`` is 0 with no unmasked token. ``stats``, over this call's unmasked tokens (NaN
+    if none): ``clip_frac`` (share where the clipped branch is strictly larger: zero gradient),
+    ``approx_kl`` (k3 of KL(pi_old || pi_new)), ``approx_kl_k1``, ``ratio_mean``, ``ratio_max``, and
+    ``n_tokens`` to weight micro-batches.
     """
     if logp_new.ndim != 2 or logp_new.shape != logp_old.shape or logp_new.shape != mask.shape:
         raise ValueError(f"logp_new, logp_old and mask must all be (B, T), got {_shapes(logp_new, logp_old, mask)}")

@@ -2,34 +2,11 @@
 ``sampling_budget_by_knapsack`` in verl/trainer/ppo/exploration_utils.py and the per-prompt reward
 state of verl/utils/dataset/rl_dataset.py). docs/method.md, section 11.
 
-The estimate. A prompt keeps the solved flags (1/0) of its newest rollouts: all of its last visit if
-that visit had at least ``POOL`` (16) rollouts, else its newest 16 over its visits (``pool_outcomes``).
-Its success-rate estimate is their mean; with fewer than ``MIN_OUTCOMES`` (8) it has none
-(``pooled_estimate``).
-
-The rule (``knapsack_rl``), for a batch of M prompts, B_total rollouts and bounds [B_low, B_up]:
-
-1. A prompt without an estimate gets its uniform share (G = B_total / M); one estimated at 0 or 1 gets
-   B_low; every other prompt ("mixed") gets B_low and takes part in the knapsack.
-2. No mixed prompt: the rest goes in equal shares to the prompts estimated at 0 and those without an
-   estimate (the official code's estimate array holds 0 for them); if there are none, every prompt
-   gets its uniform share.
-3. Otherwise each mixed prompt's cost is the number of rollouts after which its group holds a success
-   and a failure with probability ``CONFIDENCE`` (0.9): log(0.1) / log(max(p, 1 - p)), capped at B_up and
-   truncated to an integer. When the rest exceeds the sum of costs, the surplus goes in equal shares
-   to the same prompts as in 2 (or, if there are none, to the prompts estimated at 1), uncapped, and
-   the knapsack spends the sum of costs.
-4. The knapsack: an exact dynamic program over the mixed prompts, x = 0 .. B_up - B_low extra rollouts
-   each, item value 0 for x = 0 and (1 - p^N - (1 - p)^N) p (1 - p)^2 at N = B_low + x otherwise, in
-   float32 as the official code computes it; prompt by prompt in batch order, each takes the fewest
-   extras among choices of equal running total. What the program cannot place (more than
-   B_up - B_low per mixed prompt) is spread over the mixed prompts in equal shares, uncapped.
-
-Equal shares: the amount // k each, one more to the first (amount % k) prompts in batch order.
-B_up therefore caps the knapsack, not the surplus: a prompt can end above B_up, as in the official code.
-Cases the official code cannot run: a surplus with every prompt mixed (it fails its own total check),
-where the knapsack here spends the whole rest, as the official code does with its fallback turned off;
-an estimate within about 1e-16 of 0 or 1 (``knapsack_costs``).
+The estimate (``pool_outcomes``, ``pooled_estimate``: the mean of a prompt's newest ``POOL`` solved flags, none
+with fewer than ``MIN_OUTCOMES``) and the rule (``knapsack_rl``: costs at ``CONFIDENCE``, an exact DP over the
+mixed prompts in float32 values, the surplus in equal shares, uncapped) are docs/method.md, section 11, step
+by step. Equal shares: the amount // k each, one more to the first (amount % k) prompts in batch order.
+What happens in the cases the official code cannot run: the same section.
 
 Pure numpy: no I/O, no Prefect, no pandas.
 """

@@ -1,23 +1,7 @@
-"""Per-prompt value of a rollout budget: CoBA-RL and Knapsack-RL (docs/method.md).
-
-CoBA-RL scores giving B rollouts to a prompt with pass rate p as
-
-    density(p) = BetaPDF(p; alpha, beta)
-    eta(B, p)  = 1 - exp(-(B / tau) * p * (1 - p))      budget saturation factor
-    V(B, p)    = eta(B, p) * density(p)
-
-with p clipped to [0.01, 0.99]. Its marginal gain (the paper's Proposition), with
-C = density(p) and k = p (1 - p) / tau,
-
-    dV(B) = V(B + 1) - V(B) = C * exp(-k B) * (1 - exp(-k))
-
-falls geometrically in B, so V is concave and the greedy allocation is optimal. The allocators work
-with the log of that gain, ``log dV(B) = a - k B`` with ``a = log C + log(1 - exp(-k))``: one affine
-function per prompt, the same float arithmetic in every solver.
-
-Knapsack-RL scores N rollouts as value(N, p) = (1 - p^N - (1 - p)^N) * p * (1 - p)^2.
-
-Everything here is numpy in, numpy out: no I/O.
+"""Per-prompt value of a rollout budget: CoBA-RL's V(B, p) = eta(B, p) * BetaPDF(p; alpha, beta) and its
+marginal gain (docs/method.md, section 5: every solver works with the affine log-gain a - k B, so all do the
+same float arithmetic), and Knapsack-RL's value(N, p) = (1 - p^N - (1 - p)^N) * p * (1 - p)^2. Numpy in,
+numpy out: no I/O.
 """
 
 from __future__ import annotations
@@ -75,14 +59,8 @@ def coba_value(budget: np.ndarray, p: np.ndarray, alpha: float, beta: float, tau
 
 
 def coba_gain_params(p: np.ndarray, alpha: float, beta: float, tau: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per-prompt (a, k) such that log dV(B) = a - k * B.
-
-    Args:
-        p: pass rates, shape (M,), clipped here to [0.01, 0.99].
-    Returns:
-        a: log C + log(1 - exp(-k)), shape (M,).
-        k: p (1 - p) / tau, shape (M,), strictly positive.
-    """
+    """Per-prompt (a, k), shape (M,) each, such that log dV(B) = a - k * B: a = log C + log(1 - exp(-k)),
+    k = p (1 - p) / tau > 0, with ``p`` clipped here to [0.01, 0.99]."""
     pc = clip_pass_rates(p)
     k = pc * (1.0 - pc) / tau
     a = log_beta_density(pc, alpha, beta) + np.log(-np.expm1(-k))

@@ -1,17 +1,11 @@
-"""Warm up the default model: supervised training of the tiny Llama on the arithmetic task.
+"""Warm up the default model: supervised training of the tiny Llama on the arithmetic task (docs/design.md,
+"Components").
 
-RL from verifiable rewards needs a policy that already solves some problems: a group whose
-rollouts all fail has no gradient. ``bootstrap`` builds the tiny character-level Llama
-(``coba_tasks.engines.model``), trains it by next-token prediction on ``prompt + answer + </s>`` (loss on
-the answer tokens only) for a fixed number of steps, and measures greedy accuracy on the held-out
-split by difficulty level. The target (issue: the default model) is an overall accuracy between
-0.2 and 0.6, high on the easiest level and near zero on the hardest, in a few minutes on 2 cores:
-a policy with room to improve, and a spread of pass rates for the allocator to work on.
-
-The default teacher leaves a quarter of the problems unanswered (``give_up``), a habit shared by
-every prompt that RL from the verifier's reward unlearns well on this tiny model (docs/experiments.md).
-Reproducible: the seed fixes the initial weights and the order of the training examples; the number
-of steps (not a time budget) ends training. The Prefect flow in ``flows/bootstrap.py`` wraps these.
+RL from verifiable rewards needs a policy that already solves some problems: a group whose rollouts all fail
+has no gradient. ``train_sft`` trains by next-token prediction on ``prompt + answer + </s>`` (loss on the
+answer tokens only) for a fixed number of steps; the target is an overall greedy accuracy between 0.2 and
+0.6, high on the easiest level and near zero on the hardest, in a few minutes on 2 cores. The seed fixes the
+initial weights and the order of the examples. The flow in ``flows/bootstrap.py`` wraps these.
 """
 
 from __future__ import annotations
@@ -66,17 +60,14 @@ class BootstrapConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.01
     seed: int = 0
-    # torch CPU threads; 0 = every core this process may use. On 2 idle cores 2 threads train 1.4x
-    # faster than 1; on cores shared with other work 1 thread can be faster. The thread count changes
-    # the order of float sums: the same seed and thread count give the same model.
+    # torch CPU threads; 0 = every core this process may use (2 idle cores: 1.4x faster than 1 thread). The
+    # thread count changes the order of float sums: the same seed and thread count give the same model.
     threads: int = 0
     eval_batch_size: int = 128
     max_answer_tokens: int = 10  # greedy decoding budget at evaluation
-    # A noisy teacher: each time an example is drawn, with this probability its answer is replaced by a
-    # near miss (the true value off by 1 or 10: a slipped last digit or carry). 0 = clean answers.
+    # the probability that a drawn example's answer is a near miss (off by 1 or 10: a slipped digit or carry)
     label_noise: float = 0.0
-    # A teacher that sometimes gives up: each time an example is drawn, with this probability its
-    # target is GIVE_UP ("?", no answer: reward 0) instead of the answer. 0 = it always answers.
+    # the probability that a drawn example's target is GIVE_UP ("?", no answer: reward 0)
     give_up: float = 0.25
 
     def __post_init__(self) -> None:
@@ -121,11 +112,9 @@ def near_miss_answers(answers: Sequence[str], offset: int) -> list[str]:
 
 
 def draw_batch(rng: np.random.Generator, weights: np.ndarray, cfg: BootstrapConfig) -> tuple[np.ndarray, np.ndarray]:
-    """One step's example indices (drawn with ``weights``) and each one's target: 0 the true answer,
-    k in 1..4 the near miss ``NEAR_MISSES[k - 1]`` (with probability ``cfg.label_noise``), 5
-    (``GAVE_UP``) no answer (with probability ``cfg.give_up``, where the answer is not a near miss).
-    The generator draws only what the options need, so a clean warm-up is the same as before the
-    options existed."""
+    """One step's example indices (drawn with ``weights``) and each one's target: 0 the true answer, k in 1..4
+    the near miss ``NEAR_MISSES[k - 1]``, ``GAVE_UP`` no answer (where the answer is not a near miss). The
+    generator draws only what the options need, so a clean warm-up is the same as before they existed."""
     rows = rng.choice(len(weights), size=cfg.batch_size, p=weights)
     variant = np.zeros(cfg.batch_size, dtype=np.int64)
     if cfg.label_noise > 0:
@@ -145,11 +134,8 @@ def collate(batch: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.
 
 
 def level_balanced_weights(train: pd.DataFrame) -> np.ndarray:
-    """Sampling probability per example, equal in total for every difficulty level.
-
-    The easiest level has few distinct problems (a sliver of the train split); sampling levels
-    evenly lets the warm-up see it as often as the others. Without a ``difficulty`` column: uniform.
-    """
+    """Sampling probability per example, equal in total for every difficulty level (the easiest level has few
+    distinct problems, and is seen as often as the others); uniform without a ``difficulty`` column."""
     n = len(train)
     if "difficulty" not in train or n == 0:
         return np.full(n, 1.0 / max(n, 1))
@@ -181,12 +167,9 @@ def init_model(out_dir: str | Path, cfg: BootstrapConfig) -> Path:
 def train_sft(
     init_dir: str | Path, train: pd.DataFrame, out_dir: str | Path, cfg: BootstrapConfig, log: Log = print
 ) -> dict:
-    """Supervised warm-up of the checkpoint at ``init_dir`` on ``train`` (prompt_text, ground_truth).
-
-    Each step draws ``batch_size`` examples with replacement, every difficulty level equally often
-    (``level_balanced_weights``), from a generator seeded with ``cfg.seed``. Saves the trained model
-    in HF layout at ``out_dir``; returns training figures.
-    """
+    """Supervised warm-up of the checkpoint at ``init_dir`` on ``train`` (prompt_text, ground_truth), each step
+    ``batch_size`` examples drawn with replacement (``level_balanced_weights``, seeded with ``cfg.seed``). Saves
+    the model in HF layout at ``out_dir``; returns training figures."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(torch_threads(cfg))
@@ -339,11 +322,9 @@ def publish(model_dir: str | Path, out: str | Path) -> list[str]:
 
 
 def stale_bootstrap_note(model_dir: str | Path) -> str | None:
-    """A note when ``model_dir`` was bootstrapped with another teacher than today's default, else None.
-
-    ``make demo-tiny`` keeps an existing model; one warmed up before the default teacher changed (it gave
-    up on no problem then) leaves RL almost nothing to learn, so say how to rebuild it.
-    """
+    """A note when ``model_dir`` was bootstrapped with another teacher than today's default, else None:
+    ``make demo-tiny`` keeps an existing model, and one warmed up before the teacher gave up on some problems
+    leaves RL almost nothing to learn."""
     record = read_json_record(Path(model_dir) / METRICS_FILE)
     if record is None:
         return None  # not a bootstrapped model: the user's own checkpoint

@@ -1,11 +1,9 @@
 """Checkpoint serialisation: the policy's weights, its AdamW state and the trainer state on disk, and back.
 
-Kept apart from the update (``coba_tasks.engines.update``) because the same layout is written by two
-writers, ``PolicyTrainer.save_checkpoint`` and rank 0 of an FSDP update (``coba_tasks.engines.fsdp_update``),
-and checked by readers that never train (a resume, a rerun, ``coba-eval``). The layout is docs/design.md's
-(``checkpoints/N/``): Hugging Face layout with safetensors plus ``trainer/``, no pickle anywhere, written
-in a temporary sibling and renamed into place when whole, with ``checkpoint.json`` (every file's size and
-sha256, ``verify_checkpoint``) written last; loaded all or nothing (``CheckpointError``).
+One layout (docs/design.md, "Checkpoints"), two writers (``PolicyTrainer.save_checkpoint`` and rank 0 of an
+FSDP update), readers that never train (a resume, a rerun, ``coba-eval``). No pickle anywhere; written in a
+temporary sibling and renamed into place when whole, ``checkpoint.json`` (every file's size and sha256,
+``verify_checkpoint``) last; loaded all or nothing (``CheckpointError``).
 """
 
 from __future__ import annotations
@@ -45,14 +43,11 @@ def write_checkpoint(
     rng_state: torch.Tensor | None = None,
     adapter: tuple[Any, str, str] | None = None,
 ) -> Path:
-    """Write a checkpoint: ``model`` (a plain, unsharded HF model holding the float32 weights) and
-    ``tokenizer`` in HF layout, the optimizer tensors (``optimizer_to_tensors``) plus the torch RNG
-    state (this process's unless ``rng_state``), and the trainer state JSON. With ``adapter``
-    (``(peft_model, base_model_path, base_model_sha256)``: LoRA) the adapter and its base's path and content
-    hash are written instead of the model's weights.
-
-    A weight or optimizer tensor holding NaN or inf is refused (``CheckpointError`` naming it) before
-    anything is written: the last guard behind the update's own check, whoever writes."""
+    """Write a checkpoint: ``model`` (plain, unsharded, float32) and ``tokenizer`` in HF layout, the optimizer
+    tensors (``optimizer_to_tensors``) plus the torch RNG state (this process's unless ``rng_state``), and the
+    trainer state. With ``adapter`` (``(peft_model, base_model_path, base_model_sha256)``: LoRA) the adapter
+    instead of the weights. A tensor holding NaN or inf is refused (``CheckpointError``) before anything is
+    written: the last guard behind the update's own check."""
     final = Path(out_dir)
     refuse_non_finite(final, {**model.state_dict(), **optimizer_tensors})
     out = _fresh_temporary(final)  # built beside its place, renamed when whole: never half a checkpoint there
@@ -160,9 +155,8 @@ def load_adapter_weights(peft_model: Any, ckpt: Path, base: tuple[str, str]) -> 
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt: Path) -> dict[str, Any]:
-    """Restore ``optimizer`` (AdamW moments, steps, param groups) and this process's torch RNG from a
-    checkpoint's trainer files; returns the trainer state (``updates``, ``param_groups``, the extra state).
-    ``CheckpointError`` names the file when the state is not this optimizer's or the RNG state is missing."""
+    """Restore ``optimizer`` and this process's torch RNG from a checkpoint; returns the trainer state
+    (``updates``, ``param_groups``, the extra state). ``CheckpointError`` names the file when it does not fit."""
     state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
     tensors = load_file(str(ckpt / OPTIMIZER_FILE))
     rng = tensors.pop("rng.torch", None)
@@ -237,11 +231,8 @@ def verify_checkpoint(ckpt_dir: str | Path) -> None:
 def optimizer_to_tensors(
     optimizer: torch.optim.Optimizer, full: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Flatten an optimizer's state_dict into named tensors (safetensors) and JSON-safe param groups.
-
-    ``full`` maps a state tensor to the whole tensor (FSDP: ``DTensor.full_tensor``, a collective that
-    every process calls in the same order); by default tensors are taken as they are.
-    """
+    """An optimizer's state_dict as named tensors (safetensors) and JSON-safe param groups. ``full`` maps a
+    state tensor to the whole tensor (FSDP: a collective every process calls in the same order)."""
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for idx, st in sd["state"].items():

@@ -1,13 +1,9 @@
 """A run's checkpoint as a standalone Hugging Face model directory (``coba export``).
 
-    export_checkpoint("runs/demo/checkpoints/000010", "exports/demo-step10")
-
-The directory holds what plain transformers and vLLM load, with no coba-rl code: ``config.json``, the
-weights in ``model.safetensors`` (a LoRA checkpoint's adapter merged into its base, after the base is
-checked to be the one it was trained on), the tokenizer with its chat template, ``generation_config.json``
-(the source model's own), and ``coba_export.json`` naming where it came from. Nothing of the training
-state (optimizer, RNG, trainer state, float32 master weights) goes along. The directory is built beside
-``out`` and renamed into place when whole; an existing ``out`` is never replaced.
+It holds what plain transformers and vLLM load, with no coba-rl code: the weights (a LoRA adapter merged into
+its base, checked to be the one it was trained on), the tokenizer, the source model's
+``generation_config.json``, and ``coba_export.json`` naming where it came from; nothing of the training
+state. Built beside ``out`` and renamed into place when whole; an existing ``out`` is never replaced.
 """
 
 from __future__ import annotations
@@ -28,10 +24,9 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "auto") -> Path:
-    """Write the model of ``checkpoint`` (a run's full or LoRA checkpoint, or any model directory) to ``out``
-    as a standalone Hugging Face model; ``dtype`` of the weights: ``auto`` keeps the stored one (a merged
-    LoRA model is float32). Returns ``out``. ValueError (one line) for a missing or damaged checkpoint, an
-    adapter on another base, or an ``out`` that exists or lies inside the checkpoint."""
+    """Write the model of ``checkpoint`` (full, LoRA, or any model directory) to ``out``; ``dtype`` ``auto``
+    keeps the stored one (a merged LoRA model is float32). ValueError (one line) for a missing or damaged
+    checkpoint, an adapter on another base, or an ``out`` that exists or lies inside the checkpoint."""
     src, dest = Path(checkpoint), Path(out)
     _check(src, dest, dtype)
     if (src / CHECKPOINT_MANIFEST).is_file():

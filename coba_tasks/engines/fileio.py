@@ -1,11 +1,8 @@
-"""Atomic file writes: a reader never sees a half-written file.
+"""Atomic file writes (a reader never sees a half-written file), and the output directories a command builds.
 
-Every file of a run (Parquet tables, manifests, JSON, YAML) is written to a temporary name beside
-its destination, fsynced, renamed into place, and the directory fsynced; on any failure (a full
-disk, a read-only directory, an exception in ``write``) the temporary file is removed, the
-destination is untouched and the error is raised with a note naming the destination. Only a killed
-process leaves a temporary (``.<name>.<hex>.tmp``) behind: readers never look at those, and
-``remove_stale_temporaries`` clears them where the caller is the only writer.
+A file is written to a temporary (``.<name>.<hex>.tmp``) beside its destination, fsynced, renamed into place,
+and the directory fsynced; on any failure the temporary is removed and the destination untouched. Only a
+killed process leaves a temporary behind: readers never look at those (``remove_stale_temporaries``).
 """
 
 from __future__ import annotations
@@ -34,10 +31,7 @@ def _temporary_name(path: Path) -> Path:
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
     """Call ``write`` on a temporary file beside ``path``, fsync it, rename it into place, fsync the directory.
-
-    On failure the temporary is removed, ``path`` keeps its old content (or stays absent), and the
-    exception propagates unchanged apart from a note (``add_note``) naming ``path``.
-    """
+    On failure ``path`` is left as it was and the exception propagates with a note naming ``path``."""
     path = Path(path)
     tmp = _temporary_name(path)
     try:
@@ -57,12 +51,8 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
 
 
 def write_parquet(data: pd.DataFrame | pa.Table, path: str | os.PathLike[str]) -> Path:
-    """Write a pandas DataFrame (without its index) or a pyarrow Table as zstd Parquet, atomically.
-
-    The one Parquet writer of the package: run tables, datasets, evaluation and comparison tables and
-    the update batch all go through it. The parent directory is created; schema metadata (pandas'
-    index description, versions) is dropped, so equal tables give equal bytes.
-    """
+    """Write a pandas DataFrame (without its index) or a pyarrow Table as zstd Parquet, atomically: the one
+    Parquet writer of the package. Schema metadata is dropped, so equal tables give equal bytes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -74,11 +64,8 @@ def write_parquet(data: pd.DataFrame | pa.Table, path: str | os.PathLike[str]) -
 
 
 def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporaries (``.<name>.<hex>.tmp``) that killed writers of ``path`` left beside it.
-
-    Only for a caller that is the one writer of ``path`` (a run directory under its run lock): a
-    concurrent writer's temporary would be removed under it. Returns the removed paths.
-    """
+    """Remove (and return) the temporaries that killed writers of ``path`` left beside it; only for the one
+    writer of ``path`` (a run directory under its run lock): a concurrent writer's would go too."""
     path = Path(path)
     pattern = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{{_TMP_HEX}}}\.tmp")
     removed: list[Path] = []
@@ -149,12 +136,9 @@ def read_json_record(path: str | os.PathLike[str]) -> dict | None:
 
 
 def written_files(out: Path, record_file: str, default_files: Iterable[str] = ()) -> set[str] | None:
-    """The files the builder wrote into ``out``, by its record ``out/record_file``: the record's ``files``
-    keys and the record itself; ``default_files`` for a record written before it listed its files. None
-    when there is no record (the directory is not the builder's).
-
-    Raises ``OutputDirError`` when the record lists a name outside ``out`` (absolute, with ``..``, or
-    through a symlink): ``--force`` removes what the record lists, so such a record is never trusted."""
+    """The files the builder wrote into ``out`` by its record ``out/record_file`` (``default_files`` for a record
+    that does not list them), the record included; None without a record. ``OutputDirError`` when the record
+    lists a name outside ``out``: ``--force`` removes what the record lists, so such a record is never trusted."""
     record = read_json_record(out / record_file)
     if record is None:
         return None
@@ -183,12 +167,8 @@ def _names_a_file_inside(root: Path, name: str) -> bool:
 def check_output_dir(
     out: str | os.PathLike[str], record_file: str, what: str, default_files: Iterable[str] = ()
 ) -> bool:
-    """Whether ``out`` holds a previous build (True) or nothing (False: missing or empty).
-
-    Raises ``OutputDirError`` when ``out`` is a file, or a directory holding anything its record does
-    not list (no record at all: it is someone else's directory). Such a directory is never replaced,
-    whatever ``--force`` says: the message names what is there and the way out.
-    """
+    """Whether ``out`` holds a previous build (True) or nothing (False: missing or empty). ``OutputDirError``
+    when ``out`` is a file or holds anything its record does not list: never replaced, ``--force`` or not."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{out} exists and is not a directory; choose another output directory")

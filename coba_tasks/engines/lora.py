@@ -1,27 +1,15 @@
 """LoRA for the policy update, with peft: the adapter, its checkpoints, and merged weights for the engine.
 
-With ``model.lora_rank`` > 0 the trainer wraps the policy with peft's LoRA (``add_lora``): every targeted
-linear layer ``W`` gets a trainable ``B @ A`` of rank r, scaled by ``alpha / r``, the base weights frozen.
-A checkpoint holds the adapter and its AdamW state in peft's own layout (``adapter_model.safetensors``,
-``adapter_config.json`` naming ``model.path`` by its absolute path), so peft and transformers load it as
-any adapter, and ``adapter_base.json``: that base's content hash, checked before the adapter is put on a
-base again (``check_adapter_base``).
+With ``model.lora_rank`` > 0 every targeted linear layer ``W`` gets a trainable ``B @ A`` of rank r, scaled by
+``alpha / r``. A checkpoint holds the adapter in peft's own layout (naming ``model.path`` by its absolute
+path) and ``adapter_base.json``, that base's content hash, checked before the adapter is put on a base again.
+The engine samples from the merged weights ``W + (alpha / r) * B @ A`` (``save_merged``, the run's
+``rollout_weights/``; ``merge_adapter_checkpoint`` for ``coba-eval``); why merged: docs/benchmarks.md.
 
-The rollout engine samples from the merged weights ``W + (alpha / r) * B @ A`` (``save_merged``): vLLM
-and the transformers backend then run a plain model of the base's shape, reloaded in place after each
-update as for full fine-tuning. The run keeps one merged copy, ``rollout_weights/`` in the run
-directory; ``merge_adapter_checkpoint`` does the same for ``coba-eval`` of a LoRA checkpoint. Why merged
-rather than vLLM's LoRA adapters: docs/benchmarks.md.
-
-``MergedLoraLinear`` (registered with peft for ``nn.Linear``, so peft still builds, saves, loads and
-merges the adapters) computes the layer as one product with the merged weight, ``x (W + s B A)^T``,
-instead of peft's ``x W^T + s (x A^T) B^T``, whose two extra products and elementwise passes cost on a
-CPU most of what freezing the base saves (docs/benchmarks.md). The merge (``merged_weight``) is made
-again in the backward rather than kept, which costs less than a second copy of every weight. A layer
-the fast path does not cover (dropout, DoRA, several adapters, a trainable base bias) runs peft's own
-forward. The trainer and the engine multiply by the same merged weights (``merged_state_dict`` calls
-``merged_weight`` too), so what is left of the sampler/trainer gap (``logprob_diff_*``) is the two
-engines' kernels.
+``MergedLoraLinear`` computes the layer as one product with the merged weight, ``x (W + s B A)^T``, instead
+of peft's ``x W^T + s (x A^T) B^T`` (docs/benchmarks.md), making the merge again in the backward rather
+than keeping it. A layer it does not cover (dropout, DoRA, several adapters, a trainable base bias) runs
+peft's forward. The trainer and the engine multiply by the same merged weights (``merged_weight``).
 """
 
 from __future__ import annotations
@@ -64,10 +52,9 @@ def parse_targets(targets: str | Sequence[str]) -> str | list[str]:
 
 
 def add_lora(model: torch.nn.Module, rank: int, alpha: float, targets: str | Sequence[str]) -> Any:
-    """``model`` with LoRA adapters of ``rank`` on ``targets`` (peft's ``get_peft_model``); returns the
-    ``PeftModel``. Its ``get_base_model()`` is ``model`` itself with the adapters in place: calling it runs
-    them, and only their parameters require gradients. The adapters start at ``B = 0``: the policy is the
-    base model until the first update. The initial A is drawn from torch's global generator (seeded)."""
+    """The ``PeftModel`` of ``model`` with LoRA adapters of ``rank`` on ``targets``; its ``get_base_model()`` is
+    ``model`` with the adapters in place, only they requiring gradients. B starts at 0 (the policy is the base
+    until the first update); A is drawn from torch's global generator (seeded)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -127,10 +114,8 @@ class _MergedLora(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         x, weight, a, b = ctx.saved_tensors
         s = ctx.scaling
-        # Under torch.autocast the forward multiplied in the autocast dtype (its output's, so grad's) while
-        # the backward runs outside autocast: the products here are made in grad's dtype too, and each input
-        # gets its gradient in its own dtype (float32 adapters under bf16 autocast). Without autocast every
-        # dtype is the same and nothing is cast.
+        # the backward runs outside autocast: its products are made in grad's dtype (the forward's, under
+        # autocast), and each input gets its gradient in its own dtype (float32 adapters under bf16 autocast)
         dtype = grad.dtype
         grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(dtype)
         wc, ac, bc = weight.to(dtype), a.to(dtype), b.to(dtype)
@@ -155,11 +140,8 @@ class MergedLoraLinear(PeftLoraLinear):
 
 
 def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The plain model's state dict (its own key names) with every LoRA layer merged: ``W + s B A``, in
-    ``dtype`` (default: the weights' own).
-
-    ``model`` is a ``PeftModel``'s base model (adapters in place); nothing in it is changed. Tensors that
-    share a storage in the model (tied embeddings) share one in the result, so they are saved once."""
+    """The plain model's state dict (its own key names) of a ``PeftModel``'s base model with every LoRA layer
+    merged, ``W + s B A``, in ``dtype`` (default: the weights' own); tied tensors stay tied (saved once)."""
     from peft.tuners.lora import LoraLayer
 
     lora_layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
@@ -226,12 +208,9 @@ def base_sha256(path: str | Path) -> str:
 
 
 def check_adapter_base(ckpt_dir: str | Path, base: tuple[str | Path, str] | None = None) -> None:
-    """Refuse to put the adapter of ``ckpt_dir`` on a base model other than the one it was trained on.
-
-    ``base``: the base it is about to be put on, (path, content sha256) (a resuming trainer's, hashed when it
-    loaded it); by default the base the checkpoint names, hashed now (``base_sha256``). ``AdapterBaseError``,
-    one line naming the base and both hashes, when they differ or the base is not a model directory. A
-    checkpoint without ``adapter_base.json`` (written before the hash was recorded) passes with a warning."""
+    """``AdapterBaseError`` (one line) when the adapter of ``ckpt_dir`` is about to be put on a base model other
+    than the one it was trained on. ``base``: that base's (path, content sha256); by default the base the
+    checkpoint names, hashed now. A checkpoint without ``adapter_base.json`` (older) passes with a warning."""
     ckpt = Path(ckpt_dir)
     path = Path(base[0]).resolve() if base is not None else base_model_of(ckpt).resolve()
     if not (path / "config.json").is_file():

@@ -1,11 +1,6 @@
-"""The embedded default model: a tiny Llama-architecture causal LM with a character tokenizer.
-
-Nothing is downloaded: the tokenizer is built from the printable ASCII characters (one token
-each, plus <pad>, <s>, </s>, <unk>) with the ``tokenizers`` library, and the model is a
-``transformers.LlamaForCausalLM`` initialised from a seed. Both are saved in Hugging Face layout
-(``config.json``, ``model.safetensors``, ``tokenizer.json``), so vLLM, transformers and any HF tool
-load them like any other checkpoint; wherever a model path is configured, any HF causal LM
-directory works instead.
+"""The embedded default model: a tiny Llama-architecture causal LM with a character tokenizer, built
+offline (one token per printable ASCII character, plus <pad>, <s>, </s>, <unk>) and initialised from a seed,
+saved in Hugging Face layout: any HF causal LM directory works wherever a model path is configured.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""A reward file: the user's own reward function (``verify.reward_function``), with veRL's signature.
+"""A reward file: the user's own reward function (``verify.reward_function``), with veRL's signature
+(docs/operations.md, "Your own reward", is the user's guide).
 
-``verify.reward_function: path/to/file.py:function`` names a Python file and a function in it
-(``compute_score`` when ``:function`` is left out): veRL's ``custom_reward_function.path`` and
-``.name``. The function is called as veRL calls it, with keyword arguments::
-
-    compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)
-
-It returns a number (the reward) or a dict whose ``score`` key is the reward; the dict's other keys
-become columns of ``rewards.parquet`` (``plain_value``; a key named like a column of the table is
-written as ``extra_<key>``). A reward ``>= pass_threshold`` is ``correct``, any other finite reward
-``wrong``; a function that raises, or returns anything else, gives its item ``error`` (reward 0) with
-the exception's last line in ``detail``. With a reward file, every row is scored by it, whatever its
-``data_source``, as in veRL. docs/operations.md ("Your own reward") is the user's guide.
-
-The file is code: it is imported from its path in the verifier pool's worker processes only
-(``coba_tasks.engines.verify_pool``: never in the trainer's process), under ``verify.timeout_s`` for its
-import and for each call. Nothing is unpickled and nothing is fetched.
-
-How to use::
-
-    rf = RewardFunction.from_spec("rewards/my_reward.py:compute_score", pass_threshold=1.0)
-    check_reward_function(rf, timeout_s=5.0)          # coba_tasks.engines.verify_pool: imported in a worker
-    pool = VerifierPool(reward_function=rf)           # whose workers call rf.load(): the function, or RewardFileError
+``path/to/file.py[:function]`` (default ``compute_score``) is called as veRL calls it, with keyword arguments
+``data_source``, ``solution_str``, ``ground_truth`` and ``extra_info``. It returns the reward or a dict whose
+``score`` is the reward, its other keys becoming columns of ``rewards.parquet`` (``plain_value``). A reward
+``>= pass_threshold`` is ``correct``, any other finite one ``wrong``; a function that raises or returns
+anything else gives its item ``error`` (reward 0). The file is imported in the verifier pool's workers
+only (``coba_tasks.engines.verify_pool``), never in the trainer's process.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
-"""The GRPO update's forward and backward with each group's prompt encoded once (shared prefix).
+"""The GRPO update's forward and backward with each group's prompt encoded once (shared prefix;
+docs/method.md, section 19).
 
-Every completion of a GRPO group follows the same prompt. A plain update runs ``prompt + completion``
-through the model for every completion, so a group of n completions encodes its prompt n times, and
-computes the output projection (vocabulary x hidden) at every prompt position although the loss
-needs only the completion tokens. Here, per group:
+Per group: the prompt runs through the decoder once (up to ``chunk`` groups' prompts together, padded),
+keeping its key/value cache and its last hidden state; the completions run in chunks on top of those
+caches, attending to the prompt exactly as in ``prompt + completion``; the output projection and the
+log-softmax run only where a completion token is predicted. The cache and last hidden state enter each
+chunk as leaf tensors whose gradients sum over the chunks; one backward through the prompt's forward then
+carries them into the weights, so memory is bounded by one chunk plus the prompt.
 
-1. the prompt runs through the model's decoder once (the prompts of up to ``chunk`` groups together,
-   padded), keeping its key/value cache and the hidden state of its last position (which predicts
-   the first completion token);
-2. the completions run in chunks of at most ``chunk`` sequences (groups mixed, sorted by length,
-   padded on the right) on top of their prompts' caches: each completion attends to its prompt
-   exactly as it would in ``prompt + completion``;
-3. the output projection and the log-softmax run only where a completion token is predicted.
-
-Gradients: the prompt's cache and last hidden state enter each chunk as leaf tensors; each chunk's
-backward leaves their gradients there, summed over the chunks; one backward through the prompt's
-forward then carries them into the weights. So memory is bounded by one chunk plus the prompt, and
-the loss and the gradients equal the plain loop's (the same terms, summed in another order: equal
-within float rounding; checked in tests/engines/test_shared_prefix.py).
-
-Works for Hugging Face decoder-only models whose logits are ``lm_head(final hidden state)`` and
-whose decoder takes ``past_key_values`` (Llama, Qwen2, Mistral, SmolLM2, the tiny model).
-``supports_shared_prefix`` says when a model qualifies; the trainer falls back to full sequences
-otherwise (gradient checkpointing, which turns the cache off, included).
+Works for Hugging Face decoder-only models whose logits are ``lm_head(final hidden state)`` and whose
+decoder takes ``past_key_values`` (``supports_shared_prefix`` says why not otherwise).
 """
 
 from __future__ import annotations
@@ -86,20 +73,13 @@ def shared_prefix_pass(
     timings: dict[str, float] | None = None,
     temperature: float = 1.0,
 ) -> None:
-    """Run the groups' completions on their prompts, each prompt encoded once; ``on_chunk`` per chunk.
+    """Run the groups' completions on their prompts, each prompt encoded once, in blocks of at most ``chunk``
+    prompts and chunks of at most ``chunk`` completions (each row attending to its own group's prompt, its
+    positions continuing from the prompt's real length).
 
-    Groups go in blocks of at most ``chunk`` prompts: the block's prompts run in one right-padded
-    forward, then its completions (all groups mixed, longest first) in chunks of at most ``chunk``
-    rows, each row attending to its own group's prompt (the padded prompt positions are masked out,
-    and its positions continue from its prompt's real length).
-
-    ``on_chunk(rows, logp, mask, logits)`` gets (n,) row indices, (n, C) log-probabilities of the
-    completion tokens (zeros at padding), the (n, C) mask of real tokens and the (T, V) float32
-    log-probabilities of the whole vocabulary at the real tokens (for the entropy), all of the sampling
-    distribution: the logits divided by ``temperature`` (the rollouts' sampling temperature) before the
-    log-softmax. With ``grad`` it returns the chunk's loss (a scalar tensor, or None for no loss), which is
-    backpropagated into the weights (``.grad`` accumulates); without ``grad`` the return value is ignored.
-    ``timings`` (when given) accumulates the seconds spent in ``forward`` and ``backward``.
+    ``on_chunk`` gets what ``ChunkFn`` says, of log_softmax(logits / ``temperature``); with ``grad`` it
+    returns the chunk's loss (or None), backpropagated into the weights (``.grad`` accumulates). ``timings``
+    accumulates the seconds spent in ``forward`` and ``backward``.
     """
     for start in range(0, len(groups), chunk):
         block = groups[start : start + chunk]

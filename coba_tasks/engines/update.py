@@ -1,37 +1,12 @@
-"""The GRPO update: the training model that lives in the flow process between steps, and the rollout
-engine put to sleep while it runs on a shared GPU (``engine_asleep``).
+"""The GRPO update: the training model that lives in the flow process between steps (``PolicyTrainer``),
+and the rollout engine put to sleep while it runs on a shared GPU (``engine_asleep``).
 
-One ``PolicyTrainer`` holds the policy (a Hugging Face causal LM) and its AdamW optimizer for the
-whole run. ``update`` takes one step's rollouts (prompt and completion token ids, one advantage per
-rollout) and makes ``mini_batches`` optimizer steps per epoch, ``update_epochs`` epochs (veRL's PPO
-mini-batches: the rollouts are shuffled, seeded by the update count, and cut into that many parts):
-
-1. logp_old: the training model's log-probabilities of the sampled tokens *before* the update
-   (not the sampler's), computed without gradients.
-2. The clipped surrogate with clip-higher and token-mean over the whole batch
-   (``coba_tasks.core.grpo.policy_loss``), accumulated over micro-batches of ``micro_batch_size``
-   sequences with the mini-batch's token count as the normaliser, so memory stays bounded
-   whatever the budgets are and the gradient equals the whole mini-batch's one. After the first
-   optimizer step the ratio to logp_old moves away from 1 and the clip starts to act.
-3. Optional KL to the reference (the starting model) when ``kl_coef > 0``; entropy is measured,
-   not optimised (coefficient 0).
-4. Optional rollout correction (``rollout_correction`` token or sequence, off by default): each
-   token's loss is weighted by min(pi_old / pi_sampler, C) from logp_old and the sampler's
-   log-probabilities (``coba_tasks.core.grpo.rollout_correction_weights``); the update reports the
-   ratio's statistics (``is_*``) whether or not the weight is applied.
-5. Prompt weighting (``prompt_weighting``): ``tokens`` is the token mean above; ``equal`` weighs each
-   prompt's group the same (``PromptWeights``).
-
-Precision: the training model keeps float32 weights and AdamW state whatever ``dtype`` says; with
-``dtype`` bfloat16 or float16 the forward and backward passes run under ``torch.autocast`` in that
-dtype (mixed precision, as veRL's FSDP does), and the checkpoint's ``model.safetensors`` is written
-in it for the rollout engine, the float32 weights going to ``trainer/master.safetensors``. Pure
-bfloat16 weights would not train at the paper's lr 1e-6: an AdamW step of ~1e-6 is below half a
-bfloat16 ulp of nearly every weight (measured: 98.5% of weights N(0, 0.02) never moved in 10 steps).
-
-Checkpoints (``save_checkpoint``, ``load_checkpoint``): ``coba_tasks.engines.checkpoint``. Data
-parallelism: ``coba_tasks.engines.fsdp_update`` runs the same ``update`` in several processes, with the
-policy wrapped by FSDP and a ``self.shard`` (``DataShard``) that holds one rank's share of each mini-batch.
+What ``update`` computes (mini-batches, the clipped token-mean loss, logp_old, KL, entropy, the rollout
+correction, prompt weighting, the shared-prefix pass): docs/method.md, sections 14-19. Precision: float32
+weights and AdamW state, autocast in ``dtype`` (as veRL's FSDP does): an AdamW step at lr 1e-6 is below half a
+bfloat16 ulp of nearly every weight (docs/design.md, "Other decisions"). Checkpoints:
+``coba_tasks.engines.checkpoint``; ``coba_tasks.engines.fsdp_update`` runs the same ``update`` in several
+processes, each with a ``DataShard`` holding its share of each mini-batch.
 """
 
 from __future__ import annotations
@@ -69,17 +44,13 @@ from coba_tasks.engines.checkpoint import (
 )
 from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass, supports_shared_prefix
 
-# ---------------------------------------------------------------------------------------------
-# What the update is told: its settings, the learning-rate schedule, the optimizer
-# ---------------------------------------------------------------------------------------------
+# -- what the update is told: its settings, the learning-rate schedule, the optimizer
 
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """What the update needs from the run's config: its ``optim`` keys, the model's dtype, LoRA and loading keys,
-    and the rollouts' temperature. No key has a default here: the config's are the only ones
-    (``coba_tasks.pipeline.run.update_settings`` builds this from a config, with changes for a test or a
-    benchmark), so what a benchmark or a test measures is what a run with the same keys computes."""
+    """What the update needs from the run's config (``coba_tasks.pipeline.run.update_settings``). No key has a
+    default here, so what a benchmark or a test measures is what a run with the same keys computes."""
 
     lr: float
     lr_warmup_steps: int  # linear warm-up over this many updates (training steps); 0 = none
@@ -97,24 +68,15 @@ class UpdateSettings:
     trust_remote_code: bool
     gradient_checkpointing: bool
     shared_prefix: bool  # encode each group's prompt once (coba_tasks.engines.shared_prefix)
-    # the rollouts' sampling temperature: every log-probability (logp, logp_old, the reference's, the entropy)
-    # is of log_softmax(logits / temperature), the distribution the tokens were sampled from
-    temperature: float
-    # leave rows whose advantage is exactly 0 out of the forward and backward passes when nothing else needs
-    # their gradient (no KL term): their loss and gradient are exactly 0; their tokens stay in the token mean
-    skip_zero_advantage: bool
-    # LoRA (coba_tasks.engines.lora): rank 0 = full fine-tuning; else adapters of this rank on the target modules
-    lora_rank: int
+    temperature: float  # the rollouts': every log-probability is of log_softmax(logits / temperature)
+    skip_zero_advantage: bool  # rows of advantage exactly 0 left out of the passes when no KL term needs them
+    lora_rank: int  # 0 = full fine-tuning (coba_tasks.engines.lora)
     lora_alpha: float
     lora_target_modules: str | tuple[str, ...]
-    # rollout correction (truncated importance sampling, coba_tasks.core.grpo.rollout_correction_weights):
-    # none | token | sequence; the cap C of the weight; tau > 1 drops ratios outside [1/tau, tau], 0 = none
-    rollout_correction: str
+    rollout_correction: str  # none | token | sequence (coba_tasks.core.grpo.rollout_correction_weights)
     rollout_correction_cap: float
-    rollout_mask_threshold: float
-    # how the loss weighs the step's prompts (coba_tasks.core.grpo.prompt_loss_weights): tokens = the token mean
-    # (a prompt weighs its completion tokens), equal = each prompt's group weighs the same
-    prompt_weighting: str
+    rollout_mask_threshold: float  # tau > 1 drops ratios outside [1/tau, tau]; 0 = none
+    prompt_weighting: str  # tokens | equal (coba_tasks.core.grpo.prompt_loss_weights)
     # torch's CPU threads for the update: not a config key (a run keeps 1; `coba bench update` takes the machine's)
     threads: int = 1
 
@@ -139,23 +101,20 @@ class UpdateSettings:
 
     @property
     def corrects_rollouts(self) -> bool:
-        """Whether the loss is weighted by the rollout correction."""
         return self.rollout_correction != RolloutCorrection.NONE
 
 
 def warmup_lr(lr: float, warmup_steps: int, update: int) -> float:
-    """The learning rate of update ``update`` (from 0): linear warm-up ``lr * (update + 1) / warmup_steps``
-    for the first ``warmup_steps`` updates, then ``lr`` (veRL's constant schedule with warm-up).
-
-    AdamW's first steps move every weight by about the learning rate whatever its gradient's noise; a
-    warm-up keeps those steps small while the moment estimates settle."""
+    """The learning rate of update ``update`` (from 0): linear warm-up over ``warmup_steps`` updates, then ``lr``
+    (veRL's constant schedule with warm-up). AdamW's first steps move every weight by about the learning rate
+    whatever its gradient's noise; a warm-up keeps those steps small while the moment estimates settle."""
     if warmup_steps <= 0:
         return lr
     return lr * min(1.0, (update + 1) / warmup_steps)
 
 
 def make_optimizer(model: torch.nn.Module, settings: UpdateSettings) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (two groups: ndim >= 2 decayed, the rest not)."""
+    """AdamW with weight decay on matrices only (ndim >= 2)."""
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     decay = [p for p in trained if p.ndim >= 2]
     rest = [p for p in trained if p.ndim < 2]
@@ -167,9 +126,7 @@ def make_optimizer(model: torch.nn.Module, settings: UpdateSettings) -> torch.op
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# A step's rollouts as the update sees them (no model needed)
-# ---------------------------------------------------------------------------------------------
+# -- a step's rollouts as the update sees them (no model needed)
 
 
 class NonFiniteUpdateError(ValueError):
@@ -210,10 +167,8 @@ def check_optimizer_step(loss: float, grad_norm: float, step: int, steps: int, l
 def pad_sequences(
     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt + completion: (input_ids (B, T), attention_mask (B, T), completion_mask (B, T)).
-
-    completion_mask[b, t] = 1 where token t of row b is a completion token (the ones the loss sees).
-    """
+    """Right-padded prompt + completion: (input_ids, attention_mask, completion_mask), each (B, T);
+    completion_mask is 1 at the completion tokens (the ones the loss sees)."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     width = max(lengths)
     ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
@@ -228,19 +183,15 @@ def pad_sequences(
 
 
 class DataShard:
-    """Which rows of a step's batch this process computes, and how its sums meet the other processes'.
-
-    This base class is the single-process case (rank 0 of 1): every row, sums unchanged, the plain
-    ``clip_grad_norm_``. ``coba_tasks.engines.fsdp_update.DistributedShard`` overrides ``rank``/``world``
-    and the three collectives. Rank r takes rows r, r + world, ... of each mini-batch.
-    """
+    """Which rows of a step's batch this process computes (rank r: rows r, r + world, ... of each mini-batch),
+    and how its sums meet the other processes'. This base class is the single process;
+    ``coba_tasks.engines.fsdp_update.DistributedShard`` overrides ``rank``/``world`` and the three collectives."""
 
     rank: int = 0
     world: int = 1
     distributed: bool = False  # the policy is sharded across processes (FSDP), one process included
 
     def mine(self, rows: torch.Tensor) -> torch.Tensor:
-        """This process's share of ``rows`` (all of them in one process)."""
         return rows[self.rank :: self.world]
 
     def micro_batches(self, n: int, size: int) -> list[slice]:
@@ -253,16 +204,14 @@ class DataShard:
         out = [slice(i, min(i + size, local)) for i in range(0, local, size)]
         return out + [slice(0, 0)] * (count - len(out))
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """The elementwise sum of ``t`` over the processes (in place)."""
+    def sum(self, t: torch.Tensor) -> torch.Tensor:  # elementwise over the processes, in place
         return t
 
     def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
-        """Each value summed over the processes."""
         return values
 
     def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm to ``max_norm``; returns the norm before clipping."""
+        """Clip the global gradient norm; returns the norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
@@ -272,11 +221,8 @@ def sampler_gap(
     sampler_logprobs: Sequence[Sequence[float]] | None,
     completion_ids: Sequence[Sequence[int]],
 ) -> tuple[float, float]:
-    """(mean, max) of |sampler log p - trainer log p| over the completion tokens; NaNs without sampler figures.
-
-    ``logp`` (B, T-1) and ``mask`` (B, T-1) as in the full-sequence update: the completion tokens of row
-    b are the positions where ``mask[b]`` is 1, in order, one per entry of ``sampler_logprobs[b]``.
-    """
+    """(mean, max) of |sampler log p - trainer log p| over the completion tokens (where ``mask``, (B, T-1), is 1,
+    one per entry of ``sampler_logprobs[b]``); NaNs without sampler figures."""
     return _gap(logp[mask.bool()], sampler_logprobs, completion_ids)  # row-major: row 0's tokens, then row 1's
 
 
@@ -335,12 +281,9 @@ def rollout_ratio_stats(
     cap: float,
     mask_threshold: float,
 ) -> dict[str, float]:
-    """The update's ``is_ratio_mean``, ``is_ratio_max``, ``is_clipped_frac`` and ``is_masked_frac``
-    (``coba_tasks.core.grpo.rollout_correction_stats``) from one 1-D tensor per row of the trainer's
-    completion-token log-probabilities before the update and the sampler's figures of the same rows.
-
-    ``level`` none (no correction): the token-level ratio, nothing clipped or masked. NaN ratios (and 0
-    shares) without sampler figures or without tokens."""
+    """The update's ``is_*`` figures (``coba_tasks.core.grpo.rollout_correction_stats``) from the trainer's
+    completion-token log-probabilities before the update (one 1-D tensor per row) and the sampler's. ``level``
+    none: the token-level ratio, nothing clipped or masked. NaN ratios without sampler figures or tokens."""
     rows = [t.double().cpu() if t is not None else torch.zeros(0, dtype=torch.float64) for t in trainer_rows]
     width = max((len(t) for t in rows), default=0)
     if sampler_logprobs is None or width == 0:
@@ -357,14 +300,9 @@ def rollout_ratio_stats(
 
 
 class PromptWeights:
-    """How the update's loss weighs a step's prompts (``optim.prompt_weighting``; docs/method.md says how).
-
-    ``coba_tasks.core.grpo.prompt_loss_weights`` gives each row a token weight c_r from the *whole step*
-    (1 under ``tokens``, N / (M * T_i) under ``equal``); a mini-batch's loss is ``sum_r c_r sum_t L_rt /
-    sum_r c_r T_r`` over its rows, the normaliser counting every row of the mini-batch (those left out of
-    the passes too). ``group_ids`` (one per row, the prompt it answers); None groups the rows by identical
-    prompt token ids.
-    """
+    """How the update's loss weighs a step's prompts (``optim.prompt_weighting``): each row's token weight c_r,
+    from the whole step (docs/method.md, "Prompt weighting"). ``group_ids``: each row's prompt; None groups the
+    rows by identical prompt token ids."""
 
     def __init__(
         self,
@@ -407,8 +345,7 @@ class PromptWeights:
         return self.weigh(torch.ones_like(like).detach() if rc is None else rc, idx)
 
     def figures(self, advantages: np.ndarray | torch.Tensor) -> dict[str, float | str]:
-        """The update's ``prompt_weighting`` and ``effective_prompts`` (``coba_tasks.core.grpo.effective_prompts``
-        over the prompts with a non-zero advantage, from the step's weights)."""
+        """The update's ``prompt_weighting`` and ``effective_prompts`` (``coba_tasks.core.grpo.effective_prompts``)."""
         adv = torch.as_tensor(advantages).detach().double().cpu().flatten()
         c = torch.ones_like(self.lengths) if self.row_weights is None else self.row_weights
         return {
@@ -417,9 +354,7 @@ class PromptWeights:
         }
 
 
-# ---------------------------------------------------------------------------------------------
-# The training model
-# ---------------------------------------------------------------------------------------------
+# -- the training model
 
 
 class PolicyTrainer:
@@ -511,15 +446,9 @@ class PolicyTrainer:
         sampler_logprobs: Sequence[Sequence[float]] | None = None,
         group_ids: Sequence[int] | np.ndarray | None = None,
     ) -> dict[str, float]:
-        """One GRPO update on a step's rollouts; returns its metrics. ``group_ids``: each rollout's prompt, for
-        ``prompt_weighting`` (None: the rollouts with identical prompt token ids are one prompt's).
-
-        ``sampler_logprobs`` (one list per rollout, one float per completion token: the rollout
-        engine's log p of the tokens it sampled) are compared with the trainer's own log p of the same
-        tokens before the update: ``logprob_diff_mean`` and ``logprob_diff_max`` are the mean and the
-        largest |sampler - trainer| over the completion tokens (NaN when not given). They measure the
-        train/rollout mismatch: a stale weight reload, another tokenization or a dtype difference.
-        """
+        """One GRPO update on a step's rollouts; returns its metrics. ``sampler_logprobs``: the engine's log p of
+        each completion token (``logprob_diff_*``, the rollout correction); ``group_ids``: each rollout's prompt,
+        for ``prompt_weighting`` (None: rollouts with identical prompt token ids are one prompt's)."""
         if len(prompt_ids) == 0:
             raise ValueError("GRPO update on an empty batch")
         check_advantages(advantages, self.settings.lr)  # never a pass, let alone a step, on a NaN advantage
@@ -528,7 +457,7 @@ class PolicyTrainer:
         return run(prompt_ids, completion_ids, advantages, sampler_logprobs, prompts)
 
     def shared_prefix_unavailable(self) -> str | None:
-        """Why this trainer updates on full sequences; None when it encodes each group's prompt once."""
+        """Why this trainer updates on full sequences; None when it uses the shared-prefix pass."""
         if not self.settings.shared_prefix:
             return "optim.shared_prefix is false"
         if self.shard.distributed:  # one FSDP process too: the shared-prefix pass calls submodules FSDP does not gather
@@ -536,7 +465,6 @@ class PolicyTrainer:
         return supports_shared_prefix(self.model)
 
     def _sampler_needed(self, sampler_logprobs: Sequence[Sequence[float]] | None) -> None:
-        """The rollout correction weighs by the sampler's log-probabilities: refuse an update without them."""
         if self.settings.corrects_rollouts and sampler_logprobs is None:
             raise ValueError(
                 f"optim.rollout_correction = {self.settings.rollout_correction} needs the sampler's logprobs, "
@@ -582,18 +510,15 @@ class PolicyTrainer:
         return loss
 
     def _begin_update(self) -> dict[str, float]:
-        """Sets this update's learning rate and train mode; returns the metric sums to fill."""
+        """Sets the learning rate and train mode; returns the metric sums to fill."""
         for group in self.optimizer.param_groups:  # the warm-up follows the update count, so a resume agrees
             group["lr"] = warmup_lr(self.settings.lr, self.settings.lr_warmup_steps, self.updates)
         self.model.train()
         return {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "entropy_tokens": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
 
     def _trained_rows(self, adv: torch.Tensor) -> torch.Tensor:
-        """(n,) bool, the rows that go through the forward and backward passes: all of them, except rows
-        whose advantage is exactly 0 when nothing else needs their gradient (``skip_zero_advantage`` and
-        no KL term; the loss has no entropy term). A skipped row's clipped surrogate is 0 * ratio: its
-        loss and its gradient are exactly 0, so leaving it out changes neither; its tokens still count
-        in the token-mean normaliser (``tokens_of`` of ``_mini_batch_steps``)."""
+        """(n,) bool, the rows that go through the passes: all but those of advantage exactly 0 when nothing else
+        needs their gradient (docs/method.md, "Rows that teach nothing are not computed")."""
         if not self.settings.skip_zero_advantage or self.ref_model is not None:
             return torch.ones(adv.shape, dtype=torch.bool, device=adv.device)
         return adv != 0
@@ -607,13 +532,10 @@ class PolicyTrainer:
         totals: dict[str, float],
         trained: torch.Tensor,
     ) -> int:
-        """``update_epochs`` epochs over the ``n`` rows in ``parts`` mini-batches (shuffled when more than one;
-        the order is seeded by the update count, so a resume agrees), one optimizer step each: ``mini_batch(rows,
-        tokens)`` accumulates the gradients of the mini-batch's ``trained`` rows; its normaliser ``tokens`` counts
-        the completion tokens of all its rows (``tokens_of``; a mini-batch without any is skipped). A mini-batch
-        whose rows are all skipped still makes its optimizer step, with a zero gradient (AdamW's momentum and
-        weight decay move the weights then too), as the update without skipping would. Returns the optimizer
-        steps made."""
+        """``update_epochs`` epochs over the ``n`` rows in ``parts`` mini-batches (shuffled when more than one,
+        seeded by the update count so a resume agrees), one optimizer step each: ``mini_batch(rows, tokens)``
+        accumulates the gradients of its ``trained`` rows, ``tokens`` counting all its rows (``tokens_of``). A
+        mini-batch whose rows are all skipped still steps, with a zero gradient. Returns the steps made."""
         gen = torch.Generator().manual_seed(self.updates)
         trained = trained.cpu()
         opt_steps, planned = 0, self.settings.update_epochs * parts
@@ -696,11 +618,8 @@ class PolicyTrainer:
     def _update_shared_prefix(
         self, prompt_ids, completion_ids, advantages, sampler_logprobs, prompts
     ) -> dict[str, float]:
-        """``update`` with each group's prompt encoded once and the output projection only at completion
-        tokens (``coba_tasks.engines.shared_prefix``). The same loss and gradients as the full-sequence
-        update, within float rounding. With one optimizer step (``mini_batches`` 1, ``update_epochs`` 1)
-        logp_old is the same forward's log-probabilities, detached: the weights have not moved yet, so a
-        separate pass would compute the same numbers again."""
+        """``update`` with each group's prompt encoded once (``coba_tasks.engines.shared_prefix``). With one
+        optimizer step, logp_old is the same forward's log-probabilities, detached (docs/method.md, section 18)."""
         s = self.settings
         n = len(prompt_ids)
         adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32), device=self.device)
@@ -840,8 +759,7 @@ class PolicyTrainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, out_dir: str | Path, extra_state: dict[str, Any] | None = None) -> Path:
-        """Model + tokenizer (HF layout, safetensors), optimizer state (safetensors) and trainer state (JSON).
-        With LoRA the adapter (peft's layout) instead of the model: the base is ``model.path``."""
+        """Weights (LoRA: the adapter), tokenizer, optimizer and trainer state (``checkpoint.write_checkpoint``)."""
         adapter = (self.peft_model, self.model_path, self.base_sha256) if self.peft_model is not None else None
         state = (*optimizer_to_tensors(self.optimizer), self.updates, extra_state)  # tensors, groups, updates, extra
         return write_checkpoint(out_dir, self.model, self.tokenizer, self.compute_dtype, *state, adapter=adapter)
@@ -875,16 +793,8 @@ def _exact_sum(values: torch.Tensor) -> float:
     return math.fsum(values.double().tolist())
 
 
-# ---------------------------------------------------------------------------------------------
-# The rollout engine asleep while the GRPO update runs (``rollout.sleep_during_update``)
-#
-# On one GPU the rollout engine (vLLM: weights plus a KV cache sized by ``gpu_memory_utilization``)
-# and the training model (weights, gradients, AdamW moments, activations) share the memory. The
-# engine is idle during the update, so the training step puts it to sleep before the update and
-# wakes it after, before the new weights are loaded into it. Before waking, torch's cache of freed
-# blocks (the update's activations) is given back to the device, or the engine could not take its
-# memory back.
-# ---------------------------------------------------------------------------------------------
+# -- the rollout engine asleep while the update runs (``rollout.sleep_during_update``): on one GPU the engine's
+# weights and KV cache and the training model share the memory, and the engine is idle during the update
 
 MIB = 2**20
 
@@ -923,13 +833,10 @@ def engine_asleep(
     release: Callable[[], None] = _release_cached_memory,
     reset_peak: Callable[[], None] = _reset_peak,
 ) -> Iterator[dict[str, Any]]:
-    """Put ``engine`` to sleep for the body when ``enabled``; wake it on the way out, also after an error.
-
-    Yields the record (empty when not enabled): ``sleep_s``, ``wake_s`` and the memory figures
-    ``before_sleep``, ``asleep`` (the body starts), ``after_update`` (the body ended: its
-    ``peak_allocated`` is the update's peak) and ``awake``. ``memory``, ``release`` and
-    ``reset_peak`` are the CUDA probes, replaceable in tests.
-    """
+    """Put ``engine`` to sleep for the body when ``enabled``; wake it on the way out, also after an error (torch's
+    cache of freed blocks given back first, or the engine could not take its memory back). Yields the record
+    (empty when not enabled): ``sleep_s``, ``wake_s`` and the memory figures ``before_sleep``, ``asleep``,
+    ``after_update`` (its ``peak_allocated`` is the update's peak) and ``awake``; the probes are replaceable."""
     record: dict[str, Any] = {}
     if not enabled:
         yield record

@@ -1,41 +1,19 @@
 """Answer verification: turn (completion, ground truth, data_source) into a reward and a verdict.
 
-This module holds the graders: the verdict types, the registry of verifiers by ``data_source`` and
-the verifiers themselves, all run in the calling process. Scoring untrusted text with a hard
-wall-clock limit per item, in worker processes, is ``coba_tasks.engines.verify_pool``.
+The graders, run in the calling process: ``score`` picks a verifier by the row's ``data_source``
+(``register_verifier``; an unknown source falls back to ``math``) and returns a ``Verdict``: reward 1.0 or
+0.0 and one of five outcomes, counted apart so that a broken verifier never passes as a wrong answer
+(``correct``, ``wrong``, ``no_answer``, ``timeout``, ``error``: the verifier raised or its worker died).
+Scoring with a hard time limit per item, in worker processes, is ``coba_tasks.engines.verify_pool``; a
+user's reward file replaces these verifiers (``coba_tasks.engines.reward_file``). Which verifier reads
+which of veRL's sources, and how it differs from veRL's scorer: docs/design.md, "veRL datasets".
 
-What. ``score(completion, ground_truth, data_source)`` picks a verifier by the row's
-``data_source`` (a registry, ``register_verifier``) and returns a ``Verdict``: reward 1.0 or 0.0
-and one of five outcomes, counted apart so that a broken verifier never passes as a wrong answer:
-
-- ``correct`` / ``wrong``: an answer was found and compared with the ground truth;
-- ``no_answer``: the completion holds no answer the verifier can read (reward 0);
-- ``timeout``: no verdict within the wall-clock limit (reward 0);
-- ``error``: the verifier raised, or its worker process died (reward 0; ``detail`` says why).
-
-Verifiers:
-
-- ``arith``: our synthetic arithmetic task. The completion is the model's text after a prompt
-  such as ``37+58=``; the answer is the integer (optional ``-``) at its start, after optional
-  whitespace, and anything after it is ignored. Exact integer comparison. A number with a
-  fractional part (``95.5``) is ``wrong``; no number at all is ``no_answer``.
-- ``math`` (also under the veRL names ``math_dapo``, ``lighteval/MATH``, ``openai/gsm8k``, ``aime``...;
-  any unknown source falls back to it): math-verify. The ground truth is wrapped in ``\\boxed{}``
-  unless it already is, and parsed; the completion is parsed with math-verify's LaTeX and
-  expression extraction, then ``verify(gold, answer)`` (gold first: the comparison is not
-  symmetric). A DAPO-style line ``Answer: X`` (the last such line) takes precedence over the rest
-  of the text. Otherwise math-verify's own choice stands: the *last* ``\\boxed{}`` wins, and boxes
-  written side by side (``\\boxed{1}, \\boxed{2}``) are read as the set ``{1, 2}``.
-
-math-verify bounds its own parsing and comparison time with ``signal.alarm``: that works only in
-the main thread, and its ``TimeoutException`` derives from ``BaseException``, so it escapes
-``except Exception``. So ``score`` calls math-verify with its timeouts switched off (safe in any
-thread); the time limit is the pool's (``coba_tasks.engines.verify_pool``), since some answers make
-sympy run for ever.
-
-A user's reward file with veRL's ``compute_score`` signature (``verify.reward_function``) replaces
-these verifiers for a run: ``coba_tasks.engines.reward_file``. ``verify.gsm8k_answer=strict`` or
-``flexible`` scores ``openai/gsm8k`` and ``gsm8k`` with veRL's GSM8K scorer instead (``gsm8k_verifier``).
+``math``: the ground truth is wrapped in ``\\boxed{}`` unless it already is; a DAPO line ``Answer: X``
+(the last one) takes precedence, else math-verify's extraction stands (the *last* ``\\boxed{}`` wins;
+boxes side by side, ``\\boxed{1}, \\boxed{2}``, read as the set ``{1, 2}``); then ``verify(gold, answer)``,
+gold first (not symmetric). math-verify's own time limit (``signal.alarm``) works only in the main thread and
+its ``TimeoutException`` escapes ``except Exception``, so it is switched off: the pool's limit is the one.
+A ground truth math-verify cannot parse is an ``error`` (a data problem). An item takes 3-40 ms.
 
 Custom verifiers: ``@register_verifier("my_source")`` on a module-level function
 ``(completion: str, ground_truth: str) -> Verdict``. Pool workers receive the function by reference
@@ -43,9 +21,6 @@ Custom verifiers: ``@register_verifier("my_source")`` on a module-level function
 cheap and cannot hang (``arith``: one regex): the pool scores it in the calling process.
 
 Determinism: a verdict depends only on its item, except ``timeout``, which depends on the clock.
-
-Caveats: a ground truth math-verify cannot parse is an ``error`` (a data problem), not ``wrong``.
-A math-verify item takes 3-40 ms (sympy simplification dominates; rarely a second or more).
 """
 
 from __future__ import annotations
@@ -83,8 +58,6 @@ class Verdict:
     verdict: VerdictKind
     extracted_answer: str = ""
     detail: str = ""
-    # a graded score (a reward file's, ``coba_tasks.engines.reward_file``): any finite reward, ``correct``
-    # when it reached the pass threshold, else ``wrong``; ``extra`` holds the other keys it returned
     graded: bool = False
     extra: tuple[tuple[str, Any], ...] = ()
 
@@ -115,7 +88,7 @@ class Verdict:
     def graded_score(
         cls, reward: float, passed: bool, extra: Iterable[tuple[str, Any]] = (), detail: str = ""
     ) -> Verdict:
-        """A reward function's score: ``correct`` when ``passed`` (it reached the pass threshold), else ``wrong``."""
+        """A reward function's score: ``correct`` when ``passed`` (the pass threshold), else ``wrong``."""
         kind = VerdictKind.CORRECT if passed else VerdictKind.WRONG
         return cls(float(reward), kind, "", detail, graded=True, extra=tuple(extra))
 
@@ -135,8 +108,7 @@ def solved(rewards: Any) -> Any:
 
 
 def count_verdicts(verdicts: Iterable[Verdict | str]) -> dict[str, int]:
-    """Count verdicts by kind; every kind is a key, in the order of ``VerdictKind``. Takes ``Verdict``
-    objects or their kinds as strings (a rewards table's ``verdict`` column).
+    """Count verdicts (``Verdict`` objects or their kinds as strings) by kind; every kind is a key, in order.
 
     >>> count_verdicts([Verdict.of("correct"), Verdict.of("wrong"), Verdict.of("correct")])
     {'correct': 2, 'wrong': 1, 'no_answer': 0, 'timeout': 0, 'error': 0}
@@ -175,8 +147,7 @@ class Verifier:
 
 _REGISTRY: dict[str, Verifier] = {}
 FALLBACK_SOURCE = "math"
-# verify.gsm8k_answer: how a GSM8K completion's answer is read. math: math-verify over the whole text (the
-# registered verifier); strict / flexible: veRL's GSM8K scorer in that mode (see gsm8k_strict_verifier)
+# verify.gsm8k_answer: math-verify over the whole text, or veRL's GSM8K scorer in that mode
 Gsm8kAnswer = Literal["math", "strict", "flexible"]
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")  # the data_source values verify.gsm8k_answer applies to
 
@@ -184,13 +155,11 @@ GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")  # the data_source values verify.gsm8k
 def register_verifier(
     name: str, *aliases: str, in_process: bool = False, check: TruthCheck | None = None
 ) -> Callable[[VerifierFn], VerifierFn]:
-    """Decorator: register ``fn`` as the verifier for ``name`` and each alias (data_source values).
+    """Decorator: register ``fn`` as the verifier for ``name`` and each alias (data_source values); ``fn`` is
+    returned unchanged (importable by reference from workers), and registering it again is a no-op.
 
-    ``check`` (optional, a module-level function) is called on every ground truth of a dataset when it
-    loads and raises ``ValueError`` for one ``fn`` cannot score against: such a row is a bad row
-    (``data.on_bad_rows``), not a prompt whose every rollout scores ``error``.
-    The function is returned unchanged, so it stays importable by reference from worker processes.
-    Registering the same function again (a module imported twice) is a no-op.
+    ``check`` (a module-level function) is called on every ground truth of a dataset when it loads and raises
+    ``ValueError`` for one ``fn`` cannot score against: such a row is a bad row (``data.on_bad_rows``).
     """
 
     def decorator(fn: VerifierFn) -> VerifierFn:
@@ -215,11 +184,7 @@ def registered_verifiers() -> tuple[str, ...]:
 
 def verifier_for(data_source: str, *, fallback: bool = True, gsm8k_answer: Gsm8kAnswer = "math") -> Verifier:
     """The verifier for ``data_source``; unknown sources get the ``math`` verifier unless ``fallback=False``.
-
-    ``gsm8k_answer`` (the config's ``verify.gsm8k_answer``) picks the verifier of the GSM8K sources
-    (``GSM8K_SOURCES``): ``math`` (default) the registered one, math-verify; ``strict`` or ``flexible``
-    veRL's GSM8K scorer in that mode (``gsm8k_strict_verifier``, ``gsm8k_flexible_verifier``).
-    """
+    ``gsm8k_answer`` (``verify.gsm8k_answer``) picks the verifier of ``GSM8K_SOURCES`` (``gsm8k_verifier``)."""
     if gsm8k_answer != "math" and data_source in GSM8K_SOURCES:
         return gsm8k_verifier(gsm8k_answer)
     entry = _REGISTRY.get(data_source)
@@ -258,9 +223,8 @@ def qualified_name(fn: Callable[..., Any]) -> str:
 
 
 def score(completion: str, ground_truth: str, data_source: str = FALLBACK_SOURCE) -> Verdict:
-    """Score one completion in this process, with no time limit (use ``VerifierPool`` for untrusted text).
-
-    Never raises for a bad completion or ground truth: exceptions become ``error`` verdicts.
+    """Score one completion in this process, with no time limit (``VerifierPool`` for untrusted text); never
+    raises for a bad completion or ground truth: exceptions become ``error`` verdicts.
 
     >>> score("95 and more text", "95", "arith").verdict.value
     'correct'

@@ -1,35 +1,16 @@
-"""The verifier pool: ``coba_tasks.engines.verify``'s graders run in worker processes with a hard
-wall-clock limit per item.
+"""The verifier pool: ``coba_tasks.engines.verify``'s graders (or a reward file, ``coba_tasks.engines.reward_file``)
+run in worker processes with a hard wall-clock limit per item (docs/design.md, "Components").
 
-Kept apart from the graders because it is process management, not grading: what a verdict is and
-which verifier scores a ``data_source`` are ``coba_tasks.engines.verify``; this module only decides
-where and for how long a verifier runs.
+Why processes: math-verify's own time limit (``signal.alarm``) works only in the main thread, and some answers
+make sympy run for ever (``\\boxed{9^{9^{9^{9}}}}`` against ``5``; deeply nested LaTeX, a megabyte-long box of
+digits). A stuck worker is killed and replaced and its item scored ``timeout``; a worker that dies gives its
+item ``error``; the rest of the batch goes on. A completion over ``max_chars`` is scored ``error`` without
+reaching a worker. Verifiers registered ``in_process`` (``arith``) are scored in the calling process.
 
-Why a process pool. math-verify's own time limit (``signal.alarm``) works only in the main thread,
-and some answers make sympy run for ever (``\\boxed{9^{9^{9^{9}}}}`` against ``5`` never returns).
-So ``VerifierPool`` runs ``score`` in worker processes (``spawn`` start method: safe beside torch's
-threads) with a hard wall-clock limit per item: a stuck worker is killed and replaced and its item
-scored ``timeout``; a worker that dies (``os._exit``, segfault) gives its item ``error`` and is
-replaced; the rest of the batch goes on. The wall-clock limit is the guarantee for any input
-(deeply nested LaTeX, a megabyte-long box of digits: both measured to run for minutes in sympy).
-A cheap guard in front of it: a completion longer than ``max_chars`` (default 1,000,000
-characters, far above what any generation length produces) is scored ``error`` without being
-sent to a worker, so it costs neither a worker's time limit nor a worker restart.
-
-How to use: ``score_batch(items, timeout_s=5.0)`` scores one batch of ``(completion, ground_truth,
-data_source)``; a training run keeps one ``VerifierPool(workers=4, timeout_s=5.0)`` (a context manager)
-and calls its ``score(items)`` every step.
-
-A reward file (``verify.reward_function``, ``coba_tasks.engines.reward_file``): workers receive its path
-and function name, never the function, and import the file when they start, with the per-item limit for
-the import (a worker past it stops the batch with one ``RewardFileError``). ``check_reward_function`` is
-the check a run makes before it starts: the file imported in a worker, never in the caller's process.
-
-Fast path: verifiers registered with ``in_process=True`` (``arith``: one regex, cannot hang) are
-scored in the calling process; a batch of only such items starts no process at all.
-
-Caveats: ``spawn`` re-imports the main script in each worker, so a script that scores batches
-needs an ``if __name__ == "__main__":`` guard. A pool round trip costs about 1 ms per item.
+A reward file: workers receive its path and function name, never the function, and import it when they start,
+under the per-item limit (past it, the batch stops with one ``RewardFileError``); ``check_reward_function`` is
+that import, made before a run starts. ``spawn`` re-imports the main script in each worker, so a script that
+scores batches needs an ``if __name__ == "__main__":`` guard. A round trip costs about 1 ms per item.
 """
 
 from __future__ import annotations
@@ -88,9 +69,8 @@ OOM_SCORE_ADJ = "/proc/self/oom_score_adj"  # Linux: how willing the kernel is t
 
 
 def first_to_go_when_memory_runs_out() -> None:
-    """Make this process the kernel's first choice when memory runs out (oom_score_adj 1000), so that a
-    verifier or a reward file that eats memory is killed (its item scores ``error``) rather than the trainer
-    beside it. Raising one's own score needs no privilege; where there is no such file (not Linux), nothing."""
+    """Make this process the kernel's first choice when memory runs out, so that a verifier or a reward file
+    that eats memory is killed (its item scores ``error``) rather than the trainer. Not Linux: nothing."""
     try:
         with open(OOM_SCORE_ADJ, "w") as f:
             f.write("1000")
@@ -101,11 +81,9 @@ def first_to_go_when_memory_runs_out() -> None:
 def _worker_main(
     conn: Connection, warmup: bool, preload: tuple[str, ...], reward: RewardFunction | None = None
 ) -> None:
-    """Worker loop: receive (verifier, completion, ground_truth), send back a Verdict; None stops it.
-
-    Before the loop: ``("loading", pid)`` when it starts importing the reward file (the pool gives the
-    import the per-item limit from then on), then ``("ready", pid, why)``: ``why`` is None, or the one line
-    of ``RewardFileError`` when the reward file could not be loaded (every item then scores ``error``)."""
+    """Worker loop: receive (verifier, completion, ground_truth), send back a Verdict; None stops it. Before it:
+    ``("loading", pid)`` when the reward file's import starts (under the per-item limit from then on), then
+    ``("ready", pid, why)``, ``why`` the ``RewardFileError`` line when the file could not be loaded, else None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     first_to_go_when_memory_runs_out()
     for module in preload:
@@ -144,8 +122,7 @@ class _Worker:
     """One worker process, its pipe, and the item it is scoring (index into the batch, deadline)."""
 
     def __init__(self, ctx: Any, warmup: bool, reward: RewardFunction | None = None) -> None:
-        # Import every registered verifier's module (and the reward file) before taking items: import
-        # time must not count against an item's limit. Modules registered later load on first use instead.
+        # every registered verifier's module imported before taking items, out of any item's limit
         preload = tuple(sorted(verifier_modules() - {score.__module__}))  # verify: imported with this module
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
@@ -189,17 +166,11 @@ def _exit_detail(exitcode: int | None) -> str:
 class VerifierPool:
     """Worker processes that score items with a hard wall-clock limit per item; reuse it across steps.
 
-    ``workers``: number of processes. ``timeout_s``: wall-clock limit per item, from the moment a
-    worker takes it. ``start_method``: "spawn" (default) or "forkserver"; "fork" is refused
-    (unsafe next to torch's threads). ``warmup``: workers import math-verify before taking
-    items, so import time never counts against an item's limit. ``max_chars``: a completion
-    longer than this is scored ``error`` at once, never sent to a worker (``None``: no limit;
-    verifiers registered ``in_process`` are never limited). ``reward_function``: a user's reward file
-    (``coba_tasks.engines.reward_file``) that scores every item instead of the built-in verifiers, in
-    the workers, under the same limit; the workers then skip the math-verify warm-up. ``gsm8k_answer``:
-    the config's ``verify.gsm8k_answer``, the verifier of the GSM8K sources (``verify.verifier_for``).
-    Not thread-safe: one caller. Workers start on the first batch that needs them and stop at ``close()`` /
-    the end of ``with``.
+    ``timeout_s``: the limit, from the moment a worker takes the item. ``start_method``: "spawn" or
+    "forkserver" ("fork" is unsafe next to torch's threads). ``warmup``: workers import math-verify before
+    taking items, so import time never counts against an item's limit. ``max_chars``: None for no limit.
+    ``reward_function`` scores every item instead of the built-in verifiers. ``gsm8k_answer``: the config's
+    ``verify.gsm8k_answer``. Not thread-safe. Workers start on the first batch that needs them.
     """
 
     def __init__(
@@ -242,7 +213,6 @@ class VerifierPool:
 
     @property
     def worker_pids(self) -> list[int]:
-        """PIDs of the live worker processes ([] before the first batch that needs them)."""
         return [w.process.pid for w in self._workers if w.process.pid is not None]
 
     def start(self) -> VerifierPool:
@@ -259,10 +229,8 @@ class VerifierPool:
         self._workers = []
 
     def score(self, items: Sequence[tuple[str, str, str] | tuple[str, str, str, Any]]) -> list[Verdict]:
-        """Score ``(completion, ground_truth, data_source)`` items; verdicts in the order of ``items``.
-
-        An item may carry a fourth field, the row's ``extra_info`` dict: the reward function's
-        ``extra_info`` argument (the built-in verifiers do not read it)."""
+        """Verdicts of ``(completion, ground_truth, data_source[, extra_info])`` items, in order; ``extra_info``
+        (the row's dict) is the reward function's argument (the built-in verifiers do not read it)."""
         entries = []
         rf = self.reward_function
         for i, item in enumerate(items):
@@ -308,7 +276,6 @@ class VerifierPool:
         return [reasons.get((str(gt), str(src))) for gt, src in items]
 
     def _score_entries(self, entries: Sequence[tuple[Verifier, str, str]]) -> list[Verdict]:
-        """Verdicts of ``(verifier, completion, ground_truth)`` entries, in order."""
         results: list[Verdict | None] = [None] * len(entries)
         pending: deque[tuple[int, bytes, str]] = deque()
         for i, (verifier, completion, ground_truth) in enumerate(entries):
@@ -336,8 +303,7 @@ class VerifierPool:
             try:
                 self._run(pending, results)
             except BaseException:
-                # Ctrl-C or a failed start-up: busy workers would later answer for items of this
-                # batch, so stop them all; the next batch starts fresh ones.
+                # Ctrl-C or a failed start-up: busy workers would later answer for items of this batch
                 self.close()
                 raise
         return results  # type: ignore[return-value]  # every entry has its verdict now
@@ -456,9 +422,8 @@ class VerifierPool:
 
 
 def check_reward_function(reward: RewardFunction, timeout_s: float) -> None:
-    """Import ``reward``'s file in a verifier worker, never in this process, with ``timeout_s`` for its import:
-    ``RewardFileError`` (one line naming verify.reward_function, the path and the fix) when it does not
-    exist, does not import (in time), or lacks the function. What a run checks before it starts."""
+    """Import ``reward``'s file in a verifier worker, never in this process, within ``timeout_s``:
+    ``RewardFileError`` (one line) when it does not exist, does not import (in time), or lacks the function."""
     with VerifierPool(workers=1, timeout_s=timeout_s, reward_function=reward) as pool:
         pool.start()
         errors = pool.load_errors()
@@ -472,10 +437,6 @@ def score_batch(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     workers: int = DEFAULT_WORKERS,
 ) -> list[Verdict]:
-    """Score a batch in a fresh ``VerifierPool`` (started only if some item needs it), then stop it.
-
-    ``items``: ``(completion, ground_truth, data_source)``. Returns verdicts in the order of ``items``.
-    A training loop should keep one ``VerifierPool`` instead, to start processes once.
-    """
+    """Score a batch in a fresh ``VerifierPool``, then stop it (a training loop keeps one pool instead)."""
     with VerifierPool(workers=workers, timeout_s=timeout_s) as pool:
         return pool.score(items)

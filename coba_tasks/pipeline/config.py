@@ -1,27 +1,18 @@
 """The run configuration: one typed, frozen pydantic model, validated on load and saved with every run.
 
-A config file is a YAML mapping of sections (``run``, ``data``, ``model``, ``rollout``,
-``allocation``, ``optim``, ``verify``), each a mapping of keys to values; a key left out takes the
-default written beside its field in ``config_sections`` (docs/config.md lists them all, with what they
-mean; ``config_docs`` writes that page). This module puts the sections together as ``Config`` and reads,
-overrides, hashes and checks it; ``config_fields`` holds the field types and the error messages.
+A config file is a YAML mapping of sections, each a mapping of keys to values; a key left out takes the default
+written beside its field in ``config_sections`` (docs/config.md, written by ``config_docs``). This module puts
+the sections together as ``Config`` and reads, overrides, hashes and checks it; ``config_fields`` holds the
+field types and the error messages. A ``Config`` that exists is valid, however it was built; every failure is a
+``ConfigError`` (a ``ValueError``) of one line naming the dotted key (``optim.lr``) and the fix.
 
     cfg = load_config("configs/demo.yaml", ["optim.lr=3e-5", "allocation.strategy=uniform"])
-    cfg.budget_per_step()            # B_total = M * G rollouts per training step
-    check_paths(cfg)                 # data files and model directory exist (before a run starts)
-    check_platform(cfg)              # settings this machine cannot honour (sleep mode or TP without CUDA, ...)
+    check_paths(cfg); check_platform(cfg)   # before a run starts: files exist, this machine can honour it
 
-Each section is a pydantic model (frozen, no unknown keys, no NaN or infinity) whose fields carry
-their bounds, word lists (``Literal``) and descriptions; checks that span keys are the sections' and
-``Config``'s model validators. A ``Config`` that exists is valid, however it was built. Every
-failure is a ``ConfigError`` (a ``ValueError``) with a one-line message that names the dotted key
-(``optim.lr``) and says how to fix it (``config_error`` turns pydantic's ValidationError into it).
-
-Type rules: an int is accepted where a float is expected, and so is a string that reads as a
-number (PyYAML reads ``3e-5`` as a string: YAML 1.1 wants ``3.0e-5``); NaN and infinities are
-refused; a bool is never taken for a number, nor a number or a string for a bool. Overrides (the
-CLI's ``--set section.key=value``) are parsed with YAML, except for string fields, which take the
-text verbatim (so ``--set run.name=2024`` is the name "2024", not an error).
+Type rules: an int, or a string that reads as a number (PyYAML reads ``3e-5`` as a string: YAML 1.1 wants
+``3.0e-5``), is taken as a float; NaN and infinities are refused; a bool is never a number, nor a number or a
+string a bool. ``--set`` values are parsed with YAML, except for string fields, which take the text verbatim
+(``--set run.name=2024`` is the name "2024").
 """
 
 from __future__ import annotations
@@ -59,40 +50,29 @@ from coba_tasks.pipeline.config_sections import (
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
 DEFAULT_CONFIG_PATH = PROJECT_ROOT / "configs" / "demo.yaml"
 
-# Keys added after runs were made: left out of config_hash while at their default, so a run made before
-# the key existed keeps its hash (and can be resumed); any other value is hashed. Their defaults are the
-# config's own (``HASH_NEUTRAL_DEFAULTS``, computed below ``Config``).
-HASH_NEUTRAL_KEYS: tuple[tuple[str, str], ...] = (
-    ("data", "on_bad_rows"),
-    ("data", "prompt_format"),
-    ("run", "eval_top_p"),
-    ("rollout", "sleep_during_update"),
-    ("rollout", "engines"),
-    ("optim", "fsdp_processes"),
-    ("rollout", "tensor_parallel_size"),
-    ("optim", "lr_warmup_steps"),
-    ("optim", "shared_prefix"),
-    ("run", "keep_checkpoints"),
-    ("verify", "unknown_sources"),
-    ("optim", "skip_zero_advantage"),
-    ("model", "lora_rank"),
-    ("model", "lora_alpha"),
-    ("model", "lora_target_modules"),
-    ("data", "extra_tests"),
-    ("data", "difficulties"),
-    ("verify", "reward_function"),
-    ("verify", "pass_threshold"),
-    ("optim", "rollout_correction"),
-    ("optim", "rollout_correction_cap"),
-    ("optim", "rollout_mask_threshold"),
-    ("run", "trackers"),
-    ("verify", "gsm8k_answer"),
-    ("verify", "max_error_share"),
-    ("optim", "prompt_weighting"),
-    ("allocation", "estimator"),
-    ("allocation", "prior_strength"),
-    ("allocation", "posterior_decay"),
-    ("allocation", "pilot_rollouts"),
+# Keys added after runs were made: left out of config_hash while at their default (``HASH_NEUTRAL_DEFAULTS``), so
+# a run made before the key existed keeps its hash (and can be resumed); any other value is hashed.
+HASH_NEUTRAL_KEYS: tuple[tuple[str, str], ...] = tuple(
+    (section, key)
+    for section, keys in {
+        "run": ("eval_top_p", "keep_checkpoints", "trackers"),
+        "data": ("on_bad_rows", "prompt_format", "extra_tests", "difficulties"),
+        "model": ("lora_rank", "lora_alpha", "lora_target_modules"),
+        "rollout": ("sleep_during_update", "engines", "tensor_parallel_size"),
+        "allocation": ("estimator", "prior_strength", "posterior_decay", "pilot_rollouts"),
+        "optim": (
+            "fsdp_processes",
+            "lr_warmup_steps",
+            "shared_prefix",
+            "skip_zero_advantage",
+            "rollout_correction",
+            "rollout_correction_cap",
+            "rollout_mask_threshold",
+            "prompt_weighting",
+        ),
+        "verify": ("unknown_sources", "reward_function", "pass_threshold", "gsm8k_answer", "max_error_share"),
+    }.items()
+    for key in keys
 )
 
 
@@ -142,26 +122,15 @@ _DEFAULTS = Config().model_dump(mode="json")
 HASH_NEUTRAL_DEFAULTS: dict[tuple[str, str], Any] = {(s, k): _DEFAULTS[s][k] for s, k in HASH_NEUTRAL_KEYS}
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading, overrides, saving
-# ---------------------------------------------------------------------------------------------
+# --- Loading, overrides, saving
 
 
 def load_config(
     path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), untrusted: str | None = None
 ) -> Config:
-    """Read a YAML config file, apply ``section.key=value`` overrides, validate.
-
-    Args:
-        path: the YAML file; None reads ``configs/demo.yaml`` of the project.
-        overrides: the CLI's ``--set`` strings, applied in order (a later one wins).
-        untrusted: the name of the parameter that gave ``path`` when its caller may not read the file (a
-            deployment's ``config_path``): the file's errors then name the file, the line and the section or
-            key, never its text (``_read_untrusted``); the overrides' errors are as usual (the caller's own).
-
-    Raises:
-        ConfigError: missing or unreadable file, invalid YAML (with file and line), unknown
-            section or key, wrong type, or a value out of range.
+    """Read a YAML config file (None: the project's ``configs/demo.yaml``), apply the ``--set`` overrides in order,
+    validate. ``untrusted``: the name of the parameter that gave ``path`` when its caller may not read the file
+    (a deployment's ``config_path``): the file's errors then never show its text (``_read_untrusted``).
 
     >>> cfg = load_config(overrides=["data.prompts_per_step=4", "allocation.group_size=8", "optim.lr=3e-5"])
     >>> cfg.budget_per_step(), cfg.optim.lr
@@ -200,10 +169,7 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
-    """Build and validate a Config from a mapping of sections (what ``config_to_dict`` gives).
-
-    Sections and keys left out take their defaults; unknown ones are a ConfigError.
-    """
+    """Build and validate a Config from a mapping of sections (what ``config_to_dict`` gives)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"a config is a mapping of sections ({', '.join(SECTIONS)}), got {show(data)}")
     return _validate(data, "")
@@ -215,10 +181,7 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def config_hash(cfg: Config) -> str:
-    """First 16 hex digits of the sha256 of the config's canonical JSON (sorted keys, no spaces).
-
-    Keys of ``HASH_NEUTRAL_DEFAULTS`` at their default are left out (added later; older runs keep their hash).
-    """
+    """First 16 hex digits of the sha256 of the config's canonical JSON, without ``HASH_NEUTRAL_DEFAULTS``."""
     data = config_to_dict(cfg)
     for (section, key), default in HASH_NEUTRAL_DEFAULTS.items():
         if data[section][key] == default:
@@ -228,11 +191,8 @@ def config_hash(cfg: Config) -> str:
 
 
 def check_paths(cfg: Config, root: str | os.PathLike[str] | None = None) -> None:
-    """Check that the datasets and the model directory exist; ConfigError naming the key if not.
-
-    Relative paths are resolved against ``root`` (default: the working directory). Kept apart
-    from ``load_config`` because the demo bootstraps the model when it is missing.
-    """
+    """ConfigError naming the key unless the datasets and the model directory exist (relative to ``root``,
+    default the working directory). Apart from ``load_config``: the demo bootstraps a missing model."""
     base = Path(root) if root is not None else Path.cwd()
 
     def resolve(p: str) -> Path:
@@ -258,16 +218,10 @@ def check_paths(cfg: Config, root: str | os.PathLike[str] | None = None) -> None
 
 
 def check_platform(cfg: Config) -> None:
-    """Refuse settings this machine cannot honour, before a run starts; ConfigError naming the key.
-
-    ``rollout.sleep_during_update`` needs a backend that can sleep here: vLLM's sleep mode exists
-    only on CUDA (its CPU platform raises "Sleep mode is not supported on current platform").
-    ``rollout.tensor_parallel_size`` > 1 needs CUDA: vLLM's CPU build does not split an engine here.
-    ``optim.fsdp_processes``: on CUDA each FSDP rank takes one GPU of this machine (NCCL, one rank per
-    device), so more ranks than GPUs are refused; without CUDA the ranks are gloo processes on the CPU,
-    any number of them. Kept apart from ``load_config`` so that a GPU config can be loaded and checked
-    on any machine.
-    """
+    """ConfigError naming the key for settings this machine cannot honour: sleep mode where the backend cannot
+    sleep (vLLM's exists only on CUDA), tensor parallelism without CUDA, more FSDP ranks than GPUs on CUDA
+    (without CUDA they are gloo processes, any number). Apart from ``load_config``, so that a GPU config can be
+    loaded and checked on any machine."""
     import torch
 
     from coba_tasks.engines.rollout import sleep_unavailable
@@ -298,8 +252,7 @@ TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "w
 
 
 def check_installed(trackers: Sequence[str]) -> None:
-    """Refuse (one-line ConfigError naming the pip extra) a tracker of ``run.trackers`` whose library is not
-    installed, before a run starts."""
+    """ConfigError naming the pip extra for a tracker of ``run.trackers`` whose library is not installed."""
     import importlib.util
 
     for name in trackers:
@@ -310,9 +263,7 @@ def check_installed(trackers: Sequence[str]) -> None:
             )
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------------------------
+# --- Helpers
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -357,9 +308,9 @@ def _withheld(name: str, file: Path, what: str) -> str:
 
 
 def _read_untrusted(text: str, file: Path, name: str) -> Mapping[str, Any]:
-    """The sections of a config file whose caller may not read it (``load_config``'s ``untrusted``), checked:
-    each error names the file, the line and column of bad YAML, or a section or key of the config (never one
-    the file made up), and says nothing the file says; no exception that would is chained to it."""
+    """The checked sections of a file whose caller may not read it (``load_config``'s ``untrusted``): an error
+    names the file, the line of bad YAML, or a section or key of the config (never one the file made up), and
+    says nothing the file says; no exception that would is chained to it."""
     try:
         raw = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: safe
     except yaml.MarkedYAMLError as e:

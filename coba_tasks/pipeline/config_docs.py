@@ -1,8 +1,5 @@
-"""docs/config.md, generated from the config's field descriptions.
-
-    python -m coba_tasks.pipeline.config_docs          # writes docs/config.md
-
-tests/pipeline/test_config.py checks that the committed page is up to date.
+"""docs/config.md, generated from the config's field descriptions by ``python -m coba_tasks.pipeline.config_docs``
+(tests/pipeline/test_config.py checks that the committed page is up to date).
 """
 
 from __future__ import annotations
@@ -17,10 +14,7 @@ from coba_tasks.pipeline.config_fields import SECTIONS, bounds_text, expected_wo
 
 
 def config_reference() -> str:
-    """docs/config.md: every section and key with its default, what it takes and what it means, from the fields.
-
-    Written by ``python -m coba_tasks.pipeline.config_docs`` (tests/pipeline/test_config.py checks it is up to date).
-    """
+    """docs/config.md: every section and key with its default, what it takes and what it means."""
     lines = [
         "# Config reference",
         "",

@@ -1,10 +1,7 @@
-"""The building blocks of the run configuration: the field types and their checks, the section base
-class, and the one-line ``ConfigError`` that pydantic's ValidationError becomes.
-
-A config key is a pydantic field made with ``_key`` (its default, its description for docs/config.md,
-its bounds, and optionally the message of a value out of them). ``Section`` is the base of every section
-(frozen, no unknown keys, no NaN or infinity) and turns a failed validation into a ``ConfigError`` that
-names the dotted key (``optim.lr``) and says how to fix it (``config_error``).
+"""The building blocks of the run configuration: the field types and their checks, ``config_key`` (a field:
+its default, its description for docs/config.md, its bounds, the message of a value out of them), the
+``Section`` base class (frozen, no unknown keys, no NaN or infinity) and ``config_error``, which makes
+pydantic's ValidationError a one-line ``ConfigError`` naming the dotted key (``optim.lr``) and the fix.
 """
 
 from __future__ import annotations
@@ -26,9 +23,7 @@ class ConfigError(ValueError):
         self.source: tuple[Any, ...] = ()  # (ValidationError, section prefix) it was made from, if any
 
 
-# ---------------------------------------------------------------------------------------------
-# Field types: what pydantic's lax mode would take that a config must not
-# ---------------------------------------------------------------------------------------------
+# --- Field types: what pydantic's lax mode would take that a config must not
 
 
 def _not_bool(value: Any) -> Any:
@@ -95,10 +90,8 @@ SECTIONS: dict[str, type[Section]] = {}  # every section by its name, in the ord
 
 
 class Section(BaseModel):
-    """A config section: frozen, no unknown keys, no NaN or infinity; errors as one-line ConfigErrors.
-
-    A subclass with a ``SECTION`` name is registered in ``SECTIONS`` (coba_tasks.pipeline.config_sections
-    defines them); the whole ``Config`` has none."""
+    """A config section: frozen, no unknown keys, no NaN or infinity; errors as one-line ConfigErrors. A subclass
+    with a ``SECTION`` name registers itself in ``SECTIONS``; the whole ``Config`` has none."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     SECTION: ClassVar[str] = ""
@@ -122,15 +115,8 @@ class Section(BaseModel):
 # pydantic's error types: a key or section that should not be there, or is not a mapping; a value out of
 # its bounds or word list (or failing a field's own check, "config"); the rest say the type is wrong
 _STRUCTURE = ("extra_forbidden", "model_type", "model_attributes_type", "dict_type")
-_VALUE = (
-    "greater_than",
-    "greater_than_equal",
-    "less_than",
-    "less_than_equal",
-    "literal_error",
-    "config",
-    "value_error",
-)
+_BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+_VALUE = (*_BOUNDS, "literal_error", "config", "value_error")
 
 
 def config_error(error: ValidationError, prefix: tuple[str, ...] = (), where: str = "") -> ConfigError:

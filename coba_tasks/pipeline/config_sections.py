@@ -62,6 +62,9 @@ def test_set_name(path: str) -> str:
     return Path(path).name.removesuffix(".parquet")
 
 
+test_set_name.__test__ = False  # a function of the package, not a test: pytest collects only its doctest
+
+
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
@@ -69,9 +72,7 @@ def _known_trackers(names: tuple[str, ...]) -> bool:
     return all(n in TRACKERS for n in names) and len(set(names)) == len(names)
 
 
-# ---------------------------------------------------------------------------------------------
-# Sections
-# ---------------------------------------------------------------------------------------------
+# --- Sections
 
 
 class RunConfig(Section):

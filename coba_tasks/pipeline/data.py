@@ -4,11 +4,9 @@ and a run's datasets after every check (``load_run_datasets``) with the prompts 
 (``eval_prompt_set``).
 
 Two input layouts (docs/design.md, "Components"), told apart by the type of ``prompt``: **veRL** (a list of
-``{role, content}``, with ``data_source``, ``reward_model {style, ground_truth}``, optional ``ability`` and
-``extra_info {index, difficulty, ...}``) and **flat** (a string, with ``answer``; optional ``data_source``,
-``ability``, ``difficulty`` and ``prompt_id``). ``load_dataset`` returns one row per prompt with the columns
-of ``LOADED_COLUMNS``; the prompt id is ``extra_info.index`` or the ``prompt_id`` column, else
-``prompt_hash(messages)``; a missing difficulty is -1; ``extra_info`` is JSON text (the reward file's argument).
+messages) and **flat** (a string, with ``answer``; optional ``data_source``, ``ability``, ``difficulty`` and
+``prompt_id``). The prompt id is ``extra_info.index`` or ``prompt_id``, else ``prompt_hash``; a missing
+difficulty is -1; ``extra_info`` is kept as JSON text (the reward file's argument).
 
 Every row is checked on load; ``DatasetError`` names the file, the row (counted from 0, as in
 ``pandas.read_parquet(path).iloc[row]``) and the column of the first few bad rows. With ``on_bad_rows="skip"``
@@ -40,9 +38,7 @@ if TYPE_CHECKING:
     from coba_tasks.engines.reward_file import RewardFunction
     from coba_tasks.pipeline.config import Config
 
-# ---------------------------------------------------------------------------------------------
-# What can be wrong with a dataset, and the bad-row policy every data check shares
-# ---------------------------------------------------------------------------------------------
+# --- What can be wrong with a dataset, and the bad-row policy every data check shares
 
 
 MAX_REPORTED = 5  # bad rows listed in a DatasetError message; the rest are counted
@@ -107,9 +103,7 @@ def all_bad_note(n_rows: int) -> str:
     return f"every one of the {n_rows} rows is bad, so data.on_bad_rows=skip leaves no prompt"
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading a dataset's rows: each veRL or flat row checked and turned into the loaded fields
-# ---------------------------------------------------------------------------------------------
+# --- Reading a dataset's rows: each veRL or flat row checked and turned into the loaded fields
 
 
 LOADED_COLUMNS = (
@@ -132,12 +126,7 @@ Row = dict[str, Any]
 
 
 class _BadValue(Exception):
-    """Raised by the per-value parsers below; the row loop turns it into a ``Problem``."""
-
-    def __init__(self, column: str, message: str) -> None:
-        super().__init__(message)
-        self.column = column
-        self.message = message
+    """Raised by the per-value parsers below (args: column, message); the row loop makes it a ``Problem``."""
 
 
 def prompt_hash(messages: Messages) -> str:
@@ -147,9 +136,7 @@ def prompt_hash(messages: Messages) -> str:
     '415485a3e0e22f36'
     """
     canonical = json.dumps(
-        [{"role": m["role"], "content": m["content"]} for m in messages],
-        ensure_ascii=False,
-        separators=(",", ":"),
+        [{"role": m["role"], "content": m["content"]} for m in messages], ensure_ascii=False, separators=(",", ":")
     )
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:HASH_CHARS]
 
@@ -293,11 +280,8 @@ def _optional_string(value: Any) -> str:
 
 
 def duplicate_ids(rows: list[Row]) -> list[Problem]:
-    """A problem for every row whose prompt id an earlier row already has.
-
-    The problem names the column the id came from: the index or id column, or ``prompt`` for a
-    hashed id (two rows with the same messages).
-    """
+    """A problem for every row whose prompt id an earlier row already has, naming the column the id came from
+    (``prompt`` for a hashed id: two rows with the same messages)."""
     first_row: dict[str, int] = {}
     problems = []
     for row in rows:
@@ -320,9 +304,7 @@ def rows_to_frame(rows: list[Row]) -> pd.DataFrame:
     return frame
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading and writing a dataset file
-# ---------------------------------------------------------------------------------------------
+# --- Reading and writing a dataset file
 
 
 VERL_REQUIRED = ("data_source", "prompt", "reward_model")
@@ -345,13 +327,8 @@ def load_dataset(
     """Read a veRL or flat Parquet file of prompts and validate every row: one row per prompt, in file order,
     with the columns of ``LOADED_COLUMNS``, indexed by the row's number in the file (0..n-1 unless rows were
     skipped). ``default_source`` is the ``data_source`` of flat rows without one; ``on_bad_rows="skip"`` drops
-    bad rows (``read_dataset`` also returns them).
-
-    Raises:
-        DatasetError: the file is not Parquet, lacks a column, or has bad rows (null or empty ground truth or
-            prompt, duplicated prompt id, ...) and ``on_bad_rows`` is ``"error"`` or every row is bad.
-        FileNotFoundError: there is no such file.
-    """
+    bad rows (``read_dataset`` also returns them). DatasetError: the file is not Parquet, lacks a column, or
+    has bad rows and ``on_bad_rows`` is ``"error"`` or every row is bad; FileNotFoundError: no such file."""
     return read_dataset(path, default_source, on_bad_rows)[0]
 
 
@@ -375,7 +352,7 @@ def read_dataset(
         try:
             rows.append({**reader(raw), "_row": i})
         except _BadValue as e:
-            problems.append(Problem(e.column, e.message, row=i))
+            problems.append(Problem(*e.args, row=i))
     problems += duplicate_ids(rows)
     problems.sort(key=lambda p: p.row or 0)
     refuse_or_skip(path, table.num_rows, problems, on_bad_rows)
@@ -403,8 +380,7 @@ def write_verl_parquet(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
     return write_parquet(table, path)
 
 
-# ---------------------------------------------------------------------------------------------
-# File and schema checks
+# --- File and schema checks
 
 
 def _read_table(path: str | os.PathLike[str]) -> pa.Table:
@@ -473,17 +449,12 @@ def _check_columns(schema: pa.Schema, layout: Layout, path: str | os.PathLike[st
         raise DatasetError(path, problems)
 
 
-# ---------------------------------------------------------------------------------------------
-# Prompts as the model sees them: rendering, tokenizing, and the check that each fits the context
-# ---------------------------------------------------------------------------------------------
+# --- Prompts as the model sees them: rendering, tokenizing, and the check that each fits the context
 
 
 def prompt_format_of(tokenizer: Any, prompt_format: PromptFormat) -> Literal["chat", "raw"]:
     """The format ``render_prompts`` uses: ``auto`` is ``chat`` when the tokenizer has a chat template.
-
-    Raises:
-        ValueError: ``chat`` asked for and the tokenizer has no chat template, or an unknown format.
-    """
+    ValueError: ``chat`` asked for and the tokenizer has no chat template, or an unknown format."""
     if prompt_format not in get_args(PromptFormat):
         raise ValueError(f"prompt format must be one of {', '.join(get_args(PromptFormat))}, got {prompt_format!r}")
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -509,7 +480,6 @@ def render_prompts(
     - ``raw``: the last user message as plain text, tokenized with the tokenizer's special tokens (a
       BOS where the tokenizer adds one), as vLLM tokenizes a text prompt. For base models and the
       tiny character model.
-    - ``auto`` (the config's default): ``chat`` when the tokenizer has a chat template, else ``raw``.
 
     The rollout engine receives ``prompt_token_ids`` as they are (a token prompt: it tokenizes
     nothing) and the trainer reads the same ids, so the policy is trained on the sequence it sampled.
@@ -565,22 +535,10 @@ def check_prompt_lengths(
 ) -> tuple[pd.DataFrame, list[Problem]]:
     """Refuse (or with ``"skip"`` drop) the prompts that leave no room for a whole completion.
 
-    A prompt fits when its token count (``prompt_token_ids`` of ``render_prompts``: the rendered
-    prompt, as the rollout engine receives it) plus ``max_tokens`` is at most ``context``.
-
-    Args:
-        df: a frame of ``render_prompts``; its index is the file's row number (used in messages).
-        context: the engine's context length in tokens (prompt + completion).
-        max_tokens: tokens generated per completion (``rollout.max_tokens``).
-        path: the file ``df`` came from, for messages.
-        on_bad_rows: ``"error"`` or ``"skip"``, as in ``load_dataset``.
-        context_from: where ``context`` came from, for messages.
-
-    Returns:
-        The frame without the skipped rows (index kept), and their problems (column ``prompt``).
-
-    Raises:
-        DatasetError: some prompt is too long and ``on_bad_rows`` is ``"error"``, or every one is.
+    A prompt fits when its token count (``prompt_token_ids`` of ``render_prompts``, whose index is the
+    file's row number) plus ``max_tokens`` is at most ``context`` (the engine's, in tokens; ``context_from``
+    says where it came from, for messages). Returns the frame without the skipped rows (index kept) and their
+    problems; DatasetError when some prompt is too long and ``on_bad_rows`` is ``"error"``, or every one is.
     """
     check_on_bad_rows(on_bad_rows)
     if df.empty:
@@ -625,9 +583,7 @@ def model_context(model_path: str, trust_remote_code: bool, max_model_len: int) 
     return tokenizer, None, "unknown"
 
 
-# ---------------------------------------------------------------------------------------------
-# A run's datasets after every check, the ground-truth check, and the prompts its evaluations score
-# ---------------------------------------------------------------------------------------------
+# --- A run's datasets after every check, the ground-truth check, and the prompts its evaluations score
 
 
 BAD_ROWS_COLUMNS = ("key", "file", "row", "column", "message")  # bad_rows.parquet of a run
@@ -781,10 +737,7 @@ def load_run_datasets(cfg: Config, train: bool = True) -> RunDatasets:
     ``data.on_bad_rows`` says whether a bad row stops the run or is skipped. The context is
     ``rollout.max_model_len``, or the model's ``max_position_embeddings`` when that is 0 (no
     length check when the model declares none). The frames come back with a fresh 0..n-1 index.
-
-    Raises:
-        DatasetError: a bad file, or bad rows that are not skipped (``data.train`` / ``data.test``).
-        ConfigError: the model's tokenizer or config cannot be read (naming ``model.path``).
+    ConfigError (naming ``model.path``) when the model's tokenizer or config cannot be read.
     """
     # a reward file scores every row whatever its data_source: no ground-truth check by a built-in verifier
     custom_reward = reward_function(cfg) is not None
@@ -838,11 +791,8 @@ def _render_checked(
 
 
 def keep_difficulties(df: pd.DataFrame, levels: Sequence[int], path: str | os.PathLike[str]) -> pd.DataFrame:
-    """The rows of ``df`` whose difficulty is in ``levels`` (``data.difficulties``; empty keeps every row).
-
-    Raises:
-        ConfigError: the file has no difficulty levels, or none of its rows is of those levels.
-    """
+    """The rows of ``df`` whose difficulty is in ``levels`` (``data.difficulties``; empty keeps every row);
+    ConfigError when the file has no difficulty levels, or none of its rows is of those levels."""
     if not levels:
         return df
     present = sorted(int(x) for x in df["difficulty"].unique()) if "difficulty" in df else []

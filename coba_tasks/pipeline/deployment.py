@@ -1,27 +1,10 @@
 """What a flow run started from a deployment may reach on its worker: paths inside the project (or the roots
-the worker names), a reward file only where the worker allows it, and no file's text in an error.
-
-Why. A deployment's parameters come from whoever reaches the Prefect API (docs/workers.md, "Who can reach
-the API"), and the worker runs them with its own rights, on its own disk. The commands (``coba run``,
-``coba resume``...) and the Python API are their user's own: their paths go anywhere.
-
-- ``started_by_deployment()``: whether the flow run in progress belongs to a deployment (a worker picked
-  it up); a flow called by ``coba run`` or from Python has none. The flows ask it and, when true, check
-  every path they receive with ``check_deployment_paths`` before reading or writing anything, and load a
-  ``config_path`` without quoting its text in errors.
-- ``allowed_roots()``: the project, and the directories listed in ``COBA_DEPLOYMENT_ROOTS`` (separated as
-  in ``PATH``) of the worker's environment. A path is inside when it is, once every symlink is resolved.
-- ``check_deployment_outputs(paths)``: a file a deployment's flow run writes (``coba-eval``'s ``out_path``) goes
-  under the project's ``runs/`` or a root the worker names, never among the project's own files (its code,
-  data, ``.git``, ``.venv``), ``overwrite`` or not.
-- ``check_deployment_limits(values)``: the sizes a flow run would take on (verifier processes, steps,
-  held-out prompts and samples, ...) stay under caps (``DEPLOYMENT_CAPS``) that the worker may raise through
-  its environment (``COBA_DEPLOYMENT_CAPS="verify.workers=64,run.steps=5000"``): a parameter cannot start
-  2,000 verifier processes or a run of a million steps on a worker that did not agree to it.
-- ``check_reward_files(cfg)``: a reward file (``verify.reward_function``) is Python code: like
-  ``model.trust_remote_code``, a flow runs it only where its process allows it
-  (``COBA_ALLOW_REWARD_FILES=1``, in the worker's environment); the commands allow it for the config their
-  user gives (``allow_reward_files``).
+the worker names in ``COBA_DEPLOYMENT_ROOTS``), outputs under ``runs/`` or those roots, sizes under caps
+(``COBA_DEPLOYMENT_CAPS``), a reward file only where the worker allows it (``COBA_ALLOW_REWARD_FILES=1``), and
+no file's text in an error (docs/workers.md, the deployment rules). A deployment's parameters come from whoever
+reaches the Prefect API and run with the worker's rights; the commands and the Python API are their user's
+own, and their paths go anywhere. The flows ask ``started_by_deployment()`` and, when true, check every path
+before reading or writing anything.
 """
 
 from __future__ import annotations
@@ -55,8 +38,7 @@ DEPLOYMENT_CAPS: dict[str, int] = {
 
 
 def started_by_deployment() -> bool:
-    """True inside a flow run that belongs to a deployment (what a worker runs); False in a flow called
-    directly (``coba run``, Python) and outside any flow."""
+    """True inside a flow run of a deployment (a worker's); False in a flow called directly and outside any flow."""
     from prefect.context import FlowRunContext
 
     context = FlowRunContext.get()
@@ -65,8 +47,7 @@ def started_by_deployment() -> bool:
 
 
 def allowed_roots() -> tuple[Path, ...]:
-    """Where a deployment's paths may point: the project and each directory of ``COBA_DEPLOYMENT_ROOTS``,
-    resolved."""
+    """Where a deployment's paths may point: the project and each directory of ``COBA_DEPLOYMENT_ROOTS``."""
     named = [Path(p).expanduser() for p in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if p.strip()]
     return tuple(dict.fromkeys(p.resolve() for p in (PROJECT_ROOT, *named)))
 
@@ -74,9 +55,8 @@ def allowed_roots() -> tuple[Path, ...]:
 def _first_outside(
     paths: Mapping[str, str | os.PathLike[str] | None], roots: tuple[Path, ...]
 ) -> tuple[str, str] | None:
-    """(key, ``value`` as shown in an error) of the first path of ``paths`` that resolves outside every root
-    of ``roots``, or None. None or empty: not given, nothing to check; a relative path is taken from the
-    working directory (the project, in a deployment's flow run)."""
+    """(key, value as shown in an error) of the first path of ``paths`` (None or empty: not given) that resolves
+    outside every root, or None; a relative path is from the working directory (the project, in a flow run)."""
     for key, value in paths.items():
         if value is None or not str(value).strip():
             continue
@@ -88,9 +68,7 @@ def _first_outside(
 
 
 def check_deployment_paths(paths: Mapping[str, str | os.PathLike[str] | None]) -> None:
-    """Refuse (``ConfigError``, one line naming the parameter or key) a path outside ``allowed_roots()``.
-
-    ``paths``: parameter or config key -> path as given (``_first_outside``)."""
+    """ConfigError naming the parameter or config key (``paths``' keys) of a path outside ``allowed_roots()``."""
     roots = allowed_roots()
     outside = _first_outside(paths, roots)
     if outside is not None:
@@ -103,16 +81,13 @@ def check_deployment_paths(paths: Mapping[str, str | os.PathLike[str] | None]) -
 
 
 def output_roots() -> tuple[Path, ...]:
-    """Where a deployment's flow runs write files they are given the path of: the project's ``runs/`` and each
-    directory of ``COBA_DEPLOYMENT_ROOTS``, resolved."""
+    """Where a deployment's flow runs write the files they are given: ``runs/`` and ``COBA_DEPLOYMENT_ROOTS``."""
     named = allowed_roots()[1:]
     return tuple(dict.fromkeys(((PROJECT_ROOT / "runs").resolve(), *named)))
 
 
 def check_deployment_outputs(paths: Mapping[str, str | os.PathLike[str] | None]) -> None:
-    """Refuse (``ConfigError``, one line naming the parameter) an output path outside ``output_roots()``: the
-    project's code, data, ``.git`` or ``.venv`` are never a deployment's output. ``paths`` as
-    ``check_deployment_paths`` takes them."""
+    """``check_deployment_paths`` for outputs, under ``output_roots()``: never the project's own files."""
     roots = output_roots()
     outside = _first_outside(paths, roots)
     if outside is not None:
@@ -139,8 +114,8 @@ def deployment_caps() -> dict[str, int]:
 
 
 def check_deployment_limits(values: Mapping[str, int | None]) -> None:
-    """Refuse (``ConfigError``, one line naming the key, the cap and how the worker raises it) a value above its
-    cap (``deployment_caps``); ``values``: key -> value (None: not given)."""
+    """ConfigError naming the key, its cap and how the worker raises it, for a value above its cap (None: not
+    given)."""
     caps = deployment_caps()
     for key, value in values.items():
         if value is not None and key in caps and value > caps[key]:
@@ -156,11 +131,8 @@ def config_limits(cfg: Config) -> dict[str, int]:
 
 
 def check_reward_files(cfg: Config) -> None:
-    """Refuse ``verify.reward_function`` unless this process allows reward files (``COBA_ALLOW_REWARD_FILES=1``).
-
-    A flow's parameters come from whoever reaches the Prefect API: a config that runs a Python file of the
-    worker's disk must be allowed by the environment of the process that would run it, as a model's own code
-    is (``run.check_remote_code``)."""
+    """Refuse ``verify.reward_function`` unless this process's environment allows reward files, as a model's own
+    code (``run.check_remote_code``): a flow's parameters come from whoever reaches the Prefect API."""
     spec = cfg.verify.reward_function.strip()
     if spec and os.environ.get(REWARD_FILES_ENV) != "1":
         raise ConfigError(

@@ -1,15 +1,7 @@
-"""Held-out evaluation, its one home: in a training run and of any model directory.
-
-``evaluate`` scores ``samples`` completions per held-out prompt (and a greedy one) as avg@k, greedy accuracy
-and pass@k's counts per prompt; ``eval_steps`` is when a run evaluates; the prompts are
-``data.eval_prompt_set``. In a run, the task ``evaluate_step(run_dir, t)`` writes ``steps/t/eval.parquet``
-(``engine_holds`` loads the weights after t updates when the engine holds others); ``due_evaluations`` are
-those a continuing run computes first.
-
-Of a model directory (the ``coba-eval`` flow, ``coba_tasks.pipeline.tasks``): ``EvalSettings`` is the flow's
-typed, frozen parameter (``EvalSettings.from_config(cfg)``: a run's; ``eval_settings({...})``: checked, one
-line per problem); ``check_eval_inputs`` refuses what cannot be evaluated or written before an engine starts;
-``evaluate_model`` scores the model; ``write_eval_table`` writes the per-prompt table atomically.
+"""Held-out evaluation, its one home: in a training run (the task ``evaluate_step(run_dir, t)`` writes
+``steps/t/eval.parquet`` at the ``eval_steps``) and of any model directory (the ``coba-eval`` flow:
+``EvalSettings`` is its typed, frozen parameter; ``check_eval_inputs`` refuses what cannot be evaluated or
+written before an engine starts; ``evaluate_model``; ``write_eval_table``). ``evaluate`` does the scoring.
 """
 
 from __future__ import annotations
@@ -87,9 +79,7 @@ CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# What an evaluation scores: its schedule in a run, its prompts, the scoring
-# ---------------------------------------------------------------------------------------------
+# --- What an evaluation scores: its schedule in a run, its prompts, the scoring
 
 BOXED = "\\boxed{"  # the answer format of math prompts ("put your final answer within \\boxed{}")
 
@@ -119,21 +109,12 @@ def evaluate(
     max_error_share: float = 1.0,
     where: str = "held-out evaluation",
 ) -> pd.DataFrame:
-    """Share of solved completions (verdict ``correct``: the mean reward of the built-in verifiers, a score of
-    at least ``verify.pass_threshold`` of a reward file) over ``samples`` completions per held-out prompt
-    (greedy when temperature is 0).
-
-    A sampled evaluation keeps the ``top_p`` nucleus (the paper: avg@16 at temperature 1.0, top-p 0.9).
-    With ``greedy``, a sampled evaluation also decodes greedily (column ``accuracy_greedy``; the same
-    as ``accuracy`` when the evaluation is greedy already). ``samples`` and ``solved`` count a prompt's
-    sampled completions and the solved ones among them (pass@k's input). ``answered`` is the share of a prompt's
-    completions with an answer at all (any verdict but ``no_answer``), ``boxed`` the share that write
-    a ``\\boxed{}`` answer (the format math prompts ask for; math-verify also finds unboxed answers).
-    ``errors`` and ``timeouts`` count a prompt's completions (sampled and greedy) that could not be scored;
-    when their share of a held-out set's completions is above ``max_error_share`` (``verify.max_error_share``)
-    the evaluation stops (``ScoringError`` naming ``where`` and the set) instead of reporting their zero
-    rewards as accuracy. A ``test_set`` column of ``test`` (which held-out set a prompt is of) is kept in the
-    table. ``progress`` shows the engine's progress bar while it generates.
+    """Per held-out prompt, the share of ``samples`` completions solved (verdict ``correct``), greedy when
+    temperature is 0, and with ``greedy`` also ``accuracy_greedy``; ``samples`` and ``solved`` (pass@k's
+    input), ``answered``, ``boxed``, ``errors``, ``timeouts`` (the columns: docs/design.md, "Step tables",
+    ``eval``), and ``test``'s ``test_set``. ``top_p``: the nucleus of a sampled evaluation. Each held-out set
+    whose share of unscored completions is above ``max_error_share`` stops it (``ScoringError`` naming
+    ``where`` and the set).
     """
 
     columns = ["reward", "answered", "boxed"]
@@ -189,13 +170,11 @@ def evaluate(
     return out.reset_index(drop=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# A model directory on a test file (coba-eval)
-# ---------------------------------------------------------------------------------------------
+# --- A model directory on a test file (coba-eval)
 
 
 def _default(setting: str) -> Any:
-    """The run config's default of ``setting``'s key: the one place the defaults are written."""
+    """The run config's default of ``setting``'s key."""
     section, key = CONFIG_KEYS[setting]
     return section.model_fields[key].default
 
@@ -263,9 +242,8 @@ class EvalSettings(BaseModel):
 
 
 def eval_settings(values: EvalSettings | dict[str, Any] | None = None, **changes: Any) -> EvalSettings:
-    """``values`` (a model, a dict, or None for the defaults) with ``changes``, as a valid EvalSettings.
-
-    Raises ValueError with one line a problem, each naming the field and what it needs.
+    """``values`` (a model, a dict, or None for the defaults) with ``changes``, as a valid EvalSettings; else a
+    ValueError of one line, each problem naming the field and what it needs.
 
     >>> eval_settings(samples=4, temperature=1.0).samples
     4
@@ -305,7 +283,7 @@ def check_eval_inputs(
     model_path: str, settings: EvalSettings, out_path: str | None = None, overwrite: bool = False
 ) -> None:
     """Refuse a model or test file that cannot be evaluated, or an ``out_path`` that must not be written,
-    before an engine starts (an evaluation is expensive); the messages say why."""
+    before an engine starts."""
     if not (Path(model_path) / "config.json").is_file() and not is_adapter_checkpoint(model_path):
         raise ValueError(
             f"model_path {model_path!r} is not a Hugging Face model directory (no config.json) nor a LoRA "
@@ -322,9 +300,8 @@ def check_eval_inputs(
 
 
 def check_eval_output(out_path: str, model_path: str, settings: EvalSettings, overwrite: bool) -> None:
-    """Refuse an ``out_path`` that is an input of the evaluation (the test file, a file of the model or of a
-    LoRA checkpoint's base model, under any name: symlinks are followed), overwrite or not, and an existing
-    file unless ``overwrite``: the per-prompt table never replaces a user's file by surprise."""
+    """Refuse an ``out_path`` that is an input of the evaluation (symlinks followed), ``overwrite`` or not, and
+    what ``refuse_existing_out_path`` refuses."""
     out = Path(out_path).resolve()
     inputs = [("test_path", Path(settings.test_path)), ("model", Path(model_path))]
     if is_adapter_checkpoint(model_path):
@@ -344,8 +321,7 @@ EVAL_TABLE_COLUMNS = ("prompt_id", "accuracy", "weight_version")  # what marks a
 
 
 def is_eval_table(path: str | Path) -> bool:
-    """Whether ``path`` is a per-prompt evaluation table (a Parquet file with ``EVAL_TABLE_COLUMNS``), read
-    from its schema alone."""
+    """Whether ``path`` is a Parquet file with ``EVAL_TABLE_COLUMNS`` (read from its schema alone)."""
     try:
         names = set(pq.read_schema(path).names)
     except (OSError, ValueError):  # not Parquet, unreadable
@@ -354,8 +330,7 @@ def is_eval_table(path: str | Path) -> bool:
 
 
 def refuse_existing_out_path(out_path: str, overwrite: bool) -> None:
-    """Refuse an ``out_path`` that is a directory, or an existing file unless ``overwrite`` and it is an earlier
-    evaluation's table: ``overwrite`` replaces a table, never a user's other file."""
+    """Refuse a directory, or an existing file unless ``overwrite`` and it is an earlier evaluation's table."""
     if Path(out_path).is_dir():
         raise ValueError(f"out_path {out_path} is a directory; give the path of the Parquet file to write")
     if Path(out_path).exists() and not overwrite:
@@ -372,12 +347,8 @@ def refuse_existing_out_path(out_path: str, overwrite: bool) -> None:
 
 
 def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = False) -> pd.DataFrame:
-    """Per-prompt held-out accuracy of the model; the engine and the verifier pool live only in this task.
-    ``progress`` shows the engine's progress bar (on a terminal).
-
-    The prompts pass the checks a training run makes before anything starts: every ground truth read by
-    its verifier (an unknown data_source refused, unless ``unknown_sources`` is ``math``), and every
-    prompt with room for ``max_tokens`` in the context (``max_model_len``, or the model's own when 0)."""
+    """Per-prompt held-out accuracy of the model (the engine and the verifier pool live only in this call),
+    after the checks a training run makes of its prompts: ground truths, unknown data_sources, prompt lengths."""
     s = settings
     loaded = keep_difficulties(load_dataset(s.test_path), s.difficulties, s.test_path)  # as a run keeps them
     checked, _ = check_ground_truths(loaded, s.test_path, "error", s.unknown_sources, VERIFY.workers, VERIFY.timeout_s)
@@ -423,23 +394,21 @@ def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = Fal
 
 
 def write_eval_table(table: pd.DataFrame, out_path: str, overwrite: bool = False) -> str:
-    """Write the per-prompt table as Parquet, atomically (a reader never sees half a file); an existing
-    ``out_path`` (one that appeared during the evaluation, too) is replaced only with ``overwrite``."""
+    """Write the per-prompt table as Parquet, atomically; an existing ``out_path`` (one that appeared during
+    the evaluation, too) is replaced only with ``overwrite``."""
     refuse_existing_out_path(out_path, overwrite)
     return str(write_parquet(table, Path(out_path).resolve()))
 
 
-# ---------------------------------------------------------------------------------------------
-# In a training run: the task, the weights it scores, which evaluations are due
-# ---------------------------------------------------------------------------------------------
+# --- In a training run: the task, the weights it scores, which evaluations are due
 
 EVAL_WEIGHTS_DIR = "eval_weights"  # LoRA: an earlier step's merged policy, for its evaluation (removed after)
 
 
 @stage(Table.EVAL)
 def evaluate_step(res: RunResources, step: int) -> pd.DataFrame:
-    """Held-out accuracy of the weights after ``step`` updates: those the engine holds during a run; an
-    evaluation recomputed later (a rerun, a repair, one a kill left out) loads them first (``engine_holds``)."""
+    """Held-out accuracy of the weights after ``step`` updates (``engine_holds``: loaded when the engine holds
+    others, as in an evaluation recomputed later)."""
     r = res.cfg.run
     with engine_holds(res, step):
         table = evaluate(
@@ -463,10 +432,8 @@ def evaluate_step(res: RunResources, step: int) -> pd.DataFrame:
 
 @contextmanager
 def engine_holds(res: RunResources, version: int) -> Iterator[None]:
-    """The rollout engine holds the policy after ``version`` updates while the block runs: as it is when it
-    holds them already; else they are loaded (the base model at 0, ``checkpoints/<version>``, with LoRA that
-    adapter merged into the base) and the engine's own weights are loaded back after. A checkpoint that is
-    gone stops here in one line (StoreError), before anything is computed."""
+    """The rollout engine holds the policy after ``version`` updates while the block runs, loaded when it holds
+    others and its own loaded back after; a checkpoint that is gone is a StoreError before anything is computed."""
     held = res.engine.weight_version
     if held == version:
         yield
@@ -479,7 +446,7 @@ def engine_holds(res: RunResources, version: int) -> Iterator[None]:
 
 
 def _load_version(res: RunResources, version: int) -> None:
-    """Load the policy after ``version`` updates into the engine (``engine_holds``)."""
+    """Load the policy after ``version`` updates: the base model at 0, the checkpoint, with LoRA merged."""
     cfg = res.cfg
     if version == 0:
         res.engine.load_weights(cfg.model.path, version=0)
@@ -501,9 +468,8 @@ def _load_version(res: RunResources, version: int) -> None:
 
 
 def due_evaluations(res: RunResources, first: int) -> list[int]:
-    """The held-out evaluations between training's first and last (``run.eval_every``) of the weights after at
-    most ``first`` updates (the step a run continues at) that are not done: a kill between an update and its
-    evaluation, or an evaluation rerun or repaired, leaves one; the flow computes them before it continues."""
+    """The held-out evaluations between training's first and last, at most ``first`` (the step a run continues
+    at), not done (a kill after an update, a rerun or repair leaves one): the flow computes them first."""
     r = res.cfg.run
     due = eval_steps(r.steps, r.eval_every)[1:-1]  # the evaluations before and after training have their own
     return [e for e in due if e <= first and not res.store.is_done(e, Table.EVAL)]

@@ -1,32 +1,12 @@
 """A run forked from another: the steps two runs have in common, trained once (``coba compare``).
 
-Which runs share steps. Only the capability, history and budget stages read the allocation section; the
-rollouts stage reads a budget table's prompt ids and budgets (``ROLLOUT_INPUTS``, in order), and its other
-columns (strategy, value, alpha, ...) are records. Two runs whose configs differ only in
-``PREFIX_KEYS`` (allocation keys and run.name) therefore compute the same rollouts, rewards, updates,
-checkpoints and evaluations up to the first step whose rollouts they would sample differently. Which step
-that is, is computed, not assumed: ``fork_point`` recomputes from run A's tables, with run B's config, what
-B's allocation stages would write (budget of step u; capability and history of u, from A's rewards) and
-stops at the first step s whose budget gives other prompts or budgets than A's, or whose capability or
-history table would not be A's byte for byte. A batch of unseen prompts is allocated uniformly whatever
-the strategy, so runs that differ in strategy, mode or schedule, with a pool of P prompts and M a step,
-part no earlier than step P // M (counted from 0).
-
-What a fork is. ``fork_run`` makes B's run directory as B trained from the start would have it before step
-s: B's config.yaml and run.json (A's package versions and input hashes: the steps before s were computed
-with them), A's tables of the steps before s and A's evaluations of the weights after 0..s updates,
-each written again under B's config hash and checked to come out as the same bytes, B's own budget tables
-of steps 0..s, A's checkpoints 1..s that run.keep_checkpoints left (hard links: a checkpoint is built in a
-temporary directory, renamed into place and never written again; a copy where links are not possible; the
-one of step s must be there) and the steps' timing.json. It is
-built in a temporary sibling and renamed into place when whole, with ``fork.json`` (where it came from).
-``train_flow(resume=True)`` then trains B's steps s.. as a resumed run.
-
-What differs from B trained from the start: the times (``written_at`` in the manifests, run.json's
-``created``, the timing.json of the steps before s, which are A's measurements, and summary.json's
-seconds), and ``fork.json``. The torch RNG state a checkpoint after s saves (``rng.torch``: the process's
-global generator, which no computation reads back) may differ too, as it may for any resumed run: an
-in-process vLLM engine advances it while sampling (with the transformers backend it came out the same).
+docs/design.md, "Resume and rerun" (Fork), says which runs share steps, how ``fork_point`` finds where they
+part (recomputing run B's budget, capability and history tables from run A's) and what ``fork_run`` takes
+from A and how B differs from B trained from the start. A batch of unseen prompts is allocated uniformly
+whatever the strategy, so runs that differ in strategy, mode or schedule, with a pool of P prompts and M a
+step, part no earlier than step P // M (counted from 0). A checkpoint is taken as a hard link (a copy where
+links are not possible); the one of the fork step must be there. The fork is built in a temporary sibling
+and renamed into place when whole.
 """
 
 from __future__ import annotations
@@ -96,8 +76,7 @@ def shares_prefix(a: Config, b: Config) -> bool:
 
 @dataclass
 class ForkPoint:
-    """Run B forks from run A before ``step``: B's steps before it are A's; ``budgets`` are B's own budget
-    tables of steps 0..step."""
+    """Run B forks from run A before ``step``; ``budgets``: B's own budget tables of steps 0..step."""
 
     step: int
     budgets: dict[int, pd.DataFrame] = field(default_factory=dict)
@@ -119,12 +98,10 @@ def fork_point(source: RunStore, cfg: Config) -> ForkPoint | None:
     budgets: dict[int, pd.DataFrame] = {}
     for u in range(cfg.run.steps):
         budgets[u] = stages.budget_for(view, u, history, tracker)
-        # the source's budget of u: its table, or (its step u not started yet) what its budget stage will write
-        if source.is_done(u, Table.BUDGET):
-            their_budget = source.read_table(u, Table.BUDGET)
-        else:
-            their_budget = stages.budget_for(their_view, u, history, tracker)
-        if not _same_rollout_inputs(budgets[u], their_budget):
+        # the source's budget of u: its table, or (step u not started yet) what its budget stage will write
+        done = source.is_done(u, Table.BUDGET)
+        theirs_u = source.read_table(u, Table.BUDGET) if done else stages.budget_for(their_view, u, history, tracker)
+        if not _same_rollout_inputs(budgets[u], theirs_u):
             return ForkPoint(u, budgets)
         if not (source.is_done(u, Table.CAPABILITY) and source.is_done(u, Table.HISTORY)):
             return None
@@ -150,10 +127,9 @@ def _written_as(store: RunStore, step_dir: int, name: str, frame: pd.DataFrame) 
 
 
 def fork_run(source: RunStore, root: str | os.PathLike[str], cfg: Config, point: ForkPoint) -> RunStore:
-    """Make the run directory ``root`` of ``cfg`` from ``source`` as it stood before ``point.step`` (the module
-    docstring says what is taken and what is B's own); the run then continues with ``train_flow(resume=True)``.
-    ``ForkError`` (nothing left at ``root``) when a table would not come out as the same bytes, or what
-    ``point.step`` continues from is not there (a pruned checkpoint, a step not done)."""
+    """Make the run directory ``root`` of ``cfg`` from ``source`` as it stood before ``point.step``, to continue
+    with ``train_flow(resume=True)``. ``ForkError`` (nothing left at ``root``) when a table would not come out
+    as the same bytes, or what ``point.step`` continues from is not there (a pruned checkpoint, a step not done)."""
     root, s = Path(root), point.step
     if root.exists():
         raise ForkError(f"{root} exists")
@@ -199,9 +175,8 @@ def _run_tables(source: RunStore, store: RunStore, s: int) -> None:
 
 
 def _step_tables(source: RunStore, store: RunStore, u: int, s: int, budget: pd.DataFrame | None) -> None:
-    """steps/<u>: the source's tables (before ``s``; at ``s`` only its evaluation) with ``budget`` for its
-    budget table (none after the last step), in the source's order (the budget last when the source has not
-    allocated step ``u`` yet), and the step's timing records."""
+    """steps/<u>: the source's tables (before ``s``; at ``s`` only its evaluation) in the source's order, with
+    ``budget`` (None after the last step) for its budget table, and the step's timing records."""
     entries: dict[str, Any] = source.manifest(u)
     for name, entry in entries.items():
         if name == Table.BUDGET and budget is not None:

@@ -1,25 +1,9 @@
-"""Rerunning one stage of a run: which later outputs it invalidates, and removing them.
+"""Rerunning one stage of a run: which later outputs it invalidates, and removing them (docs/operations.md,
+"Rerun": the order outputs are computed in, what a rerun removes, and the checkpoints it checks first).
 
-Every stage output is a pure function of earlier outputs and the config, so recomputing a stage
-makes every output computed after it stale. Outputs are ordered by when they are computed: step by step,
-each step's held-out evaluation (eval(t) measures the weights after t updates) before its stages, the
-stages in the order ``store.step_stages`` gives (the history with its capability stage), so for step t:
-
-    eval(t)                      steps/t/eval.parquet        (when due)
-    pilot(t), pilot_rewards(t)   under allocation.estimator = pilot
-    budget(t), rollouts(t), rewards(t), capability(t) + history(t)
-    update(t) + checkpoints/t+1
-
-``plan_rerun`` lists the stage's own output and everything after it in that order (and the
-checkpoints and summary.json that go with them); ``apply_rerun`` removes them (manifest entries
-first, then files), after which resuming the run recomputes them. Before it removes anything it checks
-that the resume can recompute them (``check_plan``): the checkpoint the resume continues from and the one of
-each held-out evaluation due before it must be whole. When one is gone (``run.keep_checkpoints`` pruned it)
-nothing is removed and the refusal names the rerun that is possible: from the newest checkpoint kept at or
-below the step.
-
-    coba rerun --run-dir runs/demo --step 5 --stage rewards          # say what would be removed
-    coba rerun --run-dir runs/demo --step 5 --stage rewards --yes    # remove it, then resume
+``plan_rerun`` lists the stage's own output and everything computed after it (and the checkpoints and
+summary.json that go with them); ``apply_rerun`` removes them, manifest entries first, after ``check_plan``
+made sure the resume can recompute them.
 """
 
 from __future__ import annotations
@@ -69,12 +53,8 @@ class RerunPlan:
 
 
 def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True) -> RerunPlan:
-    """The outputs that rerunning ``stage`` at ``step`` invalidates (the stage's own included).
-
-    Raises:
-        ValueError: unknown stage, negative step, or the stage has not run at that step yet
-            (there is nothing to rerun: resume the run instead).
-    """
+    """The outputs that rerunning ``stage`` at ``step`` invalidates (its own included); ValueError for an unknown
+    stage, a negative step, or (``require_done``) a stage not run there yet."""
     if stage not in RERUNNABLE:
         raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join(RERUNNABLE)}")
     if step < 0:
@@ -117,8 +97,7 @@ def _piloted(store: RunStore) -> bool:
 
 
 def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:
-    """Every table listed in a manifest that is missing, truncated, altered or unreadable:
-    (step directory, table, reason), in the order the tables were computed."""
+    """(step directory, table, reason) of every damaged table of a manifest, in the order they were computed."""
     out = []
     for s in store.steps():
         for name in store.manifest(s):
@@ -129,10 +108,7 @@ def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:
 
 
 def plan_repair(store: RunStore) -> RerunPlan | None:
-    """The rerun that recomputes from the earliest damaged table (None when nothing is damaged).
-
-    A damaged ``history`` table is recomputed by its step's capability stage.
-    """
+    """The rerun that recomputes from the earliest damaged table (a ``history`` table: its capability stage)."""
     damaged = damaged_tables(store)
     if not damaged:
         return None
@@ -142,16 +118,14 @@ def plan_repair(store: RunStore) -> RerunPlan | None:
 
 
 def resume_step(store: RunStore, plan: RerunPlan, steps: int) -> int:
-    """The step a resume after ``plan`` starts at: the first whose update is not done once the plan's tables
-    are gone."""
+    """The step a resume after ``plan`` starts at: the first whose update is not done without the plan's tables."""
     removed = {s for s, name in plan.tables if name == Table.UPDATE}
     return first_step_not_done(store, steps, removed)
 
 
 def needed_checkpoints(store: RunStore, plan: RerunPlan) -> list[int]:
-    """The checkpoints the resume after ``plan`` reads: the one it continues from (none at step 0: the base
-    model), and the one of each due held-out evaluation before that step that it must compute first (the
-    plan's own, or one missing already)."""
+    """The checkpoints the resume after ``plan`` reads: the one it continues from (none at step 0), and those of
+    the held-out evaluations before that step it must compute first (the plan's own, or ones missing already)."""
     cfg = store.read_config().get("run") or {}
     steps, every = int(cfg.get("steps", 0)), int(cfg.get("eval_every", 0))
     first = resume_step(store, plan, steps)
@@ -195,13 +169,10 @@ def check_plan(store: RunStore, plan: RerunPlan) -> None:
 
 
 def apply_rerun(store: RunStore, plan: RerunPlan) -> None:
-    """Remove what ``plan`` lists: manifest entries first, then files, latest outputs first.
-
-    Checked before anything is removed: every table, file and checkpoint resolves inside the run (``inside_run``:
-    a symlinked step directory or ``checkpoints/`` is refused), and the resume will find the checkpoints it
-    needs (``check_plan``)."""
+    """Remove what ``plan`` lists, latest outputs first, once every path is checked ``inside_run`` (a symlinked
+    step directory or ``checkpoints/`` too) and the resume will find the checkpoints it needs (``check_plan``)."""
     for path in (*plan.files, *plan.checkpoints, *(store.table_path(s, name) for s, name in plan.tables)):
-        inside_run(store.root, path)  # a step directory linked out of the run too: refused before any removal
+        inside_run(store.root, path)
     check_plan(store, plan)
     for extra in plan.files:
         if extra.is_dir():

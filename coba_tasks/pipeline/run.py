@@ -105,16 +105,13 @@ def step_boundary(res: RunResources, step: int) -> None:
         watcher(res, step)
 
 
-# ---------------------------------------------------------------------------------------------
-# Opening, starting and closing a run
+# --- Opening, starting and closing a run
 
 
 def previous_checkpoint(store: RunStore, step: int) -> Path | None:
-    """The checkpoint an FSDP update of ``step`` starts from: ``checkpoints/<step>`` (weights, AdamW
-    moments, RNG and update count, written by the previous step's update), or None at step 0 (the base
-    model, a fresh optimizer). That is what the single-process trainer holds in memory at that point, so
-    both modes compute the same update, and a resumed run the same as an uninterrupted one. A missing
-    checkpoint is an error, never a silent restart from the base model."""
+    """The checkpoint an FSDP update of ``step`` starts from: ``checkpoints/<step>``, written by the previous
+    step's update (what the single-process trainer holds in memory then), or None at step 0 (the base model,
+    a fresh optimizer). A missing checkpoint is an error, never a silent restart from the base model."""
     return None if step == 0 else checked_checkpoint(store, step)
 
 
@@ -150,12 +147,9 @@ REMOTE_CODE_ENV = "COBA_ALLOW_REMOTE_CODE"
 
 
 def check_remote_code(cfg: Config) -> None:
-    """Refuse ``model.trust_remote_code`` unless this process allows it (``COBA_ALLOW_REMOTE_CODE=1``).
-
-    A flow's parameters come from whoever reaches the Prefect API: a config that turns on a model's own
-    Python code must be allowed by the environment of the process that would run it (a worker's, set by
-    whoever starts the worker). ``coba run`` allows it for the config its user gives on the command line,
-    and ``coba resume`` with ``--trust-remote-code``."""
+    """Refuse ``model.trust_remote_code`` unless this process allows it (``COBA_ALLOW_REMOTE_CODE=1``): a
+    flow's parameters come from whoever reaches the Prefect API, so a model's own code must be allowed by the
+    environment of the process that would run it (docs/operations.md)."""
     if cfg.model.trust_remote_code and os.environ.get(REMOTE_CODE_ENV) != "1":
         raise ConfigError(
             "model.trust_remote_code = true: this process does not run a model's own code unless its environment "
@@ -165,8 +159,7 @@ def check_remote_code(cfg: Config) -> None:
 
 def allow_remote_code() -> None:
     """Let this process (and the processes it starts) run a model's own code: the user asked for it on the
-    command line (``coba run`` with a config that sets model.trust_remote_code, ``coba resume
-    --trust-remote-code``)."""
+    command line (``coba run``, ``coba resume --trust-remote-code``)."""
     os.environ[REMOTE_CODE_ENV] = "1"
 
 
@@ -182,15 +175,12 @@ def resolve_run(
     """(config, run directory, continuing) for a start, a resume or a retried flow run.
 
     A new run takes ``config`` (a Config, or a dict of its sections) or the YAML at ``config_path``, with
-    ``overrides``; its
-    directory is ``run_dir`` or ``runs/<run_name or run.name>``. Where that directory already
-    holds a run with the same config hash, the run continues (a retried flow run recomputes only
-    the stages that are not done); a different config there is an error. ``resume`` reads the
-    config from the run directory itself. ``deployment``: the parameters came from a deployment
-    (``coba_tasks.pipeline.deployment``): every path stays inside the project or the worker's roots, and
-    the file at ``config_path`` is never quoted in an error.
+    ``overrides``; its directory is ``run_dir`` or ``runs/<run_name or run.name>``. Where that directory
+    already holds a run with the same config hash, the run continues (a retried flow run recomputes only the
+    stages that are not done); a different config there is an error. ``resume`` reads the config from the
+    run directory. ``deployment``: the parameters came from a deployment: every path stays inside the project
+    or the worker's roots, and the file at ``config_path`` is never quoted in an error.
     """
-
     if deployment:  # before anything is read there
         check_deployment_paths({"config_path": config_path, "run_dir": run_dir})
     if resume:
@@ -238,10 +228,8 @@ def resolve_run(
 
 def check_new_run_dir(root: Path) -> None:
     """Refuse a new run's directory unless it is missing or empty (the run lock's file aside): a run never
-    writes into a directory that holds anything else (a project, a home directory, ``/``).
-
-    Every way into a new run comes through here (``resolve_run`` before the lock is taken, ``open_run``
-    after): ``coba run``, the ``coba-train`` deployment's ``run_dir`` and the Python API."""
+    writes into a directory that holds anything else (a project, a home directory, ``/``). Every way into a
+    new run comes through here (``resolve_run`` before the lock is taken, ``open_run`` after)."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise StoreError(f"run directory {root} exists and is not a directory; choose another run directory")
@@ -314,15 +302,11 @@ def open_run(
     warn: Callable[[str], None] | None = None,
     allow_changed_inputs: bool = False,
 ) -> RunResources:
-    """Check the datasets, create (or open) the run directory, and register the run's resources.
-
-    Bad rows and prompts longer than the context fail here, before anything is written (or are
-    skipped with data.on_bad_rows=skip and listed in bad_rows.parquet; ``warn`` gets one line per
-    file with skipped rows, stderr by default). A new run records its inputs' sha256 in run.json; a
-    continuing one checks the inputs it reads again (``check_inputs``). Nothing is started: see
-    ``start_resources``.
+    """Check the datasets, create (or open) the run directory, and register the run's resources; nothing
+    is started (``start_resources``). Bad rows fail here, before anything is written, or are skipped
+    (data.on_bad_rows=skip) with one line per file to ``warn`` (stderr by default). A new run records its
+    inputs' sha256 in run.json; a continuing one checks the inputs it reads again (``check_inputs``).
     """
-
     say = warn or (lambda s: print(s, file=sys.stderr))
     if continuing:
         check_inputs(RunStore.open(root), cfg, allow_changed_inputs, say)
@@ -385,12 +369,9 @@ def start_resources(res: RunResources, model_path: str, version: int) -> None:
     """Start what a run keeps alive between steps: the rollout engine on ``model_path`` (weight
     version ``version``), the verifier pool and the training model (from the config's model path).
 
-    With ``optim.fsdp_processes`` > 1 no training model is built here: each update is a torchrun job
-    that loads the policy and the AdamW state from the last checkpoint and writes the next one, so
-    between steps the checkpoint on disk is the training state. A trainer kept in sync here would have
-    to load every new checkpoint (float32 weights plus two AdamW moments: about 4x the model's size, on
-    the GPU the ranks need) only to hold weights the flow never reads; it is also one copy fewer to go
-    stale. A resume needs nothing more either: the next update reads ``checkpoints/<first step>`` itself.
+    With ``optim.fsdp_processes`` > 1 no training model is built here: each update is a torchrun job from
+    the last checkpoint, the training state between steps; a copy kept in sync here would load every
+    checkpoint (about 4x the model's size) only to hold weights the flow never reads.
     """
     cfg = res.cfg
     r = cfg.rollout

@@ -1,40 +1,10 @@
-"""One training step: its stages, each a pure function over tables and a Prefect task over the run directory.
+"""One training step: each stage as a pure function over tables (testable without Prefect) and as a Prefect
+task over the run directory (docs/design.md, "One training step, stage by stage": the stages, in the order
+``store.step_stages`` gives, what each reads and writes, the pilot's two waves, and what ``@stage`` adds).
 
-Per step t, in the order ``store.step_stages`` gives (docs/design.md, "One training step"):
-
-    budget(run_dir, t)      capability(t-1), history(t-1) -> budget(t)  budget_table: each prompt's completions
-    rollouts(run_dir, t)    budget(t) + policy -> rollouts(t)           rollout_table
-    rewards(run_dir, t)     rollouts(t) + ground truths -> rewards(t)   reward_table
-    capability(run_dir, t)  rewards(t) -> capability(t), history(t)     capability_table, update_history
-    update(run_dir, t)      rollouts(t), rewards(t) -> update(t)        advantages_for, update_row; checkpoints/t+1
-
-The allocation of step t uses only what is known at its start. Seeds derive from (run seed, step, prompt id);
-the capability tracker's state travels in capability.parquet, so every output is a function of its inputs and
-the config. The held-out evaluation of the weights after t updates is ``coba_tasks.pipeline.evaluation``.
-
-``allocation.estimator = pilot`` (docs/method.md, section 2) samples a step's rollouts in two waves; two
-stages lead the step, and the budget is allocated on the posterior after them:
-
-    pilot(run_dir, t)          k = allocation.pilot_rollouts per prompt of the batch -> pilot(t)
-    pilot_rewards(run_dir, t)  the pilot scored -> pilot_rewards(t)
-    budget                     B_i for the whole step (>= B_low >= k, sum B_total)
-    rollouts                   the second wave, B_i - k per prompt, beside the pilot's k (second_wave_table)
-    rewards                    the second wave scored, beside the pilot's rewards (merged_reward_table)
-
-The pilot's rollouts stay in their groups: rollouts(t) holds both waves (the pilot's ``sample_idx`` 0 .. k-1,
-the second wave's k .. B_i - 1), so the rewards, the capability stage, the history and the GRPO advantages all
-see groups of B_i. The pilot's seeds are each group's usual ``rollout_seed(run seed, t, prompt)``, the second
-wave's ``rollout_seed(..., wave=1)``: each rollout is fixed by its wave and its index in the wave.
-
-The pure functions (the module's first part) read and return tables and are testable without Prefect.
-The tasks (its last part) are the stages' work over a run: a body reads its inputs from the run directory,
-calls the stage's pure function and returns its table; ``@stage`` makes the Prefect task and adds what every
-stage does: skip the body when the table is already done (in its step's manifest), pass the tests' fault
-hooks, write the table into ``steps/t`` (atomically, recorded in the manifest last), run what follows the
-stage whether it ran or was done (the update's weight reload), and add the seconds spent to the run's
-timing. A task takes the run directory and the step (never models or tables); the run's engine, verifier
-pool and trainer are looked up by directory (``run.resources``). The update is not retried by Prefect: it
-moves the weights, and a resume recomputes it from the last checkpoint.
+A task takes the run directory and the step, never models or tables (the engine, verifier pool and trainer
+are found by directory: ``run.resources``). The update is not retried by Prefect: it moves the weights, and a
+resume recomputes it from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -81,12 +51,9 @@ from coba_tasks.pipeline.store import Table, step_stages
 
 
 def batch_for_step(prompt_ids: Sequence[str], step: int, batch_size: int, seed: int, shuffle: bool = True) -> list[str]:
-    """The ``batch_size`` distinct prompt ids of ``step``: slices of per-epoch permutations.
-
-    Epoch e's order is a permutation seeded by (seed, e); step t reads from position t * M of their
-    concatenation. A batch that straddles two epochs skips ids it already holds (a prompt is never
-    twice in one batch: its group would merge), so it may read a little past its slice.
-    """
+    """The ``batch_size`` distinct prompt ids of ``step``: from position step * batch_size of the concatenated
+    per-epoch permutations (epoch e's seeded by (seed, e)). A batch straddling two epochs skips ids it holds
+    already (a prompt twice would merge its groups), so it may read a little past its slice."""
     n = len(prompt_ids)
     if batch_size > n:
         raise ValueError(f"prompts per step ({batch_size}) exceed the training pool ({n} prompts)")
@@ -107,9 +74,7 @@ def batch_for_step(prompt_ids: Sequence[str], step: int, batch_size: int, seed: 
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Rollout generation
-# ---------------------------------------------------------------------------------------------
+# --- Rollout generation
 
 
 def rollout_table(
@@ -121,13 +86,9 @@ def rollout_table(
     step: int,
     wave: int = 0,
 ) -> pd.DataFrame:
-    """Generate ``budget.budget`` completions per prompt; one row per completion.
-
-    ``prompts`` holds each prompt's ``prompt_token_ids`` (``coba_tasks.pipeline.data.render_prompts``): the
-    engine receives those ids, the same the update trains on. Column ``logprobs`` is the sampler's
-    log-probability of each completion token. ``wave``: which wave of the step's groups this is (its seeds,
-    ``rollout_seed``; 1 is the second wave after a pilot, ``coba_tasks.pipeline.stages``).
-    """
+    """``budget.budget`` completions per prompt, one row each, sampled from each prompt's ``prompt_token_ids``
+    (the ids the update trains on); ``logprobs`` is the sampler's. ``wave``: 1 is the second wave after a pilot
+    (its seeds, ``rollout_seed``)."""
     return rollout_tables([(budget, sampling)], prompts, engine, run_seed, step, wave=wave)[0]
 
 
@@ -140,9 +101,8 @@ def rollout_tables(
     progress: bool = False,
     wave: int = 0,
 ) -> list[pd.DataFrame]:
-    """``rollout_table`` of each (budget, sampling) batch, generated in one engine call where the backend can
-    (``generate_many``, with its progress bar when ``progress``): a sampled and a greedy evaluation share
-    the engine's batches."""
+    """``rollout_table`` of each (budget, sampling) batch, in one engine call where the backend can
+    (``generate_many``): a sampled and a greedy evaluation share the engine's batches."""
     by_id = prompts.set_index("prompt_id")
     ids, text = by_id["prompt_token_ids"], by_id["prompt_rendered"]
 
@@ -178,18 +138,15 @@ def _rows_table(rows: list[Any]) -> pd.DataFrame:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Verification
-# ---------------------------------------------------------------------------------------------
+# --- Verification
 
 
 REWARD_COLUMNS = ("prompt_id", "sample_idx", "reward", "verdict", "extracted_answer", "detail")
 
 
 def reward_table(rollouts: pd.DataFrame, prompts: pd.DataFrame, pool: Any) -> pd.DataFrame:
-    """Score every completion with the verifier of its prompt's data_source, or the run's reward file (in
-    worker processes). ``detail`` says why an item is ``error`` or ``timeout``; the extra keys a reward
-    file's dict returns follow as columns (``extra_columns``)."""
+    """Score every completion with its data_source's verifier, or the run's reward file; the extra keys of a
+    reward file's dict follow as columns (``extra_columns``)."""
     meta = prompts.set_index("prompt_id")
     rows = meta.loc[rollouts["prompt_id"]]
     truth, source = rows["ground_truth"].tolist(), rows["data_source"].tolist()
@@ -250,13 +207,11 @@ class ScoringError(ValueError):
 
 
 def check_error_share(rewards: pd.DataFrame, where: str, max_share: float) -> None:
-    """Stop the run when the share of ``error`` and ``timeout`` verdicts of ``rewards`` (``where``: ``step 3``,
-    ``held-out evaluation at step 3 (test)``) is above ``max_share`` (``verify.max_error_share``): such
-    scores say nothing of the policy (a reward file that raises on every call, a verifier that times out),
-    yet their zero rewards would be read as pass rates of 0, moving the budget, or as an accuracy of 0. The
-    rewards and eval stages call this before their table is written, so the stage is computed again when the
-    run continues. The message names where, the share, the first error's ``detail`` (the first timeout's
-    when nothing raised) and the key."""
+    """ScoringError when the share of ``error`` and ``timeout`` verdicts is above ``max_share``
+    (``verify.max_error_share``): their zero rewards would read as pass rates or an accuracy of 0. Called
+    before a table is written, so the stage is computed again when the run continues. ``where``: ``step 3``,
+    ``held-out evaluation at step 3 (test)``; the message shows the first error's detail (else the first
+    timeout's)."""
     verdicts = rewards["verdict"].astype(str)
     failed = verdicts.isin([str(VerdictKind.ERROR), str(VerdictKind.TIMEOUT)])
     if verdicts.empty or not failed.mean() > max_share:
@@ -271,9 +226,7 @@ def check_error_share(rewards: pd.DataFrame, where: str, max_share: float) -> No
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Failure-rate update
-# ---------------------------------------------------------------------------------------------
+# --- Failure-rate update
 
 
 def capability_table(
@@ -312,18 +265,12 @@ def tracker_from_capability(capability: pd.DataFrame) -> CapabilityTracker:
     return CapabilityTracker.from_dict(json.loads(capability["tracker_state"].iloc[0]))
 
 
-# ---------------------------------------------------------------------------------------------
-# Allocation (the step's batch, at its start)
-# ---------------------------------------------------------------------------------------------
+# --- Allocation (the step's batch, at its start)
 
 
 def schedule_shape(tracker: CapabilityTracker, alloc: Any) -> tuple[float, float]:
-    """(alpha, beta) of the Beta density for the next allocation.
-
-    ``adaptive`` (the method): from the failure rate. The paper's ablations:
-    ``reversed`` swaps them (Beta(beta, alpha) peaks at 1 - Ftil: explore first, exploit later) and
-    ``fixed`` uses ``fixed_alpha`` and ``fixed_beta`` at every step.
-    """
+    """(alpha, beta) of the next allocation: the tracker's (``adaptive``), swapped (``reversed``: Beta(beta,
+    alpha) peaks at 1 - Ftil, explore first) or ``fixed_alpha``, ``fixed_beta`` (``fixed``)."""
     schedule = getattr(alloc, "schedule", "adaptive")
     if schedule == "reversed":
         return tracker.beta, tracker.alpha
@@ -333,8 +280,7 @@ def schedule_shape(tracker: CapabilityTracker, alloc: Any) -> tuple[float, float
 
 
 def section_allocation(est: np.ndarray, alloc: Any, alpha: float, beta: float) -> Allocation:
-    """The allocation of a batch with pass rates ``est`` (NaN: never seen) and shape (alpha, beta) under the
-    config's ``allocation`` section: B_total = len(est) * group_size, its bounds, strategy, tau, mode and solver."""
+    """The allocation of a batch with pass rates ``est`` (NaN: never seen) under the ``allocation`` section."""
     return plan_allocation(
         est,
         len(est) * alloc.group_size,
@@ -357,17 +303,10 @@ def budget_table(
     pilot: pd.DataFrame | None = None,
     step: int | None = None,
 ) -> pd.DataFrame:
-    """Budgets for ``batch`` from each prompt's estimate and (alpha, beta), with the allocation's inputs:
-    ``estimator``, the estimate (``pass_rate_est``, NaN: none) and ``estimate_rollouts``, the rollouts it rests
-    on (``coba_tasks.pipeline.prompt_history.batch_estimates``), and ``pilot_rollouts``.
-
-    Under ``knapsack`` the estimate is Knapsack-RL's own: the mean of the prompt's ``pooled_solved`` flags,
-    NaN (no estimate) with fewer than 8 (``pooled_estimate``), resting on those flags. Under the ``pilot``
-    estimator ``pilot`` is the step's pilot rewards: the estimates are the posterior after them, and the
-    budgets, step total B_total and bounds [B_low, B_up] as always, count the pilot's rollouts (every budget
-    is at least B_low >= k, its second wave the rest). ``estimate_age``: ``step`` (the step the budget is for;
-    None: the history's newest visit + 1) minus the visit the estimate's newest rollouts come from: 0 under
-    ``pilot`` (this step's), NaN where there is no estimate (``estimate_ages``)."""
+    """budget.parquet for ``batch`` (its columns: docs/design.md, "Step tables"). Under ``knapsack`` the estimate
+    is Knapsack-RL's (``pooled_estimate`` of the ``pooled_solved`` flags: NaN with fewer than 8); else
+    ``batch_estimates``. ``pilot``: the step's pilot rewards under the ``pilot`` estimator; the budgets count
+    the pilot's rollouts. ``step``: the step the budget is for (None: the history's newest visit + 1)."""
     estimator = getattr(alloc, "estimator", Estimator.LAST.value)
     if alloc.strategy == Strategy.KNAPSACK.value:
         flags = dict(zip(history["prompt_id"], pooled_flags(history), strict=True))
@@ -407,8 +346,8 @@ def budget_table(
 
 
 def estimate_ages(batch: Sequence[str], est: np.ndarray, history: pd.DataFrame, step: int | None) -> np.ndarray:
-    """Per prompt of ``batch``: how many steps before ``step`` its last visit was (the newest visit its estimate
-    ``est`` holds), NaN without an estimate; ``step`` None: the step after the history's newest visit.
+    """Per prompt of ``batch``: steps from its last visit to ``step`` (None: the step after the history's newest
+    visit), NaN where ``est`` has no estimate.
 
     >>> h = pd.DataFrame({"prompt_id": ["a", "b"], "last_step": [4, 2]})
     >>> estimate_ages(["a", "b", "c"], np.array([0.5, np.nan, np.nan]), h, None).tolist()
@@ -420,14 +359,12 @@ def estimate_ages(batch: Sequence[str], est: np.ndarray, history: pd.DataFrame, 
     return np.array(ages, dtype=np.float64)
 
 
-# ---------------------------------------------------------------------------------------------
-# GRPO update
-# ---------------------------------------------------------------------------------------------
+# --- GRPO update
 
 
 def advantages_for(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> np.ndarray:
-    """GRPO advantages aligned with ``rollouts`` rows, grouped by prompt id (groups of any size >= 2); a reward
-    that is not finite or beyond +/- ``REWARD_BOUND`` is refused (``RewardScaleError`` naming the prompt)."""
+    """GRPO advantages aligned with ``rollouts`` rows, grouped by prompt id; a reward that is not finite or
+    beyond +/- ``REWARD_BOUND`` is a ``RewardScaleError`` naming the prompt."""
     merged = rollouts[["prompt_id", "sample_idx"]].merge(rewards, on=["prompt_id", "sample_idx"], how="left")
     if merged["reward"].isna().any():
         raise ValueError("rewards do not cover every rollout (prompt_id, sample_idx)")
@@ -444,8 +381,8 @@ def advantages_for(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> np.ndarray:
 def update_sequences(
     rollouts: pd.DataFrame, prompts: pd.DataFrame
 ) -> tuple[list[list[int]], list[list[int]], list[list[float]] | None]:
-    """What the update trains on, one entry per rollout row: the prompt's token ids (the very ids the
-    engine received), the completion's token ids, and the sampler's log p of each completion token."""
+    """Per rollout row: the prompt's token ids (those the engine received), the completion's, the sampler's
+    log p of each completion token."""
     ids = prompts.set_index("prompt_id")["prompt_token_ids"]
     prompt_ids = [list(ids[p]) for p in rollouts["prompt_id"]]
     completion_ids = [list(t) for t in rollouts["token_ids"]]
@@ -454,15 +391,13 @@ def update_sequences(
 
 
 def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rewards: pd.DataFrame) -> pd.DataFrame:
-    """update.parquet: the update's metrics and the share of groups with zero reward variance."""
+    """update.parquet: the update's metrics, the share of zero-variance groups, the rollouts."""
     ids = torch.as_tensor(pd.factorize(rewards["prompt_id"])[0])
     zero = zero_variance_share(torch.tensor(rewards["reward"].to_numpy(dtype=np.float64)), ids)
     return pd.DataFrame([{"step": step, **metrics, "zero_variance_groups": zero, "rollouts": len(rollouts)}])
 
 
-# ---------------------------------------------------------------------------------------------
-# The pilot (allocation.estimator = pilot): its request, the second wave beside it, the rewards of both
-# ---------------------------------------------------------------------------------------------
+# --- The pilot (allocation.estimator = pilot): its request, the second wave beside it, the rewards of both
 
 KEY = ["prompt_id", "sample_idx"]
 
@@ -483,9 +418,8 @@ def second_wave_table(
     run_seed: int,
     step: int,
 ) -> pd.DataFrame:
-    """The step's rollouts table: each prompt's pilot rollouts (``pilot``, a rollouts table) and its second
-    wave, ``budget.budget`` minus the pilot's rollouts, sampled with the second wave's seeds and numbered on
-    from the pilot's; rows by prompt in budget order, then by ``sample_idx``."""
+    """The step's rollouts: each prompt's ``pilot`` rollouts and its second wave (``budget.budget`` minus them,
+    the second wave's seeds, ``sample_idx`` numbered on), by prompt in budget order, then ``sample_idx``."""
     have = pilot.groupby("prompt_id", sort=False).size()
     missing = sorted(set(budget["prompt_id"]) - set(have.index))
     if missing or set(have.index) - set(budget["prompt_id"]):
@@ -508,8 +442,8 @@ def second_wave_table(
 def merged_reward_table(
     rollouts: pd.DataFrame, pilot_rewards: pd.DataFrame, prompts: pd.DataFrame, pool: Any
 ) -> pd.DataFrame:
-    """The step's rewards table: the pilot's rewards as they were scored (those the allocation used), the
-    second wave's scored now; rows in ``rollouts`` order."""
+    """The step's rewards, in ``rollouts`` order: the pilot's as scored (those the allocation used), the second
+    wave's scored now."""
     is_pilot = rollouts[KEY].merge(pilot_rewards[KEY].assign(_pilot=True), on=KEY, how="left")["_pilot"]
     fresh = rollouts[~is_pilot.fillna(False).astype(bool).to_numpy()]
     parts = [pilot_rewards] + ([reward_table(fresh, prompts, pool)] if len(fresh) else [])
@@ -520,9 +454,7 @@ def merged_reward_table(
     return table
 
 
-# ---------------------------------------------------------------------------------------------
-# The stages as Prefect tasks over the run directory
-# ---------------------------------------------------------------------------------------------
+# --- The stages as Prefect tasks over the run directory
 
 ROLLOUT_WEIGHTS_DIR = "rollout_weights"  # LoRA: the merged policy the engine reads (one copy, rewritten)
 
@@ -534,10 +466,9 @@ def stage(
     retries: int = 1,
     then: Callable[[RunResources, int], None] | None = None,
 ) -> Callable[[StageBody], Task[[str, int], str]]:
-    """Make a stage body ``(res, step) -> table`` the Prefect task ``(run_dir, step) -> table path`` named
-    ``table`` (task runs ``<table>-step-<step>``): skipped when the table is done, else computed, passed
-    through the tests' fault hooks and written into ``steps/<step>``; then ``then(res, step)``, done or not;
-    timed."""
+    """A stage body ``(res, step) -> table`` as the Prefect task ``(run_dir, step) -> table path`` named ``table``
+    (runs ``<table>-step-<step>``): the body skipped when the table is done, else the fault hooks and the
+    write; then ``then(res, step)``, done or not; timed."""
 
     def make(body: StageBody) -> Task[[str, int], str]:
         def run_stage(run_dir: str, step: int) -> str:
@@ -559,8 +490,7 @@ def stage(
     return make
 
 
-# ---------------------------------------------------------------------------------------------
-# The stages (their order: ``store.step_stages``)
+# --- The stages (their order: ``store.step_stages``)
 
 
 @stage(Table.PILOT)
@@ -581,9 +511,8 @@ def pilot_rewards(res: RunResources, step: int) -> pd.DataFrame:
 
 @stage(Table.BUDGET)
 def budget(res: RunResources, step: int) -> pd.DataFrame:
-    """The allocation of step t, at its start: each prompt of its batch gets a budget from the history and the
-    Beta shape after step t - 1 (uniform at step 0: no pass rates yet). Under ``allocation.estimator = pilot``
-    on the posterior after the step's pilot: every budget holds the pilot's k and they sum to B_total."""
+    """The allocation of step t from the history and the Beta shape after step t - 1 (uniform at step 0), and
+    under ``allocation.estimator = pilot`` the step's pilot (every budget holds its k)."""
     history = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else prompt_history.empty_history()
     scored = res.store.read_table(step, Table.PILOT_REWARDS) if res.cfg.allocation.piloted else None
     return budget_for(res, step, history, tracker_before(res, step), pilot=scored)
@@ -640,16 +569,13 @@ def update(res: RunResources, step: int) -> pd.DataFrame:
         raise type(exc)(f"step {step}: {exc}") from None
 
 
-TASKS = {t.name: t for t in (pilot, pilot_rewards, budget, rollouts, rewards, capability, update)}
-
-
 def step_tasks(cfg: Config) -> tuple[Task[[str, int], str], ...]:
     """The stage tasks of one step of the run, in the order ``store.step_stages`` gives."""
-    return tuple(TASKS[name] for name in step_stages(cfg.allocation.piloted))
+    tasks = {t.name: t for t in (pilot, pilot_rewards, budget, rollouts, rewards, capability, update)}
+    return tuple(tasks[name] for name in step_stages(cfg.allocation.piloted))
 
 
-# ---------------------------------------------------------------------------------------------
-# What the stages share
+# --- What the stages share
 
 
 def sampling(cfg: Config) -> SamplingConfig:
@@ -670,8 +596,7 @@ def capability_and_history(res: RunResources, step: int) -> tuple[pd.DataFrame, 
     """The capability and history tables of ``step``, from its rewards and the tables of ``step - 1``."""
     scored = res.store.read_table(step, Table.REWARDS)
     table, _ = capability_table(step, scored, tracker_before(res, step))
-    # history is a per-step snapshot (a pure function of the previous one and this step's rewards),
-    # so a stage rerun never counts a step twice; history.parquet at the run root is the latest copy
+    # a per-step snapshot of history, so a stage rerun never counts a step twice
     previous = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else prompt_history.empty_history()
     a = res.cfg.allocation
     return table, prompt_history.update_history(
@@ -689,8 +614,7 @@ def batch_of(res: RunResources, step: int) -> list[str]:
 def budget_for(
     res: RunResources, step: int, history: pd.DataFrame, tracker: CapabilityTracker, pilot: pd.DataFrame | None = None
 ) -> pd.DataFrame:
-    """budget.parquet of ``step``: its batch allocated from ``history`` (and the pilot's rewards ``pilot``) and
-    the tracker's (alpha, beta)."""
+    """budget.parquet of ``step`` (``budget_table`` of its batch)."""
     return budget_table(batch_of(res, step), history, tracker, res.cfg.allocation, pilot, step)
 
 
@@ -705,8 +629,6 @@ def _update(res: RunResources, step: int) -> pd.DataFrame:
     extra_state = {"step": step, "capability": tracker.to_dict()}
     fsdp = res.cfg.optim.fsdp_processes > 1
     previous = previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
-    # rollout.sleep_during_update: the engine's GPU memory is free while the update runs; it is awake
-    # again before the new weights are loaded (engine_sleep.json: seconds and memory figures)
     with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
         if fsdp:  # a torchrun job of optim.fsdp_processes ranks; it writes the checkpoint itself
             metrics = fsdp_update(
@@ -740,21 +662,18 @@ def engine_weights(res: RunResources, version: int) -> Path:
     return res.trainer.write_rollout_weights(res.store.root / ROLLOUT_WEIGHTS_DIR)
 
 
-# ---------------------------------------------------------------------------------------------
-# Where the steps of an opened run start, and a step without Prefect
+# --- Where the steps of an opened run start
 
 
 def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, float]) -> dict[str, float]:
-    """steps/<step>/timing.json: wall seconds per stage of this step (not a stage output: not in the
-    manifest); returns them."""
+    """Write and return steps/<step>/timing.json: wall seconds per stage of this step."""
     seconds = {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Table.EVAL}
     res.store.write_step_json(step, "timing", seconds)
     return seconds
 
 
 def resume_point(res: RunResources) -> int:
-    """Start the resources on the right weights and return the first step to run: a continuing run starts
-    from the checkpoint of its first step not done."""
+    """Start the resources on the weights of the first step not done; that step."""
     first = first_step_not_done(res.store, res.cfg.run.steps)
     lora = res.cfg.model.lora_rank > 0
     ckpt = checked_checkpoint(res.store, first) if first > 0 else None

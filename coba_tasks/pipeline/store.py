@@ -1,37 +1,10 @@
-"""The run directory: the contract between stages (docs/design.md, "The run directory").
-
-Every stage of a training step reads the tables earlier stages wrote and writes its own table;
-this module is the only code that knows where those files live and how they are written::
-
-    runs/<name>/
-      run.json                  schema version, creation time, config hash, package versions, inputs' sha256
-      config.yaml               the resolved config (yaml.safe_dump)
-      prompts.parquet           run-level tables, tracked in the root _manifest.json
-      history.parquet
-      _manifest.json
-      steps/000007/
-        budget.parquet  rollouts.parquet  rewards.parquet  capability.parquet  update.parquet
-        _manifest.json          one entry per table: file, rows, bytes, schema_version, sha256,
-                                config_hash, written_at
-      checkpoints/000007/       model weights (LoRA: the adapter), tokenizer, optimizer state, checkpoint.json
-                                (written by the trainer, coba_tasks/engines/checkpoint.py)
-      summary.json
-      report/
-
-The rules (docs/design.md, "The run directory"):
-
-1. **Every file is written to a temporary name and renamed** (``fileio.atomic_write``): a reader never sees
-   half a file, a failed write leaves the destination as it was, and a crash leaves at most a ``.*.tmp``
-   file, which the next write of the same table removes.
-2. **A stage counts as done only when its entry is in the manifest.** ``write_table`` renames the Parquet
-   file first and adds the entry last, so a crash between the two leaves the stage to recompute; rewriting
-   a done table first removes its entry. ``invalidate`` goes the other way: entry first, then the file.
-3. **A stage's output is a pure function of its inputs and the config.** Each entry records the sha256 of
-   the bytes and the config hash; tables are written without pandas metadata or index, so equal frames give
-   equal bytes. ``read_table`` checks size and sha256 (a mismatch is a ``StoreError`` pointing to
-   ``coba resume --repair``); ``is_done`` only checks that the entry and the file exist.
-
-One process writes a run directory at a time: the training flow holds its ``.lock`` (``runlock``).
+"""The run directory: the contract between stages, and the only code that knows where its files live and how
+they are written (docs/design.md, "The run directory" for the layout and "The contracts" for the rules: every
+file written to a temporary name and renamed; a stage done only when its manifest entry is there, the entry
+added after the file and removed before it; tables written without pandas metadata or index, so equal frames
+give equal bytes). ``read_table`` checks size and sha256 against the entry (a mismatch is a ``StoreError``
+pointing to ``coba resume --repair``); ``is_done`` only that the entry and the file exist. One process writes
+a run directory at a time: the training flow holds its ``.lock`` (``runlock``).
 """
 
 from __future__ import annotations
@@ -78,13 +51,9 @@ _REPAIR_HINT = "run `coba resume --repair` to recompute it"
 
 
 class Table(StrEnum):
-    """The tables of a step directory; the value is the file's name. The stages of a step write the first
-    seven, one table each, in the order ``step_stages`` gives: the step's own budget first (``budget``,
-    from the failure rate and pass rates after step t - 1; under ``allocation.estimator = pilot`` after the
-    step's ``pilot`` and ``pilot_rewards``), then its rollouts, rewards, capability and update. ``history`` is
-    the per-prompt pass-rate memory the capability stage writes beside its table, and ``eval`` the held-out
-    evaluation of the weights after t updates (computed before step t starts). Every table of step t lives
-    in ``steps/t``.
+    """The tables of ``steps/t``, each named by its file: the first seven are the stages' (one each, in the order
+    ``step_stages`` gives), ``history`` the capability stage's second, ``eval`` the held-out evaluation of the
+    weights after t updates (computed before step t starts).
 
     >>> [t.value for t in Table]
     ['pilot', 'pilot_rewards', 'budget', 'rollouts', 'rewards', 'capability', 'update', 'history', 'eval']
@@ -103,8 +72,8 @@ class Table(StrEnum):
     EVAL = "eval"
 
 
-# One training step, in order: the one place the stage order is written (the flow's step, rerun's order,
-# fork's walk, the figures and the artifacts read it). The pilot's two stages lead under the pilot estimator.
+# One training step, in order: the one place the stage order is written (the pilot's two lead under the pilot
+# estimator).
 STAGES = (Table.BUDGET, Table.ROLLOUTS, Table.REWARDS, Table.CAPABILITY, Table.UPDATE)
 PILOT_STAGES = (Table.PILOT, Table.PILOT_REWARDS, *STAGES)
 
@@ -119,11 +88,9 @@ class StoreError(ValueError):
 
 
 def inside_run(root: str | os.PathLike[str], path: Path) -> Path:
-    """``path`` when it resolves (every symlink followed) inside the run directory ``root``, else StoreError.
-
-    The one rule for every path a command writes, deletes or reads under a run (a table written or removed,
-    its step directory, a pruned checkpoint, a rerun's removals, ``report/``, the JSON records, the tables
-    ``coba inspect --sql`` reads): nothing outside the run is touched through a link."""
+    """``path`` when it resolves (every symlink followed) inside the run directory ``root``, else StoreError: the
+    one rule for every path a command writes, deletes or reads under a run, so nothing outside it is touched
+    through a link."""
     real = Path(path).resolve()
     if not real.is_relative_to(Path(root).resolve()):
         raise StoreError(
@@ -134,12 +101,8 @@ def inside_run(root: str | os.PathLike[str], path: Path) -> Path:
 
 
 class RunStore:
-    """A handle on one run directory ``runs/<name>/``.
-
-    ``RunStore(root)`` only remembers the path; ``create`` makes a new run there and ``open``
-    checks that one exists and was written by this schema version. Table names may be given as a
-    ``Table`` or a plain string (``"rollouts"``).
-    """
+    """A handle on one run directory: ``RunStore(root)`` only remembers the path, ``create`` makes a new run
+    there, ``open`` checks that one exists of this schema version. A table name is a ``Table`` or a string."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -148,8 +111,7 @@ class RunStore:
     def __repr__(self) -> str:
         return f"RunStore({str(self.root)!r})"
 
-    # -----------------------------------------------------------------------------------------
-    # The run
+    # --- The run
 
     def create(
         self,
@@ -158,18 +120,10 @@ class RunStore:
         versions: Mapping[str, str],
         inputs: Mapping[str, Any] | None = None,
     ) -> None:
-        """Start a new run: write ``config.yaml``, then ``run.json`` (last, it marks the run as created).
-
-        Args:
-            config_dict: the resolved config, as plain YAML-safe values (dicts, lists, str, numbers).
-            config_hash: a hash of the config; recorded in run.json and in every manifest entry.
-            versions: package name -> version string, recorded in run.json.
-            inputs: what identifies the run's inputs (config key -> path and sha256), recorded in run.json.
-
-        Raises:
-            StoreError: a run already exists at ``root`` (resume it instead), the directory holds
-                run files without a run.json, or ``config_hash`` is empty.
-        """
+        """Start a new run: write ``config.yaml`` (``config_dict``: YAML-safe values), then ``run.json`` (last: it
+        marks the run), recording ``config_hash`` (also in every manifest entry), package ``versions`` and
+        ``inputs`` (config key -> path and sha256). StoreError when a run or run files without a run.json are
+        there, or ``config_hash`` is empty."""
         if (self.root / RUN_FILE).exists():
             raise StoreError(
                 f"{self.root}: a run already exists here ({RUN_FILE} found); "
@@ -186,12 +140,8 @@ class RunStore:
         self.root.mkdir(parents=True, exist_ok=True)
         config_text = yaml.safe_dump(dict(config_dict), sort_keys=False, allow_unicode=True)
         atomic_write(self.root / CONFIG_FILE, lambda f: f.write(config_text.encode("utf-8")))
-        info = {
-            "schema_version": SCHEMA_VERSION,
-            "created": _now(),
-            "config_hash": config_hash,
-            "versions": dict(versions),
-        }
+        info: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created": _now(), "config_hash": config_hash}
+        info["versions"] = dict(versions)
         if inputs is not None:
             info["inputs"] = dict(inputs)
         _write_json_file(self.root / RUN_FILE, info)
@@ -199,11 +149,7 @@ class RunStore:
 
     @classmethod
     def open(cls, root: str | os.PathLike[str]) -> RunStore:
-        """Open an existing run, checking its run.json and schema version.
-
-        Raises:
-            StoreError: there is no run.json, it is unreadable, or it was written by another schema version.
-        """
+        """Open an existing run; StoreError when run.json is missing, unreadable or of another schema version."""
         store = cls(root)
         store._load_run_info()
         return store
@@ -219,11 +165,7 @@ class RunStore:
         return dict(self._load_run_info())
 
     def read_config(self) -> dict[str, Any]:
-        """The config as written to config.yaml by ``create``.
-
-        Raises:
-            StoreError: config.yaml is missing, unreadable or not a YAML mapping (one line naming the file).
-        """
+        """config.yaml as ``create`` wrote it; StoreError (one line) when it is missing, unreadable or not a mapping."""
         path = self.root / CONFIG_FILE
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -264,8 +206,7 @@ class RunStore:
         self._run_info = info
         return info
 
-    # -----------------------------------------------------------------------------------------
-    # Paths
+    # --- Paths
 
     def step_dir(self, step: int) -> Path:
         """``steps/000007`` for step 7 (not created here)."""
@@ -295,34 +236,22 @@ class RunStore:
         """``steps/000007/<name>.parquet``; the file may not exist."""
         return self.step_dir(step) / f"{_check_name(name)}.parquet"
 
-    # -----------------------------------------------------------------------------------------
-    # Step tables
+    # --- Step tables
 
     def write_table(self, step: int, name: str, df: pd.DataFrame) -> Path:
-        """Write ``df`` as ``steps/<step>/<name>.parquet`` atomically, then record it in the step's manifest.
-
-        ``(step, name)`` is the directory the table lives in (the step that computed it). The index
-        is not written; list and struct columns are kept as Arrow lists and structs.
-
-        Returns:
-            The path of the Parquet file.
-        """
+        """Write ``df`` as ``steps/<step>/<name>.parquet`` atomically, then record it in the step's manifest; the
+        path. The index is not written; list and struct columns are kept as Arrow lists and structs."""
         return _write_tracked(inside_run(self.root, self.step_dir(step)), _check_name(name), df, self.config_hash)
 
     def read_table(
         self, step: int, name: str, verify: bool = True, columns: Sequence[str] | None = None
     ) -> pd.DataFrame:
-        """Read a done table (only ``columns``, when given); with ``verify``, check its size and sha256 against
-        the manifest first.
-
-        Raises:
-            StoreError: the table is not done, or its file is missing, altered, truncated or unreadable.
-        """
+        """Read a done table (only ``columns``, when given), with ``verify`` checked against the manifest first;
+        StoreError when it is not done, or its file is missing, altered, truncated or unreadable."""
         return _read_tracked(self.step_dir(step), _check_name(name), verify, columns)
 
     def damage(self, step: int, name: str) -> str | None:
-        """Why a table listed in the step's manifest is unusable (missing, truncated, altered,
-        unreadable, other schema version), or None when it is intact. Reads and hashes the file."""
+        """Why a table of the step's manifest is unusable (``read_table``'s StoreError), or None when intact."""
         try:
             _read_tracked(self.step_dir(step), _check_name(name), verify=True)
         except StoreError as e:
@@ -334,13 +263,11 @@ class RunStore:
         return _is_tracked(self.step_dir(step), _check_name(name))
 
     def manifest(self, step: int) -> dict[str, dict[str, Any]]:
-        """The step's manifest entries, name -> {file, rows, bytes, schema_version, sha256, config_hash,
-        written_at}; empty when nothing is done."""
+        """The step's manifest entries by table name; empty when nothing is done."""
         return _read_manifest(self.step_dir(step))
 
     def invalidate(self, step: int, name: str) -> None:
-        """Forget a table: remove its manifest entry first, then its file. Missing ones are fine; a step
-        directory or table that resolves outside the run is refused (``inside_run``), nothing removed."""
+        """Forget a table: its manifest entry first, then its file (missing ones are fine; ``inside_run`` first)."""
         inside_run(self.root, self.table_path(step, name))
         _untrack(inside_run(self.root, self.step_dir(step)), _check_name(name))
 
@@ -352,13 +279,11 @@ class RunStore:
         return sorted(int(p.name) for p in base.iterdir() if p.is_dir() and _STEP_DIR_RE.fullmatch(p.name))
 
     def steps_done(self, names: Iterable[str] = STAGES) -> list[int]:
-        """The steps, ascending, whose directory holds every table of ``names`` as done (an empty ``names``
-        selects every step directory)."""
+        """The steps, ascending, whose directory holds every table of ``names`` as done."""
         wanted = [_check_name(n) for n in names]
         return [s for s in self.steps() if all(_is_tracked(self.step_dir(s), n) for n in wanted)]
 
-    # -----------------------------------------------------------------------------------------
-    # Run-level tables (prompts.parquet, history.parquet), tracked in the root _manifest.json
+    # --- Run-level tables (prompts.parquet, history.parquet), tracked in the root _manifest.json
 
     def write_run_table(self, name: str, df: pd.DataFrame) -> Path:
         """Write ``<root>/<name>.parquet`` atomically and record it in the run-level manifest."""
@@ -374,16 +299,11 @@ class RunStore:
         """Whether the run-level table has a manifest entry and its file exists."""
         return _is_tracked(self.root, _check_name(name))
 
-    # -----------------------------------------------------------------------------------------
-    # JSON files (summary.json, checkpoint metadata)
+    # --- JSON files (summary.json, checkpoint metadata)
 
     def write_json(self, relpath: str | os.PathLike[str], obj: Any) -> Path:
-        """Write ``obj`` as indented JSON to ``<root>/<relpath>`` atomically, creating directories.
-
-        ``relpath`` is relative, uses '/' between parts, ends in ``.json`` and stays inside the run
-        (e.g. ``summary.json``, ``checkpoints/000007/meta.json``). run.json and manifests belong
-        to the store and are refused. NaN and infinities are written as Python's json writes them.
-        """
+        """Write ``obj`` as indented JSON to ``<root>/<relpath>`` atomically, creating directories. ``relpath``:
+        '/'-separated, ending in ``.json``, inside the run, not run.json or a manifest (the store's own)."""
         path = self._resolve(relpath)
         if path.suffix != ".json":
             raise StoreError(f"write_json: {relpath!r} must end in .json")
@@ -394,12 +314,8 @@ class RunStore:
         return path
 
     def read_json(self, relpath: str | os.PathLike[str]) -> Any:
-        """Read ``<root>/<relpath>`` as JSON.
-
-        Raises:
-            FileNotFoundError: the file does not exist.
-            StoreError: the path escapes the run, or the file is not valid JSON.
-        """
+        """Read ``<root>/<relpath>`` as JSON: FileNotFoundError when it is missing, StoreError when the path
+        escapes the run or the file is not JSON."""
         path = self._resolve(relpath)
         text = path.read_text(encoding="utf-8")
         try:
@@ -408,16 +324,15 @@ class RunStore:
             raise StoreError(f"{path}: not valid JSON ({e})") from e
 
     def step_json_path(self, step: int, name: str) -> Path:
-        """``steps/<step>/<name>.json``: a step's records that are not stage outputs (``timing``,
-        ``engine_sleep``; not in the manifest)."""
+        """``steps/<step>/<name>.json``: a step's records that are not stage outputs (not in the manifest)."""
         return self.step_dir(step) / f"{_check_name(name)}.json"
 
     def write_step_json(self, step: int, name: str, obj: Any) -> Path:
-        """Write ``obj`` as ``steps/<step>/<name>.json``, atomically (``write_json``)."""
+        """Write ``obj`` as ``steps/<step>/<name>.json`` (``write_json``)."""
         return self.write_json(self.step_json_path(step, name).relative_to(self.root).as_posix(), obj)
 
     def read_step_json(self, step: int, name: str) -> Any:
-        """Read ``steps/<step>/<name>.json`` (``read_json``: FileNotFoundError when it is missing)."""
+        """Read ``steps/<step>/<name>.json`` (``read_json``)."""
         return self.read_json(self.step_json_path(step, name).relative_to(self.root).as_posix())
 
     def _resolve(self, relpath: str | os.PathLike[str]) -> Path:
@@ -438,8 +353,7 @@ class RunStore:
         return inside_run(self.root, self.root.joinpath(*parts))  # a symlink pointing outside is refused
 
 
-# ---------------------------------------------------------------------------------------------
-# Tracked tables: a directory, its Parquet files and its _manifest.json
+# --- Tracked tables: a directory, its Parquet files and its _manifest.json
 
 
 def _write_tracked(directory: Path, name: str, df: pd.DataFrame, config_hash: str) -> Path:
@@ -534,17 +448,12 @@ def _write_manifest(directory: Path, entries: Mapping[str, Any]) -> None:
     _write_json_file(directory / MANIFEST_FILE, {"schema_version": SCHEMA_VERSION, "entries": dict(entries)})
 
 
-# ---------------------------------------------------------------------------------------------
-# Atomic files
-
-
 def _write_json_file(path: Path, obj: Any) -> None:
     text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-# ---------------------------------------------------------------------------------------------
-# Names
+# --- Names
 
 
 def _step_name(step: int) -> str:

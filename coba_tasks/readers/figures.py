@@ -341,8 +341,7 @@ def _budget_stats(t: RunTables, steps: list[int]) -> dict[str, Any] | None:
     return stats
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers
+# --- Helpers
 
 
 def _group_means(df: pd.DataFrame, by: str, col: str) -> dict[str, float]:

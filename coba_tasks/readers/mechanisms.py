@@ -1,33 +1,7 @@
 """How the allocation's mechanisms worked at each step of a run, computed once from its done tables.
 
-Per allocated prompt of step t (``estimate_rows``):
-
-    estimate   the pass rate budget(t) allocated with (``pass_rate_est``; NaN where the allocation had none)
-    realized   its pass rate at step t: the share of its rollouts in rewards(t) with verdict ``correct``
-               (``coba_tasks.pipeline.prompt_history.pass_rates``)
-    age        how many steps before t the visit its estimate came from was (budget(t)'s ``estimate_age``;
-               for a run made before that column, t minus the prompt's ``last_step`` in history(t - 1));
-               NaN for a prompt never seen
-    seen       it had an estimate and an age (with neither column nor history: an estimate)
-
-Per step (``step_rows``, one row per step with a budget and rewards; ``STEP_COLUMNS``):
-
-    prompts            the step's prompts (groups in rewards(t))
-    estimated          those the allocation had an estimate of (``seen``)
-    estimate_mae       mean |estimate - realized| over the estimated prompts
-    estimate_bias      mean (realized - estimate) over them: > 0 when they did better than estimated
-    estimate_corr      Pearson's r of estimate and realized over them; NaN with fewer than 3 or without spread
-    estimate_age_mean  the mean age of their estimates (steps)
-    effective_prompts  N_eff = (sum_i W_i)^2 / sum_i W_i^2 over the prompts with a gradient, W_i a prompt's
-                       weight in the loss: update(t)'s ``effective_prompts`` (``coba_tasks.core.grpo``); a run
-                       made before that column trained under the token mean, so there W_i is the prompt's
-                       completion tokens (rollouts(t)'s ``n_tokens``) over its prompts with mixed rewards;
-                       NaN when neither table says
-    mixed_groups       prompts whose rewards are not all equal: the ones with a non-zero advantage
-    first_solved       prompts with a correct rollout at step t and none at an earlier step of the run
-    train_pass_at_2    the mean over the step's prompts of the unbiased pass@2 of its group
-                       (``coba_tasks.core.passk``): defined for every group, as allocation.min_budget >= 2;
-                       pass@1 is the pass rate S
+Per allocated prompt of step t ``estimate_rows`` (estimate, realized pass rate, age, seen); per step
+``STEP_COLUMNS`` (``run_mechanisms``). Each figure is defined in docs/design.md, "The mechanisms of each step".
 
 ``step_mechanisms`` gives one step's figures but ``first_solved`` (the trackers log them as ``mechanisms/...``);
 ``by_age`` groups the estimated prompts of all steps by age (prompts, MAE, bias per age);

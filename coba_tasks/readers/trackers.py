@@ -50,8 +50,7 @@ SAMPLES = 4  # sample completions logged per step
 SAMPLE_CHARS = 400  # a sample completion is cut to this many characters
 
 
-# ---------------------------------------------------------------------------------------------
-# The figures of a tracker step, from the tables
+# --- The figures of a tracker step, from the tables
 
 
 def eval_due(k: int, steps: int, every: int) -> bool:
@@ -170,8 +169,7 @@ def _finite(v: Any) -> bool:
         return False
 
 
-# ---------------------------------------------------------------------------------------------
-# Adapters: one per library
+# --- Adapters: one per library
 
 
 class _Tracker:
@@ -308,8 +306,7 @@ def store_uri(directory: Path) -> str:
     return f"sqlite:///{(directory / 'mlflow.db').resolve()}"
 
 
-# ---------------------------------------------------------------------------------------------
-# The trackers of a run
+# --- The trackers of a run
 
 
 class Trackers:

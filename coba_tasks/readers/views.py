@@ -44,8 +44,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     return escape_controls("\n".join([*lines, *(f"{label:<16} {text}" for label, text in summary_rows(summary))]))
 
 
-# ---------------------------------------------------------------------------------------------
-# One table
+# --- One table
 
 
 def show_table(
@@ -264,8 +263,7 @@ def select_columns(df: pd.DataFrame, columns: Sequence[str] | None, what: str) -
     return df[columns]
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers
+# --- Helpers
 
 
 def open_run(run_dir: str | os.PathLike[str]) -> RunStore:

@@ -773,3 +773,24 @@ def test_a_tracker_whose_library_is_missing_is_one_line_naming_the_extra(monkeyp
     with pytest.raises(ConfigError, match=r"^run\.trackers: wandb is not installed; install it with pip install -e "):
         check_installed(["tensorboard", "wandb"])
     check_installed(["tensorboard"])
+
+
+def test_a_module_named_on_the_pytest_command_line_collects_no_function_of_the_package_as_a_test():
+    """``test_set_name`` (a function of the package whose name starts with ``test``) was collected as a test
+    where config_sections.py or data.py was named on the command line, and errored (no fixture ``path``)."""
+    import subprocess
+    import sys
+
+    files = ["coba_tasks/pipeline/config_sections.py", "coba_tasks/pipeline/data.py"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider", *files],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:]
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    # its doctest stays: the one item of that name, in config_sections.py
+    assert [line for line in collected if "test_set_name" in line] == [
+        "coba_tasks/pipeline/config_sections.py::coba_tasks.pipeline.config_sections.test_set_name"
+    ]

@@ -1,18 +1,10 @@
 """The rollout engines' common ground: requests, rows, the backend interface, the registry and seeds.
 
-A backend samples ``n`` completions for each prompt (``RolloutRequest``: the prompt's token ids, its
-group size and seed) and returns one ``Rollout`` row per completion, with the sampler's log-probability
-of every token and the weight version that produced it. Backends sit behind a registry
-(``register_backend``, ``make_backend(name, ...)``); the built-in ones live in their own modules and
-are imported only when used:
-
-- ``vllm`` (``vllm_backend``): one ``vllm.LLM`` engine kept for the whole run, weights reloaded in place;
-- ``vllm-ray`` (``ray_backend``): several vLLM engines as Ray actors, requests sharded by budget;
-- ``transformers`` (``hf_backend``): ``model.generate``, where vLLM cannot run, and the tests' reference.
-
-Seeds derive from (run seed, step, prompt id) through ``rollout_seed`` (and the wave, for a group sampled in
-two): the same step of the same run gives the same rollouts whatever else happened in between (a rerun
-reproduces them).
+A backend samples ``n`` completions for each prompt and returns one ``Rollout`` row per completion, with the
+sampler's log-probability of every token and the weight version that produced it. Backends are registered
+by name (``make_backend``; the built-in ones imported when first used). Seeds derive from (run seed, step,
+prompt id) through ``rollout_seed``: the same step of the same run gives the same rollouts whatever else
+happened in between.
 """
 
 from __future__ import annotations
@@ -62,12 +54,8 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """One prompt's group: ``n`` completions of the prompt ``prompt_token_ids`` with ``seed``.
-
-    The token ids are the prompt exactly as the engine receives it, rendered and tokenized once by
-    ``coba_tasks.pipeline.data.render_prompts`` (the trainer reads the same ids, so the policy is sampled and
-    trained on one sequence); ``prompt`` is the rendered text, for logs and errors only.
-    """
+    """One prompt's group: ``n`` completions of ``prompt_token_ids`` (rendered and tokenized once by
+    ``coba_tasks.pipeline.data.render_prompts``) with ``seed``; ``prompt`` is the text, for logs and errors."""
 
     prompt_id: str
     prompt_token_ids: tuple[int, ...]
@@ -117,8 +105,7 @@ class RolloutBackend(ABC):
         self, batches: Sequence[tuple[Sequence[RolloutRequest], SamplingConfig]], progress: bool = False
     ) -> list[list[Rollout]]:
         """``generate`` of each (requests, sampling) batch, in order; a backend may run them as one batch
-        (vLLM: one engine call, so a sampled and a greedy evaluation share its scheduling). With
-        ``progress`` a backend that can shows a progress bar of the requests done (vLLM's, on stderr)."""
+        (vLLM: one engine call). ``progress``: a progress bar on stderr where the backend has one."""
         return [self.generate(requests, sampling) for requests, sampling in batches]
 
     @abstractmethod
@@ -126,15 +113,13 @@ class RolloutBackend(ABC):
         """Replace the policy weights by the checkpoint at ``path`` (HF layout); rows then carry ``version``."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Release the engine."""
+    def close(self) -> None: ...
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory until ``wake_up`` (while the update runs); no-op by default."""
         return None
 
     def wake_up(self) -> None:
-        """Take back what ``sleep`` freed; a no-op when awake."""
         return None
 
     @classmethod
@@ -143,8 +128,7 @@ class RolloutBackend(ABC):
         return None
 
     @staticmethod
-    def check_requests(requests: Sequence[RolloutRequest]) -> None:
-        """What each backend's ``generate`` does first: ``check_requests`` (refuse an empty group or prompt)."""
+    def check_requests(requests: Sequence[RolloutRequest]) -> None:  # what each backend's generate does first
         check_requests(requests)
 
     def __enter__(self) -> RolloutBackend:
@@ -179,7 +163,6 @@ def register_backend(name: str) -> Callable[[type[RolloutBackend]], type[Rollout
 
 
 def backends() -> list[str]:
-    """Names of the registered rollout backends."""
     return sorted(_BACKENDS)
 
 

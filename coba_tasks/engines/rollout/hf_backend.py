@@ -1,16 +1,12 @@
-"""The ``transformers`` rollout backend: ``model.generate`` on CPU or GPU, where vLLM cannot run.
+"""The ``transformers`` rollout backend: ``model.generate`` on CPU or GPU, where vLLM cannot run, and the
+tests' reference for the vLLM backend's rows.
 
-The same interface and rows as the vLLM backend (it is the tests' reference for them). Groups are generated
-in batches (prompts of one length together, left-padded where lengths differ, at most ``max_num_seqs``
-sequences and, on CUDA, as many as ``gpu_memory_utilization`` leaves room for: ``rows_that_fit``). Each
-group draws its tokens with a ``torch.Generator`` seeded with the group's seed, so it gets the tokens it would
-get alone (up to float rounding of a padded batch).
-
-``_GroupSampler``, the last logits processor, draws the tokens and keeps one log-probability per sequence and
-step (memory grows with sequences x length, not x vocabulary): log_softmax of the scores after temperature and
-top-p, as the trainer computes them. Only the settings coba-rl controls reach ``generate``: a model
-directory's own ``generation_config.json`` (a repetition penalty, min-p...: Qwen2.5-Instruct ships one) is
-set aside when the model loads, since ``generate`` fills every setting left unset from it.
+Groups are generated in batches (prompts of one length together, left-padded where lengths differ, at most
+``max_num_seqs`` sequences and, on CUDA, what ``gpu_memory_utilization`` leaves room for: ``rows_that_fit``).
+Each group draws its tokens with a generator seeded with its seed (``_GroupSampler``), so it gets the tokens
+it would get alone (up to float rounding of a padded batch). A model directory's own
+``generation_config.json`` (a repetition penalty, min-p...: Qwen2.5-Instruct ships one) is set aside, since
+``generate`` fills every setting left unset from it.
 """
 
 from __future__ import annotations
@@ -86,9 +82,8 @@ class TransformersBackend(RolloutBackend):
         return [row for rows in groups for row in rows]
 
     def _batches(self, requests: Sequence[RolloutRequest], max_tokens: int) -> list[list[int]]:
-        """The requests' indices cut into the batches of one ``generate`` call each: by prompt length (equal
-        lengths need no padding), a group never split, at most ``max_rows`` sequences a batch (one group
-        alone when it is larger)."""
+        """The requests' indices cut into the batches of one ``generate`` call each: by prompt length, a group
+        never split, at most ``max_rows`` sequences a batch (one group alone when it is larger)."""
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_token_ids))
         longest = max(len(r.prompt_token_ids) for r in requests)
         max_rows = self.max_rows(longest, max_tokens)
@@ -167,8 +162,7 @@ class TransformersBackend(RolloutBackend):
         self._load(path)
         self.weight_version = int(version)
 
-    def sleep(self) -> None:
-        """Move the model to CPU memory until ``wake_up`` (a no-op on CPU)."""
+    def sleep(self) -> None:  # the model to CPU memory until wake_up
         if self.device != "cpu" and self.model is not None:
             self.model.to("cpu")
             torch.cuda.empty_cache()
@@ -182,14 +176,9 @@ class TransformersBackend(RolloutBackend):
 
 
 class _GroupSampler(LogitsProcessor):
-    """The last logits processor of a batch's ``generate``: it draws every sequence's next token itself and
-    leaves ``generate`` (greedy) only that token.
-
-    For each group (rows ``start:end``, seed ``seed``) the token is drawn by ``torch.multinomial`` with the
-    group's own generator from softmax of the scores after temperature and top-p (transformers'
-    ``TemperatureLogitsWarper`` and ``TopPLogitsWarper``, as ``generate``'s sampling applies them); greedy
-    (temperature 0) takes argmax z. The drawn token's log-probability under those scores is kept, one
-    (B,) tensor a step: ``token_logprobs``."""
+    """The last logits processor of a batch's ``generate``: it draws every sequence's next token itself, with its
+    group's own generator (``spans``: rows ``start:end``, seed) from the scores after temperature and top-p
+    (argmax at temperature 0), keeps its log-probability, and leaves ``generate`` (greedy) only that token."""
 
     def __init__(self, spans: Sequence[tuple[int, int, int]], sampling: SamplingConfig, device: str) -> None:
         self.greedy = sampling.temperature == 0.0
@@ -215,8 +204,7 @@ class _GroupSampler(LogitsProcessor):
         forced = torch.full_like(scores, float("-inf"))
         return forced.scatter_(-1, tokens[:, None], 0.0)
 
-    def token_logprobs(self) -> torch.Tensor:
-        """(B, steps): each sequence's log-probability of the token drawn at each step."""
+    def token_logprobs(self) -> torch.Tensor:  # (B, steps)
         return torch.stack(self.steps, dim=1)
 
 
@@ -239,9 +227,8 @@ def rows_that_fit(config: Any, prompt_len: int, max_tokens: int, budget_bytes: f
 
 
 def generation_config(sampling: SamplingConfig, eos: int | None, pad: int | None) -> Any:
-    """The ``GenerationConfig`` of one batch: greedy selection (``_GroupSampler`` draws the tokens and leaves
-    one), at most ``sampling.max_tokens`` new tokens, stopping at ``eos``; every logits processor beyond
-    the sampler's is off."""
+    """The ``GenerationConfig`` of one batch: greedy selection of the one token ``_GroupSampler`` leaves, every
+    other logits processor off."""
     return GenerationConfig(
         max_new_tokens=sampling.max_tokens,
         do_sample=False,

@@ -1,19 +1,15 @@
-"""Top-p (nucleus) sampling for vLLM without sorting the vocabulary.
+"""Top-p (nucleus) sampling for vLLM without sorting the vocabulary (docs/method.md, "Log-probabilities of
+the distribution sampled").
 
-vLLM's PyTorch top-p (the one its CPU build runs) sorts the whole vocabulary of every sequence at every
-decoding step: for SmolLM2 (49,152 tokens) and a batch of 480 sequences that sort alone takes about a
-second a step, most of what a held-out evaluation at top-p 0.9 costs. ``NucleusLogitsProcessor`` finds
-the nucleus among the ``NUCLEUS_K`` most probable tokens instead (``torch.topk``, a partial selection,
-about 30x cheaper) and falls back to vLLM's own sort for a row whose ``NUCLEUS_K`` tokens hold less than
-``p`` of the mass, so every row gets the nucleus vLLM's rule defines: a token is kept when the tokens
-ranked above it hold less than ``p`` of the probability (vLLM: its ascending cumulative sum exceeds
-``1 - p``), at least one is kept, and the rest are set to ``-inf``.
+vLLM's PyTorch top-p (its CPU build's) sorts the whole vocabulary of every sequence at every step: for
+SmolLM2 (49,152 tokens) and 480 sequences about a second a step. ``NucleusLogitsProcessor`` searches the
+``NUCLEUS_K`` most probable tokens instead (``torch.topk``, about 30x cheaper) and falls back to vLLM's sort
+for a row whose ``NUCLEUS_K`` tokens hold less than ``p``, so every row gets vLLM's nucleus: a token is kept
+when the tokens ranked above it hold less than ``p`` of the probability, at least one is kept.
 
-The backend registers the processor with every engine and, for a request at top-p < 1, passes vLLM
-``top_p=1.0`` and the real ``p`` as ``extra_args["coba_top_p"]``. The processor is argmax-invariant, so
-vLLM applies it where it would apply its own top-p: after the temperature, before the Gumbel-max draw,
-and before the ``processed_logprobs`` it records; the sampled tokens and their log-probabilities are
-those of the same masked logits.
+A request at top-p < 1 passes vLLM ``top_p=1.0`` and its ``p`` as ``extra_args["coba_top_p"]``. The
+processor is argmax-invariant, so vLLM applies it where it would its own top-p: after the temperature,
+before the draw and the ``processed_logprobs`` it records.
 """
 
 from __future__ import annotations

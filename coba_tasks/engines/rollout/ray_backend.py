@@ -1,24 +1,16 @@
-"""Rollouts spread over several vLLM engines through Ray: the ``vllm-ray`` backend.
+"""Rollouts spread over several vLLM engines through Ray: the ``vllm-ray`` backend (docs/scale_out.md).
 
-A step's requests are sharded by budget (``shard_by_budget``), each request whole on one engine (its seed
-covers its group). Each engine is a Ray actor holding a ``VLLMBackend`` on the same checkpoint, so the rows
-are those one ``VLLMBackend`` would return; ``generate`` calls all actors at once and puts the rows back in
-request order.
+A step's requests are sharded by budget (``shard_by_budget``), each request whole on one engine. Each engine
+is a Ray actor holding a ``VLLMBackend`` on the same checkpoint, so the rows are those one ``VLLMBackend``
+would return, put back in request order.
 
-    backend = make_backend("vllm-ray", "models/arith-tiny", engines=2, dtype="float32")
-    rows = backend.generate(requests, SamplingConfig())   # the same rows as make_backend("vllm", ...)
-    backend.load_weights("runs/demo/checkpoints/000001", version=1)   # every engine
-    backend.close()                                      # the actors, and Ray if this backend started it
-
-Ray. A running cluster is joined when ``ray_address`` (or ``RAY_ADDRESS``) names it or this process already
+A running cluster is joined when ``ray_address`` (or ``RAY_ADDRESS``) names it or this process already
 called ``ray.init``; otherwise a local Ray instance is started (and shut down on ``close``). Each actor takes
 ``cpus_per_engine`` CPUs and, where the cluster has GPUs, ``gpus_per_engine`` GPUs (default: vLLM's
 ``tensor_parallel_size``). ``model_path`` and the paths given to ``load_weights`` are made absolute and opened
-by the actors: on several hosts they must name the same files on every host.
-
-Engine death. Inside an actor, ``VLLMBackend`` replaces a dead vLLM engine itself. If an actor process dies,
-the next call that reaches it starts a new actor, loads the last weights into it and runs that actor's share
-of the call again, once (Ray's own actor restart would come back with the first weights).
+by the actors: on several hosts they must name the same files on every host. An actor process that died is
+replaced at the next call that reaches it, with the last weights, and its share runs again, once (Ray's own
+actor restart would come back with the first weights).
 """
 
 from __future__ import annotations
@@ -47,8 +39,7 @@ def shard_indices(requests: Sequence[RolloutRequest], n_shards: int) -> list[lis
     for r in requests:
         if r.n < 1:
             raise ValueError(f"prompt {r.prompt_id}: group size must be >= 1, got {r.n}")
-    # largest budget first; ties broken by the request's own fields, so that the shards' contents do
-    # not depend on the order the requests came in (identical requests are interchangeable anyway)
+    # ties broken by the request's own fields: the shards do not depend on the order the requests came in
     order = sorted(range(len(requests)), key=lambda i: (-requests[i].n, requests[i].prompt_id, requests[i].seed))
     heap = [(0, k) for k in range(n_shards)]  # (rollouts so far, shard): the least loaded, then the lowest index
     shards: list[list[int]] = [[] for _ in range(n_shards)]
@@ -60,12 +51,9 @@ def shard_indices(requests: Sequence[RolloutRequest], n_shards: int) -> list[lis
 
 
 def shard_by_budget(requests: Sequence[RolloutRequest], n_shards: int) -> list[list[RolloutRequest]]:
-    """Split ``requests`` into ``n_shards`` lists with about equal total budget (sum of ``n``).
-
-    Greedy, largest budget first onto the shard with the fewest rollouts so far (LPT scheduling):
-    every request lands whole in one shard, the shards' totals differ by at most the largest single
-    budget, and the result is deterministic. Within a shard the requests keep their input order;
-    shards may be empty when there are fewer requests than shards.
+    """Split ``requests`` into ``n_shards`` lists with about equal total budget (sum of ``n``): largest budget
+    first onto the shard with the fewest rollouts so far (LPT), each request whole, totals within the largest
+    budget of each other, deterministic; input order kept within a shard (which may be empty).
 
     >>> reqs = [RolloutRequest(f"p{i}", (5, 76, 5, 84), n, i) for i, n in enumerate([8, 2, 5, 5, 4])]
     >>> [[r.prompt_id for r in s] for s in shard_by_budget(reqs, 2)]

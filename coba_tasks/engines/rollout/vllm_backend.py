@@ -1,21 +1,12 @@
-"""The ``vllm`` rollout backend: one vLLM engine kept for the whole run, weights reloaded in place.
+"""The ``vllm`` rollout backend: one vLLM engine kept for the whole run, weights reloaded in place after
+each update (``vllm_worker``), a fraction of a second instead of a new engine's start.
 
-After an update the new checkpoint is loaded in place (``vllm_worker.WeightReload``: vLLM's ``reload_weights``,
-made right for tied embeddings), a fraction of a second instead of a new engine's start. Each prompt is a token
-prompt with its own ``SamplingParams(n=B_i, seed=..., logprobs=0)``; each row carries the sampler's log p of
-every token, after the temperature (``processed_logprobs``). Top-p < 1 goes through
-``nucleus.NucleusLogitsProcessor`` (vLLM's nucleus without its sort; ``sort_free_top_p = False`` gives vLLM's
-own). On CPU the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless the caller set that
-variable: it starts in seconds rather than minutes on 2 cores.
-
-Engine death. An engine whose engine-core process died stays dead. ``VLLMBackend`` notices it
-(``EngineDeadError``, or any error while vLLM's liveness flag says dead), starts a new engine with the same
-arguments, reloads the last weights (``weight_version`` stays true) and runs the call again, once, logging
-"rollout engine died (...); started a new engine". Seeds are per request, so the rows are those the old engine
-would have given.
-
-Sleep (``rollout.sleep_during_update``, CUDA only): ``sleep()`` offloads the weights to CPU memory and drops
-the KV cache while the update runs (``llm.sleep(level=1)``); ``generate`` and ``load_weights`` wake it first.
+Each prompt is a token prompt with its own ``SamplingParams(n=B_i, seed=..., logprobs=0)``; rows carry the
+sampler's log p after the temperature. Top-p < 1 goes through ``nucleus`` (``sort_free_top_p = False``:
+vLLM's own). On CPU the engine runs in-process unless the caller set ``VLLM_ENABLE_V1_MULTIPROCESSING``.
+An engine whose engine-core process died is replaced by a new one with the same arguments and the last
+weights, and the call runs again, once (seeds are per request: the same rows). ``sleep()`` (CUDA only)
+offloads the weights and drops the KV cache while the update runs; ``generate`` and ``load_weights`` wake it.
 """
 
 from __future__ import annotations
@@ -68,9 +59,7 @@ class VLLMBackend(RolloutBackend):
         tp = tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
-        if tp > 1 and (on_cpu or in_process):
-            # refused here rather than deep inside vLLM: its CPU build and its in-process ("uni")
-            # executor both run a single worker
+        if tp > 1 and (on_cpu or in_process):  # vLLM's CPU build and its "uni" executor run one worker
             where = "without CUDA" if on_cpu else "with in_process=True (one worker)"
             raise ValueError(f"tensor_parallel_size={tp}: vLLM cannot split an engine {where}")
         if in_process is None:
@@ -91,32 +80,24 @@ class VLLMBackend(RolloutBackend):
             "seed": seed,
             "trust_remote_code": trust_remote_code,
             "enforce_eager": on_cpu if enforce_eager is None else enforce_eager,
-            # each row's log-probabilities are of the distribution its tokens were sampled from: after the
-            # temperature (and top-p), as the trainer computes them (log_softmax(logits / T))
-            "logprobs_mode": "processed_logprobs",
+            "logprobs_mode": "processed_logprobs",  # after temperature and top-p, as the trainer computes them
             "use_tqdm_on_load": False,  # no progress bar at every engine start
             "worker_extension_cls": WORKER_EXTENSION,  # the in-place reload (vllm_worker)
-            # top-p without sorting the vocabulary (nucleus); requests name their p in extra_args
-            "logits_processors": [NUCLEUS_PROCESSOR],
+            "logits_processors": [NUCLEUS_PROCESSOR],  # top-p without sorting the vocabulary
             "tensor_parallel_size": tp,  # GPUs this engine is split over (vLLM's own worker processes)
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if on_cpu:
-            # vLLM 0.32 on CPU: a seeded request whose prefill is split into chunks crashes the engine
-            # ("CPU Generator does not use offset": the discarded sample of a partial prefill is undone by
-            # rewinding the request's generator, which only CUDA generators can do). Even where it does not
-            # crash, that sample would move the generator, so a group's tokens would depend on how the batch
-            # happened to be chunked. Whole-prompt prefills keep every group a function of its seed alone.
-            # (vLLM then raises max_num_batched_tokens to the context length by itself.)
+            # vLLM 0.32 on CPU: a seeded request whose prefill is split into chunks crashes the engine ("CPU
+            # Generator does not use offset": only CUDA generators can rewind the discarded sample of a partial
+            # prefill) or makes a group's tokens depend on the chunking (docs/design.md, "Other decisions")
             kwargs["enable_chunked_prefill"] = False
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
         if on_cpu and kwargs["enforce_eager"]:
-            # Eager means eager: vLLM still compiles one helper with torch.compile (the rank of each sampled
-            # token, in its sampler's gather_logprobs), 2-4 s of compilation at the first generate of every
-            # process on 2 cores, for a figure coba never reads. The rank is an integer count, the same
-            # eager; the tokens and log-probabilities do not depend on it. torch.compile is off in this
+            # Eager means eager: vLLM still compiles its sampler's rank of each sampled token (2-4 s at the first
+            # generate on 2 cores, for a figure coba never reads; the same eager). torch.compile is off in this
             # process from here on (coba compiles nothing else).
             import torch._dynamo
 
@@ -141,8 +122,7 @@ class VLLMBackend(RolloutBackend):
         self, batches: Sequence[tuple[Sequence[RolloutRequest], SamplingConfig]], progress: bool = False
     ) -> list[list[Rollout]]:
         """Every batch's requests in one engine call (each with its own sampling parameters and seed, so a
-        group's completions are those it would get alone); rows per batch, in order. ``progress``: vLLM's
-        progress bar (requests done, elapsed and remaining time) on stderr."""
+        group's completions are those it would get alone); rows per batch, in order."""
         from vllm import SamplingParams
 
         from coba_tasks.engines.rollout.nucleus import EXTRA_KEY as NUCLEUS_KEY
@@ -162,8 +142,7 @@ class VLLMBackend(RolloutBackend):
         owners: list[int] = []
         for i, (r, sampling) in enumerate(flat):
             tokens = {"prompt_token_ids": list(r.prompt_token_ids)}
-            # logprobs=0: the log-probability of each sampled token, of the sampling distribution (the
-            # engine's logprobs_mode "processed_logprobs": after temperature and top-p)
+            # logprobs=0: the log-probability of each sampled token (processed_logprobs)
             if sampling.temperature == 0.0:  # vLLM's greedy sampling takes n = 1: repeat the prompt
                 prompts += [tokens] * r.n
                 params += [SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens, logprobs=0)] * r.n
@@ -194,8 +173,7 @@ class VLLMBackend(RolloutBackend):
             per_request.append([self._row(r, j, c) for j, c in enumerate(completions)])
         return [[row for rows in per_request[first:last] for row in rows] for first, last in spans]
 
-    def _row(self, r: RolloutRequest, j: int, c: Any) -> Rollout:
-        """Completion ``j`` of request ``r`` (a vLLM ``CompletionOutput``) as a row."""
+    def _row(self, r: RolloutRequest, j: int, c: Any) -> Rollout:  # c: a vLLM CompletionOutput
         ids = tuple(int(t) for t in c.token_ids)
         return Rollout(
             prompt_id=r.prompt_id,
@@ -329,14 +307,10 @@ def _is_engine_dead_error(exc: BaseException) -> bool:
 
 
 class _EngineDeathWatch:
-    """While a call to a multiprocess vLLM engine runs, wake the caller if the engine core dies.
-
-    vLLM 0.32's ``SyncMPClient`` flags the engine dead when its engine-core process exits, but a
-    caller already waiting for outputs (``generate``: ``outputs_queue.get()``) or for a utility
-    call (``collective_rpc``: ``future.result()``) waits for ever (measured: SIGKILL of the engine
-    core during ``generate`` hung it for minutes). This thread polls the flag and, once it is set,
-    hands every waiter an ``EngineDeadError``. A no-op for an in-process engine.
-    """
+    """While a call to a multiprocess vLLM engine runs, wake the caller if the engine core dies: vLLM 0.32
+    flags the engine dead, but a caller already waiting for outputs or for a ``collective_rpc`` waits for ever
+    (measured: SIGKILL of the engine core during ``generate`` hung it for minutes). This thread polls the flag
+    and hands every waiter an ``EngineDeadError``. A no-op for an in-process engine."""
 
     def __init__(self, client: Any, interval_s: float = 0.2) -> None:
         self.client = client

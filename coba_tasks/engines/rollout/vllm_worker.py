@@ -1,20 +1,13 @@
 """What the vLLM rollout engine's worker does on top of vLLM: reload new policy weights in place, right.
 
-vLLM mixes the methods of ``WeightReload`` into its worker class (``VLLMBackend`` in ``vllm_backend``
-starts the engine with ``worker_extension_cls="coba_tasks.engines.rollout.vllm_worker.WeightReload"``),
-and the backend calls them by name with ``llm.collective_rpc("coba_reload_weights", kwargs={"weights_path": ...})``.
-By name, so it works with every vLLM executor (in-process, multiprocess, Ray) and nothing is pickled.
+vLLM mixes ``WeightReload``'s methods into its worker class (``worker_extension_cls``), and the backend calls
+them by name (``llm.collective_rpc("coba_reload_weights", ...)``): every executor, nothing pickled.
 
-Why not vLLM's own ``reload_weights`` alone: with tied input/output embeddings (SmolLM2, Qwen2.5 up to
-3B, most small models) the output projection holds the embedding's parameter and has no tensor of its
-own in the checkpoint. vLLM's layer-wise reload processes a layer only when its tensors arrive, so the
-output projection is never processed again. On CPU that processing packs the weight into a separate
-copy for the matrix-multiply kernels (oneDNN or the packed GEMM), so after a reload the head kept
-multiplying by the *old* embedding (measured with SmolLM2-135M: greedy first tokens differed from
-transformers' on the same checkpoint for 2 of 3 prompts, log-probability gaps of about 0.5). On CUDA
-the head reads the shared parameter directly and processing an unquantized embedding does nothing,
-so the step below is a no-op there. The fix does not untie the user's model: after vLLM's reload,
-every layer whose weight parameter is shared with another layer is processed again.
+Why not vLLM's ``reload_weights`` alone: a tied output projection has no tensor of its own in the checkpoint,
+so vLLM's layer-wise reload never processes it again; on CPU that processing packs the weight into a copy for
+the matrix-multiply kernels, so the head kept multiplying by the *old* embedding (SmolLM2-135M: greedy first
+tokens differed from transformers' for 2 of 3 prompts). On CUDA it is a no-op. The fix does not untie the
+model: after vLLM's reload, every layer whose weight is shared with another is processed again.
 """
 
 from __future__ import annotations
@@ -25,11 +18,8 @@ import torch
 
 
 def shared_weight_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The layers (with a quantization method) whose ``weight`` parameter another such layer also holds.
-
-    Parameters are matched by identity, not by address: layers whose weight was dropped after packing
-    hold empty tensors that share an address without being tied.
-    """
+    """The layers (with a quantization method) whose ``weight`` parameter another such layer also holds, matched
+    by identity: layers whose weight was dropped after packing hold empty tensors that share an address."""
     holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
