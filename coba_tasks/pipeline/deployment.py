@@ -52,32 +52,29 @@ def allowed_roots() -> tuple[Path, ...]:
     return tuple(dict.fromkeys(p.resolve() for p in (PROJECT_ROOT, *named)))
 
 
-def _first_outside(
-    paths: Mapping[str, str | os.PathLike[str] | None], roots: tuple[Path, ...]
-) -> tuple[str, str] | None:
-    """(key, value as shown in an error) of the first path of ``paths`` (None or empty: not given) that resolves
-    outside every root, or None; a relative path is from the working directory (the project, in a flow run)."""
+def _refuse_outside(paths: Mapping[str, str | os.PathLike[str] | None], roots: tuple[Path, ...], why: str) -> None:
+    """ConfigError ``<key> = <value>: <why>`` for the first path of ``paths`` (None or empty: not given) that
+    resolves outside every root; a relative path is from the working directory (the project, in a flow run)."""
     for key, value in paths.items():
         if value is None or not str(value).strip():
             continue
         given = Path(value).expanduser()
         real = (given if given.is_absolute() else Path.cwd() / given).resolve()
         if not any(real.is_relative_to(root) for root in roots):
-            return key, f"{value}" + (f" (it resolves to {real})" if real != given else "")
-    return None
+            shown = f"{value}" + (f" (it resolves to {real})" if real != given else "")
+            raise ConfigError(f"{key} = {shown}: {why}")
 
 
 def check_deployment_paths(paths: Mapping[str, str | os.PathLike[str] | None]) -> None:
     """ConfigError naming the parameter or config key (``paths``' keys) of a path outside ``allowed_roots()``."""
     roots = allowed_roots()
-    outside = _first_outside(paths, roots)
-    if outside is not None:
-        key, shown = outside
-        raise ConfigError(
-            f"{key} = {shown}: outside the project and the roots its worker names ({' or '.join(map(str, roots))}), "
-            f"where a deployment's paths stay; point it inside, or start the worker with "
-            f"{ROOTS_ENV}=<dir>{os.pathsep}<dir> naming the directories its flow runs may use"
-        )
+    _refuse_outside(
+        paths,
+        roots,
+        f"outside the project and the roots its worker names ({' or '.join(map(str, roots))}), where a "
+        f"deployment's paths stay; point it inside, or start the worker with {ROOTS_ENV}=<dir>{os.pathsep}<dir> "
+        "naming the directories its flow runs may use",
+    )
 
 
 def output_roots() -> tuple[Path, ...]:
@@ -89,13 +86,12 @@ def output_roots() -> tuple[Path, ...]:
 def check_deployment_outputs(paths: Mapping[str, str | os.PathLike[str] | None]) -> None:
     """``check_deployment_paths`` for outputs, under ``output_roots()``: never the project's own files."""
     roots = output_roots()
-    outside = _first_outside(paths, roots)
-    if outside is not None:
-        key, shown = outside
-        raise ConfigError(
-            f"{key} = {shown}: a deployment writes its outputs only under {' or '.join(map(str, roots))} "
-            f"(the project's runs/ or the roots its worker names in {ROOTS_ENV}); point it there"
-        )
+    _refuse_outside(
+        paths,
+        roots,
+        f"a deployment writes its outputs only under {' or '.join(map(str, roots))} (the project's runs/ or the "
+        f"roots its worker names in {ROOTS_ENV}); point it there",
+    )
 
 
 def deployment_caps() -> dict[str, int]:
