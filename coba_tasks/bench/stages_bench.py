@@ -131,7 +131,7 @@ def _bench(train: Train, cfg: Any, config_path: str | None, work: Path, steps: i
         stage_step.resume_point(res)
         machine["torch_threads"] = torch.get_num_threads()  # what the stages run with
         store = res.store
-        timings = [store.read_json(f"steps/{t:06d}/timing.json") for t in range(steps)]
+        timings = [store.read_step_json(t, "timing") for t in range(steps)]
         step = {
             "step_s": float(summary["step_seconds_mean"]),
             "outside_stages_s": float(summary["prefect_overhead_seconds_per_step"]),

@@ -490,7 +490,19 @@ class PolicyTrainer:
         )
         return weights
 
-    def _chunk_loss(self, totals, prompts, idx, logp, old, adv, mask, rc, ref, mb_tokens: float) -> torch.Tensor:
+    def _chunk_loss(
+        self,
+        totals: dict[str, float],
+        prompts: PromptWeights,
+        idx: torch.Tensor,
+        logp: torch.Tensor,
+        old: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+        rc: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        mb_tokens: float,
+    ) -> torch.Tensor:
         """The loss of the rows ``idx`` (their (B, T) ``logp``, ``old``, float ``mask``, the rollout correction's
         ``rc`` and the reference's ``ref`` log-probabilities, None when off), normalised by ``mb_tokens``; adds
         its loss, KL and clipped tokens to ``totals``."""

@@ -21,7 +21,6 @@ from typing import Any
 
 import pandas as pd
 
-from coba_tasks.core.capability import Estimator
 from coba_tasks.engines.fileio import new_temporary_dir, sha256_file, write_parquet
 from coba_tasks.pipeline import prompt_history, stages
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict
@@ -70,8 +69,7 @@ def shares_prefix(a: Config, b: Config) -> bool:
     """Whether runs of configs ``a`` and ``b`` may share their first steps: they differ only in ``PREFIX_KEYS``
     and neither samples a pilot (``allocation.estimator: pilot`` samples inside the step: a step of such a run
     is no other run's)."""
-    pilot = Estimator.PILOT.value in (a.allocation.estimator, b.allocation.estimator)
-    return not pilot and set(differing_keys(a, b)) <= PREFIX_KEYS
+    return not (a.allocation.piloted or b.allocation.piloted) and set(differing_keys(a, b)) <= PREFIX_KEYS
 
 
 @dataclass
