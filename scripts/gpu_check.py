@@ -22,7 +22,8 @@ Phases:
 4. reload check (``check_reload``): vLLM started on model A, greedy output, weights of model B
    loaded in place, greedy output again, compared with transformers' greedy output of A and B on
    prompts long enough to fill KV-cache blocks (a stale prefix cache or a stale tied output
-   head would show here).
+   head would show here); then B's tensors handed over from GPU memory (``set_weights``, vLLM's CUDA
+   IPC weight transfer to the engine's process) must give the reload's sequences.
 
 Every check prints one line ``ok`` / ``FAIL``; a report is written to ``<out>/gpu_check.json``;
 the exit status is 1 when any check failed.
@@ -278,15 +279,24 @@ def check_reload(model_a: Path, model_b: Path, dtype: str = "float32") -> Check:
         before = tokens(engine.generate(requests, greedy))
         engine.load_weights(model_b, version=1)
         after = tokens(engine.generate(requests, greedy))
+        # the path of every update: model B's tensors from this process's GPU memory (CUDA IPC by default)
+        engine.load_weights(model_a, version=0)
+        from safetensors.torch import load_file
+
+        b_tensors = load_file(str(model_b / "model.safetensors"), device="cuda")
+        engine.set_weights(lambda: b_tensors.items(), version=1)
+        from_memory = tokens(engine.generate(requests, greedy))
+        transport = engine.weight_transport
     finally:
         engine.close()
     hf_a = tokens(make_backend("transformers", model_a, dtype=dtype).generate(requests, greedy))
     hf_b = tokens(make_backend("transformers", model_b, dtype=dtype).generate(requests, greedy))
     a_before, b_after, a_after = _agreement(before, hf_a), _agreement(after, hf_b), _agreement(after, hf_a)
-    ok = a_before >= 0.75 and b_after >= 0.75 and a_after < b_after
+    ok = a_before >= 0.75 and b_after >= 0.75 and a_after < b_after and from_memory == after
     detail = (
         f"greedy sequences equal to transformers': model A before the reload {a_before:.0%},"
-        f" model B after reloading B {b_after:.0%} (still A: {a_after:.0%}); {len(requests)} prompts of 40+ tokens"
+        f" model B after reloading B {b_after:.0%} (still A: {a_after:.0%}); {len(requests)} prompts of 40+ tokens;"
+        f" B from GPU memory ({transport}) gives the reload's sequences: {from_memory == after}"
     )
     return Check("reload in place (tied embeddings, prefix cache)", ok, detail)
 

@@ -293,7 +293,8 @@ def _bench_update(res: Any, rollouts: Any, rewards: Any, scratch: Path, repeats:
     seconds, metrics = _median_time(lambda: res.trainer.update(prompt_ids, completion_ids, adv, logprobs), repeats)
     ckpt = scratch / "checkpoint"
     save_s, _ = _median_time(lambda: res.trainer.save_checkpoint(ckpt, extra_state={"bench": True}), repeats)
-    reload_s, _ = _median_time(lambda: res.engine.load_weights(ckpt, version=res.engine.weight_version), repeats)
+    version = res.engine.weight_version
+    reload_s, _ = _median_time(lambda: res.engine.set_weights(res.trainer.engine_weights, version=version), repeats)
     tokens = int(metrics["tokens"])
     return {
         "sequences": int(metrics["sequences"]),

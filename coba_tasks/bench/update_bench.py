@@ -292,8 +292,8 @@ def _breakdown(breakdowns: list[dict[str, float]], saved: tuple[float, float, fl
 def _save_and_reload(
     trainer: Any, model_path: str, out: Path, reload: bool, progress: Callable[[str], None]
 ) -> tuple[float, float, float | None]:
-    """(checkpoint save seconds, its size in MB, weight reload seconds or None): with LoRA the reload
-    includes writing the merged weights the engine reads."""
+    """(checkpoint save seconds, its size in MB, weight reload seconds or None): the reload hands the
+    engine the trainer's weights in memory (with LoRA, merged first)."""
     ckpt, save_s = timed(trainer.save_checkpoint, out)
     size_mb = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) / 1e6
     if not reload:
@@ -304,8 +304,7 @@ def _save_and_reload(
     engine = make_backend("vllm", model_path, dtype="float32", max_model_len=256, seed=0)
     try:
         t0 = time.perf_counter()
-        weights = trainer.write_rollout_weights(ckpt.parent / "merged") if trainer.peft_model is not None else ckpt
-        engine.load_weights(weights, version=1)
+        engine.set_weights(trainer.engine_weights, version=1)  # from memory, as after each update
         return save_s, size_mb, time.perf_counter() - t0
     finally:
         engine.close()

@@ -1,5 +1,5 @@
 """``coba bench``: the benchmark group, the parsers and handlers of its benchmarks (allocate, rollout, verify,
-update, stages; each with ``--json``).
+update, stages, weights; each with ``--json``).
 
 The measurements and their wording are in the package ``coba_tasks.bench`` (``solvers_bench``:
 allocate; ``engines_bench``: rollout, verify; ``update_bench``; ``stages_bench``); a handler runs one,
@@ -105,6 +105,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_update(bench_sub)
     _add_stages(bench_sub)
+    _add_weights(bench_sub)
     return bench
 
 
@@ -185,6 +186,34 @@ def _add_stages(bench_sub: Any) -> None:
     )
 
 
+def _add_weights(bench_sub: Any) -> None:
+    from coba_tasks.bench import weights_bench  # its docstring is the description
+
+    add_command(
+        bench_sub,
+        "weights",
+        help="the policy to the rollout engine after an update: through a file vs from memory; a checkpoint",
+        description=(weights_bench.__doc__ or "").split("\n\n")[1],
+        examples=["coba bench weights", "coba bench weights --skip-0.5b --json"],
+        options=[
+            option(
+                "--smollm2",
+                default=weights_bench.DEFAULT_SMOLLM2,
+                help=f"SmolLM2 model directory, timed when it exists (default {weights_bench.DEFAULT_SMOLLM2})",
+            ),
+            option(
+                "--skip-0.5b",
+                dest="skip_05b",
+                action="store_true",
+                help="leave out the random model of Qwen2.5-0.5B's shape",
+            ),
+            option("--repeats", type=positive_int, default=3, help="timed calls of each way (default 3)"),
+            JSON_OPTION,
+        ],
+        func=cmd_bench_weights,
+    )
+
+
 def cmd_bench_allocate(args: argparse.Namespace) -> int:
     """Run ``coba bench allocate``: progress on stderr, the figures (text or JSON) on stdout."""
     from coba_tasks.bench.solvers_bench import bench_allocate, format_allocate
@@ -242,3 +271,11 @@ def cmd_bench_stages(args: argparse.Namespace) -> int:
 
     result = bench_stages(train, args.config, list(args.set or []), steps=args.steps, progress=print_progress)
     return print_figures(result, args.json, format_stages)
+
+
+def cmd_bench_weights(args: argparse.Namespace) -> int:
+    """``coba bench weights``: run the benchmark, print the table (or JSON); 0."""
+    from coba_tasks.bench.weights_bench import bench_weights, format_weights
+
+    result = bench_weights(args.smollm2, not args.skip_05b, args.repeats, progress=print_progress)
+    return print_figures(result, args.json, format_weights)

@@ -3,8 +3,8 @@
 With ``model.lora_rank`` > 0 every targeted linear layer ``W`` gets a trainable ``B @ A`` of rank r, scaled by
 ``alpha / r``. A checkpoint holds the adapter in peft's own layout (naming ``model.path`` by its absolute
 path) and ``adapter_base.json``, that base's content hash, checked before the adapter is put on a base again.
-The engine samples from the merged weights ``W + (alpha / r) * B @ A`` (``save_merged``, the run's
-``rollout_weights/``; ``merge_adapter_checkpoint`` for ``coba-eval``); why merged: docs/benchmarks.md.
+The engine samples from the merged weights ``W + (alpha / r) * B @ A`` (``merged_tensors``, handed to it in
+memory after each update; ``merge_adapter_checkpoint`` for ``coba-eval``); why merged: docs/benchmarks.md.
 
 ``MergedLoraLinear`` computes the layer as one product with the merged weight, ``x (W + s B A)^T``, instead
 of peft's ``x W^T + s (x A^T) B^T`` (docs/benchmarks.md), making the merge again in the backward rather
@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,30 +139,27 @@ class MergedLoraLinear(PeftLoraLinear):
         return _MergedLora.apply(x, base.weight, base.bias, a, b, self.scaling[ADAPTER_NAME])
 
 
-def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The plain model's state dict (its own key names) of a ``PeftModel``'s base model with every LoRA layer
-    merged, ``W + s B A``, in ``dtype`` (default: the weights' own); tied tensors stay tied (saved once)."""
+def merged_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain model's tensors (its own key names) of a ``PeftModel``'s base model with every LoRA layer merged,
+    ``W + s B A``, in ``dtype`` (default: the weights' own), made one at a time: each storage once (a tied tensor
+    under its first name, as a checkpoint stores it); a tensor already in ``dtype`` is the model's own."""
     from peft.tuners.lora import LoraLayer
 
     lora_layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-    by_storage: dict[int, torch.Tensor] = {}  # one result per storage of the model: ties stay ties
-    merged: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for key, value in model.state_dict().items():
-            if ".lora_" in key:
-                continue
-            owner, sep, leaf = key.rpartition(".base_layer.")
-            if sep and leaf == "weight" and owner in lora_layers:
-                tensor = merged_weight(lora_layers[owner])
-            else:
-                tensor = by_storage.get(value.data_ptr())
-                if tensor is None:
-                    tensor = by_storage[value.data_ptr()] = value.detach().clone()
-            merged[key.replace(".base_layer.", ".")] = tensor
-    if dtype is None:
-        return merged
-    cast: dict[int, torch.Tensor] = {}
-    return {k: cast.setdefault(id(v), v.to(dtype)) for k, v in merged.items()}
+    seen: set[int] = set()
+    for key, value in model.state_dict().items():
+        if ".lora_" in key or value.data_ptr() in seen:
+            continue
+        seen.add(value.data_ptr())
+        owner, sep, leaf = key.rpartition(".base_layer.")
+        merged = sep and leaf == "weight" and owner in lora_layers
+        tensor = merged_weight(lora_layers[owner]) if merged else value.detach()
+        yield key.replace(".base_layer.", "."), tensor if dtype is None else tensor.to(dtype)
+
+
+def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``merged_tensors`` as a state dict."""
+    return dict(merged_tensors(model, dtype))
 
 
 def save_merged(model: torch.nn.Module, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:

@@ -776,14 +776,13 @@ class PolicyTrainer:
         state = (*optimizer_to_tensors(self.optimizer), self.updates, extra_state)  # tensors, groups, updates, extra
         return write_checkpoint(out_dir, self.model, self.tokenizer, self.compute_dtype, *state, adapter=adapter)
 
-    def write_rollout_weights(self, out_dir: str | Path) -> Path:
-        """The policy as whole weights for the rollout engine (LoRA: the adapters merged into the base, in
-        the compute dtype), a Hugging Face model directory at ``out_dir``, written whole or not at all."""
-        from coba_tasks.engines.lora import save_merged
+    def engine_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy as the rollout engine takes it (``RolloutBackend.set_weights``): every tensor of the model
+        once under its checkpoint name, in the compute dtype (LoRA: the adapters merged into the base), made one
+        at a time; a float32 policy's own tensors, not copies."""
+        from coba_tasks.engines.lora import merged_tensors
 
-        if self.peft_model is None:
-            raise RuntimeError("write_rollout_weights is for LoRA: a full fine-tuning checkpoint holds the weights")
-        return save_merged(self.model, out_dir, self.compute_dtype)
+        return merged_tensors(self.model, self.compute_dtype)
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer state and RNG from ``save_checkpoint`` output; returns the extra state.

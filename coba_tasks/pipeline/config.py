@@ -58,7 +58,7 @@ HASH_NEUTRAL_KEYS: tuple[tuple[str, str], ...] = tuple(
         "run": ("eval_top_p", "keep_checkpoints", "trackers"),
         "data": ("on_bad_rows", "prompt_format", "extra_tests", "difficulties"),
         "model": ("lora_rank", "lora_alpha", "lora_target_modules"),
-        "rollout": ("sleep_during_update", "engines", "tensor_parallel_size"),
+        "rollout": ("sleep_during_update", "engines", "tensor_parallel_size", "weight_transport"),
         "allocation": ("estimator", "prior_strength", "posterior_decay", "pilot_rollouts"),
         "optim": (
             "fsdp_processes",

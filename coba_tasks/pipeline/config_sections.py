@@ -251,6 +251,11 @@ class RolloutConfig(Section):
     sleep_during_update: StrictBool = config_key(
         False, "free the engine's GPU memory while the GRPO update runs (CUDA only)"
     )
+    weight_transport: Literal["auto", "reference", "ipc", "bytes"] = config_key(
+        "auto",
+        "how the vLLM engine takes the policy after each update, from memory: auto (reference in this process, "
+        "ipc to an engine process on the GPU, else bytes), ipc (vLLM's CUDA IPC), bytes (one message)",
+    )
     engines: StrictInt = config_key(
         1, "vLLM engines (Ray actors) of the vllm-ray backend (docs/scale_out.md); 1 for the others", ge=1
     )

@@ -55,7 +55,7 @@ from coba_tasks.pipeline.data import (
     sample_eval_prompts,
 )
 from coba_tasks.pipeline.run import RunResources, checked_checkpoint
-from coba_tasks.pipeline.stages import check_error_share, engine_weights, reward_table, rollout_tables, stage
+from coba_tasks.pipeline.stages import check_error_share, reward_table, rollout_tables, stage
 from coba_tasks.pipeline.store import StoreError, Table
 
 # each setting's key in a run's config (section, key): its default there, and where from_config reads it
@@ -451,9 +451,8 @@ def _load_version(res: RunResources, version: int) -> None:
     if version == 0:
         res.engine.load_weights(cfg.model.path, version=0)
         return
-    trainer_holds = res.trainer is not None and res.trainer.updates == version
-    if cfg.model.lora_rank > 0 and trainer_holds:  # the trainer's merged weights, as after its update
-        res.engine.load_weights(engine_weights(res, version), version=version)
+    if res.trainer is not None and res.trainer.updates == version:  # from the trainer's memory, as after its update
+        res.engine.set_weights(res.trainer.engine_weights, version=version)
         return
     ckpt = checked_checkpoint(res.store, version, needed_for=f"the held-out evaluation of step {version} needs it")
     if cfg.model.lora_rank == 0:

@@ -386,6 +386,7 @@ def start_resources(res: RunResources, model_path: str, version: int) -> None:
         in_process=r.in_process,
         sleep_mode=r.sleep_during_update,
         tensor_parallel_size=r.tensor_parallel_size,  # GPUs per engine (each Ray actor asks Ray for as many)
+        weight_transport=r.weight_transport,  # how set_weights reaches a vLLM engine (the transformers one: ignored)
         **({"engines": r.engines} if r.backend == "vllm-ray" else {}),  # Ray actors (docs/scale_out.md)
     )
     res.engine.weight_version = version

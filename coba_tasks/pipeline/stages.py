@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -456,8 +455,6 @@ def merged_reward_table(
 
 # --- The stages as Prefect tasks over the run directory
 
-ROLLOUT_WEIGHTS_DIR = "rollout_weights"  # LoRA: the merged policy the engine reads (one copy, rewritten)
-
 StageBody = Callable[[RunResources, int], pd.DataFrame]
 
 
@@ -553,9 +550,14 @@ def capability(res: RunResources, step: int) -> pd.DataFrame:
 
 
 def _reload_policy(res: RunResources, step: int) -> None:
-    """The rollout engine takes the weights the update of ``step`` wrote (also when it was done before);
-    then checkpoints beyond the newest ``run.keep_checkpoints`` are deleted."""
-    res.engine.load_weights(engine_weights(res, step + 1), version=step + 1)
+    """The rollout engine takes the policy after the update of ``step`` (also when it was done before):
+    from the trainer's memory, no file (FSDP: the checkpoint the update's processes wrote); then checkpoints
+    beyond the newest ``run.keep_checkpoints`` are deleted."""
+    version = step + 1
+    if res.trainer is not None and res.trainer.updates == version:
+        res.engine.set_weights(res.trainer.engine_weights, version=version)
+    else:
+        res.engine.load_weights(res.store.checkpoint_dir(version), version=version)  # the job just wrote it
     res.store.prune_checkpoints(res.cfg.run.keep_checkpoints)
 
 
@@ -654,14 +656,6 @@ def _update(res: RunResources, step: int) -> pd.DataFrame:
     return update_row(step, metrics, rolled, scored)
 
 
-def engine_weights(res: RunResources, version: int) -> Path:
-    """Where the rollout engine reads the policy after ``version`` updates: the checkpoint itself, or with
-    LoRA (an adapter checkpoint) the merged weights the trainer holds, written to ``rollout_weights/``."""
-    if res.cfg.model.lora_rank == 0:
-        return res.store.checkpoint_dir(version)
-    return res.trainer.write_rollout_weights(res.store.root / ROLLOUT_WEIGHTS_DIR)
-
-
 # --- Where the steps of an opened run start
 
 
@@ -683,5 +677,5 @@ def resume_point(res: RunResources) -> int:
     if ckpt is not None and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
         res.trainer.load_checkpoint(ckpt)
         if lora:
-            res.engine.load_weights(engine_weights(res, first), version=first)
+            res.engine.set_weights(res.trainer.engine_weights, version=first)
     return first

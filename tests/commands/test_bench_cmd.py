@@ -19,7 +19,15 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 def test_bench_group_lists_its_benchmarks():
     _, bench = _parser()
     (group,) = [a for a in bench._actions if isinstance(a, argparse._SubParsersAction)]
-    assert list(group.choices) == ["allocate", "rollout", "verify", "update", "stages"]
+    assert list(group.choices) == ["allocate", "rollout", "verify", "update", "stages", "weights"]
+
+
+def test_bench_weights_parser():
+    parser, _ = _parser()
+    args = parser.parse_args(["bench", "weights"])
+    assert (args.smollm2, args.skip_05b, args.repeats, args.json) == ("models/smollm2-135m-instruct", False, 3, False)
+    args = parser.parse_args(["bench", "weights", "--skip-0.5b", "--repeats", "1", "--json"])
+    assert (args.skip_05b, args.repeats, args.json, args.func.__name__) == (True, 1, True, "cmd_bench_weights")
 
 
 def test_bench_stages_parser(capsys):

@@ -211,6 +211,9 @@ class _RecordingEngine(RolloutBackend):
     def load_weights(self, path, version) -> None:
         self.weight_version = version
 
+    def set_weights(self, source, version) -> None:
+        self.weight_version = version
+
     def close(self) -> None:
         return None
 
@@ -297,6 +300,11 @@ class SleepyBackend(TransformersBackend):
         assert not self.asleep, "weights loaded into a sleeping engine"
         self.events.append(("load", version))
         super().load_weights(path, version)
+
+    def set_weights(self, source, version: int) -> None:
+        assert not self.asleep, "weights loaded into a sleeping engine"
+        self.events.append(("load", version))
+        super().set_weights(source, version)
 
 
 @pytest.fixture(scope="module")

@@ -174,3 +174,22 @@ def test_memory_grows_with_sequences_and_length_not_the_vocabulary(tmp_path):
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["tokens"] > 16 * 200  # nearly every sample ran to 256 tokens (eos is 1 token in 151,936)
     assert figures["grew"] < 1 * 2**30, figures
+
+
+def test_weights_from_memory_give_the_rows_of_their_checkpoint_and_a_wrong_set_is_refused(random_checkpoints):
+    from safetensors.torch import load_file
+
+    a, b = random_checkpoints
+    reqs = [RolloutRequest("p0", (5, 6, 7), 3, 11), RolloutRequest("p1", (8, 9), 2, 12)]
+    sample = SamplingConfig(temperature=1.0, max_tokens=6)
+    backend = make_backend("transformers", a)
+    backend.load_weights(b, version=1)
+    want = backend.generate(reqs, sample)
+    backend.load_weights(a, version=0)
+    tensors = load_file(str(b / "model.safetensors"))
+    backend.set_weights(lambda: tensors.items(), version=1)
+    assert backend.generate(reqs, sample) == want
+    some = next(iter(tensors))
+    with pytest.raises(ValueError, match=r"^set_weights: unknown tensors \['nope'\], parameters without one \["):
+        backend.set_weights(lambda: [("nope", tensors[some])], version=2)
+    assert backend.weight_version == 1

@@ -187,8 +187,14 @@ def test_two_ray_engines_give_the_rows_of_one_engine_before_and_after_a_reload(r
         backend.load_weights(b, version=1)
         got_b = backend.generate(requests, SAMPLE)
         assert key(got_b) == key(want_b) and {r.weight_version for r in got_b} == {1}
+        backend.load_weights(a, version=0)
+        from safetensors.torch import load_file
 
-        # an engine's actor dies: a new one starts on the last loaded weights and its share is run again
+        b_tensors = load_file(str(b / "model.safetensors"))
+        backend.set_weights(lambda: b_tensors.items(), version=1)  # from memory, through Ray's object store
+        assert key(backend.generate(requests, SAMPLE)) == key(want_b)
+
+        # an engine's actor dies: a new one starts on the last weights given and its share is run again
         old_pid = backend.engine_pids[0]
         ray.kill(backend._actors[0], no_restart=True)
         assert key(backend.generate(requests, SAMPLE)) == key(want_b)

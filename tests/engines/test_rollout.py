@@ -30,6 +30,13 @@ def requests(n: int | list[int], seed_step: int = 0) -> list[RolloutRequest]:
     ]
 
 
+def tensors_of(checkpoint):
+    """A ``set_weights`` source: the tensors of a checkpoint directory, read into memory."""
+    from safetensors.torch import load_file
+
+    return lambda: load_file(str(checkpoint / "model.safetensors")).items()
+
+
 @pytest.fixture(scope="module")
 def vllm_engine(random_checkpoints):
     a, _ = random_checkpoints
@@ -91,6 +98,24 @@ def test_vllm_greedy_equals_transformers_then_follows_reloaded_weights(vllm_engi
     assert {r.weight_version for r in v_rows_b} == {3}
     vllm_engine.load_weights(a, version=0)
     assert [r.token_ids for r in vllm_engine.generate(requests(1), GREEDY)] == [r.token_ids for r in v_rows]
+
+
+@pytest.mark.parametrize("transport", ["reference", "bytes"])
+def test_vllm_takes_weights_from_memory_as_from_their_checkpoint(vllm_engine, random_checkpoints, transport):
+    """set_weights (the tensors themselves, or their bytes as another process receives them) gives the rows a
+    reload of the same weights from their checkpoint gives, log-probabilities bit for bit."""
+    a, b = random_checkpoints
+    try:
+        vllm_engine.load_weights(b, version=1)
+        from_file = vllm_engine.generate(requests(3), SAMPLE)
+        vllm_engine.load_weights(a, version=0)
+        vllm_engine.weight_transport = transport
+        vllm_engine.set_weights(tensors_of(b), version=1)
+        from_memory = vllm_engine.generate(requests(3), SAMPLE)
+    finally:
+        vllm_engine.weight_transport = "reference"
+        vllm_engine.load_weights(a, version=0)
+    assert from_memory == from_file  # token ids, completions, log-probabilities, weight version 1
 
 
 @pytest.mark.slow
@@ -255,6 +280,9 @@ def test_vllm_reload_of_a_model_with_tied_embeddings_follows_the_new_weights(tie
         before = engine.generate(requests(1), GREEDY)
         engine.load_weights(b, version=1)
         after = engine.generate(requests(1), GREEDY)
+        engine.load_weights(a, version=0)
+        engine.set_weights(tensors_of(b), version=1)  # from memory: the embedding once, as the checkpoint has it
+        after_memory = engine.generate(requests(1), GREEDY)
     finally:
         engine.close()
     expected = make_backend("transformers", b).generate(requests(1), GREEDY)
@@ -264,3 +292,24 @@ def test_vllm_reload_of_a_model_with_tied_embeddings_follows_the_new_weights(tie
     for got, want, old in zip(after, expected, before, strict=True):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
         assert old.logprobs != pytest.approx(want.logprobs, abs=1e-2)  # the weights did change
+    assert after_memory == after
+
+
+def test_the_weight_transport_is_the_one_the_engines_place_allows():
+    """auto: the tensors themselves in this process, CUDA IPC to an engine process on one GPU, else bytes; a
+    transport the engine cannot use is refused in one line that names the way out."""
+    from coba_tasks.engines.rollout.vllm_backend import _transport
+
+    assert _transport("auto", in_process=True, on_cpu=True, tp=1) == "reference"
+    assert _transport("auto", in_process=False, on_cpu=False, tp=1) == "ipc"
+    assert _transport("auto", in_process=False, on_cpu=True, tp=1) == "bytes"
+    assert _transport("auto", in_process=False, on_cpu=False, tp=2) == "bytes"
+    assert _transport("bytes", in_process=False, on_cpu=False, tp=1) == "bytes"
+    with pytest.raises(
+        ValueError, match=r"^weight_transport=ipc: CUDA IPC needs .* on the GPU; use weight_transport=auto$"
+    ):
+        _transport("ipc", in_process=False, on_cpu=True, tp=1)
+    with pytest.raises(ValueError, match=r"^weight_transport=reference: the engine runs in a process of its own"):
+        _transport("reference", in_process=False, on_cpu=False, tp=1)
+    with pytest.raises(ValueError, match=r"^weight_transport must be one of auto, reference, ipc, bytes; got 'nccl'"):
+        _transport("nccl", in_process=True, on_cpu=True, tp=1)

@@ -415,15 +415,17 @@ def test_lora_trains_the_adapter_only_and_resumes_exactly(random_checkpoints, tm
 
 
 def test_lora_merged_weights_give_the_trainers_log_probabilities(random_checkpoints, tmp_path):
-    """What the rollout engine reads: a plain model whose weights are W + (alpha / r) B A, equal to the trainer's
-    LoRA forward within float32 rounding; tied embeddings stay tied (written once)."""
+    """What the rollout engine takes: a plain model's tensors, W + (alpha / r) B A, equal to the trainer's LoRA
+    forward within float32 rounding; a tied tensor once, under the name a checkpoint stores it by."""
     from transformers import AutoModelForCausalLM
 
     a = _tied_checkpoint(tmp_path / "tied")
     trainer = PolicyTrainer(a, update_settings(lr=5e-2, micro_batch_size=2, **LORA))
     trainer.update(PROMPTS, COMPLETIONS, ADV)
-    merged_dir = trainer.write_rollout_weights(tmp_path / "rollout")
-    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    weights = dict(trainer.engine_weights())
+    merged = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32).eval()
+    assert set(merged.state_dict()) - set(weights) == {"lm_head.weight"} and set(weights) <= set(merged.state_dict())
+    merged.load_state_dict(weights, strict=False)
     assert merged.lm_head.weight is merged.model.embed_tokens.weight
     ids = torch.tensor([PROMPTS[2] + COMPLETIONS[3]])
     trainer.model.eval()
@@ -432,7 +434,26 @@ def test_lora_merged_weights_give_the_trainers_log_probabilities(random_checkpoi
         theirs = merged(input_ids=ids).logits
         plain = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)(input_ids=ids).logits
     assert torch.allclose(ours, theirs, atol=1e-5) and not torch.allclose(ours, plain, atol=1e-3)
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # written whole, renamed
+
+
+def test_a_float32_policy_goes_to_the_engine_as_its_own_tensors_and_a_bfloat16_one_as_the_checkpoints(
+    random_checkpoints, tmp_path
+):
+    """Full fine-tuning: in float32 the engine is handed the trainer's parameters themselves (no copy of the
+    model); in bfloat16 the values the checkpoint gives the engine, bit for bit."""
+    from safetensors.torch import load_file as load_torch
+
+    a, _ = random_checkpoints
+    trainer = PolicyTrainer(a, update_settings(lr=5e-2, micro_batch_size=2))
+    trainer.update(PROMPTS, COMPLETIONS, ADV)
+    params = dict(trainer.model.named_parameters())
+    handed = dict(trainer.engine_weights())
+    assert handed.keys() <= params.keys() and all(handed[k].data_ptr() == params[k].data_ptr() for k in handed)
+    low = PolicyTrainer(a, update_settings(lr=5e-2, micro_batch_size=2, dtype="bfloat16"))
+    low.update(PROMPTS, COMPLETIONS, ADV)
+    stored = load_torch(str(low.save_checkpoint(tmp_path / "ckpt") / "model.safetensors"))
+    handed = dict(low.engine_weights())
+    assert handed.keys() == stored.keys() and all(torch.equal(handed[k], stored[k]) for k in stored)
 
 
 def test_a_partial_adapter_is_refused(random_checkpoints, tmp_path):

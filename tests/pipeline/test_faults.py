@@ -50,6 +50,13 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _tensors_of(checkpoint):
+    """A ``set_weights`` source: the tensors of a checkpoint directory, read into memory."""
+    from safetensors.torch import load_file
+
+    return lambda: load_file(str(checkpoint / "model.safetensors")).items()
+
+
 @pytest.mark.slow
 def test_dead_engine_is_replaced_with_the_last_weights_and_same_rollouts(random_checkpoints, caplog):
     """In-process (the CPU default) the engine core lives in this process: its death shows as
@@ -79,15 +86,20 @@ def test_dead_engine_is_replaced_with_the_last_weights_and_same_rollouts(random_
         assert again == first  # same completions, token ids, seeds, and weight version 3
         assert {r.weight_version for r in again} == {3}
 
-        # Found dead (vLLM's liveness flag) when the next update's weights are loaded: a new engine
-        # takes those weights.
+        # Found dead (vLLM's liveness flag) when the next update's weights are handed over from memory: a new
+        # engine takes those weights.
         engine.engine_dead = lambda: True
-        engine.load_weights(a, version=5)
+        engine.set_weights(_tensors_of(a), version=5)
         del engine.engine_dead
         assert engine.restarts == 2 and "found dead before load" in caplog.text
         after_load = engine.generate(reqs, SAMPLE)
         assert [r.token_ids for r in after_load] == [r.token_ids for r in from_a]
         assert {r.weight_version for r in after_load} == {5}
+
+        # Dead in generate after weights from memory: the new engine asks the source for them again.
+        engine._llm.generate = engine_dead
+        assert engine.generate(reqs, SAMPLE) == after_load
+        assert engine.restarts == 3 and "started a new engine on the trainer's weights" in caplog.text
     finally:
         engine.close()
 
@@ -113,7 +125,11 @@ def test_engine_core_process_killed_mid_step_is_replaced(random_checkpoints, cap
     reqs = _requests([4, 8, 4, 8, 4])
     engine = make_backend("vllm", a, dtype="float32", max_model_len=64, seed=0, in_process=False)
     try:
-        engine.load_weights(b, version=2)
+        assert engine.weight_transport == ("ipc" if _cuda() else "bytes")
+        engine.set_weights(_tensors_of(b), version=2)  # from memory, across the process boundary
+        greedy = SamplingConfig(temperature=0.0, max_tokens=8)
+        expected = make_backend("transformers", b).generate(reqs, greedy)
+        assert [r.token_ids for r in engine.generate(reqs, greedy)] == [r.token_ids for r in expected]
         first = engine.generate(reqs, SAMPLE)
         client = engine._llm.llm_engine.engine_core
         cores = [psutil.Process(p.pid) for p in client.resources.engine_manager.processes]
@@ -130,7 +146,7 @@ def test_engine_core_process_killed_mid_step_is_replaced(random_checkpoints, cap
         client.get_output = kill_then_wait
         again = engine.generate(reqs, SAMPLE)
         assert engine.restarts == 1
-        assert "rollout engine died" in caplog.text
+        assert "rollout engine died" in caplog.text and "on the trainer's weights" in caplog.text
         assert again == first
         assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in cores)
     finally:

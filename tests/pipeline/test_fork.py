@@ -65,6 +65,9 @@ class _Recording(RolloutBackend):
     def load_weights(self, path, version) -> None:
         return None
 
+    def set_weights(self, source, version) -> None:
+        return None
+
     def close(self) -> None:
         return None
 

@@ -12,12 +12,18 @@ from __future__ import annotations
 import hashlib
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+# the policy's tensors under their checkpoint names, made when called (``RolloutBackend.set_weights``)
+WeightsSource = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
 
 SEED_MASK = 0x7FFF_FFFF  # vLLM and torch both take a 31-bit seed
 
@@ -111,6 +117,12 @@ class RolloutBackend(ABC):
     @abstractmethod
     def load_weights(self, path: str | Path, version: int) -> None:
         """Replace the policy weights by the checkpoint at ``path`` (HF layout); rows then carry ``version``."""
+
+    @abstractmethod
+    def set_weights(self, source: WeightsSource, version: int) -> None:
+        """Replace the policy weights by the tensors ``source()`` yields, held in memory (the trainer's, after an
+        update: every tensor of the model once, under its checkpoint name); rows then carry ``version``. The
+        engine may call ``source`` again (a restarted engine takes the policy as the trainer holds it then)."""
 
     @abstractmethod
     def close(self) -> None: ...

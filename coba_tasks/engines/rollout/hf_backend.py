@@ -26,7 +26,14 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
+from coba_tasks.engines.rollout.base import (
+    Rollout,
+    RolloutBackend,
+    RolloutRequest,
+    SamplingConfig,
+    WeightsSource,
+    register_backend,
+)
 
 MAX_NUM_SEQS = 256  # sequences per generate call at most (vLLM's default max_num_seqs)
 # float32 (sequences x vocabulary) tensors alive at once in one decoding step: the model's last logits, their
@@ -160,6 +167,21 @@ class TransformersBackend(RolloutBackend):
 
     def load_weights(self, path: str | Path, version: int) -> None:
         self._load(path)
+        self.weight_version = int(version)
+
+    def set_weights(self, source: WeightsSource, version: int) -> None:
+        """Each tensor copied into the model's parameter of its name (tied parameters: one name is enough); a
+        name the model does not have, or a parameter left without a tensor, is an error before any copy."""
+        params = self.model.state_dict(keep_vars=True)
+        pairs = list(source())
+        unknown = [name for name, _ in pairs if name not in params]
+        given = {params[name].data_ptr() for name, _ in pairs if name in params}
+        missing = [name for name, p in params.items() if p.data_ptr() not in given]
+        if unknown or missing:
+            raise ValueError(f"set_weights: unknown tensors {unknown[:3]}, parameters without one {missing[:3]}")
+        with torch.no_grad():
+            for name, tensor in pairs:
+                params[name].copy_(tensor)
         self.weight_version = int(version)
 
     def sleep(self) -> None:  # the model to CPU memory until wake_up

@@ -8,9 +8,10 @@ A running cluster is joined when ``ray_address`` (or ``RAY_ADDRESS``) names it o
 called ``ray.init``; otherwise a local Ray instance is started (and shut down on ``close``). Each actor takes
 ``cpus_per_engine`` CPUs and, where the cluster has GPUs, ``gpus_per_engine`` GPUs (default: vLLM's
 ``tensor_parallel_size``). ``model_path`` and the paths given to ``load_weights`` are made absolute and opened
-by the actors: on several hosts they must name the same files on every host. An actor process that died is
-replaced at the next call that reaches it, with the last weights, and its share runs again, once (Ray's own
-actor restart would come back with the first weights).
+by the actors: on several hosts they must name the same files on every host. ``set_weights`` puts the
+policy's tensors (in CPU memory) in Ray's object store once; every actor reads them from there. An actor
+process that died is replaced at the next call that reaches it, with the last weights, and its share runs
+again, once (Ray's own actor restart would come back with the first weights).
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
+from coba_tasks.engines.rollout.base import (
+    Rollout,
+    RolloutBackend,
+    RolloutRequest,
+    SamplingConfig,
+    WeightsSource,
+    register_backend,
+)
 from coba_tasks.engines.rollout.vllm_backend import VLLMBackend
 
 logger = logging.getLogger(__name__)
@@ -80,6 +88,9 @@ class _EngineActor:
     def load_weights(self, path: str, version: int) -> None:
         self.backend.load_weights(path, version)
 
+    def set_weights(self, pairs: list[tuple[str, Any]], version: int) -> None:  # Ray resolved the object
+        self.backend.set_weights(lambda: pairs, version)
+
     def sleep(self) -> None:
         self.backend.sleep()
 
@@ -118,6 +129,7 @@ class RayVLLMBackend(RolloutBackend):
         self.engines = engines  # vLLM engines (Ray actors)
         self._closed = False
         self._weights_path: str | None = None
+        self._weights_ref: Any = None  # the object-store copy of the last set_weights
         self.restarts = 0  # actors started to replace a dead one
         self.engine_pids: list[int] = []  # the actors' process ids (they tell the engines apart)
         self.model_path = str(Path(model_path).resolve())  # the actors' working directory is not ours
@@ -183,7 +195,13 @@ class RayVLLMBackend(RolloutBackend):
     def load_weights(self, path: str | Path, version: int) -> None:
         path = str(Path(path).resolve())
         self._call("load_weights", {k: (path, int(version)) for k in range(self.engines)})
-        self._weights_path = path
+        self._weights_path, self._weights_ref = path, None
+        self.weight_version = int(version)
+
+    def set_weights(self, source: WeightsSource, version: int) -> None:
+        ref = self._ray.put([(name, tensor.detach().to("cpu")) for name, tensor in source()])
+        self._call("set_weights", {k: (ref, int(version)) for k in range(self.engines)})
+        self._weights_path, self._weights_ref = None, ref
         self.weight_version = int(version)
 
     def sleep(self) -> None:
@@ -248,6 +266,8 @@ class RayVLLMBackend(RolloutBackend):
         self.engine_pids[k] = ray.get(actor.ready.remote())
         if self._weights_path is not None:
             ray.get(actor.load_weights.remote(self._weights_path, self.weight_version))
+        elif self._weights_ref is not None:
+            ray.get(actor.set_weights.remote(self._weights_ref, self.weight_version))
         self.restarts += 1
         logger.warning(
             "rollout engine %d's Ray actor died (%s); started a new one on %s (weight version %d)",

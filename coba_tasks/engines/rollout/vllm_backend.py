@@ -1,6 +1,11 @@
 """The ``vllm`` rollout backend: one vLLM engine kept for the whole run, weights reloaded in place after
 each update (``vllm_worker``), a fraction of a second instead of a new engine's start.
 
+After an update the policy goes to the engine from memory (``set_weights``), by the way that fits where the
+engine runs (``weight_transport``): in the trainer's process the trainer's tensors themselves; in its own
+process on the trainer's GPU, vLLM's CUDA IPC weight transfer (the engine maps the trainer's GPU memory);
+elsewhere the tensors' bytes in one message. docs/real_models.md, "Weights to the engine".
+
 Each prompt is a token prompt with its own ``SamplingParams(n=B_i, seed=..., logprobs=0)``; rows carry the
 sampler's log p after the temperature. Top-p < 1 goes through ``nucleus`` (``sort_free_top_p = False``:
 vLLM's own). On CPU the engine runs in-process unless the caller set ``VLLM_ENABLE_V1_MULTIPROCESSING``.
@@ -20,13 +25,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
+from coba_tasks.engines.rollout.base import (
+    Rollout,
+    RolloutBackend,
+    RolloutRequest,
+    SamplingConfig,
+    WeightsSource,
+    register_backend,
+)
+from coba_tasks.engines.rollout.vllm_worker import wire_tensor
 
 logger = logging.getLogger(__name__)
 
 # vLLM's worker gets the methods of this class (LLM(worker_extension_cls=...)); the reload goes through it
 WORKER_EXTENSION = "coba_tasks.engines.rollout.vllm_worker.WeightReload"
 RELOAD_METHOD = "coba_reload_weights"
+TENSORS_METHOD = "coba_load_tensors"
+TRANSPORTS = ("reference", "ipc", "bytes")  # set_weights: see the module docstring
 
 
 @register_backend("vllm")
@@ -48,6 +63,7 @@ class VLLMBackend(RolloutBackend):
         in_process: bool | None = None,
         sleep_mode: bool = False,
         tensor_parallel_size: int = 1,
+        weight_transport: str = "auto",
         extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -106,10 +122,17 @@ class VLLMBackend(RolloutBackend):
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        # how set_weights reaches the engine: its tensors by reference in this process, CUDA IPC to an engine
+        # of its own on this GPU (vLLM's weight transfer, set up at the engine's start), else their bytes
+        self.weight_transport = _transport(weight_transport, in_process, on_cpu, tp)
+        if self.weight_transport == "ipc":
+            kwargs["weight_transfer_config"] = {"backend": "ipc"}
         kwargs.update(extra or {})
         self._asleep = False
         self._llm_kwargs = kwargs  # to start an identical engine if this one dies
         self._weights_path: str | None = None  # the last checkpoint given to load_weights
+        self._weights_source: WeightsSource | None = None  # the last weights given to set_weights
+        self._ipc_sender: Any = None  # vLLM's trainer side of the IPC transfer, made at the first set_weights
         self.restarts = 0  # engines started to replace a dead one
         self._closed = False
         self._llm = LLM(**kwargs)
@@ -193,13 +216,60 @@ class VLLMBackend(RolloutBackend):
 
         def reload(llm: Any) -> None:
             llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": str(path)})
-            # the prefix cache keeps KV blocks computed with the old weights, and a prompt that fills a
-            # whole block would reuse them (seen on CPU with 32-token blocks: rollouts off the new policy)
-            llm.reset_prefix_cache()
+            llm.reset_prefix_cache()  # see _push
 
         self._call_engine(reload, "load")
-        self._weights_path = str(path)
+        self._weights_path, self._weights_source = str(path), None
         self.weight_version = int(version)
+
+    def set_weights(self, source: WeightsSource, version: int) -> None:
+        if self._asleep:
+            self.wake_up()
+        self._call_engine(lambda llm: self._push(llm, source), "load")
+        self._weights_path, self._weights_source = None, source
+        self.weight_version = int(version)
+
+    def _push(self, llm: Any, source: WeightsSource) -> None:
+        """The tensors of ``source()`` into the engine ``llm`` (``weight_transport``), its prefix cache reset."""
+        if self.weight_transport == "reference":
+            llm.collective_rpc(TENSORS_METHOD, kwargs={"weights": list(source())})
+        elif self.weight_transport == "bytes":
+            wire = [(name, *wire_tensor(tensor)) for name, tensor in source()]
+            llm.collective_rpc(TENSORS_METHOD, kwargs={"weights": wire})
+        else:
+            self._ipc_send(llm, source)
+        # the prefix cache keeps KV blocks computed with the old weights, and a prompt that fills a whole
+        # block would reuse them (seen on CPU with 32-token blocks: rollouts off the new policy)
+        llm.reset_prefix_cache()
+
+    def _ipc_send(self, llm: Any, source: WeightsSource) -> None:
+        """vLLM's CUDA IPC weight transfer: the engine's worker maps each tensor of the trainer's GPU memory
+        and loads it (vLLM's layer-wise reload), one update of the engine per call."""
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        class Pairs(WeightSource):  # the pairs of one call, as vLLM's trainer side reads them
+            def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+                self.pairs = pairs
+
+            def metadata(self) -> list[ParamMeta]:
+                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.pairs]
+
+            def __iter__(self) -> Any:
+                return iter(self.pairs)
+
+        pairs = Pairs(list(source()))
+        if self._ipc_sender is None or self._ipc_sender.client.llm is not llm:  # a new engine: a new handshake
+            sender = WeightTransferTrainerFactory.trainer_init(
+                IPCTrainerInitInfo(rank=0), client=_EngineClient(llm), source=pairs
+            )
+            self._ipc_sender = sender
+        self._ipc_sender.source = pairs
+        try:
+            self._ipc_sender.send_weights()
+        finally:
+            self._ipc_sender.source = None  # the trainer's tensors are not held between updates
 
     def close(self) -> None:
         shutdown = getattr(getattr(getattr(self, "_llm", None), "llm_engine", None), "shutdown", None)
@@ -275,13 +345,52 @@ class VLLMBackend(RolloutBackend):
         self._asleep = False  # a new engine starts awake
         if self._weights_path is not None:
             self._llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": self._weights_path})
+        elif self._weights_source is not None:  # the policy as the trainer holds it now (see set_weights)
+            self._push(self._llm, self._weights_source)
         self.restarts += 1
+        where = self._weights_path or ("the trainer's weights" if self._weights_source else self.model_path)
         logger.warning(
-            "rollout engine died (%s); started a new engine on %s (weight version %d)",
-            why,
-            self._weights_path or self.model_path,
-            self.weight_version,
+            "rollout engine died (%s); started a new engine on %s (weight version %d)", why, where, self.weight_version
         )
+
+
+def _transport(asked: str, in_process: bool, on_cpu: bool, tp: int) -> str:
+    """The weight transport of an engine (``auto``: the one its place allows); a transport it cannot use is a
+    one-line ValueError."""
+    ipc_possible = not in_process and not on_cpu and tp == 1
+    if asked == "auto":
+        return "reference" if in_process else "ipc" if ipc_possible else "bytes"
+    why = {
+        "reference": None if in_process else "the engine runs in a process of its own (rollout.in_process)",
+        "ipc": None if ipc_possible else "CUDA IPC needs one engine worker (tensor_parallel_size 1) on the GPU",
+        "bytes": "the engine runs in this process: its tensors go by reference (weight_transport auto)"
+        if in_process
+        else None,
+    }
+    if asked not in why:
+        raise ValueError(f"weight_transport must be one of auto, {', '.join(TRANSPORTS)}; got {asked!r}")
+    if why[asked] is not None:
+        raise ValueError(f"weight_transport={asked}: {why[asked]}; use weight_transport=auto")
+    return asked
+
+
+class _EngineClient:
+    """vLLM's weight-sync client protocol over an offline ``LLM``: each call the worker method of its name."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.collective_rpc("finish_weight_update")
 
 
 def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> tuple[float, ...]:
