@@ -27,7 +27,7 @@ from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, eval_steps, evaluate_step
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.stages import resume_point, step_tasks, write_step_timing
+from coba_tasks.pipeline.stages import advance, resume_point, step_tasks, stop_run, write_step_timing
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers import trackers
 from coba_tasks.readers.figures import NO_SIGNAL_FIX, NO_SIGNAL_STEPS, eval_figures, no_signal_streak, step_figures
@@ -45,6 +45,7 @@ def run_step(run_dir: str, step: int) -> None:
     seconds_before = dict(res.stage_seconds)
     for stage_task in step_tasks(res.cfg):
         stage_task(run_dir, step)
+        stop_run(res, f"the {stage_task.name} stage of step {step}")  # when a stop was asked for
     seconds = write_step_timing(res, step, seconds_before)
     figures = step_figures(res.store, step)
     k = res.cfg.allocation.pilot_rollouts if res.cfg.allocation.piloted else 0
@@ -174,30 +175,36 @@ def train_flow(
     trk = None
     try:
         trk = trackers.open_trackers(directory, cfg, warn=log.warning)  # run.trackers, continued on a resume
-        first = resume_point(res)
+        first = run.first_step_not_done(res.store, cfg.run.steps)
+        due = due_evaluations(res, first)  # a kill, a rerun or a repair left these
+        resume_point(res, upto=min([first, *due]))  # the newest checkpoint the evaluations and the steps start from
         if first > 0:
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
         log.info(f"held-out evaluation before training: {eval_plan(res)}")
         evaluate_step(directory, 0)
         log.info(f"held-out accuracy before training: {_eval_text(res, 0)}")
-        for due in due_evaluations(res, first):  # a kill, a rerun or a repair left these: from their checkpoints
-            evaluate_step(directory, due)
-            log.info(f"held-out accuracy after step {due} (recomputed): {_eval_text(res, due)}")
+        for version in due:
+            _say_replayed(advance(res, version), version)
+            evaluate_step(directory, version)
+            log.info(f"held-out accuracy after step {version} (recomputed): {_eval_text(res, version)}")
+        _say_replayed(advance(res, first), first)
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
         due_steps = eval_steps(cfg.run.steps, cfg.run.eval_every)
-        for step in range(first, cfg.run.steps):
-            # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
-            # bodies (the same code a plain function call would run), measured in this run
-            t0, inside0 = time.perf_counter(), sum(res.stage_seconds.values())
-            run_step(directory, step)
-            wall = time.perf_counter() - t0
-            res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
-            if step + 1 in due_steps and step + 1 < cfg.run.steps:
-                evaluate_step(directory, step + 1)
-                log.info(f"held-out accuracy after step {step + 1}: {_eval_text(res, step + 1)}")
-            trk.log_new()
-            run.step_boundary(res, step + 1)
+        with run.stop_on_signals(res, log.warning):  # Ctrl-C, SIGTERM: stop after the stage, with a checkpoint
+            for step in range(first, cfg.run.steps):
+                # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
+                # bodies (the same code a plain function call would run), measured in this run
+                t0, inside0 = time.perf_counter(), sum(res.stage_seconds.values())
+                run_step(directory, step)
+                wall = time.perf_counter() - t0
+                res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
+                if step + 1 in due_steps and step + 1 < cfg.run.steps:
+                    evaluate_step(directory, step + 1)
+                    log.info(f"held-out accuracy after step {step + 1}: {_eval_text(res, step + 1)}")
+                trk.log_new()
+                run.step_boundary(res, step + 1)
+                stop_run(res, f"step {step}")
         log.info(f"held-out evaluation after training: {eval_plan(res)}")
         evaluate_step(directory, cfg.run.steps)
         log.info(f"held-out accuracy after training: {_eval_text(res, cfg.run.steps)}")
@@ -211,6 +218,17 @@ def train_flow(
             trk.close()
         run.close_run(res)
         lock.release()
+
+
+def _say_replayed(steps: list[int], version: int) -> None:
+    if steps:
+        get_run_logger().info(
+            f"replayed the updates of steps {steps[0]}-{steps[-1]} from their tables (each gave its recorded "
+            f"figures): the policy after {version} updates, from checkpoints/{steps[0]:06d}"
+            if steps[0] > 0
+            else f"replayed the updates of steps 0-{steps[-1]} from their tables (each gave its recorded figures): "
+            f"the policy after {version} updates, from the base model"
+        )
 
 
 def _eval_text(res: run.RunResources, step: int) -> str:

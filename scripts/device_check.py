@@ -15,7 +15,8 @@ in ``<out>/<check>.json``; ``<out>/device_check.json`` gathers them. The checks,
 - ``rollout``: the transformers backend at that shape: a batch of groups, tokens per second and peak memory
   beside the backend's own estimate (``rows_that_fit``); its log-probs against the trainer's, float32 and bf16.
 - ``checkpoint``: save and load a trainer after one update: weights and AdamW state identical after the
-  reload; seconds and GB/s.
+  reload; seconds and GB/s; and the next update from the reloaded trainer repeats the straight one bit for bit
+  (loss, grad norm), which a resume's replay of the updates since a checkpoint needs.
 - ``fsdp``: one FSDP rank (NCCL on CUDA, gloo on CPU) against the single-process update, float32.
 - ``train``: ``coba run`` of ``configs/demo-tiny.yaml`` (Prefect, the five stages, the transformers backend) on
   the tiny arithmetic model, 6 steps at size full: held-out avg@16 before and after, and the gain it must
@@ -868,6 +869,9 @@ def check_checkpoint(size: Size, out: Path, args: argparse.Namespace) -> tuple[b
     t0 = time.perf_counter()
     verify_checkpoint(ckpt)
     verify_s = time.perf_counter() - t0
+    # the next update, here and (below) from the reloaded checkpoint: a resume replays updates from the tables
+    # and needs them to repeat bit for bit (docs/operations.md, "Checkpoints")
+    straight = trainer.update(prompts, completions, adv, None, groups)
     del trainer
     if _device() == "cuda":
         torch.cuda.empty_cache()
@@ -878,8 +882,9 @@ def check_checkpoint(size: Size, out: Path, args: argparse.Namespace) -> tuple[b
     _sync()
     load_s = time.perf_counter() - t0
     differ = _differences(before, _trainer_state(fresh))
-    # and the next update from the reloaded trainer runs (its optimizer state on the device)
-    fresh.update(prompts, completions, adv, None, groups)
+    # and the next update from the reloaded trainer runs (its optimizer state on the device), as it ran straight on
+    replayed = fresh.update(prompts, completions, adv, None, groups)
+    repeats = all(straight[k] == replayed[k] for k in ("loss", "grad_norm"))
     figures = {
         "dtype": dtype,
         "size_gb": round(size_gb, 3),
@@ -889,12 +894,20 @@ def check_checkpoint(size: Size, out: Path, args: argparse.Namespace) -> tuple[b
         "load_s": round(load_s, 2),
         "updates_after_load": int(state["updates"]),
         "tensors_that_differ": differ[:20],
+        "replay_repeats_the_update": repeats,
+        "straight_vs_replayed": [[straight[k], replayed[k]] for k in ("loss", "grad_norm")],
     }
-    ok = not differ and state["updates"] == 1
+    ok = not differ and state["updates"] == 1 and repeats
     detail = (
         f"{size_gb:.2f} GB written in {save_s:.1f} s ({figures['save_gb_per_s']:.2f} GB/s, hashes included), "
         f"verified in {verify_s:.1f} s, loaded in {load_s:.1f} s; "
         + ("weights and AdamW state identical after the reload" if not differ else f"{len(differ)} tensors differ")
+        + (
+            "; the next update from it repeats the straight one bit for bit (loss, grad norm)"
+            if repeats
+            else "; the next update from it does NOT repeat the straight one (loss, grad norm: "
+            f"{figures['straight_vs_replayed']}): a resume's replay would refuse"
+        )
     )
     return ok, detail, figures
 

@@ -85,6 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # bad input: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        code = getattr(exc, "exit_code", None)  # RunStopped: Ctrl-C or SIGTERM during a run, stopped after a stage
+        if type(exc).__name__ != "RunStopped" or not isinstance(code, int):
+            raise
+        print(exc, file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ always, and at each step boundary (``coba_tasks.pipeline.run.watch_boundaries``)
 the seed that has no directory yet and whose config differs only in allocation keys, once that run's fork
 point is known: before the step whose budget it allocates differently. The forked run then resumes in
 its own process, from there. A run with no directory whose seed has another run in ``--out`` (finished
-in an earlier sitting, say) is forked from it when that run still holds the checkpoint the fork continues
-from (``run.keep_checkpoints`` may have pruned it). A run that cannot be forked trains from its start.
+in an earlier sitting, say) is forked from it (its resume replays the updates after the newest checkpoint that
+run kept; under FSDP it needs the checkpoint the fork continues from). A run that cannot be forked trains from
+its start.
 ``--no-fork`` trains every run from its start.
 """
 
@@ -94,7 +95,7 @@ def fork_from_siblings(run_dir: Path, cfg: Config, siblings: Sequence[Path]) -> 
         try:
             fork.fork_run(store, run_dir, cfg, point)
         except fork.ForkError:
-            continue  # its checkpoint pruned (run.keep_checkpoints), say: the next one
+            continue  # e.g. a table that does not come out of a re-write as the same bytes: the next one
         return True
     return False
 

@@ -215,7 +215,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     # what the flow checks too, here first so that a refusal is one line, not a failed flow run's log
     changed = args.allow_changed_inputs
     check_inputs(store, cfg, changed, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
-    if first > 0:
+    if first > 0 and cfg.optim.fsdp_processes > 1:  # FSDP continues from the checkpoint of its step; others replay
         checked_checkpoint(store, first)  # a partial or damaged checkpoint: the file and the rerun that mends it
     print(f"resuming {store.root} at step {first + 1} of {cfg.run.steps}; stages already done are not recomputed")
     from coba_tasks.commands.prefect_env import configure_prefect

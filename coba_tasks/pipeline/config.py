@@ -55,7 +55,7 @@ DEFAULT_CONFIG_PATH = PROJECT_ROOT / "configs" / "demo.yaml"
 HASH_NEUTRAL_KEYS: tuple[tuple[str, str], ...] = tuple(
     (section, key)
     for section, keys in {
-        "run": ("eval_top_p", "keep_checkpoints", "trackers"),
+        "run": ("eval_top_p", "keep_checkpoints", "checkpoint_every", "trackers"),
         "data": ("on_bad_rows", "prompt_format", "extra_tests", "difficulties"),
         "model": ("lora_rank", "lora_alpha", "lora_target_modules"),
         "rollout": ("sleep_during_update", "engines", "tensor_parallel_size", "weight_transport"),
@@ -101,6 +101,12 @@ class Config(Section):
             raise ConfigError(
                 f"model.lora_rank = {self.model.lora_rank} with optim.fsdp_processes = {self.optim.fsdp_processes}: "
                 "LoRA with FSDP is not supported; set optim.fsdp_processes=1 or model.lora_rank=0"
+            )
+        if self.run.checkpoint_every > 1 and self.optim.fsdp_processes > 1:
+            raise ConfigError(
+                f"run.checkpoint_every = {self.run.checkpoint_every} with optim.fsdp_processes = "
+                f"{self.optim.fsdp_processes}: each FSDP update starts from the previous step's checkpoint; set "
+                "run.checkpoint_every=1"
             )
         a, m = self.allocation, self.data.prompts_per_step
         if not a.min_budget <= a.group_size <= a.max_budget:

@@ -110,9 +110,15 @@ class RunConfig(Section):
     )
     keep_checkpoints: StrictInt = config_key(
         0,
-        "checkpoints kept on disk, the newest; 0 = all (a resume from step t, or an evaluation of step t computed "
-        "later, needs checkpoint t: a rerun that would need a deleted one is refused, nothing removed)",
+        "checkpoints kept on disk, the newest; 0 = all (a resume loads the newest at or below its step and replays "
+        "the updates after it from the tables)",
         ge=0,
+    )
+    checkpoint_every: StrictInt = config_key(
+        1,
+        "write a checkpoint after every N-th update, after the last, and when a run is stopped (Ctrl-C, SIGTERM); "
+        "a resume replays the updates since the newest from the tables (docs/operations.md, 'Checkpoints')",
+        ge=1,
     )
     trackers: Annotated[tuple[str, ...], BeforeValidator(name_list), rule(_known_trackers, "not known trackers")] = (
         config_key(

@@ -1,7 +1,8 @@
 """Fault injection for tests: where a run is asked to crash or fail, read once per run.
 
 Both hooks fire inside a stage after its work is computed and before its table is recorded (the worst
-moment). ``COBA_KILL_AT="<step>:<stage>"`` makes the process SIGKILL itself (a crash); ``COBA_FAIL_FILE=
+moment). ``COBA_KILL_AT="<step>:<stage>"`` makes the process SIGKILL itself (a crash; ``"<step>:<stage>:TERM"``
+or ``:INT``: that signal, a stop asked for); ``COBA_FAIL_FILE=
 <path>`` raises ``InjectedFailure`` while that file exists and holds ``"<step>:<stage>"`` (a failure
 that goes away, for task retries and ``prefect flow-run retry``). A run reads the two variables when
 its resources start (``FaultHooks.from_env``, kept in ``RunResources.faults``); the stage runner asks
@@ -43,6 +44,8 @@ class FaultHooks:
         where = f"{step}:{stage}"
         if self.kill_at == where:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kill_at and self.kill_at.startswith(f"{where}:"):  # "<step>:<stage>:TERM": that signal instead
+            os.kill(os.getpid(), signal.Signals[f"SIG{self.kill_at.rsplit(':', 1)[1]}"])
         f = self.fail_file
         if f and os.path.isfile(f) and Path(f).read_text().strip() == where:
             raise InjectedFailure(f"injected failure in {stage} at step {step} ({FAIL_FILE_ENV}={f})")

@@ -134,8 +134,9 @@ def fork_run(source: RunStore, root: str | os.PathLike[str], cfg: Config, point:
     if s > 0:
         if not source.is_done(s - 1, Table.UPDATE):
             raise ForkError(f"step {s - 1} of {source.root} is not done")
-        try:
-            checked_checkpoint(source, s)
+        try:  # FSDP continues from the checkpoint of its step; the others replay the updates after their newest
+            if cfg.optim.fsdp_processes > 1:
+                checked_checkpoint(source, s)
         except StoreError as exc:
             raise ForkError(str(exc)) from None
     if set(point.budgets) != set(range(min(s + 1, cfg.run.steps))):

@@ -124,8 +124,11 @@ def resume_step(store: RunStore, plan: RerunPlan, steps: int) -> int:
 
 
 def needed_checkpoints(store: RunStore, plan: RerunPlan) -> list[int]:
-    """The checkpoints the resume after ``plan`` reads: the one it continues from (none at step 0), and those of
-    the held-out evaluations before that step it must compute first (the plan's own, or ones missing already)."""
+    """The checkpoints the resume after ``plan`` reads, in a run whose updates run under FSDP (the others replay
+    the updates after their newest checkpoint, none needed): the one it continues from (none at step 0), and
+    those of the held-out evaluations before that step it must compute first (the plan's own, or ones missing)."""
+    if int((store.read_config().get("optim") or {}).get("fsdp_processes", 1)) <= 1:
+        return []
     cfg = store.read_config().get("run") or {}
     steps, every = int(cfg.get("steps", 0)), int(cfg.get("eval_every", 0))
     first = resume_step(store, plan, steps)

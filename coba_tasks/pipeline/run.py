@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
+import signal
 import sys
-from collections.abc import Callable, Collection, Mapping
+import threading
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,9 +57,12 @@ from coba_tasks.pipeline.deployment import (
     check_reward_files,
     config_limits,
 )
+from coba_tasks.pipeline.disk import check_disk
 from coba_tasks.pipeline.faults import FaultHooks
 from coba_tasks.pipeline.runlock import LOCK_FILE
 from coba_tasks.pipeline.store import RUN_FILE, RunStore, StoreError, Table
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,6 +79,7 @@ class RunResources:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     step_walls: list[tuple[float, float]] = field(default_factory=list)  # (step wall, orchestration) seconds
     faults: FaultHooks = field(default_factory=FaultHooks.from_env)  # tests' crash and failure points
+    stop_signal: str | None = None  # SIGINT or SIGTERM once asked to stop (``stop_on_signals``)
 
     def timed(self, stage: str, seconds: float) -> None:
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
@@ -130,6 +137,60 @@ def checked_checkpoint(store: RunStore, step: int, needed_for: str = "") -> Path
             f"recompute it with `coba rerun --run-dir {store.root} --step {step - 1} --stage update --yes`"
         ) from None
     return ckpt
+
+
+def newest_checkpoint(store: RunStore, upto: int, warn: Callable[[str], None] | None = None) -> int:
+    """The newest checkpoint at or below ``upto`` whose files are as written (0: none, the base model); a
+    partial or damaged one on the way is named to ``warn`` and passed over (the updates after the one taken are
+    replayed from the tables: ``stages.advance``)."""
+    root = store.root / "checkpoints"
+    found = [int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()] if root.is_dir() else []
+    for k in sorted((k for k in found if k <= upto), reverse=True):
+        try:
+            verify_checkpoint(store.checkpoint_dir(k))
+        except CheckpointError as exc:
+            (warn or logger.warning)(f"{exc}: passed over, the updates after an earlier checkpoint are replayed")
+            continue
+        return k
+    return 0
+
+
+class RunStopped(Exception):
+    """A run stopped on purpose (Ctrl-C, SIGTERM) after a stage, its checkpoint written: the message says how to
+    continue; ``exit_code`` is the shell's for the signal (128 + its number)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+@contextlib.contextmanager
+def stop_on_signals(res: RunResources, say: Callable[[str], None]) -> Iterator[None]:
+    """While the block runs, the first SIGINT or SIGTERM asks the run to stop after the stage it is in
+    (``res.stop_signal``; the flow writes a checkpoint and stops, ``RunStopped``), a second one stops it at once
+    (the signal's own way). Only in the main thread (the only one Python delivers signals to); elsewhere the
+    signals keep their handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def ask(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if res.stop_signal is not None:  # the second: at once
+            signal.signal(signum, before[signum])
+            signal.raise_signal(signum)
+            return
+        res.stop_signal = name
+        say(f"{name}: the run stops after the stage it is in, with a checkpoint ({name} again stops it at once)")
+
+    for s in before:
+        signal.signal(s, ask)
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def versions() -> dict[str, str]:
@@ -315,8 +376,11 @@ def open_run(
     if continuing:
         store = RunStore.open(root)
         prompts = store.read_run_table("prompts")
+        on_disk = [p for p in (store.root / "checkpoints").glob("*") if p.is_dir() and p.name.isdigit()]
+        check_disk(cfg, root, first_step_not_done(store, cfg.run.steps), len(on_disk))
     else:
         check_new_run_dir(root)
+        check_disk(cfg, root)  # before anything is written: a run whose checkpoints cannot fit is refused
         prompts = data.train
         if cfg.data.train_prompts and cfg.data.train_prompts < len(prompts):
             prompts = prompts.sample(cfg.data.train_prompts, random_state=cfg.run.seed).reset_index(drop=True)

@@ -10,8 +10,10 @@ resume recomputes it from the last checkpoint.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ from coba_tasks.core.grpo import (
     zero_variance_share,
 )
 from coba_tasks.core.knapsack import pooled_estimate
+from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
 from coba_tasks.engines.update import NonFiniteUpdateError, engine_asleep
@@ -39,14 +42,16 @@ from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.prompt_history import batch_estimates, pass_rates, pooled_flags
 from coba_tasks.pipeline.run import (
     RunResources,
+    RunStopped,
     checked_checkpoint,
     first_step_not_done,
+    newest_checkpoint,
     previous_checkpoint,
     resources,
     start_resources,
     update_settings,
 )
-from coba_tasks.pipeline.store import Table, step_stages
+from coba_tasks.pipeline.store import StoreError, Table, step_stages
 
 
 def batch_for_step(prompt_ids: Sequence[str], step: int, batch_size: int, seed: int, shuffle: bool = True) -> list[str]:
@@ -620,15 +625,15 @@ def budget_for(
     return budget_table(batch_of(res, step), history, tracker, res.cfg.allocation, pilot, step)
 
 
-def _update(res: RunResources, step: int) -> pd.DataFrame:
+def _update(res: RunResources, step: int, replay: bool = False) -> pd.DataFrame:
+    """The update of ``step`` from its tables; its checkpoint when due (``checkpoint_due``). ``replay``: the
+    trainer takes it again (``replay_update``): no checkpoint, no record of the engine's sleep."""
     ckpt = res.store.checkpoint_dir(step + 1)
     rolled = res.store.read_table(step, Table.ROLLOUTS)
     scored = res.store.read_table(step, Table.REWARDS)
     adv = advantages_for(rolled, scored)
     prompt_ids, completion_ids, sampler_logprobs = update_sequences(rolled, res.prompts)
     groups = pd.factorize(rolled["prompt_id"])[0]  # each rollout's prompt (optim.prompt_weighting)
-    tracker = tracker_from_capability(res.store.read_table(step, Table.CAPABILITY))
-    extra_state = {"step": step, "capability": tracker.to_dict()}
     fsdp = res.cfg.optim.fsdp_processes > 1
     previous = previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
     with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
@@ -643,17 +648,100 @@ def _update(res: RunResources, step: int) -> pd.DataFrame:
                 res.cfg.optim.fsdp_processes,
                 checkpoint=previous,
                 seed=res.cfg.run.seed,
-                extra_state=extra_state,
+                extra_state=checkpoint_state(res, step),
                 sampler_logprobs=sampler_logprobs,
                 group_ids=groups,
             )
         else:
             metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs, groups)
-    if slept:
+    if slept and not replay:
         res.store.write_step_json(step, "engine_sleep", slept)
-    if not fsdp:
-        res.trainer.save_checkpoint(ckpt, extra_state=extra_state)
+    if not fsdp and not replay and checkpoint_due(res, step + 1):
+        res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, step))
     return update_row(step, metrics, rolled, scored)
+
+
+def checkpoint_state(res: RunResources, step: int) -> dict[str, Any]:
+    """What a checkpoint written after the update of ``step`` records beside the weights: the step and the
+    capability tracker after it."""
+    tracker = tracker_from_capability(res.store.read_table(step, Table.CAPABILITY))
+    return {"step": step, "capability": tracker.to_dict()}
+
+
+def checkpoint_due(res: RunResources, version: int) -> bool:
+    """Whether the policy after ``version`` updates is written as a checkpoint: every ``run.checkpoint_every``-th,
+    the last, and any once the run was asked to stop."""
+    r = res.cfg.run
+    return version % r.checkpoint_every == 0 or version == r.steps or res.stop_signal is not None
+
+
+class ReplayError(StoreError):
+    """A replayed update that did not give the figures its table holds."""
+
+
+def replay_update(res: RunResources, step: int) -> None:
+    """The trainer takes the update of ``step`` again from the step's tables (no rollout, no scoring), which must
+    give every figure ``update.parquet`` holds, bit for bit; ``ReplayError`` (one line, the way out) if not."""
+    stored = res.store.read_table(step, Table.UPDATE)
+    row = _update(res, step, replay=True)
+    same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731  (NaN is NaN here)
+    differ = [c for c in stored.columns if c not in row.columns or not same(row[c].iloc[0], stored[c].iloc[0])]
+    if differ:
+        figures = lambda t: f"loss {t['loss'].iloc[0]!r}, grad norm {t['grad_norm'].iloc[0]!r}"  # noqa: E731
+        raise ReplayError(
+            f"step {step}: the update replayed from its tables gave {figures(row)} where update.parquet holds "
+            f"{figures(stored)} ({', '.join(differ[:4])} differ): this machine does not repeat the update bit for bit, "
+            f"so continuing from an earlier checkpoint would not be exact; to train the update of step {step} and "
+            f"the steps after it again: coba rerun --run-dir {res.store.root} --step {step} --stage update --yes"
+        )
+    ckpt = res.store.checkpoint_dir(step + 1)
+    if ckpt.is_dir() and not _whole(ckpt):  # damaged: written again, from the policy the replay reproduced
+        res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, step))
+
+
+def _whole(ckpt: Path) -> bool:
+    try:
+        verify_checkpoint(ckpt)
+    except CheckpointError:
+        return False
+    return True
+
+
+def advance(res: RunResources, version: int) -> list[int]:
+    """Bring the trainer and the rollout engine to the policy after ``version`` updates, on from the trainer's:
+    the updates in between replayed from their tables (``replay_update``); the steps replayed. Without a trainer
+    here (FSDP) the engine loads ``checkpoints/<version>``."""
+    if res.trainer is None:
+        if res.engine.weight_version != version:
+            res.engine.load_weights(checked_checkpoint(res.store, version), version=version)
+        return []
+    held = res.trainer.updates
+    if held > version:
+        raise RuntimeError(f"the trainer holds the policy after {held} updates, past the {version} asked for")
+    replayed = list(range(held, version))
+    for step in replayed:
+        replay_update(res, step)
+    if replayed or res.engine.weight_version != version:
+        res.engine.set_weights(res.trainer.engine_weights, version=version)
+    return replayed
+
+
+def stop_run(res: RunResources, after: str) -> None:
+    """``RunStopped`` once the run was asked to stop (``run.stop_on_signals``): the trainer's policy written as a
+    checkpoint if it is not one yet, and the line that says how to continue; nothing otherwise."""
+    if res.stop_signal is None:
+        return
+    written = ""
+    if res.trainer is not None and res.trainer.updates > 0:
+        version = res.trainer.updates
+        ckpt = res.store.checkpoint_dir(version)
+        if not ckpt.is_dir():
+            res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, version - 1))
+        written = f"; checkpoints/{version:06d} holds the policy after {version} updates"
+    raise RunStopped(
+        f"stopped by {res.stop_signal} after {after}{written}; continue with: coba resume --run-dir {res.store.root}",
+        int(signal.Signals[res.stop_signal]),
+    )
 
 
 # --- Where the steps of an opened run start
@@ -666,16 +754,24 @@ def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, fl
     return seconds
 
 
-def resume_point(res: RunResources) -> int:
-    """Start the resources on the weights of the first step not done; that step."""
+def resume_point(res: RunResources, upto: int | None = None) -> int:
+    """Start the resources on the newest whole checkpoint at or below ``upto`` (default and at most: the first
+    step not done; the base model when there is none) and return the first step not done: ``advance`` replays
+    the updates after that checkpoint. With FSDP (every step has its checkpoint) the checkpoint of that step."""
     first = first_step_not_done(res.store, res.cfg.run.steps)
+    upto = first if upto is None else min(upto, first)
+    if res.cfg.optim.fsdp_processes > 1:
+        version = first
+        ckpt = checked_checkpoint(res.store, first) if first > 0 else None
+    else:
+        version = newest_checkpoint(res.store, upto)
+        ckpt = res.store.checkpoint_dir(version) if version > 0 else None
     lora = res.cfg.model.lora_rank > 0
-    ckpt = checked_checkpoint(res.store, first) if first > 0 else None
     # an adapter checkpoint is not a whole model: the engine starts on the base, then takes the merged weights
     weights = str(ckpt) if ckpt is not None and not lora else res.cfg.model.path
-    start_resources(res, weights, version=first)
+    start_resources(res, weights, version=version)
     if ckpt is not None and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
         res.trainer.load_checkpoint(ckpt)
         if lora:
-            res.engine.set_weights(res.trainer.engine_weights, version=first)
+            res.engine.set_weights(res.trainer.engine_weights, version=version)
     return first

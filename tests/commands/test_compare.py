@@ -430,14 +430,17 @@ def test_a_comparison_forks_the_later_runs_of_a_seed_or_trains_them_from_their_s
     compare.run_all(tmp_path / "k", order, planned, 3, "configs/tiny-test.yaml", earlier, log=printed.append)
     assert calls == [("uniform-seed0", False, [])] and not (tmp_path / "k" / "coba-seed0").exists()
 
-    # the checkpoint the fork would continue from is gone (run.keep_checkpoints): trained from its start
+    # the checkpoint the fork would continue from is gone (run.keep_checkpoints): forked all the same (its
+    # resume replays the update after the newest checkpoint kept)
     calls.clear()
     (tmp_path / "c").mkdir()
     fake_run(tmp_path / "c" / "uniform-seed0", planned[("uniform", 0)][1], 3)
     (tmp_path / "c" / "uniform-seed0" / "summary.json").write_text("{}")
     shutil.rmtree(tmp_path / "c" / "uniform-seed0" / "checkpoints" / "000002")
     compare.run_all(tmp_path / "c", order, planned, 3, "configs/tiny-test.yaml", log=printed.append)
-    assert calls == [("coba-seed0", False, [])] and "[2/2] coba-seed0: training 3 steps" in printed
+    assert calls == [("coba-seed0", True, [])]
+    assert any(line.startswith("[2/2] coba-seed0: forked from uniform-seed0") for line in printed[-2:])
+    assert not (tmp_path / "c" / "coba-seed0" / "checkpoints" / "000002").exists()
 
 
 def test_the_first_run_forks_each_carried_run_at_the_boundary_of_its_fork_point(tmp_path):
@@ -467,12 +470,12 @@ def test_the_first_run_forks_each_carried_run_at_the_boundary_of_its_fork_point(
     assert RunStore.open(tmp_path / "coba-seed0").read_config()["allocation"]["strategy"] == "coba"
     carrier(res, 3)
     assert len(said) == 1  # once
-    # a run whose fork needs a checkpoint the first run no longer holds: said, left to train from its start
+    # the checkpoint at its fork point pruned: forked all the same, its resume replays from checkpoints/000001
     shutil.rmtree(store.checkpoint_dir(2))
     late = cf.Carrier({tmp_path / "knapsack-seed0": planned[("coba", 0)][1]}, log=said.append)
     late(res, 3)
-    assert not (tmp_path / "knapsack-seed0").exists() and said[-1].startswith("knapsack-seed0: not forked from")
-    assert said[-1].endswith("it trains from its start") and "checkpoints/000002 is missing" in said[-1]
+    assert said[-1].startswith("knapsack-seed0: forked from uniform-seed0")
+    assert not RunStore.open(tmp_path / "knapsack-seed0").checkpoint_dir(2).exists()
     late(res, 3)
     assert len(said) == 2
 

@@ -52,27 +52,35 @@ def _all_tables(store: RunStore) -> dict[tuple[int, str], pd.DataFrame]:
     return out
 
 
+def _checkpoints(store: RunStore) -> list[int]:
+    root = store.root / "checkpoints"
+    return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
+
+
 def _assert_same_run(a: RunStore, b: RunStore, base_model: Path) -> None:
+    """The same tables, and every checkpoint of ``a`` in ``b`` with the same weights and trainer state (``b``
+    may hold more: the one a stop wrote)."""
     ta, tb = _all_tables(a), _all_tables(b)
     assert sorted(ta) == sorted(tb)
     for key in ta:
         pd.testing.assert_frame_equal(ta[key], tb[key], check_exact=True, obj=str(key))
-    for step in range(1, STEPS + 1):  # the weights after every update, bit for bit
+    assert _checkpoints(a) and set(_checkpoints(a)) <= set(_checkpoints(b))
+    for step in _checkpoints(a):  # the weights after every update checkpointed, bit for bit
         wa = load_file(str(a.checkpoint_dir(step) / "model.safetensors"))
         wb = load_file(str(b.checkpoint_dir(step) / "model.safetensors"))
         assert wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa), step
-    _assert_same_trainer_state(a, b)
+    _assert_same_trainer_state(a, b, _checkpoints(a))
     for store in (a, b):  # and they are trained weights, not copies of the base model
         assert_updates_moved(store, base_model, STEPS)
 
 
-def _assert_same_trainer_state(a: RunStore, b: RunStore, steps: int = STEPS) -> None:
+def _assert_same_trainer_state(a: RunStore, b: RunStore, steps: int | list[int] = STEPS) -> None:
     """Every checkpoint's AdamW moments and step counts and trainer state, bit for bit.
 
     Not the saved torch RNG state (``rng.torch``): the in-process engine's sampled rollouts advance the
     global torch generator, so it depends on which stages this process ran (a resumed run skips the ones
     done); nothing in the update draws from it (its shuffle has a generator of its own)."""
-    for step in range(1, steps + 1):
+    for step in range(1, steps + 1) if isinstance(steps, int) else steps:
         da, db = a.checkpoint_dir(step), b.checkpoint_dir(step)
         oa, ob = (load_file(str(d / "trainer/optimizer.safetensors")) for d in (da, db))
         assert oa.keys() == ob.keys(), step
@@ -144,19 +152,25 @@ CHATTER = (  # what the libraries print at start-up and per task, which `coba` t
 def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     tmp_path, prefect_harness, random_checkpoints, first_char_data, capsys
 ):
-    """Rollouts from transformers: the seven `coba` processes each start the rollout engine, and vLLM's import
+    """A checkpoint every 2 updates (of 3): each resume loads the newest at or below its step (none before step
+    2: the base model) and replays the updates after it from the tables. Then a run stopped with SIGTERM in the
+    rollouts of step 1: it finishes the stage, writes the policy it holds as checkpoints/000001, says how to
+    continue, and its resume ends as the uninterrupted run.
+    Rollouts from transformers: the `coba` processes each start the rollout engine, and vLLM's import
     and start cost about 15 s a process on 2 cores. A resume with a vLLM engine (a new engine loaded from the
     checkpoint samples what the engine updated in place did) is checked by the other tests here (``baseline``)."""
     model, _ = random_checkpoints
     run_dir = tmp_path / "run"
     log = tmp_path / "coba.log"
-    settings = [a for o in _overrides(model, first_char_data, "transformers") for a in ("--set", o)]
+    every = [*_overrides(model, first_char_data, "transformers"), "run.checkpoint_every=2"]
+    settings = [a for o in every for a in ("--set", o)]
     reference = tmp_path / "uninterrupted"
     argv = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(reference), *settings]
     assert _coba(argv, None, tmp_path / "uninterrupted.log") == 0, (tmp_path / "uninterrupted.log").read_text()[-3000:]
     start = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(run_dir), *settings]
     resume = ["resume", "--run-dir", str(run_dir)]
-    kills = [f"1:{s}" for s in STAGES]  # each stage of step 1, in the order they run
+    kills = [f"1:{Table.EVAL}"]  # eval(1) on the weights after update(0), never checkpointed: replayed
+    kills += [f"1:{s}" for s in STAGES]  # each stage of step 1, in the order they run
     kills.append(f"2:{Table.EVAL}")  # between update(1) and eval(2): the resume must evaluate the weights of 2
     store = RunStore(run_dir)
     for i, kill in enumerate(kills):
@@ -167,6 +181,8 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     assert not (run_dir / "summary.json").exists()
     rc = _coba(resume, None, log)
     assert rc == 0, log.read_text()[-3000:]
+    assert _checkpoints(RunStore.open(reference)) == [2, 3]  # every 2nd update and the last
+    assert "replayed the updates of steps 0-0 from their tables" in log.read_text()
     _assert_same_run(RunStore.open(reference), RunStore.open(run_dir), model)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
@@ -183,6 +199,21 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     assert after.keys() == tables.keys()
     for key in tables:
         pd.testing.assert_frame_equal(after[key], tables[key], check_exact=True, obj=str(key))
+
+    # stopped on purpose: SIGTERM inside the rollouts of step 1 (the policy after 1 update, not checkpointed)
+    stopped = tmp_path / "stopped"
+    stop_log = tmp_path / "stopped.log"
+    argv = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(stopped), *settings]
+    assert _coba(argv, f"1:{Table.ROLLOUTS}:TERM", stop_log) == 128 + signal.SIGTERM, stop_log.read_text()[-3000:]
+    said = stop_log.read_text()
+    assert "SIGTERM: the run stops after the stage it is in, with a checkpoint" in said
+    line = "stopped by SIGTERM after the rollouts stage of step 1; checkpoints/000001 holds the policy after 1 updates"
+    assert f"{line}; continue with: coba resume --run-dir {stopped}" in said
+    store = RunStore.open(stopped)
+    assert store.is_done(1, Table.ROLLOUTS) and not store.is_done(1, Table.REWARDS)  # the stage finished
+    assert _checkpoints(store) == [1]
+    assert _coba(["resume", "--run-dir", str(stopped)], None, stop_log) == 0, stop_log.read_text()[-3000:]
+    _assert_same_run(RunStore.open(reference), RunStore.open(stopped), model)
 
 
 @pytest.mark.slow
@@ -266,9 +297,15 @@ def test_an_evaluation_recomputed_later_measures_the_weights_of_its_step(
 
 
 @pytest.mark.slow
-def test_a_partial_checkpoint_stops_the_resume_with_the_way_out(tmp_path, baseline, random_checkpoints, capsys):
-    """Half of checkpoints/000002's tensors gone: `coba resume` names the file and the rerun that recomputes
-    it, instead of training on from a policy that is half the base model; that rerun gives the run back whole."""
+def test_a_partial_checkpoint_is_passed_over_and_written_again_by_the_replay(
+    tmp_path, baseline, random_checkpoints, caplog
+):
+    """Half of checkpoints/000002's tensors gone: the resume never trains on from a policy that is half the base
+    model. It names the file, starts from checkpoints/000001, replays the update of step 1 from its tables
+    (which gives its recorded figures), writes checkpoints/000002 again, and the run ends as the uninterrupted
+    one did, checkpoints included."""
+    import logging
+
     from safetensors.torch import save_file
 
     model, _ = random_checkpoints
@@ -280,14 +317,46 @@ def test_a_partial_checkpoint_stops_the_resume_with_the_way_out(tmp_path, baseli
     tensors = load_file(str(weights))
     save_file({k: tensors[k] for k in sorted(tensors)[: len(tensors) // 2]}, str(weights))
 
-    assert cli_main(["resume", "--run-dir", str(run_dir)]) == 2
-    err = capsys.readouterr().err
-    assert f"{weights}: " in err and "bytes, checkpoint.json says" in err  # half the tensors: a shorter file
-    assert f"coba rerun --run-dir {run_dir} --step 1 --stage update --yes" in err and err.count("\n") == 1
-    assert not store.is_done(2, Table.UPDATE)  # nothing ran
-
-    assert cli_main(["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "update", "--yes"]) == 0
+    caplog.set_level(logging.WARNING, logger="coba_tasks")
+    assert cli_main(["resume", "--run-dir", str(run_dir)]) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if "passed over" in r.getMessage()]
+    assert f"{weights}: " in warning and "bytes, checkpoint.json says" in warning  # half the tensors: shorter
     _assert_same_run(baseline, store, model)
+
+
+@pytest.mark.slow
+def test_a_replay_that_does_not_repeat_the_update_stops_the_resume_with_the_way_out(
+    tmp_path, prefect_harness, random_checkpoints, first_char_data, monkeypatch
+):
+    """A checkpoint only at the last update, a run failed in step 2: its resume replays the updates of steps 0
+    and 1 from the base model. On a machine where an update does not repeat bit for bit (here: a loss off in its
+    9th digit), the first replay stops the resume in one line naming the step, both figures and the rerun that
+    trains on from there; nothing of step 2 is computed."""
+    from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline.stages import ReplayError
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    overrides = [*_overrides(model, first_char_data), "run.checkpoint_every=3"]
+    cfg = config_to_dict(load_config(ROOT / "configs/tiny-test.yaml", overrides))
+    run_dir, fail = tmp_path / "run", tmp_path / "fail-at"
+    _, store = _failed_run(run_dir, cfg, f"2:{Table.BUDGET}", fail)
+    fail.unlink()
+    assert store.is_done(1, Table.UPDATE) and _checkpoints(store) == []
+    real = stages.update_row
+
+    def off(step, metrics, rolled, scored):
+        return real(step, {**metrics, "loss": metrics["loss"] * (1 + 1e-9)}, rolled, scored)
+
+    monkeypatch.setattr(stages, "update_row", off)
+    pattern = (
+        r"^step 0: the update replayed from its tables gave loss .* where update\.parquet holds loss .* \(loss "
+        r"differ\): this machine does not repeat the update bit for bit, .*: coba rerun --run-dir .* --step 0 "
+        r"--stage update --yes$"
+    )
+    with pytest.raises(ReplayError, match=pattern):
+        train_flow(run_dir=str(run_dir), resume=True)
+    assert not store.is_done(2, Table.BUDGET) and _checkpoints(store) == []
 
 
 @pytest.mark.slow
@@ -405,13 +474,14 @@ def _pilot_file(store: RunStore, step: int) -> tuple:
     return store.manifest(step)[Table.PILOT], stat.st_ino, stat.st_mtime_ns
 
 
-def _fake_run(root: Path, steps: int = 3, eval_every: int = 0) -> RunStore:
+def _fake_run(root: Path, steps: int = 3, eval_every: int = 0, fsdp: bool = False) -> RunStore:
     """A run directory with every table of ``steps`` steps (tiny frames) and whole checkpoints (a file each,
-    listed in its checkpoint.json)."""
+    listed in its checkpoint.json); ``fsdp``: its updates ran under FSDP (each from the previous checkpoint)."""
     from coba_tasks.engines.checkpoint import write_checkpoint_manifest
 
     store = RunStore(root)
-    store.create({"run": {"steps": steps, "eval_every": eval_every}}, "h", {})
+    config = {"run": {"steps": steps, "eval_every": eval_every}}
+    store.create({**config, "optim": {"fsdp_processes": 2}} if fsdp else config, "h", {})
     df = pd.DataFrame({"x": [1]})
     store.write_table(0, Table.EVAL, df)
     for t in range(steps):
@@ -435,13 +505,14 @@ def _everything(store: RunStore) -> tuple:
 
 
 def test_a_rerun_whose_checkpoint_was_pruned_removes_nothing_and_names_what_is_possible(tmp_path, capsys):
-    """run.keep_checkpoints pruned checkpoints/000001 and 000003 (of 6): a repair of a table of step 3, whose
-    resume continues from checkpoints/000003, removed every later table and the kept checkpoints before it
-    found that one gone. Now it refuses before removing anything, and names the rerun that is possible: from
-    step 2, the newest checkpoint kept at or below 3; that rerun goes through."""
+    """An FSDP run (each update starts from the previous checkpoint: nothing to replay from): run.keep_checkpoints
+    pruned checkpoints/000001 and 000003 (of 6): a repair of a table of step 3, whose resume continues from
+    checkpoints/000003, removed every later table and the kept checkpoints before it found that one gone. Now
+    it refuses before removing anything, and names the rerun that is possible: from step 2, the newest
+    checkpoint kept at or below 3; that rerun goes through."""
     from coba_tasks.pipeline.rerun import check_plan, needed_checkpoints, plan_repair
 
-    store = _fake_run(tmp_path / "r", steps=6)
+    store = _fake_run(tmp_path / "r", steps=6, fsdp=True)
     for k in (1, 3):
         shutil.rmtree(store.checkpoint_dir(k))
     path = store.table_path(3, Table.REWARDS)
@@ -465,12 +536,15 @@ def test_a_rerun_whose_checkpoint_was_pruned_removes_nothing_and_names_what_is_p
 
 
 def test_a_rerun_needs_the_checkpoints_of_the_evaluations_it_must_recompute(tmp_path, capsys):
-    """An evaluation is computed on the weights of its step: rerunning eval(2) needs checkpoints/000002, and a
-    rerun whose resume must first recompute a due evaluation that is missing needs that step's checkpoint;
-    with it pruned, nothing is removed and the refusal offers the start (no checkpoint kept below)."""
+    """An FSDP run: an evaluation is computed on the weights of its step: rerunning eval(2) needs
+    checkpoints/000002, and a rerun whose resume must first recompute a due evaluation that is missing needs
+    that step's checkpoint; with it pruned, nothing is removed and the refusal offers the start (no checkpoint
+    kept below). A run trained in one process needs none: its resume replays the updates after the newest."""
     from coba_tasks.pipeline.rerun import needed_checkpoints
 
-    store = _fake_run(tmp_path / "r", steps=4, eval_every=2)
+    plain = _fake_run(tmp_path / "plain", steps=4, eval_every=2)
+    assert needed_checkpoints(plain, plan_rerun(plain, 2, Table.EVAL)) == []
+    store = _fake_run(tmp_path / "r", steps=4, eval_every=2, fsdp=True)
     assert needed_checkpoints(store, plan_rerun(store, 2, Table.EVAL)) == [2, 4]  # eval(2), then the finished run
     assert needed_checkpoints(store, plan_rerun(store, 0, Table.EVAL)) == [4]  # eval(0): the base model
     assert needed_checkpoints(store, plan_rerun(store, 3, Table.ROLLOUTS)) == [3]

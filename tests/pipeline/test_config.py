@@ -794,3 +794,15 @@ def test_a_module_named_on_the_pytest_command_line_collects_no_function_of_the_p
     assert [line for line in collected if "test_set_name" in line] == [
         "coba_tasks/pipeline/config_sections.py::coba_tasks.pipeline.config_sections.test_set_name"
     ]
+
+
+def test_checkpoint_every_defaults_to_every_update_and_fsdp_needs_every_update():
+    """run.checkpoint_every: 1 by default (the pinned hashes of the shipped configs are unchanged by the key), at
+    least 1, and 1 under FSDP, whose updates each start from the previous step's checkpoint."""
+    assert load_config(overrides=[]).run.checkpoint_every == 1
+    with pytest.raises(ConfigError, match=r"^run\.checkpoint_every"):
+        load_config(overrides=["run.checkpoint_every=0"])
+    with pytest.raises(
+        ConfigError, match=r"^run\.checkpoint_every = 2 with optim\.fsdp_processes = 2: each FSDP update starts"
+    ):
+        load_config(overrides=["run.checkpoint_every=2", "optim.fsdp_processes=2", "model.lora_rank=0"])

@@ -14,7 +14,7 @@ from helpers_fork import fake_run
 
 from coba_tasks.engines.rollout import Rollout, RolloutBackend, SamplingConfig
 from coba_tasks.pipeline import fork, stages
-from coba_tasks.pipeline.config import config_hash, load_config
+from coba_tasks.pipeline.config import apply_overrides, config_hash, load_config
 from coba_tasks.pipeline.config_sections import AllocationConfig
 from coba_tasks.pipeline.run import first_step_not_done
 from coba_tasks.pipeline.store import Table
@@ -165,9 +165,14 @@ def test_a_fork_without_its_checkpoint_or_onto_a_run_leaves_nothing(tmp_path):
     cfg = _cfg(*STRATEGIES["coba"])
     point = fork.fork_point(source, cfg)
     shutil.rmtree(source.checkpoint_dir(2))  # pruned (run.keep_checkpoints)
+    fsdp = apply_overrides(cfg, ["optim.fsdp_processes=2", "model.lora_rank=0"])  # FSDP continues from it
     with pytest.raises(fork.ForkError, match=r"checkpoints/000002 is missing"):
-        fork.fork_run(source, tmp_path / "coba-seed0", cfg, point)
+        fork.fork_run(source, tmp_path / "coba-seed0", fsdp, point)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["uniform-seed0"]
+    # in one process the fork's resume replays the update of step 1 from checkpoints/000001
+    replayed = fork.fork_run(source, tmp_path / "replayed", cfg, point)
+    assert replayed.checkpoint_dir(1).is_dir() and not replayed.checkpoint_dir(2).exists()
+    shutil.rmtree(replayed.root)
     (tmp_path / "coba-seed0").mkdir()
     with pytest.raises(fork.ForkError, match="exists"):
         fork.fork_run(source, tmp_path / "coba-seed0", cfg, fork.fork_point(source, _cfg("run.name=x")))

@@ -231,8 +231,8 @@ class VLLMBackend(RolloutBackend):
 
     def _push(self, llm: Any, source: WeightsSource) -> None:
         """The tensors of ``source()`` into the engine ``llm`` (``weight_transport``), its prefix cache reset."""
-        if self.weight_transport == "reference":
-            llm.collective_rpc(TENSORS_METHOD, kwargs={"weights": list(source())})
+        if self.weight_transport == "reference":  # made one at a time as the worker loads them
+            llm.collective_rpc(TENSORS_METHOD, kwargs={"weights": source()})
         elif self.weight_transport == "bytes":
             wire = [(name, *wire_tensor(tensor)) for name, tensor in source()]
             llm.collective_rpc(TENSORS_METHOD, kwargs={"weights": wire})

@@ -15,6 +15,7 @@ model: after vLLM's reload, every layer whose weight is shared with another is p
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ class WeightReload:
         with set_current_vllm_config(self.vllm_config):
             return reprocess_shared_weights(self.model_runner.get_model())
 
-    def coba_load_tensors(self: Any, weights: list[tuple[Any, ...]]) -> list[str]:
+    def coba_load_tensors(self: Any, weights: Iterable[tuple[Any, ...]]) -> list[str]:
         """vLLM's in-place reload from weights held in memory, every tensor of the model under its checkpoint
         name: ``(name, tensor)`` pairs (the engine in this process), or ``(name, dtype, shape, bytes)`` from
         ``wire_tensor`` (from another process); then the tied layers processed again."""
