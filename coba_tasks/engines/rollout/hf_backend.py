@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -26,14 +26,10 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from coba_tasks.engines.rollout.base import (
-    Rollout,
-    RolloutBackend,
-    RolloutRequest,
-    SamplingConfig,
-    WeightsSource,
-    register_backend,
-)
+from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
+
+if TYPE_CHECKING:
+    from coba_tasks.engines.rollout.base import WeightsSource
 
 MAX_NUM_SEQS = 256  # sequences per generate call at most (vLLM's default max_num_seqs)
 # float32 (sequences x vocabulary) tensors alive at once in one decoding step: the model's last logits, their

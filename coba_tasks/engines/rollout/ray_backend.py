@@ -23,16 +23,12 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from coba_tasks.engines.rollout.base import (
-    Rollout,
-    RolloutBackend,
-    RolloutRequest,
-    SamplingConfig,
-    WeightsSource,
-    register_backend,
-)
+from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
+
+if TYPE_CHECKING:
+    from coba_tasks.engines.rollout.base import WeightsSource
 from coba_tasks.engines.rollout.vllm_backend import VLLMBackend
 
 logger = logging.getLogger(__name__)

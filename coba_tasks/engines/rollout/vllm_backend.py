@@ -23,17 +23,13 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from coba_tasks.engines.rollout.base import (
-    Rollout,
-    RolloutBackend,
-    RolloutRequest,
-    SamplingConfig,
-    WeightsSource,
-    register_backend,
-)
+from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
 from coba_tasks.engines.rollout.vllm_worker import wire_tensor
+
+if TYPE_CHECKING:
+    from coba_tasks.engines.rollout.base import WeightsSource
 
 logger = logging.getLogger(__name__)
 
