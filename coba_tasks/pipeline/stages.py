@@ -559,16 +559,16 @@ def _reload_policy(res: RunResources, step: int) -> None:
     from the trainer's memory, no file (FSDP: the checkpoint the update's processes wrote); then checkpoints
     beyond the newest ``run.keep_checkpoints`` are deleted."""
     version = step + 1
-    if res.trainer is not None and res.trainer.updates == version:
-        res.engine.set_weights(res.trainer.engine_weights, version=version)
-    else:
+    if res.trainer is None:  # FSDP
         res.engine.load_weights(res.store.checkpoint_dir(version), version=version)  # the job just wrote it
+    else:
+        advance(res, version)  # the trainer holds it: handed over (a trainer behind it would replay first)
     res.store.prune_checkpoints(res.cfg.run.keep_checkpoints)
 
 
 @stage(Table.UPDATE, retries=0, then=_reload_policy)
 def update(res: RunResources, step: int) -> pd.DataFrame:
-    """The GRPO update on the step's rollouts; writes checkpoints/<step + 1>. A reward beyond the group
+    """The GRPO update on the step's rollouts; writes checkpoints/<step + 1> when due. A reward beyond the group
     statistics' bound or a non-finite update stops the run in one line naming the step (nothing stepped)."""
     try:
         return _update(res, step)
