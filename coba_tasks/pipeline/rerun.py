@@ -12,9 +12,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.pipeline.evaluation import eval_steps
-from coba_tasks.pipeline.run import first_step_not_done, read_run_config
+from coba_tasks.pipeline.run import first_step_not_done, read_run_config, whole_checkpoint
 from coba_tasks.pipeline.store import PILOT_STAGES, STAGES, RunStore, StoreError, Table, inside_run, step_stages
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
@@ -138,27 +137,19 @@ def needed_checkpoints(store: RunStore, plan: RerunPlan) -> list[int]:
     return sorted({*needed, *([first] if first > 0 else [])})
 
 
-def _whole(store: RunStore, step: int) -> bool:
-    try:
-        verify_checkpoint(store.checkpoint_dir(step))
-    except CheckpointError:
-        return False
-    return True
-
-
 def check_plan(store: RunStore, plan: RerunPlan) -> None:
     """Refuse (StoreError, one line) a plan whose resume would need a checkpoint that is missing or damaged;
     the line names the rerun that is possible instead: from the newest whole checkpoint at or below the
     earliest one missing (step 0: the base model), the first rerun from there that needs nothing missing."""
-    missing = [k for k in needed_checkpoints(store, plan) if not _whole(store, k)]
+    missing = [k for k in needed_checkpoints(store, plan) if not whole_checkpoint(store, k)]
     if not missing:
         return
     first_stage = step_stages(_piloted(store))[0]
     possible = 0
     for k in range(missing[0] - 1, 0, -1):
-        if _whole(store, k) and store.is_done(k - 1, Table.UPDATE):
+        if whole_checkpoint(store, k) and store.is_done(k - 1, Table.UPDATE):
             candidate = plan_rerun(store, k, first_stage, require_done=False)
-            if all(_whole(store, j) for j in needed_checkpoints(store, candidate)):
+            if all(whole_checkpoint(store, j) for j in needed_checkpoints(store, candidate)):
                 possible = k
                 break
     names = ", ".join(f"checkpoints/{k:06d}" for k in missing)

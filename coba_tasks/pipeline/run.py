@@ -139,13 +139,20 @@ def checked_checkpoint(store: RunStore, step: int, needed_for: str = "") -> Path
     return ckpt
 
 
+def whole_checkpoint(store: RunStore, step: int) -> bool:
+    """Whether ``checkpoints/<step>`` is there with every file as its ``checkpoint.json`` lists it."""
+    try:
+        verify_checkpoint(store.checkpoint_dir(step))
+    except CheckpointError:
+        return False
+    return True
+
+
 def newest_checkpoint(store: RunStore, upto: int, warn: Callable[[str], None] | None = None) -> int:
     """The newest checkpoint at or below ``upto`` whose files are as written (0: none, the base model); a
     partial or damaged one on the way is named to ``warn`` and passed over (the updates after the one taken are
     replayed from the tables: ``stages.advance``)."""
-    root = store.root / "checkpoints"
-    found = [int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()] if root.is_dir() else []
-    for k in sorted((k for k in found if k <= upto), reverse=True):
+    for k in sorted((k for k in store.checkpoints() if k <= upto), reverse=True):
         try:
             verify_checkpoint(store.checkpoint_dir(k))
         except CheckpointError as exc:
@@ -376,8 +383,7 @@ def open_run(
     if continuing:
         store = RunStore.open(root)
         prompts = store.read_run_table("prompts")
-        on_disk = [p for p in (store.root / "checkpoints").glob("*") if p.is_dir() and p.name.isdigit()]
-        check_disk(cfg, root, first_step_not_done(store, cfg.run.steps), len(on_disk))
+        check_disk(cfg, root, first_step_not_done(store, cfg.run.steps), len(store.checkpoints()))
     else:
         check_new_run_dir(root)
         check_disk(cfg, root)  # before anything is written: a run whose checkpoints cannot fit is refused

@@ -13,7 +13,6 @@ import json
 import signal
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,6 @@ from coba_tasks.core.grpo import (
     zero_variance_share,
 )
 from coba_tasks.core.knapsack import pooled_estimate
-from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
 from coba_tasks.engines.update import NonFiniteUpdateError, engine_asleep
@@ -50,6 +48,7 @@ from coba_tasks.pipeline.run import (
     resources,
     start_resources,
     update_settings,
+    whole_checkpoint,
 )
 from coba_tasks.pipeline.store import StoreError, Table, step_stages
 
@@ -695,16 +694,8 @@ def replay_update(res: RunResources, step: int) -> None:
             f"the steps after it again: coba rerun --run-dir {res.store.root} --step {step} --stage update --yes"
         )
     ckpt = res.store.checkpoint_dir(step + 1)
-    if ckpt.is_dir() and not _whole(ckpt):  # damaged: written again, from the policy the replay reproduced
+    if ckpt.is_dir() and not whole_checkpoint(res.store, step + 1):  # damaged: written again, from the replayed policy
         res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, step))
-
-
-def _whole(ckpt: Path) -> bool:
-    try:
-        verify_checkpoint(ckpt)
-    except CheckpointError:
-        return False
-    return True
 
 
 def advance(res: RunResources, version: int) -> list[int]:

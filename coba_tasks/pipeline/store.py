@@ -216,12 +216,17 @@ class RunStore:
         """Delete all but the newest ``keep`` checkpoints (``keep`` 0 deletes nothing); the paths deleted."""
         if keep <= 0:
             return []
-        root = self.root / CHECKPOINTS_DIR
-        steps = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
+        steps = self.checkpoints()
         gone = [inside_run(self.root, self.checkpoint_dir(s)) for s in steps[: max(0, len(steps) - keep)]]
         for path in gone:  # every one checked first: a link out of the run deletes nothing
             shutil.rmtree(path)
         return gone
+
+    def checkpoints(self) -> list[int]:
+        """The versions of the checkpoint directories there (``checkpoints/000007``: 7), oldest first; whole or
+        not (``checkpoint.verify_checkpoint`` tells)."""
+        root = self.root / CHECKPOINTS_DIR
+        return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
 
     def checkpoint_dir(self, step: int) -> Path:
         """``checkpoints/000007``: the policy after 7 updates, written by the update of step 6 (not created here)."""
