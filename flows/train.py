@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
@@ -32,11 +31,12 @@ from coba_tasks.pipeline.store import Table
 from coba_tasks.readers import trackers
 from coba_tasks.readers.figures import NO_SIGNAL_FIX, NO_SIGNAL_STEPS, eval_figures, no_signal_streak, step_figures
 from coba_tasks.readers.figures import summary_json as make_summary_json
-from coba_tasks.readers.text import figure_table
+from flows.view import RunView
 
 
-def run_step(run_dir: str, step: int) -> None:
-    """One training step: its stage tasks in order, then its progress line and artifacts.
+def run_step(run_dir: str, step: int, view: RunView | None = None) -> None:
+    """One training step: its stage tasks in order, then its progress line and, with a ``view``, its artifacts
+    and events (``flows.view``).
 
     The training flow calls this inline: a subflow per step cost about 1.1 s of orchestration per
     step on the embedded server (measured: 1.31 s -> 0.19 s per step on the demo config).
@@ -54,7 +54,8 @@ def run_step(run_dir: str, step: int) -> None:
     line = step_line(step, res.cfg.run.steps, figures, seconds, elapsed, no_signal=quiet, pilot=k)
     log = get_run_logger()
     (log.warning if quiet >= NO_SIGNAL_STEPS else log.info)(line)
-    _post_step_artifacts(res, step, figures)
+    if view is not None:
+        view.step_done(step, figures, quiet)
 
 
 def step_line(
@@ -110,28 +111,6 @@ def _no_signal_text(steps: int) -> str:
     return f"; no group mixed ({steps} step{'s' if steps > 1 else ''} in a row)" if steps else ""
 
 
-def _post_step_artifacts(res: run.RunResources, step: int, figures: dict[str, dict[str, Any]]) -> None:
-    allocated = res.store.read_table(step, Table.BUDGET)
-    create_table_artifact(
-        key=f"budget-step-{step:06d}",
-        table=allocated[["prompt_id", "pass_rate_est", "budget", "value", "marginal_gain"]].round(4).to_dict("records"),
-        description=f"rollout budgets allocated for step {step}",
-    )
-    shown = {**figures["capability"], **figures["update"]}
-    create_markdown_artifact(
-        key=f"step-{step:06d}",
-        markdown=figure_table(
-            f"# Step {step}",
-            [
-                ("rollouts", figures["rollouts"]["rollouts"]),
-                *figures["rewards"].items(),
-                *((k, f"{v:.4f}") for k, v in shown.items()),
-            ],
-        ),
-        description=f"summary of training step {step}",
-    )
-
-
 @flow(name="coba-train")
 def train_flow(
     config: Config | None = None,
@@ -180,13 +159,12 @@ def train_flow(
         resume_point(res, upto=min([first, *due]))  # the newest checkpoint the evaluations and the steps start from
         if first > 0:
             log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
+        view = RunView(res, first)  # the flow run named after the run; its artifacts and events
         log.info(f"held-out evaluation before training: {eval_plan(res)}")
-        evaluate_step(directory, 0)
-        log.info(f"held-out accuracy before training: {_eval_text(res, 0)}")
+        _held_out(res, view, 0, "before training")
         for version in due:
             _say_replayed(advance(res, version), version)
-            evaluate_step(directory, version)
-            log.info(f"held-out accuracy after step {version} (recomputed): {_eval_text(res, version)}")
+            _held_out(res, view, version, f"after step {version} (recomputed)")
         _say_replayed(advance(res, first), first)
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
@@ -196,28 +174,33 @@ def train_flow(
                 # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
                 # bodies (the same code a plain function call would run), measured in this run
                 t0, inside0 = time.perf_counter(), sum(res.stage_seconds.values())
-                run_step(directory, step)
+                run_step(directory, step, view)
                 wall = time.perf_counter() - t0
                 res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
                 if step + 1 in due_steps and step + 1 < cfg.run.steps:
-                    evaluate_step(directory, step + 1)
-                    log.info(f"held-out accuracy after step {step + 1}: {_eval_text(res, step + 1)}")
+                    _held_out(res, view, step + 1, f"after step {step + 1}")
                 trk.log_new()
                 run.step_boundary(res, step + 1)
                 stop_run(res, f"step {step}")
         log.info(f"held-out evaluation after training: {eval_plan(res)}")
-        evaluate_step(directory, cfg.run.steps)
-        log.info(f"held-out accuracy after training: {_eval_text(res, cfg.run.steps)}")
+        _held_out(res, view, cfg.run.steps, "after training")
         trk.log_new()
         summary = make_summary_json(res.store.root, time.perf_counter() - t_start, res.stage_seconds, res.step_walls)
         res.store.write_json("summary.json", summary)
-        _post_report(res.store.root)
+        _post_report(res.store.root, view)
         return summary
     finally:
         if trk is not None:
             trk.close()
         run.close_run(res)
         lock.release()
+
+
+def _held_out(res: run.RunResources, view: RunView, step: int, when: str) -> None:
+    """The held-out evaluation of the weights after ``step`` updates (its task), its artifact and event, its line."""
+    evaluate_step(str(res.store.root), step)
+    view.evaluation_done(step)
+    get_run_logger().info(f"held-out accuracy {when}: {_eval_text(res, step)}")
 
 
 def _say_replayed(steps: list[int], version: int) -> None:
@@ -247,23 +230,16 @@ def _eval_text(res: run.RunResources, step: int) -> str:
     return text
 
 
-def _post_report(root: Path) -> None:
-    """Draw the run's report (PNG plots + index.html) and post it as Prefect artifacts.
+def _post_report(root: Path, view: RunView) -> None:
+    """Draw the run's report (PNG plots + index.html) and post it as a Prefect artifact, its plots inline.
 
     A plotting failure is logged, never allowed to fail a finished run: `coba report` redraws it.
     """
-    from prefect.artifacts import create_image_artifact, create_link_artifact
-
     from coba_tasks.readers.report import report_artifacts_markdown, write_report
 
-    log = get_run_logger()
     try:
         html = write_report(root)
     except Exception as exc:  # the run is done; the report can be redrawn
-        log.warning(f"report not drawn ({exc}); draw it with: coba report --run-dir {root}")
+        get_run_logger().warning(f"report not drawn ({exc}); draw it with: coba report --run-dir {root}")
         return
-    create_markdown_artifact(key="coba-report", markdown=report_artifacts_markdown(root), description="run report")
-    create_link_artifact(key="coba-report-page", link=html.resolve().as_uri(), link_text="report/index.html")
-    for png in sorted(html.parent.glob("*.png")):
-        create_image_artifact(image_url=png.resolve().as_uri(), description=f"report plot {png.name}")
-    log.info(f"report: {html}")
+    view.report(html, report_artifacts_markdown(root))

@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
 
 from coba_tasks.core.allocation import Allocation, Strategy, plan_allocation
 from coba_tasks.core.capability import CapabilityTracker, Estimator
@@ -466,26 +467,32 @@ def stage(
     table: Table,
     retries: int = 1,
     then: Callable[[RunResources, int], None] | None = None,
-) -> Callable[[StageBody], Task[[str, int], str]]:
-    """A stage body ``(res, step) -> table`` as the Prefect task ``(run_dir, step) -> table path`` named ``table``
-    (runs ``<table>-step-<step>``): the body skipped when the table is done, else the fault hooks and the
-    write; then ``then(res, step)``, done or not; timed."""
+) -> Callable[[StageBody], Task[[str, int], State]]:
+    """A stage body ``(res, step) -> table`` as the Prefect task ``(run_dir, step) -> Completed state`` named
+    ``table`` (runs ``<table>-step-<step>``): the body skipped when the table is done, else the fault hooks and
+    the write; then ``then(res, step)``, done or not; timed. The state's data is the table's path, its message
+    says whether the table was written now or was already done (a resume, a retry: shown in the Prefect UI)."""
 
-    def make(body: StageBody) -> Task[[str, int], str]:
-        def run_stage(run_dir: str, step: int) -> str:
+    def make(body: StageBody) -> Task[[str, int], State]:
+        def run_stage(run_dir: str, step: int) -> State:
             res, t0 = resources(run_dir), time.perf_counter()
-            if not res.store.is_done(step, table):
+            path = res.store.table_path(step, table)
+            shown = path.relative_to(res.store.root).as_posix()
+            if res.store.is_done(step, table):
+                message = f"already done: {shown} is in the step's manifest, not computed again"
+            else:
                 frame = body(res, step)
                 res.faults.at(step, table)
                 res.store.write_table(step, table, frame)
+                message = f"wrote {shown} ({len(frame)} rows)"
             if then is not None:
                 then(res, step)
             res.timed(table, time.perf_counter() - t0)
-            return str(res.store.table_path(step, table))
+            return Completed(message=message, data=str(path))
 
         run_stage.__name__ = run_stage.__qualname__ = body.__name__
         run_stage.__doc__, run_stage.__module__ = body.__doc__, body.__module__
-        options = {"retries": retries, "retry_delay_seconds": 2, "cache_policy": NO_CACHE}
+        options = {"retries": retries, "retry_delay_seconds": 2, "cache_policy": NO_CACHE, "persist_result": False}
         return task(run_stage, name=table.value, task_run_name=f"{table.value}-step-{{step}}", **options)
 
     return make
@@ -575,7 +582,7 @@ def update(res: RunResources, step: int) -> pd.DataFrame:
         raise type(exc)(f"step {step}: {exc}") from None
 
 
-def step_tasks(cfg: Config) -> tuple[Task[[str, int], str], ...]:
+def step_tasks(cfg: Config) -> tuple[Task[[str, int], State], ...]:
     """The stage tasks of one step of the run, in the order ``store.step_stages`` gives."""
     tasks = {t.name: t for t in (pilot, pilot_rewards, budget, rollouts, rewards, capability, update)}
     return tuple(tasks[name] for name in step_stages(cfg.allocation.piloted))

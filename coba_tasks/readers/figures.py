@@ -151,6 +151,62 @@ def step_figures(store: RunStore, step: int) -> dict[str, dict[str, Any]]:
     return {str(stage): read[stage](store.read_table(step, stage)) for stage in STAGES if store.is_done(step, stage)}
 
 
+def step_row(store: RunStore, step: int, figures: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One done training step in one flat row (the run's step table in Prefect, the payload of its
+    ``coba.step.finished`` event): ``step`` (its directory), ``pass_rate`` (S, the mean over prompts),
+    ``failure_rate`` (F) and the Beta shape after it (``alpha``, ``beta``), the budgets (``budget_min``,
+    ``budget_mean``, ``budget_max``), ``mixed_groups`` of ``prompts``, ``n_eff`` (the update's effective number
+    of prompts), ``loss``, ``grad_norm`` and ``seconds`` (its stages' wall seconds, timing.json); NaN -> None.
+    ``figures``: the step's ``step_figures`` when the caller has them."""
+    f = figures or step_figures(store, step)
+    cap, budget, upd = f["capability"], f["budget"], f["update"]
+    rewards = store.read_table(step, Table.REWARDS, columns=("prompt_id", "reward"))
+    update = store.read_table(step, Table.UPDATE)
+    mixed = rewards.groupby(rewards["prompt_id"].astype(str), sort=False)["reward"].nunique() > 1
+    timing = store.read_step_json(step, "timing") if store.step_json_path(step, "timing").is_file() else {}
+    row = {
+        "step": step,
+        "pass_rate": cap["S"],
+        "failure_rate": cap["F"],
+        "alpha": cap["alpha"],
+        "beta": cap["beta"],
+        "budget_min": budget["min"],
+        "budget_mean": budget["mean"],
+        "budget_max": budget["max"],
+        "mixed_groups": int(mixed.sum()),
+        "prompts": len(mixed),
+        "n_eff": float(update["effective_prompts"].iloc[0]) if "effective_prompts" in update else math.nan,
+        "loss": upd["loss"],
+        "grad_norm": upd["grad_norm"],
+        "seconds": float(sum(timing.values())) if timing else math.nan,
+    }
+    return {k: plain(v) for k, v in row.items()}
+
+
+def heldout_rows(table: pd.DataFrame, step: int | None = None) -> list[dict[str, Any]]:
+    """A held-out evaluation in rows, one per held-out set (data.test's first): ``step`` (the updates the
+    weights had; None for a model evaluated on its own), ``test_set``, ``prompts``, ``avg_at_k`` (the sampled
+    accuracy), ``greedy``, ``pass_at_k`` with its ``k`` (the completions per prompt; 1: pass@1 = avg@1), and
+    ``level_<d>`` (avg@k by difficulty level, where the set has levels); NaN -> None."""
+    rows = []
+    for name, rows_of_set in split_test_sets(table).items():
+        fig = _set_figures(rows_of_set)
+        k = max(fig["pass_at_k"], key=int, default="1")
+        rows.append(
+            {
+                "step": step,
+                "test_set": name,
+                "prompts": fig["prompts"],
+                "avg_at_k": fig["accuracy"],
+                "greedy": fig["greedy"],
+                "k": int(k),
+                "pass_at_k": fig["pass_at_k"].get(k, fig["accuracy"]),
+                **{f"level_{d}": v for d, v in fig["by_difficulty"].items()},
+            }
+        )
+    return [{k: plain(v) for k, v in row.items()} for row in rows]
+
+
 def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:
     """Figures about a run, finished or not; JSON-serialisable (plain numbers and strings, NaN -> None).
 

@@ -24,13 +24,14 @@ come from the weights after ``t`` updates, and ``steps/t/eval.parquet`` evaluate
 so the training pass rate and the held-out accuracy at ``t`` describe one policy (and ``steps/t`` holds the
 budget step ``t`` used: ``coba_tasks.pipeline.store.Table``).
 
-``report_artifacts_markdown(run_dir)`` gives a short markdown summary for a Prefect artifact. The
+``report_artifacts_markdown(run_dir)`` gives the report as markdown for a Prefect artifact (the plots inline). The
 plots themselves are drawn by ``coba_tasks.readers.plots``; the ``coba report`` subcommand is
 ``coba_tasks.commands.report``.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import os
 from collections.abc import Callable, Sequence
@@ -274,8 +275,10 @@ pre.prompt {{ background: #eef3fa; }}
 """
 
 
-def report_artifacts_markdown(run_dir: str | os.PathLike[str]) -> str:
-    """A short markdown summary for a Prefect artifact: the headline figures and the report's PNG paths.
+def report_artifacts_markdown(run_dir: str | os.PathLike[str], inline: bool = True) -> str:
+    """The report as markdown for a Prefect artifact: the headline figures and the report's plots, each shown
+    inline (a ``data:`` image: the artifact needs nothing else to be seen, in any browser) when ``inline``, with
+    its path; the page's path.
 
     Lists the PNGs present in ``<run_dir>/report/`` (run ``write_report`` first to draw them).
 
@@ -286,11 +289,14 @@ def report_artifacts_markdown(run_dir: str | os.PathLike[str]) -> str:
     lines = [figure_table(f"### coba-rl report: `{data.store.root}`", _headline_rows(run_summary(data)))]
     report = data.store.report_dir()
     pngs = [report / n for n in PLOT_FILES if (report / n).is_file()]
-    if pngs:
-        lines.append("Plots:")
-        lines += [f"- `{p}`" for p in pngs]
-        if (report / INDEX_HTML).is_file():
-            lines.append(f"- page: `{report / INDEX_HTML}`")
-    else:
+    if not pngs:
         lines.append(f"No plots yet: run `coba report --run-dir {data.store.root}`.")
+        return "\n".join(lines) + "\n"
+    lines.append("Plots:")
+    for p in pngs:
+        if inline:
+            lines += ["", f"![{p.name}](data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()})", ""]
+        lines.append(f"- `{p}`")
+    if (report / INDEX_HTML).is_file():
+        lines.append(f"- page: `{report / INDEX_HTML}`")
     return "\n".join(lines) + "\n"

@@ -40,6 +40,7 @@ from prefect_procs import (
 )
 
 from coba_tasks.pipeline.store import STAGES, RunStore, Table
+from flows.view import run_scope, run_title
 
 DEPLOYMENTS = ("coba-train/coba-train", "coba-bootstrap/coba-bootstrap", "coba-eval/coba-eval")
 SECRET = "sk-deploy-0123"  # the first line of a file a deployment's caller names as its config
@@ -156,8 +157,10 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                 assert (store.checkpoint_dir(2) / "config.json").is_file()
                 assert not (PROJECT / "runs" / "deploy-test").exists()
 
-                keys = artifact_keys(client, train_id)
-                assert {"step-000000", "step-000001", "budget-step-000001"} <= keys, keys
+                keys = artifact_keys(client, train_id)  # scoped to the run, named after it
+                scope = run_scope(run_dir)
+                assert {f"{scope}-{k}" for k in ("progress", "steps", "budget", "heldout", "report")} == keys, keys
+                assert run.name == run_title(run_dir, "coba", 0), run.name
 
                 # the config as a JSON object (the typed `config` parameter, validated by Prefect before the
                 # flow starts), no config_path of its own: keys left out take config.py's defaults

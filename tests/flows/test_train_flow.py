@@ -120,25 +120,109 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     timing = json.loads((run_dir / "steps/000001/timing.json").read_text())
     assert set(timing) == {"rollouts", "rewards", "capability", "budget", "update"}
     assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in timing.values()), timing
-    # the report is drawn at the end and posted as artifacts
+    # the report is drawn at the end
     report = run_dir / "report"
     assert (report / "index.html").is_file() and (report / "accuracy.png").stat().st_size > 5000
     assert not [c for c in store.read_table(0, Table.REWARDS).columns if c.endswith("_ms")]  # no timings in tables
+    # what Prefect shows of the run, read back through its client (flows.view); then a resume of the finished
+    # run: its stages and evaluations are skipped, and say so
+    flow_id = _flow_run_of(run_dir)
+    train_flow(run_dir=str(run_dir), resume=True)
+    _check_prefect_view(run_dir, flow_id, cfg, store)
+
+
+def _flow_run_of(run_dir):
+    """The id of the newest flow run named after ``run_dir``."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, ArtifactFilterType
-    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from flows.view import run_title
 
     with get_client(sync_client=True) as client:
-        keys = ["coba-report", "coba-report-page", "step-000002", "budget-step-000002"]
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
-        # the newest images (the session's server holds every earlier test's artifacts: read them all and
-        # the default page may end before this run's)
-        newest = client.read_artifacts(
-            artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["image"])), sort=ArtifactSort.CREATED_DESC
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_title(run_dir, "coba", 0)])),
+            sort=FlowRunSort.START_TIME_DESC,
         )
-        images = [a for a in newest if str(report) in str(a.data)]
-    assert {a.key for a in found} == set(keys)
-    assert len(images) >= 5
+    assert runs, f"no flow run named {run_title(run_dir, 'coba', 0)}"
+    return runs[0].id
+
+
+def _check_prefect_view(run_dir, flow_id, cfg, store):
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    from coba_tasks.readers.figures import heldout_rows, step_row
+    from flows.view import run_scope
+
+    scope = run_scope(run_dir)
+    with get_client(sync_client=True) as client:
+        # the flow run is named after the run (its directory, strategy and seed), not a random name
+        assert client.read_flow_run(flow_id).name.endswith("run (coba, seed 0)")
+        arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_id])))
+        # every key is scoped to the run: no run shares a collection with another
+        keys = {a.key for a in arts if a.key}
+        assert keys == {f"{scope}-{k}" for k in ("progress", "steps", "budget", "heldout", "report")}, keys
+        by_key = {}
+        for a in arts:
+            by_key.setdefault(a.key, []).append(a)
+        assert [a.data for a in by_key[f"{scope}-progress"]] == [100.0]  # updated in place, step by step
+        (steps_table,) = by_key[f"{scope}-steps"]  # one artifact, updated after every step
+        rows = json.loads(steps_table.data)
+        assert rows == [step_row(store, s) for s in range(3)]  # one row per step, read from the tables
+        assert {"pass_rate", "failure_rate", "alpha", "beta", "budget_min", "budget_mean", "budget_max"} <= set(rows[0])
+        assert {"mixed_groups", "n_eff", "loss", "grad_norm", "seconds"} <= set(rows[0])
+        assert len(by_key[f"{scope}-budget"]) == 3  # a version per step
+        heldout = max(by_key[f"{scope}-heldout"], key=lambda a: a.created)  # a version per evaluation
+        expected = [
+            *heldout_rows(store.read_table(0, Table.EVAL), 0),
+            *heldout_rows(store.read_table(3, Table.EVAL), 3),
+        ]
+        assert json.loads(heldout.data) == expected and {r["test_set"] for r in expected} == {"test", "reworded"}
+        assert {"avg_at_k", "greedy", "pass_at_k", "k", "prompts"} <= set(expected[0])
+        (report,) = by_key[f"{scope}-report"]
+        assert report.data.count("](data:image/png;base64,") >= 5  # the plots inline: seen without a file server
+        assert "file://" not in report.data
+        # the resume: a new flow run of the same run, its evaluation tasks already done, said in their state
+        later = _flow_run_of(run_dir)
+        assert later != flow_id
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[later])))
+        messages = {t.name: t.state.message for t in tasks}
+        assert (
+            messages["eval-step-0"]
+            == "already done: steps/000000/eval.parquet is in the step's manifest, not computed again"
+        )
+        assert messages["eval-step-3"].startswith("already done: steps/000003/eval.parquet")
+        first_tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_id])))
+        wrote = {t.name: t.state.message for t in first_tasks}
+        assert wrote["rollouts-step-1"].startswith("wrote steps/000001/rollouts.parquet (")
+        # the resumed flow run's progress starts where the run stands: 100 %
+        again = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"{scope}-progress"])))
+        assert sorted(a.data for a in again) == [100.0, 100.0]
+        # events, for automations: a step event per step with its row, an evaluation event per evaluation
+        resource = EventResourceFilter(id=[f"coba.run.{scope}"])
+        for _ in range(60):  # the server stores events a moment after they arrive
+            page = client.read_events(
+                filter=EventFilter(event=EventNameFilter(prefix=["coba."]), resource=resource), limit=50
+            )
+            names = [e.event for e in page.events]
+            if names.count("coba.step.finished") == 3 and names.count("coba.evaluation.finished") >= 4:
+                break
+            time.sleep(0.5)
+    steps = sorted((e.payload for e in page.events if e.event == "coba.step.finished"), key=lambda p: p["step"])
+    assert steps == rows
+    evals = [e.payload for e in page.events if e.event == "coba.evaluation.finished"]
+    assert sorted({p["step"] for p in evals}) == [0, 3] and len(evals) == 4  # two evaluations in each flow run
+    assert "coba.run.no-signal" not in names  # every step of this run had a mixed group
+    assert all(r["mixed_groups"] > 0 for r in rows)
 
 
 def _flat(path, prompts):

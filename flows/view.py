@@ -1,0 +1,142 @@
+"""What a training run shows in Prefect: its flow run named after it, its artifacts, its events.
+
+Every artifact key starts with the run's scope (``run_scope``: the run directory's name and a short hash of its
+absolute path), so two runs never share a collection, in ``coba compare`` as anywhere:
+
+- ``<scope>-progress``: steps done of ``run.steps`` (a progress artifact, updated after every step);
+- ``<scope>-steps``: one row per done step (``readers.figures.step_row``: pass rate, failure rate and Beta
+  shape, budgets, mixed groups, N_eff, loss, grad norm, seconds), updated after every step;
+- ``<scope>-budget``: the step's allocation (prompt, estimate, budget, value, marginal gain), a version a step;
+- ``<scope>-heldout``: every held-out evaluation of the run so far (``readers.figures.heldout_rows``: avg@k,
+  greedy, pass@k, by level, one row per held-out set), a version per evaluation;
+- ``<scope>-report``: the report (``coba report``: its headline figures, its plots inline), when the run ends.
+
+Events (resource ``coba.run.<scope>``, for automations): ``coba.step.finished`` (payload: the step's row),
+``coba.run.no-signal`` (a run's ``NO_SIGNAL_STEPS``-th step in a row without a mixed group) and
+``coba.evaluation.finished`` (payload: the evaluation's rows). Everything is read from the run's tables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.events import emit_event
+from prefect.runtime import flow_run
+
+from coba_tasks.pipeline.run import RunResources
+from coba_tasks.pipeline.store import Table
+from coba_tasks.readers.figures import NO_SIGNAL_STEPS, heldout_rows, step_row
+
+STEP_EVENT = "coba.step.finished"
+NO_SIGNAL_EVENT = "coba.run.no-signal"
+EVAL_EVENT = "coba.evaluation.finished"
+BUDGET_COLUMNS = ("prompt_id", "pass_rate_est", "budget", "value", "marginal_gain")
+
+
+def run_scope(root: str | os.PathLike[str]) -> str:
+    """The prefix of a run's artifact keys: its directory's name (lowercase letters, digits and dashes, as Prefect
+    requires of keys) and 6 hex digits of its absolute path's sha256 (two runs of one name in two places differ).
+
+    >>> run_scope("/work/runs/Demo_1")
+    'demo-1-b5c5e4'
+    """
+    path = Path(root).resolve()
+    slug = re.sub(r"[^a-z0-9]+", "-", path.name.lower()).strip("-")[:48].strip("-") or "run"
+    return f"{slug}-{hashlib.sha256(str(path).encode()).hexdigest()[:6]}"
+
+
+def run_title(root: str | os.PathLike[str], strategy: str, seed: int) -> str:
+    """A run's flow-run name: its directory (from the working directory when inside it), its allocation
+    strategy and seed.
+
+    >>> run_title("/nowhere/runs/demo", "coba", 0)
+    '/nowhere/runs/demo (coba, seed 0)'
+    """
+    path = Path(root).resolve()
+    try:
+        shown = path.relative_to(Path.cwd())
+    except ValueError:
+        shown = path
+    return f"{shown} ({strategy}, seed {seed})"
+
+
+class RunView:
+    """A run's window in Prefect for one flow run of it (``train_flow``): it names the flow run and posts the
+    artifacts and events of the module docstring as steps and evaluations finish."""
+
+    def __init__(self, res: RunResources, first: int) -> None:
+        self.store, self.cfg = res.store, res.cfg
+        self.scope = run_scope(res.store.root)
+        self.title = run_title(res.store.root, res.cfg.allocation.strategy, res.cfg.run.seed)
+        self.resource = {"prefect.resource.id": f"coba.run.{self.scope}", "prefect.resource.name": self.title}
+        self.rows = {s: step_row(self.store, s) for s in range(first)}  # the steps done before this flow run
+        self.evaluations = {s: self._evaluation(s) for s in self.store.steps() if self.store.is_done(s, Table.EVAL)}
+        self.table_id: Any = None
+        if flow_run.id:
+            with get_client(sync_client=True) as client:
+                client.update_flow_run(flow_run.id, name=self.title)
+        self.progress_id = create_progress_artifact(
+            progress=self._percent(), key=f"{self.scope}-progress", description=self._progress_text()
+        )
+
+    def _percent(self) -> float:
+        return 100.0 * len(self.rows) / max(1, self.cfg.run.steps)
+
+    def _progress_text(self) -> str:
+        return f"{self.title}: {len(self.rows)} of {self.cfg.run.steps} steps done"
+
+    def step_done(self, step: int, figures: dict[str, dict[str, Any]], no_signal: int) -> None:
+        """After step ``step``: its row in the step table, the progress, its budgets, its events."""
+        row = self.rows[step] = step_row(self.store, step, figures)
+        rows = [self.rows[s] for s in sorted(self.rows)]
+        description = f"{self.title}: the figures of every done step"
+        if self.table_id is None:
+            self.table_id = create_table_artifact(table=rows, key=f"{self.scope}-steps", description=description)
+        else:
+            with get_client(sync_client=True) as client:
+                client.update_artifact(self.table_id, ArtifactUpdate(data=json.dumps(rows)))
+        update_progress_artifact(self.progress_id, self._percent(), description=self._progress_text())
+        allocated = self.store.read_table(step, Table.BUDGET)[list(BUDGET_COLUMNS)]
+        create_table_artifact(
+            key=f"{self.scope}-budget",
+            table=allocated.round(4).to_dict("records"),
+            description=f"{self.title}: the rollout budgets of step {step}",
+        )
+        emit_event(STEP_EVENT, resource=self.resource, payload=row)
+        if no_signal == NO_SIGNAL_STEPS:
+            payload = {"step": step, "steps_without_signal": no_signal}
+            emit_event(NO_SIGNAL_EVENT, resource=self.resource, payload=payload)
+
+    def evaluation_done(self, step: int) -> None:
+        """After the held-out evaluation of the weights after ``step`` updates: the run's evaluations table,
+        its event."""
+        rows = self.evaluations[step] = self._evaluation(step)
+        every = [r for s in sorted(self.evaluations) for r in self.evaluations[s]]
+        create_table_artifact(
+            table=every,
+            key=f"{self.scope}-heldout",
+            description=f"{self.title}: held-out evaluations, the newest after step {step}",
+        )
+        emit_event(EVAL_EVENT, resource=self.resource, payload={"step": step, "rows": rows})
+
+    def _evaluation(self, step: int) -> list[dict[str, Any]]:
+        return heldout_rows(self.store.read_table(step, Table.EVAL), step)
+
+    def report(self, html: Path, markdown: str) -> None:
+        """The run's report, its plots inline (``readers.report.report_artifacts_markdown``)."""
+        create_markdown_artifact(key=f"{self.scope}-report", markdown=markdown, description=f"{self.title}: report")
+        get_run_logger().info(f"report: {html} (in Prefect: the artifact {self.scope}-report)")
