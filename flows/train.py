@@ -26,7 +26,7 @@ from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, eval_steps, evaluate_step
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.stages import advance, resume_point, step_tasks, stop_run, write_step_timing
+from coba_tasks.pipeline.stages import advance, limited, resume_point, step_tasks, stop_run, write_step_timing
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers import trackers
 from coba_tasks.readers.figures import NO_SIGNAL_FIX, NO_SIGNAL_STEPS, eval_figures, no_signal_streak, step_figures
@@ -198,7 +198,7 @@ def train_flow(
 
 def _held_out(res: run.RunResources, view: RunView, step: int, when: str) -> None:
     """The held-out evaluation of the weights after ``step`` updates (its task), its artifact and event, its line."""
-    evaluate_step(str(res.store.root), step)
+    limited(evaluate_step, res.cfg)(str(res.store.root), step)  # with run.eval_timeout_s
     view.evaluation_done(step)
     get_run_logger().info(f"held-out accuracy {when}: {_eval_text(res, step)}")
 

@@ -1,7 +1,7 @@
 """Screenshots of one training run in the Prefect UI, taken by headless Chromium (docs/workers.md shows them).
 
 Starts a local Prefect server (a temporary PREFECT_HOME, a free port, the UI on), trains one run of CONFIG
-against it with ``coba run``, then opens in headless Chromium the flow run's page, its artifacts tab, the
+against it with ``coba run``, then opens in headless Chromium the flow run's page, the artifacts page, the
 run's step table, its held-out evaluations and its report artifact, and writes each as a PNG into OUT.
 
     .venv/bin/python scripts/prefect_ui_shots.py                                   # configs/demo-tiny.yaml
@@ -84,6 +84,7 @@ def main() -> int:
         home, port = Path(tmp) / "prefect-home", free_port()
         base = f"http://127.0.0.1:{port}"
         env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        env["PREFECT_UI_API_URL"] = f"{base}/api"  # the UI asks its API here (default: port 4200)
         env.pop("PREFECT_API_URL", None)
         log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115 (open for the server's whole life)
         server = subprocess.Popen(
@@ -115,7 +116,7 @@ def main() -> int:
                 scope = run_scope(run_dir)
                 artifacts = {a.key: a for a in client.read_artifacts() if a.key}
             shoot(chromium, f"{base}/runs/flow-run/{flow_run.id}", out / "prefect-flow-run.png")
-            shoot(chromium, f"{base}/runs/flow-run/{flow_run.id}?tab=Artifacts", out / "prefect-artifacts.png")
+            shoot(chromium, f"{base}/artifacts", out / "prefect-artifacts.png", 900)
             for name, height in (("steps", 900), ("heldout", 900), ("report", 3200)):
                 artifact = artifacts[f"{scope}-{name}"]
                 shoot(chromium, f"{base}/artifacts/artifact/{artifact.id}", out / f"prefect-{name}.png", height)

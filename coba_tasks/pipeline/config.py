@@ -55,7 +55,15 @@ DEFAULT_CONFIG_PATH = PROJECT_ROOT / "configs" / "demo.yaml"
 HASH_NEUTRAL_KEYS: tuple[tuple[str, str], ...] = tuple(
     (section, key)
     for section, keys in {
-        "run": ("eval_top_p", "keep_checkpoints", "checkpoint_every", "trackers"),
+        "run": (
+            "eval_top_p",
+            "keep_checkpoints",
+            "checkpoint_every",
+            "trackers",
+            "rollouts_timeout_s",
+            "update_timeout_s",
+            "eval_timeout_s",
+        ),
         "data": ("on_bad_rows", "prompt_format", "extra_tests", "difficulties"),
         "model": ("lora_rank", "lora_alpha", "lora_target_modules"),
         "rollout": ("sleep_during_update", "engines", "tensor_parallel_size", "weight_transport"),

@@ -120,6 +120,18 @@ class RunConfig(Section):
         "a resume replays the updates since the newest from the tables (docs/operations.md, 'Checkpoints')",
         ge=1,
     )
+    rollouts_timeout_s: Number = config_key(
+        21600,
+        "wall-clock limit of one step's rollouts task (and its pilot's), seconds; a task past it fails (retried "
+        "once) and so does the flow run, instead of hanging on a stuck engine; 0 = none",
+        ge=0,
+    )
+    update_timeout_s: Number = config_key(
+        21600, "wall-clock limit of one step's update task, seconds (not retried); 0 = none", ge=0
+    )
+    eval_timeout_s: Number = config_key(
+        21600, "wall-clock limit of one held-out evaluation task, seconds (retried once); 0 = none", ge=0
+    )
     trackers: Annotated[tuple[str, ...], BeforeValidator(name_list), rule(_known_trackers, "not known trackers")] = (
         config_key(
             (),

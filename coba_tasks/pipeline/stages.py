@@ -583,9 +583,24 @@ def update(res: RunResources, step: int) -> pd.DataFrame:
 
 
 def step_tasks(cfg: Config) -> tuple[Task[[str, int], State], ...]:
-    """The stage tasks of one step of the run, in the order ``store.step_stages`` gives."""
+    """The stage tasks of one step of the run, in the order ``store.step_stages`` gives, each with its timeout
+    (``limited``)."""
     tasks = {t.name: t for t in (pilot, pilot_rewards, budget, rollouts, rewards, capability, update)}
-    return tuple(tasks[name] for name in step_stages(cfg.allocation.piloted))
+    return tuple(limited(tasks[name], cfg) for name in step_stages(cfg.allocation.piloted))
+
+
+def limited(stage_task: Task[[str, int], State], cfg: Config) -> Task[[str, int], State]:
+    """``stage_task`` with the wall-clock limit the config gives its stage (``run.rollouts_timeout_s`` for the
+    pilot and the rollouts, ``run.update_timeout_s``, ``run.eval_timeout_s``; 0: none, the task as it is)."""
+    r = cfg.run
+    limits = {
+        Table.PILOT: r.rollouts_timeout_s,
+        Table.ROLLOUTS: r.rollouts_timeout_s,
+        Table.UPDATE: r.update_timeout_s,
+        Table.EVAL: r.eval_timeout_s,
+    }
+    seconds = float(limits.get(Table(stage_task.name), 0))
+    return stage_task.with_options(timeout_seconds=seconds) if seconds else stage_task
 
 
 # --- What the stages share

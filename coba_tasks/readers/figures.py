@@ -156,8 +156,8 @@ def step_row(store: RunStore, step: int, figures: dict[str, dict[str, Any]] | No
     ``coba.step.finished`` event): ``step`` (its directory), ``pass_rate`` (S, the mean over prompts),
     ``failure_rate`` (F) and the Beta shape after it (``alpha``, ``beta``), the budgets (``budget_min``,
     ``budget_mean``, ``budget_max``), ``mixed_groups`` of ``prompts``, ``n_eff`` (the update's effective number
-    of prompts), ``loss``, ``grad_norm`` and ``seconds`` (its stages' wall seconds, timing.json); NaN -> None.
-    ``figures``: the step's ``step_figures`` when the caller has them."""
+    of prompts), ``loss``, ``grad_norm`` and ``seconds`` (its stages' wall seconds, timing.json); 4 decimals,
+    NaN -> None. ``figures``: the step's ``step_figures`` when the caller has them."""
     f = figures or step_figures(store, step)
     cap, budget, upd = f["capability"], f["budget"], f["update"]
     rewards = store.read_table(step, Table.REWARDS, columns=("prompt_id", "reward"))
@@ -180,14 +180,14 @@ def step_row(store: RunStore, step: int, figures: dict[str, dict[str, Any]] | No
         "grad_norm": upd["grad_norm"],
         "seconds": float(sum(timing.values())) if timing else math.nan,
     }
-    return {k: plain(v) for k, v in row.items()}
+    return {k: _shown(v) for k, v in row.items()}
 
 
 def heldout_rows(table: pd.DataFrame, step: int | None = None) -> list[dict[str, Any]]:
     """A held-out evaluation in rows, one per held-out set (data.test's first): ``step`` (the updates the
     weights had; None for a model evaluated on its own), ``test_set``, ``prompts``, ``avg_at_k`` (the sampled
     accuracy), ``greedy``, ``pass_at_k`` with its ``k`` (the completions per prompt; 1: pass@1 = avg@1), and
-    ``level_<d>`` (avg@k by difficulty level, where the set has levels); NaN -> None."""
+    ``level_<d>`` (avg@k by difficulty level, where the set has levels); 4 decimals, NaN -> None."""
     rows = []
     for name, rows_of_set in split_test_sets(table).items():
         fig = _set_figures(rows_of_set)
@@ -204,7 +204,13 @@ def heldout_rows(table: pd.DataFrame, step: int | None = None) -> list[dict[str,
                 **{f"level_{d}": v for d, v in fig["by_difficulty"].items()},
             }
         )
-    return [{k: plain(v) for k, v in row.items()} for row in rows]
+    return [{k: _shown(v) for k, v in row.items()} for row in rows]
+
+
+def _shown(value: Any) -> Any:
+    """``plain(value)``, a float rounded to 4 decimals (figures to read; the tables keep every digit)."""
+    value = plain(value)
+    return round(value, 4) if isinstance(value, float) else value
 
 
 def run_summary(run: RunTables | str | os.PathLike[str]) -> dict[str, Any]:

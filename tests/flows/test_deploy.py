@@ -42,7 +42,9 @@ from prefect_procs import (
 from coba_tasks.pipeline.store import STAGES, RunStore, Table
 from flows.view import run_scope, run_title
 
-DEPLOYMENTS = ("coba-train/coba-train", "coba-bootstrap/coba-bootstrap", "coba-eval/coba-eval")
+GPU_DEPLOYMENT = "coba-train/coba-train-gpu"
+DEPLOYMENTS = ("coba-train/coba-train", GPU_DEPLOYMENT, "coba-bootstrap/coba-bootstrap", "coba-eval/coba-eval")
+JOB_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "coba_tasks", "VLLM_CPU_KVCACHE_SPACE": "1"}
 SECRET = "sk-deploy-0123"  # the first line of a file a deployment's caller names as its config
 
 
@@ -103,6 +105,7 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
         PREFECT_API_AUTH_STRING=auth,
         COBA_DEPLOYMENT_ROOTS=roots,
     )
+    del env["PREFECT_LOGGING_EXTRA_LOGGERS"]  # a worker set up from docs/workers.md: prefect.yaml gives it
     procs = Processes(tmp_path, env)
     try:
         server = start_server(procs, "server", port, env, cwd=tmp_path)
@@ -117,6 +120,7 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                 urllib.request.urlopen(request, timeout=10)
             assert refused.value.code == 401
         procs.run("work-pool-create", [*PREFECT, "work-pool", "create", "coba-process", "--type", "process"], PROJECT)
+        procs.run("gpu-pool-create", [*PREFECT, "work-pool", "create", "coba-gpu", "--type", "process"], PROJECT)
         procs.run("deploy", [*PREFECT, "deploy", "--all", "--no-prompt"], PROJECT)
         t_deploy = time.monotonic()
         worker = procs.start("worker", [*PREFECT, "worker", "start", "--pool", "coba-process"], cwd=worker_dir)
@@ -127,10 +131,18 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
             with get_client(sync_client=True) as client:
                 for name in DEPLOYMENTS:
                     d = client.read_deployment_by_name(name)
-                    assert d.work_pool_name == "coba-process" and not d.schedules, name
+                    pool = "coba-gpu" if name == GPU_DEPLOYMENT else "coba-process"
+                    assert d.work_pool_name == pool and not d.schedules, name
                     assert d.pull_steps == [
                         {"prefect.deployments.steps.set_working_directory": {"directory": str(PROJECT)}}
                     ], (name, d.pull_steps)
+                    # the environment the flow runs need, from prefect.yaml (the worker's has neither)
+                    assert d.job_variables == {"env": JOB_ENV}, (name, d.job_variables)
+                # the GPU pool's training deployment runs one flow run at a time, a second one queued
+                gpu = client.read_deployment_by_name(GPU_DEPLOYMENT)
+                assert gpu.global_concurrency_limit is not None and gpu.global_concurrency_limit.limit == 1
+                assert gpu.concurrency_options is not None
+                assert gpu.concurrency_options.collision_strategy == "ENQUEUE"
 
                 train_id = run_deployment(
                     procs, "coba-train/coba-train", config_path=config_path, run_name="deploy-test", run_dir=run_dir

@@ -593,3 +593,25 @@ def test_a_run_that_can_learn_nothing_says_so(tmp_path, prefect_harness, random_
     from coba_tasks.readers.text import summary_rows
 
     assert dict(summary_rows(run_summary(tmp_path / "run")))["no signal"].startswith("steps 0-1 (2 of 2, 2 in a row)")
+
+
+def test_a_stage_past_its_timeout_fails_the_flow_run_instead_of_hanging(tmp_path, prefect_harness, random_checkpoints):
+    """run.eval_timeout_s: the held-out evaluation before step 0 given 0.05 s fails (after its one retry), and
+    so does the flow run, with nothing written for that evaluation; every long task carries its limit."""
+    from prefect.task_engine import TaskRunTimeoutError
+
+    from coba_tasks.pipeline.evaluation import evaluate_step
+    from coba_tasks.pipeline.stages import limited, step_tasks
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    cfg = load_config(
+        "configs/tiny-test.yaml", [f"model.path={model}", "run.eval_timeout_s=0.05", "run.update_timeout_s=0"]
+    )
+    limits = {t.name: t.timeout_seconds for t in step_tasks(cfg)}
+    assert limits == {"budget": None, "rollouts": 21600.0, "rewards": None, "capability": None, "update": None}
+    assert limited(evaluate_step, cfg).timeout_seconds == 0.05 and evaluate_step.timeout_seconds is None
+    run_dir = tmp_path / "run"
+    with pytest.raises(TaskRunTimeoutError):
+        train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    assert not RunStore.open(run_dir).is_done(0, Table.EVAL)
