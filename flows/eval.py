@@ -23,12 +23,16 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
+from prefect.states import Completed, State
 
 from coba_tasks.pipeline import deployment
 from coba_tasks.pipeline.evaluation import EvalSettings, check_eval_inputs, eval_settings
+from coba_tasks.pipeline.run import read_run_config, whole_checkpoint
+from coba_tasks.pipeline.store import RUN_FILE, RunStore, Table
 from coba_tasks.pipeline.tasks import evaluate_model_task, write_eval_table_task
 from coba_tasks.readers.figures import eval_table_figures
 from coba_tasks.readers.text import figure_table
+from flows.view import RunWatch
 
 
 def artifact_key(model_path: str | Path) -> str:
@@ -107,3 +111,47 @@ def eval_flow(
         description=f"held-out accuracy of {model_path}",
     )
     return {"model": str(model_path), "test_path": s.test_path, "out_path": written, **figures}
+
+
+@flow(name="coba-eval-watch")
+def watch_flow(run_name: str | None = None, run_dir: str | None = None, eval_prompts: int | None = None) -> State:
+    """Held-out accuracy of the newest checkpoint of a run while it trains (``prefect.yaml``'s ``coba-eval-watch``:
+    every 30 minutes once its schedule is turned on; docs/workers.md).
+
+    The run is ``runs/<run_name>`` or ``run_dir``; its newest whole checkpoint (``checkpoints/NNNNNN``) is
+    evaluated with the run's own evaluation settings (``EvalSettings.from_config``; ``eval_prompts``, a seeded
+    sample, makes it quicker) in this flow run's own engine, and the figures go to the run's artifact
+    ``<scope>-watch`` (``flows.view.heldout_rows``, one version per checkpoint) and a ``coba.evaluation.finished``
+    event of the run. A checkpoint the run evaluated itself is read from its table, not computed again; one
+    this watch already posted is skipped. Nothing is written into the run directory (its run holds the lock).
+    Returns a Completed state whose message says what it did.
+    """
+    log = get_run_logger()
+    root = Path(run_dir) if run_dir else Path("runs") / (run_name or "")
+    if not (run_dir or run_name):
+        raise ValueError("coba-eval-watch: give run_name (the run directory runs/<run_name>) or run_dir")
+    if deployment.started_by_deployment():
+        deployment.check_deployment_paths({"run_dir": root})
+    if not (root / RUN_FILE).is_file():
+        raise ValueError(f"{root}: not a run directory ({RUN_FILE} is missing); give the run_name or run_dir of a run")
+    store = RunStore.open(root)
+    cfg = read_run_config(store)
+    whole = [k for k in store.checkpoints() if whole_checkpoint(store, k)]
+    if not whole:
+        return Completed(message=f"{root}: no whole checkpoint yet; nothing evaluated")
+    step = whole[-1]
+    view = RunWatch(root, cfg)
+    if view.posted(step):
+        return Completed(message=f"checkpoints/{step:06d} of {root} was evaluated by an earlier watch; nothing done")
+    if store.is_done(step, Table.EVAL):  # the run's own evaluation of these weights
+        table, source = store.read_table(step, Table.EVAL), f"the run's steps/{step:06d}/eval.parquet"
+    else:
+        settings = EvalSettings.from_config(cfg)
+        if eval_prompts is not None:
+            settings = eval_settings(settings, eval_prompts=eval_prompts)
+        table = evaluate_model_task(str(store.checkpoint_dir(step)), settings)
+        source = f"checkpoints/{step:06d}, evaluated now"
+    rows = view.post(step, table, source)
+    text = "; ".join(f"{r['test_set']} avg@k {r['avg_at_k']:.3f}" for r in rows)
+    log.info(f"held-out accuracy of {root} after {step} updates ({source}): {text}")
+    return Completed(message=f"checkpoints/{step:06d}: {text} ({source})", data={"step": step, "rows": rows})

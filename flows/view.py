@@ -14,6 +14,9 @@ absolute path), so two runs never share a collection, in ``coba compare`` as any
 Events (resource ``coba.run.<scope>``, for automations): ``coba.step.finished`` (payload: the step's row),
 ``coba.run.no-signal`` (a run's ``NO_SIGNAL_STEPS``-th step in a row without a mixed group) and
 ``coba.evaluation.finished`` (payload: the evaluation's rows). Everything is read from the run's tables.
+
+``coba-eval-watch`` (``RunWatch``) adds ``<scope>-watch``: the held-out evaluation of the run's newest
+checkpoint while it trains, a version per checkpoint, with the same event.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from prefect import get_run_logger
 from prefect.artifacts import (
     create_markdown_artifact,
@@ -34,9 +38,12 @@ from prefect.artifacts import (
 )
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.sorting import ArtifactSort
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
+from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.run import RunResources
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers.figures import NO_SIGNAL_STEPS, heldout_rows, step_row
@@ -74,6 +81,11 @@ def run_title(root: str | os.PathLike[str], strategy: str, seed: int) -> str:
     return f"{shown} ({strategy}, seed {seed})"
 
 
+def run_resource(scope: str, title: str) -> dict[str, str]:
+    """The Prefect event resource of a run: ``coba.run.<scope>``, named by its title."""
+    return {"prefect.resource.id": f"coba.run.{scope}", "prefect.resource.name": title}
+
+
 class RunView:
     """A run's window in Prefect for one flow run of it (``train_flow``): it names the flow run and posts the
     artifacts and events of the module docstring as steps and evaluations finish."""
@@ -82,7 +94,7 @@ class RunView:
         self.store, self.cfg = res.store, res.cfg
         self.scope = run_scope(res.store.root)
         self.title = run_title(res.store.root, res.cfg.allocation.strategy, res.cfg.run.seed)
-        self.resource = {"prefect.resource.id": f"coba.run.{self.scope}", "prefect.resource.name": self.title}
+        self.resource = run_resource(self.scope, self.title)
         self.rows = {s: step_row(self.store, s) for s in range(first)}  # the steps done before this flow run
         self.evaluations = {s: self._evaluation(s) for s in self.store.steps() if self.store.is_done(s, Table.EVAL)}
         self.table_id: Any = None
@@ -140,3 +152,33 @@ class RunView:
         """The run's report, its plots inline (``readers.report.report_artifacts_markdown``)."""
         create_markdown_artifact(key=f"{self.scope}-report", markdown=markdown, description=f"{self.title}: report")
         get_run_logger().info(f"report: {html} (in Prefect: the artifact {self.scope}-report)")
+
+
+class RunWatch:
+    """What ``coba-eval-watch`` (``flows.eval.watch_flow``) shows of a run it watches: the artifact
+    ``<scope>-watch``, a version per checkpoint evaluated, and the run's ``coba.evaluation.finished`` event."""
+
+    def __init__(self, root: str | os.PathLike[str], cfg: Config) -> None:
+        self.scope = run_scope(root)
+        self.title = run_title(root, cfg.allocation.strategy, cfg.run.seed)
+        self.key = f"{self.scope}-watch"
+        self.resource = run_resource(self.scope, self.title)
+
+    def posted(self, step: int) -> bool:
+        """Whether the newest version of ``<scope>-watch`` is the evaluation after ``step`` updates."""
+        with get_client(sync_client=True) as client:
+            newest = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[self.key])),
+                sort=ArtifactSort.CREATED_DESC,
+                limit=1,
+            )
+        return bool(newest) and any(row.get("step") == step for row in json.loads(str(newest[0].data)))
+
+    def post(self, step: int, table: pd.DataFrame, source: str) -> list[dict[str, Any]]:
+        """The evaluation table of the weights after ``step`` updates as a version of ``<scope>-watch`` and an
+        event; its rows."""
+        rows = heldout_rows(table, step)
+        description = f"{self.title}: held-out evaluation after {step} updates ({source})"
+        create_table_artifact(table=rows, key=self.key, description=description)
+        emit_event(EVAL_EVENT, resource=self.resource, payload={"step": step, "rows": rows, "by": "coba-eval-watch"})
+        return rows

@@ -43,7 +43,14 @@ from coba_tasks.pipeline.store import STAGES, RunStore, Table
 from flows.view import run_scope, run_title
 
 GPU_DEPLOYMENT = "coba-train/coba-train-gpu"
-DEPLOYMENTS = ("coba-train/coba-train", GPU_DEPLOYMENT, "coba-bootstrap/coba-bootstrap", "coba-eval/coba-eval")
+WATCH_DEPLOYMENT = "coba-eval-watch/coba-eval-watch"
+DEPLOYMENTS = (
+    "coba-train/coba-train",
+    GPU_DEPLOYMENT,
+    "coba-bootstrap/coba-bootstrap",
+    "coba-eval/coba-eval",
+    WATCH_DEPLOYMENT,
+)
 JOB_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "coba_tasks", "VLLM_CPU_KVCACHE_SPACE": "1"}
 SECRET = "sk-deploy-0123"  # the first line of a file a deployment's caller names as its config
 
@@ -132,7 +139,12 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                 for name in DEPLOYMENTS:
                     d = client.read_deployment_by_name(name)
                     pool = "coba-gpu" if name == GPU_DEPLOYMENT else "coba-process"
-                    assert d.work_pool_name == pool and not d.schedules, name
+                    assert d.work_pool_name == pool, name
+                    if name == WATCH_DEPLOYMENT:  # one schedule, every 30 minutes, off until a user turns it on
+                        (schedule,) = d.schedules
+                        assert not schedule.active and schedule.schedule.interval.total_seconds() == 1800
+                    else:
+                        assert not d.schedules, name
                     assert d.pull_steps == [
                         {"prefect.deployments.steps.set_working_directory": {"directory": str(PROJECT)}}
                     ], (name, d.pull_steps)

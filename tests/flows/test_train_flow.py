@@ -129,6 +129,38 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     flow_id = _flow_run_of(run_dir)
     train_flow(run_dir=str(run_dir), resume=True)
     _check_prefect_view(run_dir, flow_id, cfg, store)
+    _check_watch(run_dir, store)
+
+
+def _check_watch(run_dir, store):
+    """coba-eval-watch on the finished run: its newest checkpoint (3) was evaluated by the run itself, so the
+    watch posts that table; a second watch does nothing; with checkpoint 3 gone the newest is 2, which the run
+    did not evaluate: the watch evaluates it (a sample of 4 prompts) and writes nothing into the run."""
+    import shutil
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from coba_tasks.readers.figures import heldout_rows
+    from flows.eval import watch_flow
+    from flows.view import run_scope
+
+    first = watch_flow(run_dir=str(run_dir), return_state=True)  # its message: what it did
+    assert first.message.startswith("checkpoints/000003: test avg@k ") and "steps/000003/eval.parquet" in first.message
+    assert first.result()["rows"] == heldout_rows(store.read_table(3, Table.EVAL), 3)
+    again = watch_flow(run_dir=str(run_dir), return_state=True)
+    assert again.message == f"checkpoints/000003 of {run_dir} was evaluated by an earlier watch; nothing done"
+    shutil.rmtree(store.checkpoint_dir(3))
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    computed = watch_flow(run_dir=str(run_dir), eval_prompts=4, return_state=True)
+    assert computed.message.endswith("(checkpoints/000002, evaluated now)"), computed.message
+    (row,) = computed.result()["rows"]
+    assert row["step"] == 2 and row["prompts"] == 4 and row["test_set"] == "test" and 0 <= row["avg_at_k"] <= 1
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before  # nothing written in the run
+    key = ArtifactFilter(key=ArtifactFilterKey(any_=[f"{run_scope(run_dir)}-watch"]))
+    with get_client(sync_client=True) as client:
+        versions = client.read_artifacts(artifact_filter=key)
+    assert sorted(json.loads(a.data)[0]["step"] for a in versions) == [2, 3]
 
 
 def _flow_run_of(run_dir):
