@@ -158,10 +158,15 @@ def step_row(store: RunStore, step: int, figures: dict[str, dict[str, Any]] | No
     ``budget_mean``, ``budget_max``), ``mixed_groups`` of ``prompts``, ``n_eff`` (the update's effective number
     of prompts), ``loss``, ``grad_norm`` and ``seconds`` (its stages' wall seconds, timing.json); 4 decimals,
     NaN -> None. ``figures``: the step's ``step_figures`` when the caller has them."""
-    f = figures or step_figures(store, step)
-    cap, budget, upd = f["capability"], f["budget"], f["update"]
-    rewards = store.read_table(step, Table.REWARDS, columns=("prompt_id", "reward"))
     update = store.read_table(step, Table.UPDATE)
+    if figures is None:  # the small tables only (a resume reads every done step's row)
+        figures = {
+            "capability": capability_figures(store.read_table(step, Table.CAPABILITY)),
+            "budget": budget_figures(store.read_table(step, Table.BUDGET)),
+            "update": update_figures(update),
+        }
+    cap, budget, upd = figures["capability"], figures["budget"], figures["update"]
+    rewards = store.read_table(step, Table.REWARDS, columns=("prompt_id", "reward"))
     mixed = rewards.groupby(rewards["prompt_id"].astype(str), sort=False)["reward"].nunique() > 1
     timing = store.read_step_json(step, "timing") if store.step_json_path(step, "timing").is_file() else {}
     row = {

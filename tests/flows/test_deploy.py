@@ -51,6 +51,7 @@ DEPLOYMENTS = (
     "coba-eval/coba-eval",
     WATCH_DEPLOYMENT,
 )
+AUTOMATION = "automations/no-signal.yaml"
 JOB_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "coba_tasks", "VLLM_CPU_KVCACHE_SPACE": "1"}
 SECRET = "sk-deploy-0123"  # the first line of a file a deployment's caller names as its config
 
@@ -250,6 +251,25 @@ def test_deployments_run_on_a_process_worker(tmp_path: Path, random_checkpoints)
                     assert SECRET not in logs and "root:x:" not in logs, logs[-2000:]
                     assert "outside the project" in logs or "COBA_ALLOW_REWARD_FILES=1" in logs or "not shown" in logs
                 assert not elsewhere.exists() and not any((tmp_path / f"r{i}").exists() for i in range(len(cases)))
+
+                # the shipped automation on the no-signal event, created as docs/workers.md does, cancels a
+                # run that learns nothing: this config's run has no mixed group at steps 0 and 1, so the event
+                # comes at step 1 and the run (6 steps) is cancelled by the worker before it ends
+                procs.run("automation", [*PREFECT, "automation", "create", "--from-file", AUTOMATION], PROJECT)
+                (auto,) = client.read_automations_by_name("coba-rl cancels a run without signal")
+                assert auto.enabled and auto.trigger.expect == {"coba.run.no-signal"}
+                assert [a.type for a in auto.actions] == ["cancel-flow-run"]
+                quiet_dir = tmp_path / "run-quiet"
+                quiet_id = run_deployment(
+                    procs,
+                    "coba-train/coba-train",
+                    config_path=config_path,
+                    run_dir=quiet_dir,
+                    overrides=["run.steps=6"],
+                )
+                run = wait_final(client, quiet_id, worker)
+                assert run.state.is_cancelled(), f"the run without signal ended {run.state_name}: {run.state.message}"
+                assert not (quiet_dir / "summary.json").exists() and RunStore.open(quiet_dir).is_done(1, Table.UPDATE)
         t_end = time.monotonic()
         print(
             f"server up {t_server - t_start:.0f} s, pool + deploy {t_deploy - t_server:.0f} s, "
