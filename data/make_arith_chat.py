@@ -17,6 +17,10 @@ The prompts ask for no answer format the reward does not require: an earlier wor
 ``\boxed{}``, which the reward did not require, and training taught the model to drop the box (0.11 of
 the completions boxed before, 0.00 after).
 
+It writes two training pools for the pre-registered test of allocation (docs/results.md):
+``arith_chat_train_l01.parquet`` (the 100 level-0 training problems, then 100 of level 1 drawn by
+``tail_pool``) and ``arith_chat_train_l02.parquet`` (the same with level 2, its fallback).
+
 It also writes ``arith_chat_test_reworded.parquet``: the held-out problems again, in the same order,
 with the same ids and answers, each worded by one of four other instructions (``REWORDINGS``, chosen
 by the problem's index), some with spaces around the operators. A run evaluates it beside
@@ -40,6 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
@@ -53,6 +58,8 @@ DATA_DIR = Path(__file__).resolve().parent
 DATA_SOURCE = "arith_chat"  # the last integer of the reply (coba_tasks.engines.verify.arith_chat_verifier)
 INSTRUCTION = "Compute {expression}. End your reply with the final answer."
 SPLITS = ("train", "test")
+TAIL_LEVELS = (1, 2)  # arith_chat_train_l01 / _l02: level 0 and 100 problems of level 1 / 2
+TAIL_PER_LEVEL = 100
 # other wordings of the same instruction, for a held-out set the training prompts never used
 REWORDINGS = (
     "What is {expression}? Give the number last.",
@@ -107,8 +114,26 @@ def to_chat(path: str | Path, reworded: bool = False) -> pd.DataFrame:
     return pd.DataFrame([chat_row(row, reworded) for row in rows])
 
 
+def tail_pool(train: pd.DataFrame, hard_level: int, per_level: int = TAIL_PER_LEVEL, seed: int = 0) -> pd.DataFrame:
+    """A training pool of an easy level and a hard one, half and half: every level-0 row of ``train`` (in file
+    order), then ``per_level`` rows of ``hard_level``: the first of ``numpy.random.default_rng(seed)``'s
+    permutation of that level's rows in file order (docs/results.md, the pre-registered pool with a hard tail).
+
+    >>> rows = [{"extra_info": {"difficulty": d, "index": i}} for i, d in enumerate([0, 1, 1, 0, 1, 2])]
+    >>> [r["index"] for r in tail_pool(pd.DataFrame(rows), 1, per_level=2)["extra_info"]]
+    [0, 3, 4, 1]
+    """
+    level = train["extra_info"].map(lambda info: int(info["difficulty"]))
+    easy, hard = train[level == 0], train[level == hard_level]
+    if len(hard) < per_level:
+        raise ValueError(f"level {hard_level} has {len(hard)} training rows, fewer than {per_level}")
+    picked = hard.iloc[np.random.default_rng(seed).permutation(len(hard))[:per_level]]
+    return pd.concat([easy, picked], ignore_index=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: write arith_chat_train.parquet and arith_chat_test.parquet."""
+    """Command line: write arith_chat_train.parquet, arith_chat_test.parquet, the reworded test set and the two
+    pools with a hard tail (arith_chat_train_l01.parquet, arith_chat_train_l02.parquet)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--in-dir", type=Path, default=DATA_DIR, help="folder of arith_*.parquet (default: data/)")
     parser.add_argument("--out-dir", type=Path, default=DATA_DIR, help="output folder (default: data/)")
@@ -119,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "arith_chat_test": to_chat(test),
         "arith_chat_test_reworded": to_chat(test, reworded=True),
     }
+    for hard in TAIL_LEVELS:  # the pools of the pre-registered test: level 0 with level 1 (or 2, its fallback)
+        outputs[f"arith_chat_train_l0{hard}"] = tail_pool(outputs["arith_chat_train"], hard)
     for name, frame in outputs.items():
         path = write_verl_parquet(frame, args.out_dir / f"{name}.parquet")
         print(f"wrote {path} ({len(frame)} rows, {path.stat().st_size:,} bytes)")

@@ -19,7 +19,7 @@ DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 make_arith_chat = load_script("data/make_arith_chat.py")
 
 
-SHIPPED = ("train", "test", "test_reworded")
+SHIPPED = ("train", "test", "test_reworded", "train_l01", "train_l02")
 
 
 def test_shipped_files_equal_a_fresh_run(tmp_path: Path) -> None:
@@ -128,3 +128,17 @@ def test_a_prompt_without_the_equals_sign_is_refused(tmp_path: Path) -> None:
     two_turns = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
     with pytest.raises(ValueError, match="one user message"):
         make_arith_chat.chat_row({"prompt": two_turns, "extra_info": {"index": 7}})
+
+
+@pytest.mark.parametrize("hard", [1, 2])
+def test_the_pools_with_a_hard_tail_are_level_0_and_100_problems_of_the_hard_level(hard: int) -> None:
+    """docs/results.md's pre-registered pools: every level-0 training problem, then 100 of level 1 (or 2) drawn
+    by numpy's generator of seed 0; rows as in the chat training file, none twice."""
+    train = pq.read_table(DATA_DIR / "arith_chat_train.parquet").to_pylist()
+    pool = pq.read_table(DATA_DIR / f"arith_chat_train_l0{hard}.parquet").to_pylist()
+    levels = [row["extra_info"]["difficulty"] for row in pool]
+    assert levels == [0] * 100 + [hard] * 100
+    by_index = {row["extra_info"]["index"]: row for row in train}
+    assert all(by_index[row["extra_info"]["index"]] == row for row in pool)
+    assert len({row["extra_info"]["index"] for row in pool}) == 200
+    assert [row for row in train if row["extra_info"]["difficulty"] == 0] == pool[:100]
