@@ -23,6 +23,14 @@ what the row is about:
                          mixed / all right) changes from one visit to the next
     estimate_by_age.parquet  strategy, seed, age, prompts, estimate_mae, estimate_bias: the estimates' error
                          over the run by their age (``mechanisms.by_age``)
+    steps_by_level.parquet   strategy, seed and ``mechanisms.LEVEL_COLUMNS``: per step and difficulty level the
+                         groups, those scored alike, all wrong and mixed, their rollouts and pass rate, the
+                         prompts first solved, the all-wrong -> mixed conversions, the all-wrong groups of
+                         prompts mixed at another visit, the estimates' error (``mechanisms.level_mechanisms``)
+
+``steps.parquet`` also holds each update's size: ``grad_norm`` (before clipping) and ``nonzero_token_share``
+(the share of the step's completion tokens in groups with a non-zero advantage: the token-mean loss divides by
+all of them, so an update on fewer wasted rollouts is a larger step).
 
 ``assemble`` adds the rows of runs finished in an earlier sitting (``--out``'s own tables, then those
 of ``--kept``) for the runs that have no directory here. ``final_table``, ``paired_table`` and
@@ -47,6 +55,7 @@ from coba_tasks.engines.fileio import atomic_write, write_parquet
 CLASSES = ("all_wrong", "mixed", "all_right")
 KEYS = ["strategy", "seed"]
 TABLES = ("runs", "results", "steps", "budget_by_level", "budget_by_pass_rate", "transitions", "estimate_by_age")
+TABLES += ("steps_by_level",)
 # the per-step mechanisms mechanism_table averages (over steps, then seeds); NaN for tables made before them
 STEP_MEANS = (
     "effective_prompts",
@@ -116,7 +125,7 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
     from coba_tasks.pipeline import prompt_history
     from coba_tasks.pipeline.store import Table
     from coba_tasks.readers.figures import eval_figures
-    from coba_tasks.readers.mechanisms import STEP_COLUMNS, by_age, run_mechanisms
+    from coba_tasks.readers.mechanisms import STEP_COLUMNS, by_age, level_mechanisms, run_mechanisms
 
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
     planned = t.config_value("run", "steps")
@@ -159,6 +168,7 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
                     "effective_rollout_ratio": float(sizes[mixed].sum() / sizes.sum()),
                     # estimates against realized pass rates, N_eff, mixed groups, first solved, pass@2
                     **per_step.get(step, dict.fromkeys(step_columns, math.nan)),
+                    **_update_size(t, step, mixed),
                 }
             )
             spent += rollouts
@@ -187,10 +197,36 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
         for a, b in itertools.product(CLASSES, CLASSES)
     ]
     out["estimate_by_age"] += [{**key, **r} for r in by_age(mech.rows).to_dict("records")]
+    if level is not None:
+        out["steps_by_level"] += [{**key, **r} for r in level_mechanisms(mech.rows, level).to_dict("records")]
     summary = t.summary_file() or {}
     run = {"config_hash": t.store.config_hash, "finished": bool(summary), "steps": int(planned), "rollouts": spent}
     out["runs"].append({**key, **run, "wall_seconds": float(summary.get("wall_seconds", math.nan))})
     return out
+
+
+def _update_size(t: Any, step: int, mixed: pd.Series) -> dict[str, float]:
+    """``grad_norm`` of the step's update (NaN before it is done) and ``nonzero_token_share``: the share of the
+    step's completion tokens in the groups ``mixed`` marks (prompt_id -> bool)."""
+    from coba_tasks.pipeline.store import Table
+
+    grad = math.nan
+    if Table.UPDATE in t.done[step]:
+        update = t.table(step, Table.UPDATE)
+        grad = float(update["grad_norm"].iloc[0]) if "grad_norm" in update and len(update) else math.nan
+    share = math.nan
+    if Table.ROLLOUTS in t.done[step]:
+        ro = t.store.read_table(step, Table.ROLLOUTS, verify=False, columns=("prompt_id", "n_tokens"))
+        tokens = ro.groupby(ro["prompt_id"].astype(str))["n_tokens"].sum()
+        flags = mixed.copy()
+        flags.index = flags.index.astype(str)
+        total = float(tokens.sum())
+        share = (
+            float(tokens[flags.reindex(tokens.index, fill_value=False).to_numpy(dtype=bool)].sum()) / total
+            if total
+            else math.nan
+        )
+    return {"grad_norm": grad, "nonzero_token_share": share}
 
 
 def read_tables(directory: Path) -> dict[str, pd.DataFrame]:

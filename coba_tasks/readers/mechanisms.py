@@ -32,6 +32,10 @@ AGE_COLUMNS = ("age", "prompts", "estimate_mae", "estimate_bias")
 ROW_COLUMNS = ("step", "prompt_id", "budget", "estimate", "realized", "age", "seen")
 
 
+LEVEL_COLUMNS = ("step", "difficulty", "groups", "alike", "all_wrong", "mixed", "rollouts", "pass_rate")
+LEVEL_COLUMNS += ("first_solved", "wrong_to_mixed", "wrong_learnable", "estimated", "estimate_mae", "estimate_bias")
+
+
 @dataclass(frozen=True)
 class Mechanisms:
     """A run's mechanisms: ``steps`` (one row per step, ``STEP_COLUMNS``) and ``rows`` (one per allocated
@@ -245,3 +249,72 @@ def mechanism_summary(m: Mechanisms) -> dict[str, Any] | None:
         "first_solved": int(s["first_solved"].sum()),
         "by_age": by_age(m.rows).to_dict("records"),
     }
+
+
+def level_mechanisms(rows: pd.DataFrame, level: pd.Series) -> pd.DataFrame:
+    """The mechanisms of each step by difficulty level (``LEVEL_COLUMNS``), from ``run_mechanisms``' ``rows``
+    (one per allocated prompt and step) and ``level`` (prompt_id -> difficulty): per (step, level) the
+    ``groups`` (prompts rolled out), those that scored ``alike`` (all wrong or all right: every advantage 0),
+    ``all_wrong``, ``mixed``, the ``rollouts`` they got, their mean ``pass_rate`` (share correct), the prompts
+    correct for the first time in the run (``first_solved``), those all wrong at their previous visit and
+    mixed now (``wrong_to_mixed``), the all-wrong groups of prompts mixed at some other visit of the run
+    (``wrong_learnable``: a hard prompt that more rollouts crack, not a hopeless one), and the estimates'
+    error against the realized pass rate (``estimated`` prompts, ``estimate_mae``, ``estimate_bias``).
+
+    >>> rows = pd.DataFrame({"step": [0, 0, 1, 1], "prompt_id": ["a", "b", "a", "b"], "budget": [4, 4, 2, 6],
+    ...                      "estimate": [np.nan, np.nan, 0.0, 0.5], "realized": [0.0, 0.5, 0.5, 1.0],
+    ...                      "age": [np.nan, np.nan, 1.0, 1.0], "seen": [False, False, True, True]})
+    >>> out = level_mechanisms(rows, pd.Series({"a": 1, "b": 0}))
+    >>> out[["step", "difficulty", "alike", "first_solved", "wrong_to_mixed", "wrong_learnable"]].to_dict("records")[:3]
+    [{'step': 0, 'difficulty': 0, 'alike': 0, 'first_solved': 1, 'wrong_to_mixed': 0, 'wrong_learnable': 0}, \
+{'step': 0, 'difficulty': 1, 'alike': 1, 'first_solved': 0, 'wrong_to_mixed': 0, 'wrong_learnable': 1}, \
+{'step': 1, 'difficulty': 0, 'alike': 1, 'first_solved': 0, 'wrong_to_mixed': 0, 'wrong_learnable': 0}]
+    """
+    if rows.empty:
+        return pd.DataFrame(columns=list(LEVEL_COLUMNS))
+    r = rows.assign(difficulty=rows["prompt_id"].map(level)).sort_values(["prompt_id", "step"], kind="stable")
+    r = r[r["realized"].notna() & r["difficulty"].notna()]
+    wrong, right = r["realized"] == 0.0, r["realized"] == 1.0
+    mixed = ~wrong & ~right
+    by_prompt = r.groupby("prompt_id", sort=False)
+    solved_before = (
+        (r["realized"] > 0).groupby(r["prompt_id"], sort=False).transform(lambda x: x.cummax().shift(fill_value=False))
+    )
+    prev_wrong = wrong.groupby(r["prompt_id"], sort=False).shift(fill_value=False)
+    seen = r["seen"] & r["estimate"].notna()
+    error = (r["realized"] - r["estimate"]).where(seen)
+    frame = pd.DataFrame(
+        {
+            "step": r["step"],
+            "difficulty": r["difficulty"].astype(int),
+            "groups": 1,
+            "alike": (~mixed).astype(int),
+            "all_wrong": wrong.astype(int),
+            "mixed": mixed.astype(int),
+            "rollouts": r["budget"],
+            "pass_rate": r["realized"],
+            "first_solved": ((r["realized"] > 0) & ~solved_before.astype(bool)).astype(int),
+            "wrong_to_mixed": (prev_wrong.astype(bool) & mixed).astype(int),
+            "wrong_learnable": (wrong & by_prompt["realized"].transform(lambda x: ((x > 0) & (x < 1)).any())).astype(
+                int
+            ),
+            "estimated": seen.astype(int),
+            "abs_error": error.abs(),
+            "error": error,
+        }
+    )
+    sums = frame.groupby(["step", "difficulty"]).agg(
+        groups=("groups", "sum"),
+        alike=("alike", "sum"),
+        all_wrong=("all_wrong", "sum"),
+        mixed=("mixed", "sum"),
+        rollouts=("rollouts", "sum"),
+        pass_rate=("pass_rate", "mean"),
+        first_solved=("first_solved", "sum"),
+        wrong_to_mixed=("wrong_to_mixed", "sum"),
+        wrong_learnable=("wrong_learnable", "sum"),
+        estimated=("estimated", "sum"),
+        estimate_mae=("abs_error", "mean"),
+        estimate_bias=("error", "mean"),
+    )
+    return sums.reset_index()[list(LEVEL_COLUMNS)]

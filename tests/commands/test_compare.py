@@ -213,6 +213,7 @@ def _tables(strategy: str, seed: int, accuracy: float, config_hash: str = "h") -
         "budget_by_pass_rate": pd.DataFrame([{**key, "pass_rate_bin": "unseen", "prompts": 4, "rollouts": 16}]),
         "transitions": pd.DataFrame([{**key, "from_class": "mixed", "to_class": "mixed", "prompts": 0}]),
         "estimate_by_age": pd.DataFrame([{**key, "age": 1, "prompts": 4, "estimate_mae": 0.25, "estimate_bias": 0.1}]),
+        "steps_by_level": pd.DataFrame([{**key, "step": 0, "difficulty": 1, "groups": 4, "alike": 2, "mixed": 2}]),
     }
 
 
@@ -220,6 +221,7 @@ def _mechanism_run(root, strategy: str, seed: int) -> None:
     """A finished 2-step run of `coba compare` written by hand: prompts a, b (step 0, uniform) then a, c."""
     store = RunStore(root / f"{strategy}-seed{seed}")
     store.create(config_dict={"run": {"steps": 2}, "allocation": {"strategy": strategy}}, config_hash="h", versions={})
+    store.write_run_table("prompts", pd.DataFrame({"prompt_id": ["a", "b", "c"], "difficulty": [1, 1, 0]}))
     steps = {  # prompt -> (estimate, age, verdicts)
         0: {"a": (math.nan, math.nan, "cw"), "b": (math.nan, math.nan, "wwww")},
         1: {"a": (0.5, 1.0, "cccc"), "c": (math.nan, math.nan, "cw")},
@@ -259,6 +261,15 @@ def test_collect_measures_the_mechanisms_of_each_step(tmp_path):
     assert tables["estimate_by_age"].drop(columns=["strategy", "seed"]).to_dict("records") == [
         {"age": 1, "prompts": 1, "estimate_mae": 0.5, "estimate_bias": 0.5}
     ]
+    # by level (a, b level 1; c level 0): b all wrong at its one visit (never mixed: not learnable), a mixed
+    # then all right, c first solved at step 1
+    levels = tables["steps_by_level"].set_index(["step", "difficulty"])
+    assert levels.loc[(0, 1), ["groups", "alike", "all_wrong", "mixed", "rollouts"]].tolist() == [2, 1, 1, 1, 6]
+    assert levels.loc[(0, 1), ["first_solved", "wrong_learnable"]].tolist() == [1, 0]
+    assert levels.loc[(1, 1), ["groups", "alike", "first_solved", "estimated", "estimate_mae"]].tolist() == [
+        1, 1, 0, 1, 0.5
+    ]  # fmt: skip
+    assert levels.loc[(1, 0), ["groups", "mixed", "first_solved"]].tolist() == [1, 1, 1]
 
 
 def test_mechanism_table_averages_the_steps_then_the_seeds_and_prints_them():
@@ -347,7 +358,7 @@ def test_out_refuses_to_drop_an_earlier_run_made_with_another_config(tmp_path):
     with pytest.raises(ValueError) as refused:
         compare.cmd_compare(args)
     assert str(refused.value) == (
-        f"coba-seed0 in the tables in {out} (7 rows of an earlier sitting) was trained with another config "
+        f"coba-seed0 in the tables in {out} (8 rows of an earlier sitting) was trained with another config "
         f"(hash h, this one {_run_hash(args, 'coba', 0)}): use the same config and options, or another --out"
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -574,6 +585,15 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     assert (per_step == 4 * 4).all()  # M * G of configs/tiny-test.yaml on every step, whatever the strategy
     transitions = pd.read_parquet(out / "transitions.parquet")
     assert len(transitions) == 2 * 9 and (transitions["prompts"] >= 0).all()
+    # by level: every step's groups and rollouts, each group alike or mixed; the update's size
+    levels = pd.read_parquet(out / "steps_by_level.parquet")
+    per = levels.groupby(["strategy", "step"])[["groups", "rollouts"]].sum()
+    assert (per["groups"] == 4).all() and (per["rollouts"] == 4 * 4).all()
+    assert (levels["alike"] + levels["mixed"] == levels["groups"]).all() and levels["pass_rate"].between(0, 1).all()
+    assert (levels["wrong_learnable"] <= levels["all_wrong"]).all()
+    assert steps["grad_norm"].notna().all() and steps["nonzero_token_share"].between(0, 1).all()
+    no_signal = steps["mixed_groups"] == 0  # a step without a mixed group trains on no token
+    assert (steps.loc[no_signal, "nonzero_token_share"] == 0).all()
     assert (out / "compare.png").stat().st_size > 10_000
 
     # the same run of uniform and coba: identical first evaluation (same model start, same seeds)
