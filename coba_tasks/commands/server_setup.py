@@ -5,7 +5,8 @@
 
 Idempotent; run it once per server (again after changing ``--crash-after``). It creates
 
-- the ``process`` work pool the deployments of ``prefect.yaml`` use (``coba-process``), unless it exists;
+- the ``process`` work pools the deployments of ``prefect.yaml`` use (``coba-process``, and ``coba-gpu`` for the
+  GPU host's training runs), unless they exist (``prefect deploy --all`` refuses a deployment whose pool is missing);
 - the automation ``coba: crash unresponsive flow runs``: a flow run that has sent a heartbeat and then
   sends neither another heartbeat nor a final state for ``--crash-after`` seconds is set to Crashed.
 
@@ -28,6 +29,7 @@ from coba_tasks.commands.args import Command, option
 
 AUTOMATION_NAME = "coba: crash unresponsive flow runs"
 DEFAULT_POOL = "coba-process"
+GPU_POOL = "coba-gpu"  # prefect.yaml's coba-train-gpu deployment (one training run at a time)
 HEARTBEAT_DEFAULT_S = 180  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY's default in Prefect 3.7.7
 MIN_HEARTBEAT_S = 30
 
@@ -68,11 +70,12 @@ def zombie_automation(crash_after_s: int):
 
 
 def setup_server(
-    api_url: str, pool: str = DEFAULT_POOL, crash_after_s: int = 3 * HEARTBEAT_DEFAULT_S
+    api_url: str, pool: str = DEFAULT_POOL, crash_after_s: int = 3 * HEARTBEAT_DEFAULT_S, gpu_pool: str = GPU_POOL
 ) -> dict[str, Any]:
-    """Create the work pool (if missing) and create or replace the zombie automation on the server at ``api_url``.
+    """Create the work pools (if missing) and create or replace the zombie automation on the server at ``api_url``.
 
-    Returns what was done: ``{"pool": "created" | "exists", "automation": "created" | "replaced", ...}``.
+    Returns what was done: ``{"pool": "created" | "exists"`` (``pool``'s), ``"gpu_pool": ...``, ``"automation":
+    "created" | "replaced", ...}``.
     """
     if crash_after_s <= MIN_HEARTBEAT_S:
         raise ValueError(
@@ -87,11 +90,12 @@ def setup_server(
     done: dict[str, Any] = {"api_url": api_url, "pool_name": pool, "crash_after_s": crash_after_s}
     with temporary_settings(updates={PREFECT_API_URL: api_url}):
         with get_client(sync_client=True) as client:
-            try:
-                client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-                done["pool"] = "created"
-            except ObjectAlreadyExists:
-                done["pool"] = "exists"
+            for key, name in (("pool", pool), ("gpu_pool", gpu_pool)):
+                try:
+                    client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+                    done[key] = "created"
+                except ObjectAlreadyExists:
+                    done[key] = "exists"
             old = client.read_automations_by_name(name=AUTOMATION_NAME)
             for automation in old:
                 client.delete_automation(automation.id)
@@ -105,8 +109,9 @@ def _cmd_setup_server(args: argparse.Namespace) -> int:
     url = args.api_url or os.environ.get("PREFECT_API_URL")
     if not url:
         raise ValueError("no Prefect server: pass --api-url http://HOST:4200/api or export PREFECT_API_URL")
-    done = setup_server(url, pool=args.pool, crash_after_s=args.crash_after)
+    done = setup_server(url, pool=args.pool, crash_after_s=args.crash_after, gpu_pool=args.gpu_pool)
     print(f"work pool {done['pool_name']!r}: {done['pool']}")
+    print(f"work pool {args.gpu_pool!r}: {done['gpu_pool']}")
     print(
         f"automation {AUTOMATION_NAME!r}: {done['automation']} (a flow run silent for {done['crash_after_s']} s "
         "after a heartbeat is set to Crashed)"
@@ -125,7 +130,7 @@ def _cmd_setup_server(args: argparse.Namespace) -> int:
 COMMAND = Command(
     "setup-server",
     help="prepare a Prefect server for workers: the work pool and crash detection",
-    description="Create the process work pool of prefect.yaml's deployments and an automation that sets a flow "
+    description="Create the process work pools of prefect.yaml's deployments and an automation that sets a flow "
     "run Crashed when its process stops sending heartbeats (a killed worker, a lost machine). Idempotent.",
     examples=[
         "coba setup-server --api-url http://127.0.0.1:4200/api",
@@ -135,6 +140,11 @@ COMMAND = Command(
     options=[
         option("--api-url", default=None, help="the server's API URL (default: $PREFECT_API_URL)"),
         option("--pool", default=DEFAULT_POOL, help=f"process work pool to create (default {DEFAULT_POOL})"),
+        option(
+            "--gpu-pool",
+            default=GPU_POOL,
+            help=f"the GPU host's process work pool to create (default {GPU_POOL}: prefect.yaml's coba-train-gpu)",
+        ),
         option(
             "--crash-after",
             type=int,

@@ -2,7 +2,7 @@
 
 One module-scoped cluster serves the tests, in order: a PostgreSQL cluster of its own (``initdb`` in a
 temporary directory, a free loopback port, ``pg_trgm``), ``prefect server start`` on it, ``coba
-setup-server`` (the ``coba-process`` pool and the automation that crashes silent flow runs), ``prefect
+setup-server`` (the ``coba-process`` and ``coba-gpu`` pools and the automation that crashes silent flow runs), ``prefect
 deploy --all`` and two ``prefect worker start --pool coba-process --limit 2`` workers, whose flow runs
 send a heartbeat every 30 s. Every run is the tiny config (random tiny model, 4 steps, the transformers
 rollout backend: these tests are about orchestration; the vLLM path on a worker is test_deploy.py's)
@@ -468,6 +468,8 @@ def test_setup_server_again_replaces_its_automation(cluster: Cluster) -> None:
         assert [str(a.id) for a in automations] == [done["automation_id"]]
         assert automations[0].trigger.within.total_seconds() == CRASH_AFTER_S
         assert client.read_work_pool("coba-process").type == "process"
+        assert client.read_work_pool("coba-gpu").type == "process"  # prefect.yaml's GPU deployment needs it
+    assert done["gpu_pool"] == "exists"
 
 
 def test_server_and_database_restart_mid_run(cluster: Cluster) -> None:
