@@ -2,10 +2,10 @@
 pay"): criteria G1-G4 on one uniform run's `coba compare` tables, each with its figure and its verdict, then
 what the plan says comes next (the arms, a fallback, or the end of the study).
 
-    .venv/bin/coba compare --config configs/demo.yaml --steps 16 --eval-every 8 --eval-samples 8 --seeds 300 \\
+    .venv/bin/coba compare --config configs/demo.yaml --steps 16 --eval-every 8 --eval-samples 8 --seeds 300-300 \\
       --strategies uniform --set data.train=data/arith_chat_train_l01.parquet --set data.difficulties=[0,1] \\
-      --set data.eval_prompts=0 --set data.extra_tests=[] --out runs/tail-gate
-    .venv/bin/python scripts/tail_gate.py runs/tail-gate --seed 300
+      --set data.eval_prompts=0 --set data.extra_tests=[] --out runs/tail-gate300
+    .venv/bin/python scripts/tail_gate.py runs/tail-gate300 --seed 300
 
 Reads steps_by_level.parquet and results.parquet of the comparison's directory; writes nothing.
 """
