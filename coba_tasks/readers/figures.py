@@ -21,7 +21,7 @@ from coba_tasks.core.passk import pass_at_ks
 from coba_tasks.engines.verify import count_verdicts
 from coba_tasks.pipeline.config_sections import MAIN_TEST_SET
 from coba_tasks.pipeline.store import STAGES, SUMMARY_FILE, RunStore, Table
-from coba_tasks.readers.mechanisms import mechanism_summary, run_mechanisms
+from coba_tasks.readers.mechanisms import mechanism_summary, mixed_prompts, run_mechanisms
 from coba_tasks.readers.tables import RunTables, load_run, ordered
 
 CAPABILITY_FIELDS = ("F", "S", "alpha_used", "beta_used", "alpha", "beta")
@@ -167,7 +167,7 @@ def step_row(store: RunStore, step: int, figures: dict[str, dict[str, Any]] | No
         }
     cap, budget, upd = figures["capability"], figures["budget"], figures["update"]
     rewards = store.read_table(step, Table.REWARDS, columns=("prompt_id", "reward"))
-    mixed = rewards.groupby(rewards["prompt_id"].astype(str), sort=False)["reward"].nunique() > 1
+    mixed = mixed_prompts(rewards)
     timing = store.read_step_json(step, "timing") if store.step_json_path(step, "timing").is_file() else {}
     row = {
         "step": step,
