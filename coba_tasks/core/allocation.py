@@ -22,7 +22,7 @@ closed form; ``dp``, the exact oracle; all return the same optimum) are ``coba_t
 
 Pass rates may be NaN for prompts never seen: if every prompt is unseen the
 allocation is uniform whatever the strategy; otherwise unseen prompts count as p = 0.5 (``knapsack``:
-a prompt without an estimate gets its uniform share B_total / M, as the authors' code gives it).
+a prompt without an estimate gets B_total // M, the authors' code's n, never one more).
 
 Every strategy keeps B_low <= B_i <= B_up except ``knapsack``, whose surplus to the prompts estimated
 at 0 is not capped (docs/method.md, section 11).

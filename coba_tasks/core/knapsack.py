@@ -102,17 +102,18 @@ def knapsack_rl(
     Args:
         p: (M,) success-rate estimates in [0, 1] (any value where ``has_estimate`` is False).
         has_estimate: (M,) bool.
-        total_budget: B_total, M * B_low <= B_total.
+        total_budget: B_total, M * B_low <= B_total; the official call's n is B_total // M (what a prompt
+            without an estimate gets), its total_budget B_total.
         min_budget, max_budget: B_low (the official min_n, negative_n and positive_n) and B_up (max_n).
     """
     p = np.asarray(p, dtype=np.float64)
     valid = np.asarray(has_estimate, dtype=bool)
     m = p.size
-    share = equal_shares(total_budget, m)  # the official n (B_total = M * n there)
+    group_size = total_budget // m  # the official n; B_total % M more are part of the rest R
     mixed = valid & (p > 0) & (p < 1)
     zero = ~valid | (p.astype(np.float32) == 0)  # no estimate counts as 0, as in the official array
     groups = np.where(~valid, NO_ESTIMATE, np.where(mixed, MIXED, np.where(p >= 1, ONE, ZERO))).astype(object)
-    budgets = np.where(valid, min_budget, share).astype(np.int64)
+    budgets = np.where(valid, min_budget, group_size).astype(np.int64)
     rest = total_budget - int(budgets.sum())
     idx = np.flatnonzero(mixed)
     if idx.size == 0:
@@ -120,7 +121,8 @@ def knapsack_rl(
         if rest > 0 and takers.size:
             budgets[takers] += equal_shares(rest, takers.size)
             return KnapsackPlan(budgets, groups, 0, rest)
-        return KnapsackPlan(share.copy() if rest > 0 else budgets, groups, 0, 0)
+        # every prompt at 1: the official code gives each n (and fails its total check if B_total % M > 0)
+        return KnapsackPlan(equal_shares(total_budget, m) if rest > 0 else budgets, groups, 0, 0)
     estimated = int(knapsack_costs(p[idx], max_budget).sum())
     surplus = 0
     if estimated < rest:

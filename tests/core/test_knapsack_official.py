@@ -188,3 +188,52 @@ def test_the_surplus_remainder_goes_over_the_zero_pool_in_batch_order_unseen_pro
     p = np.array([0.5, 0.0, np.nan, 0.0, np.nan])
     plan = plan_allocation(p, 20, strategy="knapsack", min_budget=2, max_budget=8)
     assert plan.budgets.tolist() == [5, 3, 5, 3, 4] and plan.extras == {"estimated_cost": 3, "surplus": 3}
+
+
+# --- a total that is not a multiple of M -------------------------------------------------------------
+# The official code is called with n = B_total // M and total_budget = B_total (its trainer's call, with the
+# total set): a prompt without an estimate (fewer than 8 rollouts: not valid) gets exactly n, never one more;
+# the B_total % M left over is part of R and goes where R goes. Each expected list below is the official
+# algorithm followed by hand (docs/method.md, section 11), and is what the official function (ca5d5f5, its
+# numpy program, run outside this repository) returns for it.
+
+
+def test_an_unseen_prompt_gets_the_official_n_when_the_total_is_not_a_multiple_of_m():
+    """M = 4, B_total = 22 (22 % 4 = 2), B_low 2, B_up 8, p = [0.5, unseen, 0, unseen]: n = 5; starts 2, 5, 2, 5
+    (R = 8); the cost of 0.5 is 3 < 8, so the surplus 5 goes over the zero pool [1, 2, 3]: 1 each and one more
+    to the first two (1, 2): 7, 4, 6; the knapsack gives 0.5 its 3: 5. (The rule before gave the unseen
+    prompt 1 a start of 6, R 7, surplus 4: 5, 8, 3, 6.)"""
+    p = np.array([0.5, np.nan, 0.0, np.nan])
+    plan = plan_allocation(p, 22, strategy="knapsack", min_budget=2, max_budget=8)
+    assert plan.budgets.tolist() == [5, 7, 4, 6] and plan.extras == {"estimated_cost": 3, "surplus": 5}
+
+
+def test_no_mixed_prompt_and_a_total_not_a_multiple_of_m():
+    """M = 5, B_total = 23 (n = 4, 23 % 5 = 3), B_low 2, p = [0, unseen, 1, unseen, 0]: starts 2, 4, 2, 4, 2
+    (R = 9); no mixed prompt, so R goes over the zero pool [0, 1, 3, 4]: 2 each and one more to prompt 0."""
+    p = np.array([0.0, np.nan, 1.0, np.nan, 0.0])
+    plan = plan_allocation(p, 23, strategy="knapsack", min_budget=2, max_budget=8)
+    assert plan.budgets.tolist() == [5, 6, 2, 6, 4] and plan.extras == {"estimated_cost": 0, "surplus": 9}
+
+
+def test_the_remainder_of_a_total_not_a_multiple_of_m_goes_to_the_knapsack():
+    """M = 3, B_total = 19 (n = 6, 19 % 3 = 1), B_low 2, B_up 32, p = [unseen, 1/8, unseen]: starts 6, 2, 6
+    (R = 5); the cost of 1/8 is 17 >= 5, no surplus: the knapsack places all 5 on its one prompt."""
+    p = np.array([np.nan, 0.125, np.nan])
+    plan = plan_allocation(p, 19, strategy="knapsack", min_budget=2, max_budget=32)
+    assert plan.budgets.tolist() == [6, 7, 6] and plan.extras == {"estimated_cost": 17, "surplus": 0}
+
+
+def test_every_prompt_unseen_with_a_total_not_a_multiple_of_m_is_the_official_split():
+    # n = 3 each (R = 2, no mixed prompt, every prompt in the zero pool): one more to the first two, the
+    # uniform allocation plan_allocation falls back to
+    p = np.full(4, np.nan)
+    assert knapsack_rl(p, np.zeros(4, dtype=bool), 14, 2, 8).budgets.tolist() == [4, 4, 3, 3]
+    assert plan_allocation(p, 14, strategy="knapsack").budgets.tolist() == [4, 4, 3, 3]
+
+
+def test_every_prompt_at_one_with_a_total_not_a_multiple_of_m_is_uniform():
+    # the official code gives each prompt n = 3 here and fails its own total check (9 != 10); here the
+    # uniform allocation: 10 // 3 each, one more to the first
+    plan = plan_allocation([1.0, 1.0, 1.0], 10, strategy="knapsack", min_budget=2, max_budget=8)
+    assert plan.budgets.tolist() == [4, 3, 3] and plan.extras == {"estimated_cost": 0, "surplus": 0}

@@ -111,6 +111,17 @@ def test_batches_keep_groups_whole_and_sort_by_prompt_length(model_dir):
         TransformersBackend(model_dir, max_num_seqs=0)
 
 
+def test_no_requests_give_no_rows_as_vllm_gives_them(model_dir):
+    """An empty request list is no work: ``generate`` returns [] (as the vLLM backend does) and
+    ``generate_many`` [] per empty batch, and the engine still generates after it."""
+    engine = make_backend("transformers", model_dir)
+    sampling = SamplingConfig(1.0, 1.0, 4)
+    assert engine.generate([], sampling) == []
+    assert engine.generate_many([([], sampling), ([], SamplingConfig(0.0, 1.0, 4))]) == [[], []]
+    rows = engine.generate(_requests(greedy=True)[:2], SamplingConfig(0.0, 1.0, 4))
+    assert [r.prompt_id for r in rows] == ["p0", "p1"]
+
+
 def test_rows_that_fit_counts_the_cache_the_prefill_and_the_vocabulary():
     """Qwen2.5-0.5B's shape in bfloat16, prompts of 512 and 1536 new tokens: per sequence the key-value cache
     (2 x 24 layers x 2 heads x 64 x 2 bytes = 12,288 bytes a token, x 2048), the prefill's MLP (3 x 512 x

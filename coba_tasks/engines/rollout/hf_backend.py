@@ -75,6 +75,8 @@ class TransformersBackend(RolloutBackend):
 
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Rollout]:
         self.check_requests(requests)
+        if not requests:  # no work, as the vLLM backend answers it
+            return []
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         groups: list[list[Rollout]] = [[] for _ in requests]
