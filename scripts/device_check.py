@@ -51,6 +51,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,7 +66,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from coba_tasks.engines.fileio import OutputDirError, fresh_marked_dir  # noqa: E402
+from coba_tasks.engines.fileio import (  # noqa: E402
+    OutputDirError,
+    check_output_dir,
+    files_of,
+    fresh_marked_dir,
+    new_temporary_dir,
+    publish_dir,
+)
 
 MARKER = ".device-check"  # marks an output folder this script made (and may replace)
 REPORT = "device_check.json"
@@ -159,6 +167,7 @@ BF16_LOGPROB_MEAN_TOL = 0.05  # bf16: the mean |difference| over the tokens
 # What the checks import that the lent GPU machine lacks: these and what they need, less what is there
 WHEEL_ROOTS = ("prefect", "pydantic", "math-verify")
 WHEELS_MAX_MIB = 52  # of the 64 MiB that travel: the working tree takes about 6
+WHEELS_RECORD = "wheels.json"  # in a --wheels folder: the files the last run wrote (all a rerun replaces)
 # The Python packages of the lent GPU machine's image ('cuda', as listed on 2026-11-17): not carried.
 _GPU_IMAGE = """
     absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
@@ -221,24 +230,35 @@ def wheel_set(roots: Sequence[str] = WHEEL_ROOTS) -> dict[str, str]:
 
 
 def make_wheels(folder: Path) -> int:
-    """Download the wheels of ``wheel_set`` for the GPU machine (CPython 3.12, x86-64 Linux) into ``folder``."""
+    """Download the wheels of ``wheel_set`` for the GPU machine (CPython 3.12, x86-64 Linux) into ``folder``: a new
+    or empty folder, or one an earlier run filled, whose wheels (those its record ``WHEELS_RECORD`` lists) the new
+    set replaces. A folder holding anything else is refused before any download, nothing in it removed."""
+    try:
+        check_output_dir(folder, WHEELS_RECORD, "device_check.py --wheels folder")
+    except OutputDirError as exc:
+        raise SystemExit(f"--wheels: {exc}") from None
     packages = wheel_set()
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("*.whl"):
-        old.unlink()
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--dest", str(folder), "--python-version", "3.12", "--implementation", "cp"]
-    cmd += [a for tag in MANYLINUX for a in ("--platform", f"{tag}_x86_64")]
-    cmd += [f"{name}=={version}" for name, version in packages.items()]
-    if subprocess.run(cmd).returncode != 0:
-        return 1
-    wheels = sorted(folder.glob("*.whl"))
-    mib = sum(w.stat().st_size for w in wheels) / 2**20
-    print(f"{len(wheels)} wheels ({', '.join(sorted(packages)[:6])}, ...) in {folder}: {mib:.1f} MiB")
-    if len(wheels) != len(packages) or mib > WHEELS_MAX_MIB:
-        print(f"expected {len(packages)} wheels of at most {WHEELS_MAX_MIB} MiB together", file=sys.stderr)
-        return 1
-    return 0
+    tmp = new_temporary_dir(folder)  # filled, checked, then put in place: a failed run leaves the folder as it was
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
+        cmd += ["--dest", str(tmp), "--python-version", "3.12", "--implementation", "cp"]
+        cmd += [a for tag in MANYLINUX for a in ("--platform", f"{tag}_x86_64")]
+        cmd += [f"{name}=={version}" for name, version in packages.items()]
+        if subprocess.run(cmd).returncode != 0:
+            return 1
+        wheels = sorted(tmp.glob("*.whl"))
+        mib = sum(w.stat().st_size for w in wheels) / 2**20
+        print(f"{len(wheels)} wheels ({', '.join(sorted(packages)[:6])}, ...) in {folder}: {mib:.1f} MiB")
+        if len(wheels) != len(packages) or mib > WHEELS_MAX_MIB:
+            print(f"expected {len(packages)} wheels of at most {WHEELS_MAX_MIB} MiB together", file=sys.stderr)
+            return 1
+        (tmp / WHEELS_RECORD).write_text(json.dumps({"files": files_of(tmp)}, indent=1) + "\n")
+        for left in publish_dir(tmp, folder, WHEELS_RECORD):
+            print(f"kept {left}: written into {folder} after the check, not by this script", file=sys.stderr)
+        return 0
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="held-out avg@k gain the train check must reach (default: none at size tiny, 0.02 at size full)",
     )
     parser.add_argument("--tests", default="tests/core tests/engines", help="the tests check's pytest paths")
-    parser.add_argument("--wheels", metavar="DIR", help="only download the wheels the GPU machine lacks into DIR")
+    parser.add_argument(
+        "--wheels",
+        metavar="DIR",
+        help="only download the wheels the GPU machine lacks into DIR (new, empty or an earlier --wheels DIR)",
+    )
     parser.add_argument("--run-check", help=argparse.SUPPRESS)  # a child: run this one check
     args = parser.parse_args(argv)
     if args.wheels:

@@ -100,3 +100,62 @@ def test_the_wheels_are_what_the_gpu_machine_lacks():
     assert wheels["prefect"] == version("prefect") and wheels["pydantic"] == version("pydantic")
     assert not set(wheels) & device_check.GPU_IMAGE_PACKAGES
     assert not {"torch", "transformers", "numpy", "pandas", "vllm"} & set(wheels)
+
+
+def _fake_pip(calls: list[list[str]]):
+    """``pip download`` without the network: one empty wheel per ``name==version`` into ``--dest``."""
+    import subprocess
+    from pathlib import Path
+
+    def run(cmd, *args, **kwargs):
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("--dest") + 1])
+        for spec in (a for a in cmd if "==" in a):
+            name, version = spec.split("==")
+            (dest / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(b"wheel")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    return run
+
+
+def test_the_wheels_folder_holding_other_files_is_refused_and_kept(tmp_path, monkeypatch):
+    """``--wheels DIR`` never deletes what it did not write: a folder holding other wheels (or anything else)
+    is refused in one line naming it and the fix, before any download, and every file in it stays."""
+    calls: list[list[str]] = []
+    monkeypatch.setattr(device_check, "wheel_set", lambda: {"prefect": "3.0.0", "pydantic": "2.9.0"})
+    monkeypatch.setattr(device_check.subprocess, "run", _fake_pip(calls))
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    (folder / "mine-1.0-py3-none-any.whl").write_bytes(b"somebody's wheel")
+    (folder / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as err:
+        device_check.make_wheels(folder)
+    message = str(err.value)
+    assert "\n" not in message and str(folder) in message and "nothing was removed" in message
+    assert calls == []
+    assert sorted(p.name for p in folder.iterdir()) == ["mine-1.0-py3-none-any.whl", "notes.txt"]
+
+
+def test_the_wheels_rerun_replaces_only_what_the_last_run_wrote(tmp_path, monkeypatch, capsys):
+    """A new folder gets the set and a record of what was written; a rerun (a package upgraded since) replaces
+    the folder's wheels by the new set: the old version's wheel goes, so the folder holds the set exactly. A file
+    put there since is not the script's: the next run is refused and the file stays."""
+    calls: list[list[str]] = []
+    versions = {"prefect": "3.0.0", "pydantic": "2.9.0"}
+    monkeypatch.setattr(device_check, "wheel_set", lambda: dict(versions))
+    monkeypatch.setattr(device_check.subprocess, "run", _fake_pip(calls))
+    folder = tmp_path / "wheels"
+
+    def wheels() -> list[str]:
+        return sorted(p.name.split("-py3")[0] for p in folder.glob("*.whl"))
+
+    assert device_check.make_wheels(folder) == 0
+    assert wheels() == ["prefect-3.0.0", "pydantic-2.9.0"]
+    versions["prefect"] = "3.1.0"
+    assert device_check.make_wheels(folder) == 0, capsys.readouterr().err
+    assert wheels() == ["prefect-3.1.0", "pydantic-2.9.0"]
+    assert len(calls) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["wheels"]  # no temporary left
+    (folder / "extra-1.0-py3-none-any.whl").write_bytes(b"added by hand")
+    with pytest.raises(SystemExit, match=r"extra-1\.0-py3-none-any\.whl"):
+        device_check.make_wheels(folder)
+    assert wheels() == ["extra-1.0", "prefect-3.1.0", "pydantic-2.9.0"] and len(calls) == 2
