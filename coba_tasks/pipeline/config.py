@@ -233,12 +233,13 @@ def check_paths(cfg: Config, root: str | os.PathLike[str] | None = None) -> None
 
 def check_platform(cfg: Config) -> None:
     """ConfigError naming the key for settings this machine cannot honour: sleep mode where the backend cannot
-    sleep (vLLM's exists only on CUDA), tensor parallelism without CUDA, more FSDP ranks than GPUs on CUDA
+    sleep (vLLM's exists only on CUDA), tensor parallelism without CUDA, a weight transport the vLLM engine
+    cannot use where it runs here (``weight_transport_refusal``), more FSDP ranks than GPUs on CUDA
     (without CUDA they are gloo processes, any number). Apart from ``load_config``, so that a GPU config can be
     loaded and checked on any machine."""
     import torch
 
-    from coba_tasks.engines.rollout import sleep_unavailable
+    from coba_tasks.engines.rollout import engine_in_process, sleep_unavailable, weight_transport_refusal
 
     if cfg.rollout.sleep_during_update:
         why = sleep_unavailable(cfg.rollout.backend)
@@ -253,6 +254,14 @@ def check_platform(cfg: Config) -> None:
             f"rollout.tensor_parallel_size = {tp}: tensor parallelism needs CUDA GPUs and this machine has none "
             "(vLLM's CPU build runs one worker per engine); set rollout.tensor_parallel_size=1 on this machine"
         )
+    r = cfg.rollout
+    if r.backend == "vllm":  # the engine's own rule, where it runs (vllm-ray's engines run where Ray puts them)
+        why = weight_transport_refusal(r.weight_transport, engine_in_process(r.in_process, not cuda), not cuda, tp)
+        if why:
+            raise ConfigError(
+                f"rollout.weight_transport = '{r.weight_transport}': {why}, on this machine "
+                f"({'with' if cuda else 'without'} CUDA); set rollout.weight_transport=auto"
+            )
     n = cfg.optim.fsdp_processes
     if n > 1 and cuda and n > torch.cuda.device_count():
         raise ConfigError(

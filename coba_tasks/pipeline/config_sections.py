@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 from coba_tasks.core.allocation import Mode, Strategy, strategies
 from coba_tasks.core.capability import DEFAULT_DECAY, DEFAULT_PILOT_ROLLOUTS, DEFAULT_PRIOR_STRENGTH, Estimator
 from coba_tasks.core.solvers import coba_solvers
-from coba_tasks.engines.rollout import backends
+from coba_tasks.engines.rollout import TRANSPORT_BACKENDS, backends, engine_in_process, weight_transport_refusal
 from coba_tasks.engines.verify import Gsm8kAnswer
 from coba_tasks.pipeline.config_fields import (
     ConfigError,
@@ -32,6 +32,13 @@ from coba_tasks.pipeline.config_fields import (
 )
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit seed
+# The longest task timeout (run.*_timeout_s), about 292 years: what Prefect's timers take, its alarm in the main
+# thread (signal.setitimer) and its watcher thread's wait elsewhere (threading.TIMEOUT_MAX); a second more fails
+# the task with "OverflowError: timestamp out of range for platform time_t" (tests/pipeline/test_config.py)
+MAX_TIMEOUT_S = 9_223_372_036
+# The longest verify.timeout_s, about 24 days: the verifier pool's wait for a verdict (multiprocessing's wait, a
+# poll of milliseconds in a C int) takes it; a second more raises "OverflowError: timeout is too large"
+MAX_VERIFY_TIMEOUT_S = 2_147_483
 
 # The word-valued keys: each Literal is the one list of its words (readers take typing.get_args of it)
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]  # model.dtype
@@ -125,12 +132,16 @@ class RunConfig(Section):
         "wall-clock limit of one step's rollouts task (and its pilot's), seconds; a task past it fails (retried "
         "once) and so does the flow run, instead of hanging on a stuck engine; 0 = none",
         ge=0,
+        le=MAX_TIMEOUT_S,
     )
     update_timeout_s: Number = config_key(
-        21600, "wall-clock limit of one step's update task, seconds (not retried); 0 = none", ge=0
+        21600, "wall-clock limit of one step's update task, seconds (not retried); 0 = none", ge=0, le=MAX_TIMEOUT_S
     )
     eval_timeout_s: Number = config_key(
-        21600, "wall-clock limit of one held-out evaluation task, seconds (retried once); 0 = none", ge=0
+        21600,
+        "wall-clock limit of one held-out evaluation task, seconds (retried once); 0 = none",
+        ge=0,
+        le=MAX_TIMEOUT_S,
     )
     trackers: Annotated[tuple[str, ...], BeforeValidator(name_list), rule(_known_trackers, "not known trackers")] = (
         config_key(
@@ -272,7 +283,8 @@ class RolloutConfig(Section):
     weight_transport: Literal["auto", "reference", "ipc", "bytes"] = config_key(
         "auto",
         "how the vLLM engine takes the policy after each update, from memory: auto (reference in this process, "
-        "ipc to an engine process on the GPU, else bytes), ipc (vLLM's CUDA IPC), bytes (one message)",
+        "ipc to an engine process on the GPU, else bytes), ipc (vLLM's CUDA IPC), bytes (one message); one the "
+        "engine cannot use where it runs is refused before a run starts",
     )
     engines: StrictInt = config_key(
         1, "vLLM engines (Ray actors) of the vllm-ray backend (docs/scale_out.md); 1 for the others", ge=1
@@ -305,6 +317,15 @@ class RolloutConfig(Section):
                 "must be 1 with rollout.in_process=true (vLLM's in-process executor runs one worker); "
                 "set rollout.in_process=null",
             )
+        if self.backend in TRANSPORT_BACKENDS:  # a transport refused on every machine (check_platform: on this one)
+            why = [
+                weight_transport_refusal(
+                    self.weight_transport, engine_in_process(self.in_process, cpu), cpu, self.tensor_parallel_size
+                )
+                for cpu in (True, False)
+            ]
+            if all(why):
+                self._fail("weight_transport", f"{why[0]}; set rollout.weight_transport=auto")
         return self
 
 
@@ -516,7 +537,7 @@ class VerifyConfig(Section):
 
     workers: StrictInt = config_key(2, "verifier processes", ge=1)
     timeout_s: Number = config_key(
-        5.0, "hard wall-clock limit per completion, seconds; over it counts as a timeout", gt=0
+        5.0, "hard wall-clock limit per completion, seconds; over it counts as a timeout", gt=0, le=MAX_VERIFY_TIMEOUT_S
     )
     unknown_sources: UnknownSources = config_key(
         "error",

@@ -1,10 +1,10 @@
 """What a flow run started from a deployment may reach on its worker: paths inside the project (or the roots
-the worker names in ``COBA_DEPLOYMENT_ROOTS``), outputs under ``runs/`` or those roots, sizes under caps
-(``COBA_DEPLOYMENT_CAPS``), a reward file only where the worker allows it (``COBA_ALLOW_REWARD_FILES=1``), and
-no file's text in an error (docs/workers.md, the deployment rules). A deployment's parameters come from whoever
-reaches the Prefect API and run with the worker's rights; the commands and the Python API are their user's
-own, and their paths go anywhere. The flows ask ``started_by_deployment()`` and, when true, check every path
-before reading or writing anything.
+the worker names in ``COBA_DEPLOYMENT_ROOTS``), outputs (a run directory too) under ``runs/`` or those roots,
+sizes and times under caps (``COBA_DEPLOYMENT_CAPS``; a task's timeout never off), a reward file only where the
+worker allows it (``COBA_ALLOW_REWARD_FILES=1``), and no file's text in an error (docs/workers.md, the
+deployment rules). A deployment's parameters come from whoever reaches the Prefect API and run with the
+worker's rights; the commands and the Python API are their user's own, and their paths go anywhere. The flows
+ask ``started_by_deployment()`` and, when true, check every path before reading or writing anything.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ ROOTS_ENV = "COBA_DEPLOYMENT_ROOTS"
 REWARD_FILES_ENV = "COBA_ALLOW_REWARD_FILES"
 CAPS_ENV = "COBA_DEPLOYMENT_CAPS"
 # What a deployment's parameters may ask of a worker unless its environment raises the cap (CAPS_ENV): each
-# key's largest value (data.eval_prompts = 0, every held-out prompt, is bounded by the held-out file, which a
-# deployment can only name inside the project or the worker's roots).
+# key's largest value (data.eval_prompts = 0, every held-out prompt, is bounded by the held-out file, and
+# rollout.max_model_len = 0, the model's own context, by the model, which a deployment can only name inside the
+# project or the worker's roots). Each bounds how long a flow run holds its worker (the one coba-gpu slot).
 DEPLOYMENT_CAPS: dict[str, int] = {
     "verify.workers": 16,  # verifier processes, all started at once
     "run.steps": 10_000,
@@ -34,7 +35,17 @@ DEPLOYMENT_CAPS: dict[str, int] = {
     "data.prompts_per_step": 4_096,
     "allocation.max_budget": 1_024,
     "rollout.max_tokens": 32_768,
+    "rollout.max_model_len": 131_072,  # the engine's context: its KV cache
+    "optim.update_epochs": 16,  # passes over each step's rollouts
+    "optim.mini_batches": 64,  # optimizer steps per pass
+    "model.lora_rank": 256,
+    "verify.timeout_s": 60,  # seconds per completion (and for a reward file's import)
+    "run.rollouts_timeout_s": 86_400,  # seconds a task may run, a day; 0 (none) refused: TIMEOUTS
+    "run.update_timeout_s": 86_400,
+    "run.eval_timeout_s": 86_400,
 }
+# Caps of a timeout whose 0 means none: a deployment may not ask for 0, nor a worker's environment cap it at 0
+TIMEOUTS = ("run.rollouts_timeout_s", "run.update_timeout_s", "run.eval_timeout_s")
 
 
 def started_by_deployment() -> bool:
@@ -105,15 +116,25 @@ def deployment_caps() -> dict[str, int]:
                 f"{CAPS_ENV}: {item!r} is not <key>=<whole number> for one of {', '.join(caps)}; fix the worker's "
                 "environment"
             )
+        if key.strip() in TIMEOUTS and int(value) == 0:
+            raise ConfigError(
+                f"{CAPS_ENV}: {item!r}: a deployment's task timeouts cannot be switched off (0 = none); give the "
+                "longest a task may run, in seconds; fix the worker's environment"
+            )
         caps[key.strip()] = int(value)
     return caps
 
 
-def check_deployment_limits(values: Mapping[str, int | None]) -> None:
-    """ConfigError naming the key, its cap and how the worker raises it, for a value above its cap (None: not
-    given)."""
+def check_deployment_limits(values: Mapping[str, float | None]) -> None:
+    """ConfigError naming the key, its cap and how the worker raises it, for a value above its cap, or a timeout
+    of ``TIMEOUTS`` switched off (0; None: not given)."""
     caps = deployment_caps()
     for key, value in values.items():
+        if value is not None and key in TIMEOUTS and value == 0:
+            raise ConfigError(
+                f"{key} = {value}: a deployment's flow run may not switch its timeout off (0 = none: a stuck task "
+                f"would hold its worker for ever); give at most {caps[key]} seconds, the worker's cap"
+            )
         if value is not None and key in caps and value > caps[key]:
             raise ConfigError(
                 f"{key} = {value}: above the cap of {caps[key]} on what a deployment's flow run may ask of its "
@@ -121,7 +142,7 @@ def check_deployment_limits(values: Mapping[str, int | None]) -> None:
             )
 
 
-def config_limits(cfg: Config) -> dict[str, int]:
+def config_limits(cfg: Config) -> dict[str, float]:
     """The values of ``cfg`` that ``check_deployment_limits`` caps."""
     return {key: getattr(getattr(cfg, section), name) for key in DEPLOYMENT_CAPS for section, name in [key.split(".")]}
 

@@ -53,6 +53,7 @@ from coba_tasks.pipeline.config_sections import OptimConfig
 from coba_tasks.pipeline.data import eval_prompt_set, load_run_datasets, reward_function
 from coba_tasks.pipeline.deployment import (
     check_deployment_limits,
+    check_deployment_outputs,
     check_deployment_paths,
     check_reward_files,
     config_limits,
@@ -247,10 +248,13 @@ def resolve_run(
     already holds a run with the same config hash, the run continues (a retried flow run recomputes only the
     stages that are not done); a different config there is an error. ``resume`` reads the config from the
     run directory. ``deployment``: the parameters came from a deployment: every path stays inside the project
-    or the worker's roots, and the file at ``config_path`` is never quoted in an error.
+    or the worker's roots, the run directory under ``runs/`` or those roots, the config within the worker's
+    caps, and the file at ``config_path`` is never quoted in an error.
     """
     if deployment:  # before anything is read there
         check_deployment_paths({"config_path": config_path, "run_dir": run_dir})
+        if resume:  # the run goes on writing there: never among the project's own files
+            check_deployment_outputs({"run_dir": run_dir})
     if resume:
         if not run_dir:
             raise ValueError("resume needs the run directory")
@@ -276,7 +280,8 @@ def resolve_run(
     root = Path(run_dir) if run_dir else Path("runs") / cfg.run.name
     if deployment:  # before check_paths says whether a file exists there
         check_deployment_paths({"run_dir": root, **_input_paths(cfg)})
-        check_deployment_limits(config_limits(cfg))  # sizes the worker did not agree to
+        check_deployment_outputs({"run_dir": root})  # under runs/ or the worker's roots, as every output
+        check_deployment_limits(config_limits(cfg))  # sizes and times the worker did not agree to
     check_paths(cfg)
     check_platform(cfg)  # e.g. sleep mode asked for on a machine without CUDA: refused before anything is written
     check_installed(cfg.run.trackers)  # a tracker's library missing: one line naming its pip extra

@@ -300,7 +300,7 @@ def test_wrong_type_in_a_file(tmp_path):
         ("optim.update_epochs=0", r"optim\.update_epochs = 0: must be >= 1"),
         ("optim.lr_warmup_steps=-1", r"optim\.lr_warmup_steps = -1: must be >= 0"),
         ("verify.workers=0", r"verify\.workers = 0: must be >= 1"),
-        ("verify.timeout_s=0", r"verify\.timeout_s = 0\.0: must be > 0"),
+        ("verify.timeout_s=0", r"verify\.timeout_s = 0\.0: must be in \(0, "),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(override, pattern):
@@ -806,3 +806,115 @@ def test_checkpoint_every_defaults_to_every_update_and_fsdp_needs_every_update()
         ConfigError, match=r"^run\.checkpoint_every = 2 with optim\.fsdp_processes = 2: each FSDP update starts"
     ):
         load_config(overrides=["run.checkpoint_every=2", "optim.fsdp_processes=2", "model.lora_rank=0"])
+
+
+TASK_TIMEOUTS = ("rollouts_timeout_s", "update_timeout_s", "eval_timeout_s")
+
+
+@pytest.mark.parametrize("key", TASK_TIMEOUTS)
+def test_a_task_timeout_is_one_the_timers_can_take(key):
+    """run.update_timeout_s = 1e10 passed validation, then failed the run's first task (Prefect's timer:
+    "OverflowError: timestamp out of range for platform time_t") after its directory existed, a run that could
+    never be resumed (its config is fixed by its hash). The bound is the timers' own: Prefect's alarm in the
+    main thread (signal.setitimer) and its watcher thread elsewhere (threading's waits) take MAX_TIMEOUT_S
+    seconds (about 292 years) and not a second more; above it the config is refused in one line with the range."""
+    import signal
+    import threading
+
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY_DEMO, [f"run.{key}=1e10"])
+    message = str(info.value)
+    from coba_tasks.pipeline.config_sections import MAX_TIMEOUT_S
+
+    assert message.startswith(f"run.{key} = 10000000000.0: must be in [0, {MAX_TIMEOUT_S}]"), message
+    assert "\n" not in message
+    assert getattr(load_config(TINY_DEMO, [f"run.{key}={MAX_TIMEOUT_S}"]).run, key) == MAX_TIMEOUT_S
+    assert getattr(load_config(TINY_DEMO, [f"run.{key}=0"]).run, key) == 0  # none
+    # the bound is the real one: what the timers take, and where they fail
+    before = signal.setitimer(signal.ITIMER_REAL, MAX_TIMEOUT_S)
+    signal.setitimer(signal.ITIMER_REAL, *before)
+    assert threading.Lock().acquire(timeout=MAX_TIMEOUT_S) and MAX_TIMEOUT_S <= threading.TIMEOUT_MAX
+    with pytest.raises(OverflowError):
+        signal.setitimer(signal.ITIMER_REAL, MAX_TIMEOUT_S + 1)
+    with pytest.raises(OverflowError):
+        threading.Lock().acquire(timeout=MAX_TIMEOUT_S + 1)
+
+
+def test_a_verifier_timeout_is_one_the_pool_can_wait_for():
+    """verify.timeout_s = 1e7 passed validation, then the verifier pool's first wait for a verdict raised
+    "OverflowError: timeout is too large" (multiprocessing's wait polls in milliseconds, a C int): refused on
+    load in one line with the range; MAX_VERIFY_TIMEOUT_S is what the wait takes, and not a second more."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY_DEMO, ["verify.timeout_s=1e7"])
+    message = str(info.value)
+    from coba_tasks.pipeline.config_sections import MAX_VERIFY_TIMEOUT_S
+
+    assert message.startswith(f"verify.timeout_s = 10000000.0: must be in (0, {MAX_VERIFY_TIMEOUT_S}]"), message
+    assert load_config(TINY_DEMO, [f"verify.timeout_s={MAX_VERIFY_TIMEOUT_S}"]).verify.timeout_s == MAX_VERIFY_TIMEOUT_S
+    ours, theirs = multiprocessing.Pipe()
+    theirs.send("verdict")
+    assert wait([ours], timeout=MAX_VERIFY_TIMEOUT_S) == [ours]
+    with pytest.raises(OverflowError):
+        wait([ours], timeout=MAX_VERIFY_TIMEOUT_S + 1)
+
+
+def test_a_weight_transport_the_engine_refuses_is_refused_by_the_config(tmp_path, monkeypatch, random_checkpoints):
+    """rollout.weight_transport = bytes for an in-process engine was refused only by the engine's start, after
+    the run directory existed (a run never resumable: its config is fixed by its hash). The engine's rule is
+    now the config's: a transport no machine allows is refused on load, one this machine does not allow (the
+    place of an engine with rollout.in_process = null) by check_platform, both before a run directory exists;
+    for every place the config refuses exactly what the engine would."""
+    import itertools
+
+    import torch
+
+    from coba_tasks.engines.rollout.vllm_backend import _transport
+    from coba_tasks.pipeline.config import check_platform
+    from coba_tasks.pipeline.run import resolve_run
+
+    for overrides, why in (
+        (["rollout.in_process=true", "rollout.weight_transport=bytes"], "the engine runs in this process"),
+        (["rollout.in_process=false", "rollout.weight_transport=reference"], "the engine runs in a process of its"),
+        (["rollout.tensor_parallel_size=2", "rollout.weight_transport=ipc"], "CUDA IPC needs an engine in a"),
+        (["rollout.backend=vllm-ray", "rollout.in_process=true", "rollout.weight_transport=ipc"], "CUDA IPC needs"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_config(TINY_DEMO, overrides)
+        message = str(info.value)
+        transport = overrides[-1].split("=")[1]
+        assert message.startswith(f"rollout.weight_transport = '{transport}': {why}"), message
+        assert "\n" not in message and message.endswith("set rollout.weight_transport=auto"), message
+    # the transformers engine takes no weight transport: nothing to refuse
+    load_config(TINY_DEMO, ["rollout.backend=transformers", "rollout.in_process=true", "rollout.weight_transport=ipc"])
+
+    # on this machine: before the run directory exists
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, _ = random_checkpoints
+    config = load_config("configs/tiny-test.yaml", [f"model.path={model}", "rollout.weight_transport=bytes"])
+    with pytest.raises(ConfigError, match=r"^rollout\.weight_transport = 'bytes': the engine runs in this process"):
+        resolve_run(config=config, run_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+    # the same rule as the engine's, wherever it runs
+    for asked, in_process, cuda, tp in itertools.product(
+        ("auto", "reference", "ipc", "bytes"), (None, True, False), (False, True), (1, 2)
+    ):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        place = f"rollout.in_process={'null' if in_process is None else str(in_process).lower()}"
+        overrides = [place, f"rollout.tensor_parallel_size={tp}", f"rollout.weight_transport={asked}"]
+        try:
+            check_platform(load_config(TINY_DEMO, overrides))
+            refused = False
+        except ConfigError as e:
+            if not str(e).startswith("rollout.weight_transport"):
+                continue  # another key's rule (tensor parallelism without CUDA or in process)
+            refused = True
+        try:
+            _transport(asked, in_process=cuda is False if in_process is None else in_process, on_cpu=not cuda, tp=tp)
+            engine_refuses = False
+        except ValueError:
+            engine_refuses = True
+        assert refused == engine_refuses, (asked, in_process, cuda, tp)

@@ -10,6 +10,7 @@ an error. ``coba run`` (the user's own command) and the Python API are not limit
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -192,6 +193,78 @@ def test_a_deployment_asks_no_more_of_its_worker_than_the_caps_it_allows(tmp_pat
     with pytest.raises(ConfigError, match=r"^COBA_DEPLOYMENT_CAPS: 'verify.workers=lots' is not <key>=<whole number>"):
         run.resolve_run(config=_config(model), run_dir=run_dir, deployment=True)
     assert not (roots / "run").exists()
+
+
+TIMEOUTS = ("run.rollouts_timeout_s", "run.update_timeout_s", "run.eval_timeout_s")
+
+
+def test_a_deployment_cannot_hold_its_worker_with_passes_ranks_lengths_or_timeouts(tmp_path, roots, monkeypatch):
+    """optim.update_epochs, optim.mini_batches, model.lora_rank, rollout.max_model_len and verify.timeout_s went
+    uncapped, and a task's timeout could be switched off (0 = none) or set to years: a deployment's flow run
+    could hold the only coba-gpu slot for ever. Each is capped as verify.workers is; a timeout of 0 is refused
+    to a deployment whatever the caps; the user's own commands are neither capped nor refused."""
+    model = Path(os.environ[deployment.ROOTS_ENV].split(os.pathsep)[1]) / "a"
+    run_dir = str(roots / "run")
+    asks = (
+        ("optim.update_epochs", 1000),
+        ("optim.mini_batches", 100_000),
+        ("model.lora_rank", 100_000),
+        ("rollout.max_model_len", 10_000_000),
+        ("verify.timeout_s", 1e6),
+        *((key, 1e9) for key in TIMEOUTS),
+    )
+    for key, value in asks:
+        config = _config(model, f"{key}={value}")
+        with pytest.raises(ConfigError) as info:
+            run.resolve_run(config=config, run_dir=run_dir, deployment=True)
+        message = str(info.value)
+        assert re.match(rf"{re.escape(key)} = [\d.e+]+: above the cap of \d+ ", message), message
+        assert "\n" not in message
+        assert f"{deployment.CAPS_ENV}={key}=<n>" in message
+        assert run.resolve_run(config=config, run_dir=run_dir)[2] is False  # `coba run`'s: not capped
+    for key in TIMEOUTS:
+        config = _config(model, f"{key}=0")
+        with pytest.raises(ConfigError) as info:
+            run.resolve_run(config=config, run_dir=run_dir, deployment=True)
+        message = str(info.value)
+        assert message.startswith(f"{key} = 0.0: a deployment's flow run may not switch") and "\n" not in message
+        assert run.resolve_run(config=config, run_dir=run_dir)[2] is False
+    # a worker that can take more says so; a timeout stays on however high its cap
+    monkeypatch.setenv(deployment.CAPS_ENV, "run.update_timeout_s=2000000000,optim.update_epochs=1000")
+    config = _config(model, "run.update_timeout_s=1e9", "optim.update_epochs=1000")
+    assert run.resolve_run(config=config, run_dir=run_dir, deployment=True)[2] is False
+    with pytest.raises(ConfigError, match=r"^run\.update_timeout_s = 0\.0: a deployment's flow run may not switch"):
+        run.resolve_run(config=_config(model, "run.update_timeout_s=0"), run_dir=run_dir, deployment=True)
+    monkeypatch.setenv(deployment.CAPS_ENV, "run.eval_timeout_s=0")
+    with pytest.raises(ConfigError, match=r"^COBA_DEPLOYMENT_CAPS: 'run\.eval_timeout_s=0': .*cannot be switched off"):
+        run.resolve_run(config=_config(model), run_dir=run_dir, deployment=True)
+    monkeypatch.delenv(deployment.CAPS_ENV)
+    assert run.resolve_run(config=_config(model), run_dir=run_dir, deployment=True)[2] is False  # the defaults pass
+    for path in sorted((PROJECT_ROOT / "configs").glob("*.yaml")):  # and every shipped config (the GPU ones too)
+        deployment.check_deployment_limits(deployment.config_limits(load_config(path)))
+    assert not (roots / "run").exists()
+
+
+def test_a_deployments_run_directory_stays_out_of_the_projects_own_files(tmp_path, roots):
+    """A coba-train deployment's run_dir was checked as an input (anywhere in the project): a run could be made
+    inside .git/, .venv/, coba_tasks/ or data/. It is an output, as coba-eval's out_path: under the project's
+    runs/ or a root its worker names, for a new run and a resumed one, before anything is read or written."""
+    model = Path(os.environ[deployment.ROOTS_ENV].split(os.pathsep)[1]) / "a"
+    for own in (".git/coba-run", ".venv/run", "coba_tasks/run", "data/run", "runs/../flows"):
+        with pytest.raises(ConfigError) as info:
+            run.resolve_run(config=_config(model), run_dir=own, deployment=True)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith(f"run_dir = {own}"), message
+        assert "writes its outputs only under" in message and deployment.ROOTS_ENV in message, message
+        with pytest.raises(ConfigError, match=rf"^run_dir = {re.escape(own)}[ :].*writes its outputs only under"):
+            run.resolve_run(run_dir=own, resume=True, deployment=True)
+    assert not any((PROJECT_ROOT / p).exists() for p in (".git/coba-run", ".venv/run", "coba_tasks/run", "data/run"))
+    # runs/<run_name> and the worker's roots are where a deployment's runs go; `coba run` goes anywhere
+    root = run.resolve_run(config=_config(model), run_name="deployment-test", deployment=True)[1]
+    assert root == (PROJECT_ROOT / "runs" / "deployment-test").resolve()
+    root = run.resolve_run(config=_config(model), run_dir=str(roots / "run"), deployment=True)[1]
+    assert root == (roots / "run").resolve()
+    assert run.resolve_run(config=_config(model), run_dir="data/run")[1] == (PROJECT_ROOT / "data" / "run")
 
 
 @pytest.mark.slow

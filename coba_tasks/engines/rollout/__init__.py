@@ -6,27 +6,35 @@ backends are ``vllm_backend`` (``vllm``), ``ray_backend`` (``vllm-ray``) and ``h
 """
 
 from coba_tasks.engines.rollout.base import (
+    TRANSPORT_BACKENDS,
+    WEIGHT_TRANSPORTS,
     Rollout,
     RolloutBackend,
     RolloutRequest,
     SamplingConfig,
     backend_class,
     backends,
+    engine_in_process,
     make_backend,
     register_backend,
     rollout_seed,
     sleep_unavailable,
+    weight_transport_refusal,
 )
 
 __all__ = [
+    "TRANSPORT_BACKENDS",
+    "WEIGHT_TRANSPORTS",
     "Rollout",
     "RolloutBackend",
     "RolloutRequest",
     "SamplingConfig",
     "backend_class",
     "backends",
+    "engine_in_process",
     "make_backend",
     "register_backend",
     "rollout_seed",
     "sleep_unavailable",
+    "weight_transport_refusal",
 ]

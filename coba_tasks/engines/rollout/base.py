@@ -196,6 +196,34 @@ def sleep_unavailable(name: str) -> str | None:
     return cls.sleep_unavailable() if isinstance(cls, type) and issubclass(cls, RolloutBackend) else None
 
 
+# How set_weights reaches a vLLM engine (rollout.weight_transport; ``auto`` picks the one its place allows):
+# the trainer's tensors by reference in this process, CUDA IPC to an engine process on the GPU, else their bytes
+WEIGHT_TRANSPORTS = ("reference", "ipc", "bytes")
+TRANSPORT_BACKENDS = ("vllm", "vllm-ray")  # the backends whose engines take one (the transformers one: none)
+
+
+def engine_in_process(in_process: bool | None, on_cpu: bool) -> bool:
+    """Whether a vLLM engine runs in this process: ``rollout.in_process``, or (None) on a machine without CUDA."""
+    return on_cpu if in_process is None else in_process
+
+
+def weight_transport_refusal(asked: str, in_process: bool, on_cpu: bool, tp: int) -> str | None:
+    """Why a vLLM engine in this process or not (``in_process``), on a machine without CUDA or with it
+    (``on_cpu``), split over ``tp`` GPUs cannot take its weights by ``asked`` (one of ``WEIGHT_TRANSPORTS``);
+    None when it can, and for ``auto``. The one rule: the engine applies it when it starts (``vllm_backend``),
+    the config before a run starts (``RolloutConfig`` for every machine, ``check_platform`` for this one)."""
+    if asked == "reference" and not in_process:
+        return "the engine runs in a process of its own (rollout.in_process), out of reach of the trainer's tensors"
+    if asked == "ipc" and (in_process or on_cpu or tp != 1):
+        return (
+            "CUDA IPC needs an engine in a process of its own (rollout.in_process) with one worker "
+            "(rollout.tensor_parallel_size 1) on the GPU"
+        )
+    if asked == "bytes" and in_process:
+        return "the engine runs in this process (rollout.in_process), where the trainer's tensors go by reference"
+    return None
+
+
 def make_backend(name: str, model_path: str | Path, **options: Any) -> RolloutBackend:
     """Start the backend ``name`` on the HF checkpoint at ``model_path``."""
     cls = backend_class(name)

@@ -25,7 +25,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coba_tasks.engines.rollout.base import Rollout, RolloutBackend, RolloutRequest, SamplingConfig, register_backend
+from coba_tasks.engines.rollout.base import (
+    WEIGHT_TRANSPORTS,
+    Rollout,
+    RolloutBackend,
+    RolloutRequest,
+    SamplingConfig,
+    engine_in_process,
+    register_backend,
+    weight_transport_refusal,
+)
 from coba_tasks.engines.rollout.vllm_worker import wire_tensor
 
 if TYPE_CHECKING:
@@ -37,7 +46,7 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "coba_tasks.engines.rollout.vllm_worker.WeightReload"
 RELOAD_METHOD = "coba_reload_weights"
 TENSORS_METHOD = "coba_load_tensors"
-TRANSPORTS = ("reference", "ipc", "bytes")  # set_weights: see the module docstring
+TRANSPORTS = WEIGHT_TRANSPORTS  # set_weights: see the module docstring
 
 
 @register_backend("vllm")
@@ -74,8 +83,7 @@ class VLLMBackend(RolloutBackend):
         if tp > 1 and (on_cpu or in_process):  # vLLM's CPU build and its "uni" executor run one worker
             where = "without CUDA" if on_cpu else "with in_process=True (one worker)"
             raise ValueError(f"tensor_parallel_size={tp}: vLLM cannot split an engine {where}")
-        if in_process is None:
-            in_process = on_cpu
+        in_process = engine_in_process(in_process, on_cpu)
         if in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -351,22 +359,15 @@ class VLLMBackend(RolloutBackend):
 
 
 def _transport(asked: str, in_process: bool, on_cpu: bool, tp: int) -> str:
-    """The weight transport of an engine (``auto``: the one its place allows); a transport it cannot use is a
-    one-line ValueError."""
-    ipc_possible = not in_process and not on_cpu and tp == 1
+    """The weight transport of an engine (``auto``: the first its place allows of reference, ipc and bytes); a
+    transport it cannot use (``weight_transport_refusal``, the config's rule too) is a one-line ValueError."""
     if asked == "auto":
-        return "reference" if in_process else "ipc" if ipc_possible else "bytes"
-    why = {
-        "reference": None if in_process else "the engine runs in a process of its own (rollout.in_process)",
-        "ipc": None if ipc_possible else "CUDA IPC needs one engine worker (tensor_parallel_size 1) on the GPU",
-        "bytes": "the engine runs in this process: its tensors go by reference (weight_transport auto)"
-        if in_process
-        else None,
-    }
-    if asked not in why:
+        return next(t for t in TRANSPORTS if weight_transport_refusal(t, in_process, on_cpu, tp) is None)
+    if asked not in TRANSPORTS:
         raise ValueError(f"weight_transport must be one of auto, {', '.join(TRANSPORTS)}; got {asked!r}")
-    if why[asked] is not None:
-        raise ValueError(f"weight_transport={asked}: {why[asked]}; use weight_transport=auto")
+    why = weight_transport_refusal(asked, in_process, on_cpu, tp)
+    if why is not None:
+        raise ValueError(f"weight_transport={asked}: {why}; use weight_transport=auto")
     return asked
 
 
