@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from coba_tasks.engines.bootstrap import BootstrapConfig, build_area, publish, write_metrics
 from coba_tasks.pipeline import deployment
 from coba_tasks.pipeline.tasks import build_model_task, sft_eval_task, warm_up_task
-from coba_tasks.readers.text import figure_table
+from coba_tasks.readers.text import figure_table, markdown_text
 
 
 @flow(name="coba-bootstrap", log_prints=True)
@@ -52,7 +52,7 @@ def bootstrap_flow(
     create_markdown_artifact(
         key="coba-bootstrap",
         markdown=figure_table(
-            f"# Bootstrap of {out}",
+            f"# Bootstrap of {markdown_text(out)}",
             [
                 ("held-out greedy accuracy", f"{figures['accuracy']:.3f}"),
                 *((f"accuracy, level {k}", f"{v:.2f}") for k, v in figures["accuracy_by_difficulty"].items()),

@@ -11,13 +11,15 @@ evaluation: ``evaluate-model`` starts the rollout engine and the verifier pool, 
 prompt (``coba_tasks.pipeline.evaluation.evaluate``) and closes both; ``write-eval-table`` writes the
 per-prompt table (prompt_id, difficulty, data_source, accuracy, samples, solved, ...) atomically where
 ``out_path`` says (an existing file only with ``overwrite=True``, an input of the evaluation never). The
-figures go to a markdown artifact ``eval-<model>`` and are returned. Importing this module starts
-nothing; relative paths are from the working directory (the project, in a deployment).
+figures go to a markdown artifact ``eval-<model>`` (paths and data sources shown as written: ``markdown_text``)
+and are returned. ``coba-eval-watch`` (``watch_flow``) evaluates a run's newest checkpoint as the run scores it.
+Importing this module starts nothing; relative paths are from the working directory (the project, in a deployment).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,12 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed, State
 
 from coba_tasks.pipeline import deployment
-from coba_tasks.pipeline.evaluation import EvalSettings, check_eval_inputs, eval_settings
+from coba_tasks.pipeline.evaluation import EvalSettings, check_eval_inputs, check_run_scoring, eval_settings
 from coba_tasks.pipeline.run import read_run_config, whole_checkpoint
 from coba_tasks.pipeline.store import RUN_FILE, RunStore, Table
-from coba_tasks.pipeline.tasks import evaluate_model_task, write_eval_table_task
+from coba_tasks.pipeline.tasks import evaluate_checkpoint_task, evaluate_model_task, write_eval_table_task
 from coba_tasks.readers.figures import eval_table_figures
-from coba_tasks.readers.text import figure_table
+from coba_tasks.readers.text import figure_table, markdown_text
 from flows.view import RunWatch
 
 
@@ -95,7 +97,7 @@ def eval_flow(
     create_markdown_artifact(
         key=artifact_key(model_path),
         markdown=figure_table(
-            f"# Held-out evaluation of {model_path}",
+            f"# Held-out evaluation of {markdown_text(model_path)}",
             [
                 ("test set", s.test_path),
                 ("prompts", len(table)),
@@ -108,7 +110,7 @@ def eval_flow(
                 *([("per-prompt table", written)] if written else []),
             ],
         ),
-        description=f"held-out accuracy of {model_path}",
+        description=f"held-out accuracy of {markdown_text(model_path)}",
     )
     return {"model": str(model_path), "test_path": s.test_path, "out_path": written, **figures}
 
@@ -116,15 +118,16 @@ def eval_flow(
 @flow(name="coba-eval-watch")
 def watch_flow(run_name: str | None = None, run_dir: str | None = None, eval_prompts: int | None = None) -> State:
     """Held-out accuracy of the newest checkpoint of a run while it trains (``prefect.yaml``'s ``coba-eval-watch``:
-    every 30 minutes once its schedule is turned on; docs/workers.md).
+    every 30 minutes once its schedule is turned on; docs/workers.md, "Held-out accuracy while a run trains").
 
-    The run is ``runs/<run_name>`` or ``run_dir``; its newest whole checkpoint (``checkpoints/NNNNNN``) is
-    evaluated with the run's own evaluation settings (``EvalSettings.from_config``; ``eval_prompts``, a seeded
-    sample, makes it quicker) in this flow run's own engine, and the figures go to the run's artifact
-    ``<scope>-watch`` (``flows.view.heldout_rows``, one version per checkpoint) and a ``coba.evaluation.finished``
-    event of the run. A checkpoint the run evaluated itself is read from its table, not computed again; one
-    this watch already posted is skipped. Nothing is written into the run directory (its run holds the lock).
-    Returns a Completed state whose message says what it did.
+    The run is ``runs/<run_name>`` or ``run_dir``; its newest checkpoint (``checkpoints/NNNNNN``) is shown
+    (``watched_checkpoint``): one this watch already posted is skipped, one the run evaluated itself is read from
+    its table, another is evaluated whole as the run's own evaluation would score it
+    (``evaluation.evaluate_run_checkpoint``; ``eval_prompts``, a seeded sample of each held-out set, makes it
+    quicker) in this flow run's own engine, or refused in one line where it cannot be. The figures go to the
+    run's artifact ``<scope>-watch`` (``flows.view.heldout_rows``, one version per checkpoint) and a
+    ``coba.evaluation.finished`` event of the run. Nothing is written into the run directory (its run holds the
+    lock). Returns a Completed state whose message says what it did.
     """
     log = get_run_logger()
     root = Path(run_dir) if run_dir else Path("runs") / (run_name or "")
@@ -136,22 +139,32 @@ def watch_flow(run_name: str | None = None, run_dir: str | None = None, eval_pro
         raise ValueError(f"{root}: not a run directory ({RUN_FILE} is missing); give the run_name or run_dir of a run")
     store = RunStore.open(root)
     cfg = read_run_config(store)
-    whole = [k for k in store.checkpoints() if whole_checkpoint(store, k)]
-    if not whole:
-        return Completed(message=f"{root}: no whole checkpoint yet; nothing evaluated")
-    step = whole[-1]
     view = RunWatch(root, cfg)
-    if view.posted(step):
+    posted = view.posted_step()
+    step = watched_checkpoint(store, posted, lambda: check_run_scoring(store, cfg))
+    if step is None:
+        return Completed(message=f"{root}: no whole checkpoint yet; nothing evaluated")
+    if step == posted:
         return Completed(message=f"checkpoints/{step:06d} of {root} was evaluated by an earlier watch; nothing done")
     if store.is_done(step, Table.EVAL):  # the run's own evaluation of these weights
         table, source = store.read_table(step, Table.EVAL), f"the run's steps/{step:06d}/eval.parquet"
     else:
-        settings = EvalSettings.from_config(cfg)
-        if eval_prompts is not None:
-            settings = eval_settings(settings, eval_prompts=eval_prompts)
-        table = evaluate_model_task(str(store.checkpoint_dir(step)), settings)
+        table = evaluate_checkpoint_task(str(root), step, eval_prompts or 0)
         source = f"checkpoints/{step:06d}, evaluated now"
     rows = view.post(step, table, source)
     text = "; ".join(f"{r['test_set']} avg@k {r['avg_at_k']:.3f}" for r in rows)
     log.info(f"held-out accuracy of {root} after {step} updates ({source}): {text}")
     return Completed(message=f"checkpoints/{step:06d}: {text} ({source})", data={"step": step, "rows": rows})
+
+
+def watched_checkpoint(store: RunStore, posted: int | None, before_hashing: Callable[[], None]) -> int | None:
+    """The checkpoint the watch shows, the newest first: one an earlier watch posted (``posted``: nothing to do),
+    one the run evaluated itself, or the first whose files are as its checkpoint.json lists them (the only one
+    hashed, after ``before_hashing``); None when there is none."""
+    for step in sorted(store.checkpoints(), reverse=True):
+        if step == posted or store.is_done(step, Table.EVAL):
+            return step
+        before_hashing()  # what would refuse the evaluation refuses it before gigabytes are read
+        if whole_checkpoint(store, step):
+            return step
+    return None

@@ -13,7 +13,9 @@ absolute path), so two runs never share a collection, in ``coba compare`` as any
 
 Events (resource ``coba.run.<scope>``, for automations): ``coba.step.finished`` (payload: the step's row),
 ``coba.run.no-signal`` (a run's ``NO_SIGNAL_STEPS``-th step in a row without a mixed group) and
-``coba.evaluation.finished`` (payload: the evaluation's rows). Everything is read from the run's tables.
+``coba.evaluation.finished`` (payload: the evaluation's rows). Everything is read from the run's tables. The
+Prefect UI renders artifacts' descriptions and table cells as markdown: the texts of the run (its directory,
+held-out set names, prompt ids) go there escaped (``readers.text.markdown_text``), the events keep them as they are.
 
 ``coba-eval-watch`` (``RunWatch``) adds ``<scope>-watch``: the held-out evaluation of the run's newest
 checkpoint while it trains, a version per checkpoint, with the same event.
@@ -47,6 +49,7 @@ from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.run import RunResources
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers.figures import NO_SIGNAL_STEPS, heldout_rows, step_row
+from coba_tasks.readers.text import markdown_text
 
 STEP_EVENT = "coba.step.finished"
 NO_SIGNAL_EVENT = "coba.run.no-signal"
@@ -81,6 +84,11 @@ def run_title(root: str | os.PathLike[str], strategy: str, seed: int) -> str:
     return f"{shown} ({strategy}, seed {seed})"
 
 
+def table_cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` for a table artifact: each text cell as markdown that shows it as written (``markdown_text``)."""
+    return [{k: markdown_text(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
+
+
 def run_resource(scope: str, title: str) -> dict[str, str]:
     """The Prefect event resource of a run: ``coba.run.<scope>``, named by its title."""
     return {"prefect.resource.id": f"coba.run.{scope}", "prefect.resource.name": title}
@@ -95,6 +103,7 @@ class RunView:
         self.scope = run_scope(res.store.root)
         self.title = run_title(res.store.root, res.cfg.allocation.strategy, res.cfg.run.seed)
         self.resource = run_resource(self.scope, self.title)
+        self.shown = markdown_text(self.title)  # the title in an artifact's description (markdown)
         self.rows = {s: step_row(self.store, s) for s in range(first)}  # the steps done before this flow run
         self.evaluations = {s: self._evaluation(s) for s in self.store.steps() if self.store.is_done(s, Table.EVAL)}
         self.table_id: Any = None
@@ -109,24 +118,26 @@ class RunView:
         return 100.0 * len(self.rows) / max(1, self.cfg.run.steps)
 
     def _progress_text(self) -> str:
-        return f"{self.title}: {len(self.rows)} of {self.cfg.run.steps} steps done"
+        return f"{self.shown}: {len(self.rows)} of {self.cfg.run.steps} steps done"
 
     def step_done(self, step: int, figures: dict[str, dict[str, Any]], no_signal: int) -> None:
         """After step ``step``: its row in the step table, the progress, its budgets, its events."""
         row = self.rows[step] = step_row(self.store, step, figures)
         rows = [self.rows[s] for s in sorted(self.rows)]
-        description = f"{self.title}: the figures of every done step"
+        description = f"{self.shown}: the figures of every done step"
         if self.table_id is None:
-            self.table_id = create_table_artifact(table=rows, key=f"{self.scope}-steps", description=description)
+            self.table_id = create_table_artifact(
+                table=table_cells(rows), key=f"{self.scope}-steps", description=description
+            )
         else:
             with get_client(sync_client=True) as client:
-                client.update_artifact(self.table_id, ArtifactUpdate(data=json.dumps(rows)))
+                client.update_artifact(self.table_id, ArtifactUpdate(data=json.dumps(table_cells(rows))))
         update_progress_artifact(self.progress_id, self._percent(), description=self._progress_text())
         allocated = self.store.read_table(step, Table.BUDGET)[list(BUDGET_COLUMNS)]
         create_table_artifact(
             key=f"{self.scope}-budget",
-            table=allocated.round(4).to_dict("records"),
-            description=f"{self.title}: the rollout budgets of step {step}",
+            table=table_cells(allocated.round(4).to_dict("records")),
+            description=f"{self.shown}: the rollout budgets of step {step}",
         )
         emit_event(STEP_EVENT, resource=self.resource, payload=row)
         if no_signal == NO_SIGNAL_STEPS:
@@ -139,9 +150,9 @@ class RunView:
         rows = self.evaluations[step] = self._evaluation(step)
         every = [r for s in sorted(self.evaluations) for r in self.evaluations[s]]
         create_table_artifact(
-            table=every,
+            table=table_cells(every),
             key=f"{self.scope}-heldout",
-            description=f"{self.title}: held-out evaluations, the newest after step {step}",
+            description=f"{self.shown}: held-out evaluations, the newest after step {step}",
         )
         emit_event(EVAL_EVENT, resource=self.resource, payload={"step": step, "rows": rows})
 
@@ -150,7 +161,7 @@ class RunView:
 
     def report(self, html: Path, markdown: str) -> None:
         """The run's report, its plots inline (``readers.report.report_artifacts_markdown``)."""
-        create_markdown_artifact(key=f"{self.scope}-report", markdown=markdown, description=f"{self.title}: report")
+        create_markdown_artifact(key=f"{self.scope}-report", markdown=markdown, description=f"{self.shown}: report")
         get_run_logger().info(f"report: {html} (in Prefect: the artifact {self.scope}-report)")
 
 
@@ -164,21 +175,22 @@ class RunWatch:
         self.key = f"{self.scope}-watch"
         self.resource = run_resource(self.scope, self.title)
 
-    def posted(self, step: int) -> bool:
-        """Whether the newest version of ``<scope>-watch`` is the evaluation after ``step`` updates."""
+    def posted_step(self) -> int | None:
+        """The step of the newest version of ``<scope>-watch`` (the checkpoint it evaluated); None: none yet."""
         with get_client(sync_client=True) as client:
             newest = client.read_artifacts(
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[self.key])),
                 sort=ArtifactSort.CREATED_DESC,
                 limit=1,
             )
-        return bool(newest) and any(row.get("step") == step for row in json.loads(str(newest[0].data)))
+        steps = [row.get("step") for row in json.loads(str(newest[0].data))] if newest else []
+        return steps[0] if steps else None
 
     def post(self, step: int, table: pd.DataFrame, source: str) -> list[dict[str, Any]]:
         """The evaluation table of the weights after ``step`` updates as a version of ``<scope>-watch`` and an
         event; its rows."""
         rows = heldout_rows(table, step)
-        description = f"{self.title}: held-out evaluation after {step} updates ({source})"
-        create_table_artifact(table=rows, key=self.key, description=description)
+        description = f"{markdown_text(self.title)}: held-out evaluation after {step} updates ({source})"
+        create_table_artifact(table=table_cells(rows), key=self.key, description=description)
         emit_event(EVAL_EVENT, resource=self.resource, payload={"step": step, "rows": rows, "by": "coba-eval-watch"})
         return rows

@@ -1,13 +1,13 @@
 """Held-out evaluation, its one home: in a training run (the task ``evaluate_step(run_dir, t)`` writes
 ``steps/t/eval.parquet`` at the ``eval_steps``) and of any model directory (the ``coba-eval`` flow:
 ``EvalSettings`` is its typed, frozen parameter; ``check_eval_inputs`` refuses what cannot be evaluated or
-written before an engine starts; ``evaluate_model``; ``write_eval_table``). ``evaluate`` does the scoring.
+written before an engine starts; ``evaluate_model``; ``write_eval_table``) and of a run's checkpoint outside
+its run (``coba-eval-watch``: ``evaluate_run_checkpoint``, as the run scores it). ``evaluate`` does the scoring.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -22,13 +22,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coba_tasks.engines.checkpoint import CHECKPOINT_MANIFEST, verify_checkpoint
-from coba_tasks.engines.fileio import write_parquet
+from coba_tasks.engines.fileio import content_sha256, write_parquet
 from coba_tasks.engines.lora import (
     base_model_of,
     check_adapter_base,
     is_adapter_checkpoint,
     merge_adapter_checkpoint,
 )
+from coba_tasks.engines.reward_file import RewardFunction
 from coba_tasks.engines.rollout import RolloutBackend, SamplingConfig, backends, make_backend
 from coba_tasks.engines.verify import Gsm8kAnswer, VerdictKind, solved
 from coba_tasks.engines.verify_pool import VerifierPool
@@ -48,15 +49,18 @@ from coba_tasks.pipeline.data import (
     DatasetError,
     check_ground_truths,
     check_prompt_lengths,
+    eval_prompt_set,
     keep_difficulties,
     load_dataset,
+    load_run_datasets,
     model_context,
     render_prompts,
     sample_eval_prompts,
 )
-from coba_tasks.pipeline.run import RunResources, checked_checkpoint
+from coba_tasks.pipeline.deployment import check_reward_files
+from coba_tasks.pipeline.run import RunResources, check_remote_code, checked_checkpoint, verifier_pool
 from coba_tasks.pipeline.stages import check_error_share, reward_table, rollout_tables, stage
-from coba_tasks.pipeline.store import StoreError, Table
+from coba_tasks.pipeline.store import RunStore, StoreError, Table
 
 # each setting's key in a run's config (section, key): its default there, and where from_config reads it
 CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
@@ -353,10 +357,7 @@ def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = Fal
     loaded = keep_difficulties(load_dataset(s.test_path), s.difficulties, s.test_path)  # as a run keeps them
     checked, _ = check_ground_truths(loaded, s.test_path, "error", s.unknown_sources, VERIFY.workers, VERIFY.timeout_s)
     with contextlib.ExitStack() as stack:
-        engine_path = model_path
-        if is_adapter_checkpoint(model_path):  # a LoRA checkpoint: the engine samples from the merged weights
-            merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coba-eval-"))) / "merged"
-            engine_path = str(merge_adapter_checkpoint(model_path, merged, getattr(torch, s.dtype, torch.float32)))
+        engine_path = engine_weights(model_path, s.dtype, stack)
         tokenizer, context, context_from = model_context(engine_path, False, s.max_model_len)
         selected = sample_eval_prompts(checked, s.eval_prompts, s.seed)  # as a training run draws its held-out set
         test, unrendered = render_prompts(selected, tokenizer, s.prompt_format)
@@ -393,6 +394,15 @@ def evaluate_model(model_path: str, settings: EvalSettings, progress: bool = Fal
         return table.assign(data_source=test["data_source"].to_numpy()) if "data_source" in test else table
 
 
+def engine_weights(model_path: str, dtype: str, stack: contextlib.ExitStack) -> str:
+    """The model directory an engine samples ``model_path``'s policy from: itself, or a LoRA checkpoint merged
+    into its base (in ``dtype``) in a temporary directory that ``stack`` removes."""
+    if not is_adapter_checkpoint(model_path):
+        return model_path
+    merged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coba-eval-"))) / "merged"
+    return str(merge_adapter_checkpoint(model_path, merged, getattr(torch, dtype, torch.float32)))
+
+
 def write_eval_table(table: pd.DataFrame, out_path: str, overwrite: bool = False) -> str:
     """Write the per-prompt table as Parquet, atomically; an existing ``out_path`` (one that appeared during
     the evaluation, too) is replaced only with ``overwrite``."""
@@ -400,9 +410,81 @@ def write_eval_table(table: pd.DataFrame, out_path: str, overwrite: bool = False
     return str(write_parquet(table, Path(out_path).resolve()))
 
 
-# --- In a training run: the task, the weights it scores, which evaluations are due
+# --- A run's checkpoint outside its run (coba-eval-watch), scored as the run scores it
 
-EVAL_WEIGHTS_DIR = "eval_weights"  # LoRA: an earlier step's merged policy, for its evaluation (removed after)
+
+def scoring_inputs(cfg: Config) -> dict[str, str]:
+    """Config key -> path of the files a run's held-out evaluation reads (data.test, data.extra_tests, the reward
+    file), under the keys of run.json's inputs (``run.run_inputs``)."""
+    extra = {f"data.extra_tests[{i}]": p for i, p in enumerate(cfg.data.extra_tests)}
+    spec = cfg.verify.reward_function.strip()
+    reward = {"verify.reward_function": RewardFunction.from_spec(spec).path} if spec else {}
+    return {"data.test": cfg.data.test, **extra, **reward}
+
+
+def check_run_scoring(store: RunStore, cfg: Config) -> None:
+    """Refuse, in one line, what would score the run's checkpoints otherwise than its own evaluations: a reward
+    file or a model's own code this process may not run (``check_reward_files``, ``check_remote_code``), a
+    held-out file or reward file that is not the one the run started with (its sha256 in run.json)."""
+    check_reward_files(cfg)
+    check_remote_code(cfg)
+    recorded = store.run_info.get("inputs") or {}
+    for key, path in scoring_inputs(cfg).items():
+        now = content_sha256(path) if Path(path).is_file() else "missing"
+        if now != (recorded.get(key) or {}).get("sha256"):
+            raise StoreError(
+                f"coba-eval-watch: {key} ({path}) is not the file run {store.root} started with (its sha256 in "
+                "run.json differs), so the figures would not be the run's; restore it, or evaluate the checkpoint "
+                "with coba eval; nothing evaluated"
+            )
+
+
+def sample_each_set(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame:
+    """``sample_eval_prompts`` of each held-out set of ``test`` (column ``test_set``); 0: every prompt."""
+    if not prompts:
+        return test
+    sets = (part.reset_index(drop=True) for _, part in test.groupby("test_set", sort=False))
+    return pd.concat([sample_eval_prompts(part, prompts, seed) for part in sets], ignore_index=True)
+
+
+def evaluate_run_checkpoint(store: RunStore, cfg: Config, step: int, eval_prompts: int = 0) -> pd.DataFrame:
+    """Per-prompt held-out accuracy of ``checkpoints/<step>`` as the run's own evaluation of those weights
+    (``evaluate_step``) computes it, in an engine of its own: the run's held-out prompts (data.test and
+    data.extra_tests: ``eval_prompt_set`` of ``load_run_datasets``), its verifier pool (``verifier_pool``: its
+    reward file, if any), its run.eval_* settings; ``eval_prompts`` > 0: a seeded sample of each set. What cannot
+    be matched is refused first (``check_run_scoring``)."""
+    check_run_scoring(store, cfg)
+    data = load_run_datasets(cfg, train=False)
+    test = sample_each_set(eval_prompt_set(cfg, data.test, data.extra_tests), eval_prompts, cfg.run.seed)
+    r, ckpt = cfg.run, store.checkpoint_dir(step)
+    with contextlib.ExitStack() as stack:
+        engine = make_backend(
+            cfg.rollout.backend,
+            engine_weights(str(ckpt), cfg.model.dtype, stack),
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len or None,
+            seed=r.seed,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        stack.callback(engine.close)  # after the pool's (the stack closes in reverse)
+        engine.weight_version = step
+        pool = stack.enter_context(verifier_pool(cfg))
+        return evaluate(
+            test,
+            engine,
+            pool,
+            r.eval_samples,
+            r.eval_temperature,
+            cfg.rollout.max_tokens,
+            r.seed,
+            greedy=r.eval_greedy,
+            top_p=r.eval_top_p,
+            max_error_share=cfg.verify.max_error_share,
+            where=f"held-out evaluation of {ckpt}",
+        )
+
+
+# --- In a training run: the task, the weights it scores, which evaluations are due
 
 
 @stage(Table.EVAL)
@@ -446,24 +528,17 @@ def engine_holds(res: RunResources, version: int) -> Iterator[None]:
 
 
 def _load_version(res: RunResources, version: int) -> None:
-    """Load the policy after ``version`` updates: the base model at 0, the checkpoint, with LoRA merged."""
-    cfg = res.cfg
+    """Load the policy after ``version`` updates: the base model at 0, else the trainer's (the flow brings the
+    trainer to a version before evaluating it: ``stages.advance``), or without one here (FSDP) the checkpoint."""
     if version == 0:
-        res.engine.load_weights(cfg.model.path, version=0)
-        return
-    if res.trainer is not None and res.trainer.updates == version:  # from the trainer's memory, as after its update
+        res.engine.load_weights(res.cfg.model.path, version=0)
+    elif res.trainer is not None:
+        if res.trainer.updates != version:
+            raise RuntimeError(f"the trainer holds the policy after {res.trainer.updates} updates, not {version}")
         res.engine.set_weights(res.trainer.engine_weights, version=version)
-        return
-    ckpt = checked_checkpoint(res.store, version, needed_for=f"the held-out evaluation of step {version} needs it")
-    if cfg.model.lora_rank == 0:
-        res.engine.load_weights(ckpt, version=version)
-        return
-    merged = res.store.root / EVAL_WEIGHTS_DIR
-    dtype = getattr(torch, cfg.model.dtype) if cfg.model.dtype not in ("auto", "float32") else torch.float32
-    try:
-        res.engine.load_weights(merge_adapter_checkpoint(ckpt, merged, dtype), version=version)
-    finally:
-        shutil.rmtree(merged, ignore_errors=True)
+    else:
+        needed = f"the held-out evaluation of step {version} needs it"
+        res.engine.load_weights(checked_checkpoint(res.store, version, needed_for=needed), version=version)
 
 
 def due_evaluations(res: RunResources, first: int) -> list[int]:

@@ -1,7 +1,8 @@
 """The Prefect tasks of the evaluation and bootstrap flows, each wrapping one function of this package (the
 training step's tasks are in ``coba_tasks.pipeline.stages``).
 
-Evaluation (``coba-eval``): ``evaluate-model`` and ``write-eval-table`` (``coba_tasks.pipeline.evaluation``).
+Evaluation (``coba-eval``): ``evaluate-model`` and ``write-eval-table`` (``coba_tasks.pipeline.evaluation``);
+``coba-eval-watch``: ``evaluate-checkpoint``.
 Bootstrap (``coba-bootstrap``): ``build-model``, ``sft-warmup`` and ``sft-eval``
 (``coba_tasks.engines.bootstrap``).
 """
@@ -18,12 +19,22 @@ from coba_tasks.engines import bootstrap
 from coba_tasks.pipeline import evaluation
 from coba_tasks.pipeline.data import load_dataset
 from coba_tasks.pipeline.evaluation import EvalSettings
+from coba_tasks.pipeline.run import read_run_config
+from coba_tasks.pipeline.store import RunStore
 
 
 @task(name="evaluate-model", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def evaluate_model_task(model_path: str, settings: EvalSettings, progress: bool = False) -> pd.DataFrame:
     """Per-prompt held-out accuracy of the model; the engine and the verifier pool live only in this task."""
     return evaluation.evaluate_model(model_path, settings, progress)
+
+
+@task(name="evaluate-checkpoint", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def evaluate_checkpoint_task(run_dir: str, step: int, eval_prompts: int = 0) -> pd.DataFrame:
+    """Per-prompt held-out accuracy of the run's ``checkpoints/<step>`` as the run scores it
+    (``evaluation.evaluate_run_checkpoint``); the engine and the verifier pool live only in this task."""
+    store = RunStore.open(run_dir)
+    return evaluation.evaluate_run_checkpoint(store, read_run_config(store), step, eval_prompts)
 
 
 @task(name="write-eval-table", retries=1, cache_policy=NO_CACHE)

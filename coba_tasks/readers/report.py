@@ -57,7 +57,7 @@ from coba_tasks.readers.plots import (
 )
 from coba_tasks.readers.samples import samples_sql, step_samples_for_eval
 from coba_tasks.readers.tables import RunTables, load_run
-from coba_tasks.readers.text import figure_table, run_status, summary_rows
+from coba_tasks.readers.text import figure_table, markdown_text, run_status, summary_rows
 
 ACCURACY_PNG = "accuracy.png"
 CAPABILITY_PNG = "capability.png"
@@ -278,7 +278,7 @@ pre.prompt {{ background: #eef3fa; }}
 def report_artifacts_markdown(run_dir: str | os.PathLike[str], inline: bool = True) -> str:
     """The report as markdown for a Prefect artifact: the headline figures and the report's plots, each shown
     inline (a ``data:`` image: the artifact needs nothing else to be seen, in any browser) when ``inline``, with
-    its path; the page's path.
+    its path; the page's path. The run's paths are shown as written (``markdown_text``), never as markdown.
 
     Lists the PNGs present in ``<run_dir>/report/`` (run ``write_report`` first to draw them).
 
@@ -286,17 +286,18 @@ def report_artifacts_markdown(run_dir: str | os.PathLike[str], inline: bool = Tr
         ValueError: not a run directory, or no step done yet.
     """
     data = _load(run_dir)
-    lines = [figure_table(f"### coba-rl report: `{data.store.root}`", _headline_rows(run_summary(data)))]
+    root = markdown_text(data.store.root)
+    lines = [figure_table(f"### coba-rl report: {root}", _headline_rows(run_summary(data)))]
     report = data.store.report_dir()
     pngs = [report / n for n in PLOT_FILES if (report / n).is_file()]
     if not pngs:
-        lines.append(f"No plots yet: run `coba report --run-dir {data.store.root}`.")
+        lines.append(f"No plots yet: run coba report --run-dir {root}")
         return "\n".join(lines) + "\n"
     lines.append("Plots:")
     for p in pngs:
         if inline:
             lines += ["", f"![{p.name}](data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()})", ""]
-        lines.append(f"- `{p}`")
+        lines.append(f"- {markdown_text(p)}")
     if (report / INDEX_HTML).is_file():
-        lines.append(f"- page: `{report / INDEX_HTML}`")
+        lines.append(f"- page: {markdown_text(report / INDEX_HTML)}")
     return "\n".join(lines) + "\n"

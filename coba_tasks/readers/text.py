@@ -4,6 +4,7 @@ show (``summary_rows`` of ``figures.run_summary``), step ranges, and the markdow
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from itertools import groupby
 from typing import Any
@@ -22,9 +23,24 @@ def step_ranges(steps: Sequence[int]) -> str:
     return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
+MARKDOWN_MARKS = re.compile(r"([\\`*_\[\]<!|~&#])")  # what makes text a link, an image, HTML, code, emphasis or a cell
+
+
+def markdown_text(value: Any) -> str:
+    r"""``value`` as markdown that shows it as written, on one line (newlines become spaces): each character
+    that marks a link, an image, HTML, code, emphasis or a table cell backslash-escaped. Every text of a
+    dataset, a path or a name placed in an artifact goes through it.
+
+    >>> print(markdown_text("![x](https://a.example/x.png) | a_b\n<b>"))
+    \!\[x\](https://a.example/x.png) \| a\_b \<b>
+    """
+    return MARKDOWN_MARKS.sub(r"\\\1", re.sub(r"[\r\n]+", " ", str(value)))
+
+
 def figure_table(title: str, rows: list[tuple[str, Any]]) -> str:
-    """A markdown page of ``rows`` as a two-column table under ``title``: what the flows' artifacts and
-    the report's Prefect summary show.
+    """A markdown page of ``rows`` as a two-column table under ``title`` (markdown: its texts escaped by the
+    caller), each cell shown as written (``markdown_text``): what the flows' artifacts and the report's Prefect
+    summary show.
 
     >>> print(figure_table("# Step 0", [("rollouts", 128), ("loss", "-0.0123")]), end="")
     # Step 0
@@ -34,7 +50,8 @@ def figure_table(title: str, rows: list[tuple[str, Any]]) -> str:
     | rollouts | 128 |
     | loss | -0.0123 |
     """
-    return "\n".join([title, "", "| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]) + "\n"
+    cells = (f"| {markdown_text(k)} | {markdown_text(v)} |" for k, v in rows)
+    return "\n".join([title, "", "| figure | value |", "|---|---|", *cells]) + "\n"
 
 
 def run_status(s: dict[str, Any]) -> str:

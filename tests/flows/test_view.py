@@ -106,3 +106,45 @@ def test_run_scope_tells_two_runs_of_one_name_apart(tmp_path):
     a, b = run_scope(tmp_path / "x" / "demo"), run_scope(tmp_path / "y" / "demo")
     assert a != b and a.startswith("demo-") and b.startswith("demo-")
     assert run_scope(tmp_path / "x" / "demo") == a  # the same run, the same keys
+
+
+def test_a_runs_texts_reach_its_artifacts_as_written(tmp_path, prefect_harness):
+    """The run directory's name (in every description) and a held-out set's name (a table cell) reached the
+    artifacts as markdown, which the Prefect UI renders (descriptions and table cells alike): a remote image, a
+    link, code. Now each renders as written; the event's rows keep the name as it is."""
+    import html
+
+    from markdown_it import MarkdownIt
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.view import RunView, RunWatch, run_scope, run_title
+
+    root = tmp_path / "r ![i](http:x.png) [a](b) `c`"
+    store = RunStore(root)
+    store.create(config_dict={}, config_hash="abc", versions={})
+    name = "set ![i](http:y.png) | [a](b) _u_"
+    table = pd.DataFrame(
+        {"prompt_id": ["0", "1"], "test_set": ["test", name], "difficulty": [1, 1], "accuracy": [1.0, 0.0]}
+    )
+    store.write_table(0, Table.EVAL, table)
+    res = SimpleNamespace(store=store, cfg=load_config("configs/tiny-test.yaml"))
+
+    @flow
+    def post() -> list:
+        RunView(res, first=0).evaluation_done(0)
+        return RunWatch(root, res.cfg).post(2, table, "checkpoints/000002, evaluated now")
+
+    assert [r["test_set"] for r in post()] == ["test", name]  # the event's rows: the name as it is
+    scope = run_scope(root)
+    title = html.escape(run_title(root, res.cfg.allocation.strategy, res.cfg.run.seed))
+    markdown = MarkdownIt("commonmark").enable("table")
+    with get_client(sync_client=True) as client:
+        for kind in ("progress", "heldout", "watch"):
+            key = ArtifactFilter(key=ArtifactFilterKey(any_=[f"{scope}-{kind}"]))
+            (artifact,) = client.read_artifacts(artifact_filter=key)
+            assert markdown.render(artifact.description).startswith(f"<p>{title}: "), (kind, artifact.description)
+            if kind != "progress":
+                cells = [row["test_set"] for row in json.loads(artifact.data)]
+                assert [markdown.renderInline(c) for c in cells] == ["test", html.escape(name)], (kind, cells)

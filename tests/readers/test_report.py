@@ -21,6 +21,7 @@ from coba_tasks.readers.report import (
     report_artifacts_markdown,
     write_report,
 )
+from coba_tasks.readers.text import markdown_text
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROMPTS = [f"p{i}" for i in range(12)]
@@ -306,8 +307,24 @@ def test_markdown_lists_headline_figures_and_pngs(finished_run):
     md = report_artifacts_markdown(root)
     assert "| held-out acc | 0.312 -> 0.531  (step 0 -> step 3; evaluated at 0, 3) |" in md
     assert "144 rollouts |" in md and "| run | finished, " in md
-    for p in files.pngs:
-        assert f"`{p}`" in md
+    for p in files.pngs:  # each path shown as written (the run directory's name is the user's: not markdown)
+        assert f"- {markdown_text(p)}\n" in md
+
+
+def test_markdown_shows_the_run_directory_as_written(finished_run, tmp_path):
+    """A run directory whose name is markdown (an image, a link, code, a cell) reached the report artifact as
+    markdown; rendered now, its name is text and the only images are the plots, inline."""
+    import shutil
+
+    from markdown_it import MarkdownIt
+
+    root = shutil.copytree(finished_run[0], tmp_path / "r ![i](http:x.png) [a](b) `c` | *s*")
+    page = MarkdownIt("commonmark").enable("table").render(report_artifacts_markdown(root))
+    assert f"<h3>coba-rl report: {html.escape(str(root))}</h3>" in page
+    srcs = _img_srcs(page)
+    assert len(srcs) == len(PLOT_FILES) and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert "<a " not in page and "<code>" not in page and "<em>" not in page
+    assert f"<li>page: {html.escape(str(root / 'report' / 'index.html'))}</li>" in page
 
 
 def test_cli_subcommand(finished_run, capsys):
