@@ -78,7 +78,7 @@ def eval_flow(
         deployment.check_deployment_outputs({"out_path": out_path})  # never among the project's own files
         deployment.check_deployment_limits(
             {"run.eval_samples": settings.samples, "data.eval_prompts": settings.eval_prompts}
-            | {"rollout.max_tokens": settings.max_tokens}
+            | {"rollout.max_tokens": settings.max_tokens, "rollout.max_model_len": settings.max_model_len}
         )
     check_eval_inputs(model_path, settings, out_path, overwrite)
     table = evaluate_model_task(model_path, settings, progress)

@@ -289,6 +289,8 @@ def test_the_flows_check_their_parameters_under_a_deployment_only(tmp_path, root
         eval_flow(str(model), out_path=str(outside / "e.parquet"))
     with pytest.raises(ConfigError, match=r"^run\.eval_samples = 1000: above the cap"):
         eval_flow(str(model), settings={"samples": 1000, "temperature": 1.0})
+    with pytest.raises(ConfigError, match=r"^rollout\.max_model_len = 10000000: above the cap"):
+        eval_flow(str(model), settings={"max_model_len": 10_000_000})
     code = (PROJECT_ROOT / "flows" / "train.py").read_bytes()
     with pytest.raises(ConfigError, match=r"^out_path = flows/train\.py[ :].*a deployment writes its outputs only"):
         eval_flow(str(model), out_path="flows/train.py", overwrite=True)
