@@ -261,9 +261,10 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
 def cmd_bench_stages(args: argparse.Namespace) -> int:
     """``coba bench stages``: run the benchmark, print the report (or JSON); 0."""
     from coba_tasks.bench.stages_bench import bench_stages, format_stages
-    from coba_tasks.commands.prefect_env import configure_prefect
+    from coba_tasks.commands.prefect_env import configure_prefect, start_local_server
 
     configure_prefect()
+    start_local_server()
     from flows.train import train_flow
 
     def train(cfg: Any, run_dir: str) -> dict:

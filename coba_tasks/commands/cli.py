@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``coba`` console script."""
     from coba_tasks.commands.console import quiet_libraries, verbose_requested
+    from coba_tasks.commands.prefect_env import PrefectServerError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -85,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # bad input: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except PrefectServerError as exc:  # Prefect's local server did not start: what happened and what to do
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         code = getattr(exc, "exit_code", None)  # RunStopped: Ctrl-C or SIGTERM during a run, stopped after a stage
         if type(exc).__name__ != "RunStopped" or not isinstance(code, int):

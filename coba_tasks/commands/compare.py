@@ -253,6 +253,13 @@ def _train_one(
 ) -> None:
     """The training flow of one run of the comparison (the target of its own process), which forks the runs
     of ``carry`` ((run directory, overrides) pairs) from it."""
+    from coba_tasks.commands.prefect_env import PrefectServerError, start_local_server
+
+    try:
+        start_local_server()  # this process's own: a slow first start waited for, a failed one said in one line
+    except PrefectServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
     from flows.train import train_flow
 
     if carry:

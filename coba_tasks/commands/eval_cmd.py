@@ -78,9 +78,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     settings, source = eval_settings_for(args)
     check_eval_inputs(args.model, settings, args.out, args.overwrite)  # before Prefect and the engine start
-    from coba_tasks.commands.prefect_env import configure_prefect
+    from coba_tasks.commands.prefect_env import configure_prefect, start_local_server
 
     configure_prefect()
+    start_local_server()
     from flows.eval import eval_flow
 
     figures = eval_flow(args.model, settings, args.out, args.overwrite, progress=sys.stderr.isatty())

@@ -56,7 +56,7 @@ def add_convert_gguf_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     """Run ``coba bootstrap``: check the output and the data, then the bootstrap flow; print its figures."""
-    from coba_tasks.commands.prefect_env import configure_prefect
+    from coba_tasks.commands.prefect_env import configure_prefect, start_local_server
     from coba_tasks.engines.bootstrap import METRICS_FILE, BootstrapConfig, check_output
 
     out = Path(args.out)
@@ -68,6 +68,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         if not Path(path).is_file():
             raise ValueError(f"dataset {path} does not exist (regenerate it with: python data/make_arith.py)")
     configure_prefect()
+    start_local_server()
     from flows.bootstrap import bootstrap_flow
 
     chosen = {k: getattr(args, k, None) for k in ("steps", "threads", "label_noise", "give_up")}  # coba run: no threads

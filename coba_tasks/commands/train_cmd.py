@@ -140,9 +140,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from coba_tasks.pipeline.data import load_run_datasets
 
     load_run_datasets(cfg)  # a bad dataset or over-long prompt fails here, before anything is written
-    from coba_tasks.commands.prefect_env import configure_prefect
+    from coba_tasks.commands.prefect_env import configure_prefect, start_local_server
 
     configure_prefect()
+    start_local_server()  # a server that cannot start: one line; a slow first start is waited for
     from flows.train import train_flow
 
     summary = train_flow(config=cfg, run_dir=str(run_dir))  # the config built and checked here, typed
@@ -218,9 +219,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if first > 0 and cfg.optim.fsdp_processes > 1:  # FSDP continues from the checkpoint of its step; others replay
         checked_checkpoint(store, first)  # a partial or damaged checkpoint: the file and the rerun that mends it
     print(f"resuming {store.root} at step {first + 1} of {cfg.run.steps}; stages already done are not recomputed")
-    from coba_tasks.commands.prefect_env import configure_prefect
+    from coba_tasks.commands.prefect_env import configure_prefect, start_local_server
 
     configure_prefect()
+    start_local_server()  # a server that cannot start: one line; a slow first start is waited for
     from flows.train import train_flow
 
     _print_summary(train_flow(run_dir=str(store.root), resume=True, allow_changed_inputs=changed))
