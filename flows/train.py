@@ -26,7 +26,16 @@ from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, eval_steps, evaluate_step
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.stages import advance, limited, resume_point, step_tasks, stop_run, write_step_timing
+from coba_tasks.pipeline.stages import (
+    Advanced,
+    ReplayError,
+    advance,
+    limited,
+    resume_point,
+    step_tasks,
+    stop_run,
+    write_step_timing,
+)
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers import trackers
 from coba_tasks.readers.figures import NO_SIGNAL_FIX, NO_SIGNAL_STEPS, eval_figures, no_signal_streak, step_figures
@@ -45,7 +54,7 @@ def run_step(run_dir: str, step: int, view: RunView | None = None) -> None:
     seconds_before = dict(res.stage_seconds)
     for stage_task in step_tasks(res.cfg):
         stage_task(run_dir, step)
-        stop_run(res, f"the {stage_task.name} stage of step {step}")  # when a stop was asked for
+        stop_run(res, f"the {stage_task.name} stage of step {step + 1}/{res.cfg.run.steps}")  # when a stop was asked
     seconds = write_step_timing(res, step, seconds_before)
     figures = step_figures(res.store, step)
     k = res.cfg.allocation.pilot_rollouts if res.cfg.allocation.piloted else 0
@@ -163,9 +172,13 @@ def train_flow(
         log.info(f"held-out evaluation before training: {eval_plan(res)}")
         _held_out(res, view, 0, "before training")
         for version in due:
-            _say_replayed(advance(res, version), version)
+            try:
+                _say_advanced(advance(res, version), version)
+            except ReplayError as exc:  # the weights of that step cannot be rebuilt here: the run goes on without it
+                log.warning(f"held-out evaluation after step {version} left missing: {exc}")
+                continue
             _held_out(res, view, version, f"after step {version} (recomputed)")
-        _say_replayed(advance(res, first), first)
+        _say_advanced(advance(res, first), first)  # from the newest whole checkpoint at or below it
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
         due_steps = eval_steps(cfg.run.steps, cfg.run.eval_every)
@@ -181,7 +194,7 @@ def train_flow(
                     _held_out(res, view, step + 1, f"after step {step + 1}")
                 trk.log_new()
                 run.step_boundary(res, step + 1)
-                stop_run(res, f"step {step}")
+                stop_run(res, f"step {step + 1}/{cfg.run.steps}")
         log.info(f"held-out evaluation after training: {eval_plan(res)}")
         _held_out(res, view, cfg.run.steps, "after training")
         trk.log_new()
@@ -203,15 +216,10 @@ def _held_out(res: run.RunResources, view: RunView, step: int, when: str) -> Non
     get_run_logger().info(f"held-out accuracy {when}: {_eval_text(res, step)}")
 
 
-def _say_replayed(steps: list[int], version: int) -> None:
-    if steps:
-        get_run_logger().info(
-            f"replayed the updates of steps {steps[0]}-{steps[-1]} from their tables (each gave its recorded "
-            f"figures): the policy after {version} updates, from checkpoints/{steps[0]:06d}"
-            if steps[0] > 0
-            else f"replayed the updates of steps 0-{steps[-1]} from their tables (each gave its recorded figures): "
-            f"the policy after {version} updates, from the base model"
-        )
+def _say_advanced(done: Advanced, version: int) -> None:
+    line = done.line(version)
+    if line:
+        get_run_logger().info(line)
 
 
 def _eval_text(res: run.RunResources, step: int) -> str:

@@ -894,8 +894,14 @@ def check_checkpoint(size: Size, out: Path, args: argparse.Namespace) -> tuple[b
     verify_checkpoint(ckpt)
     verify_s = time.perf_counter() - t0
     # the next update, here and (below) from the reloaded checkpoint: a resume replays updates from the tables
-    # and needs them to repeat bit for bit (docs/operations.md, "Checkpoints")
+    # and needs them to repeat bit for bit, weights included (docs/operations.md, "Checkpoints and replay"); on
+    # CUDA the trainer's updates run with torch's deterministic kernels: their cost is measured against one without
     straight = trainer.update(prompts, completions, adv, None, groups)
+    _sync()
+    t0 = time.perf_counter()
+    straight_digest = trainer.params_digest()
+    _sync()
+    digest_s = time.perf_counter() - t0
     del trainer
     if _device() == "cuda":
         torch.cuda.empty_cache()
@@ -907,8 +913,23 @@ def check_checkpoint(size: Size, out: Path, args: argparse.Namespace) -> tuple[b
     load_s = time.perf_counter() - t0
     differ = _differences(before, _trainer_state(fresh))
     # and the next update from the reloaded trainer runs (its optimizer state on the device), as it ran straight on
-    replayed = fresh.update(prompts, completions, adv, None, groups)
-    repeats = all(straight[k] == replayed[k] for k in ("loss", "grad_norm"))
+    replayed, deterministic_s = _timed_update(fresh, (prompts, completions, adv, None, groups))
+    ops = list(fresh.not_repeatable)
+    same_figures = all(straight[k] == replayed[k] for k in ("loss", "grad_norm"))
+    repeats = same_figures and fresh.params_digest() == straight_digest
+    del fresh
+    free = PolicyTrainer(path, settings, seed=1)  # the same update from the same checkpoint, kernels left free
+    free.load_checkpoint(ckpt)
+    import coba_tasks.engines.update as update_module
+
+    real = update_module.deterministic_kernels
+    update_module.deterministic_kernels = lambda enabled: real(False)
+    try:
+        _, free_s = _timed_update(free, (prompts, completions, adv, None, groups))
+    finally:
+        update_module.deterministic_kernels = real
+    free_repeats = free.params_digest() == straight_digest
+    del free
     figures = {
         "dtype": dtype,
         "size_gb": round(size_gb, 3),
@@ -920,6 +941,12 @@ def check_checkpoint(size: Size, out: Path, args: argparse.Namespace) -> tuple[b
         "tensors_that_differ": differ[:20],
         "replay_repeats_the_update": repeats,
         "straight_vs_replayed": [[straight[k], replayed[k]] for k in ("loss", "grad_norm")],
+        "digest_s": round(digest_s, 4),
+        "update_deterministic_s": round(deterministic_s, 3),
+        "update_free_kernels_s": round(free_s, 3),
+        "deterministic_cost": round(deterministic_s / free_s, 3),
+        "free_kernels_repeat_the_weights": free_repeats,
+        "ops_without_deterministic_kernel": ops[:5],
     }
     ok = not differ and state["updates"] == 1 and repeats
     detail = (
@@ -927,13 +954,24 @@ def check_checkpoint(size: Size, out: Path, args: argparse.Namespace) -> tuple[b
         f"verified in {verify_s:.1f} s, loaded in {load_s:.1f} s; "
         + ("weights and AdamW state identical after the reload" if not differ else f"{len(differ)} tensors differ")
         + (
-            "; the next update from it repeats the straight one bit for bit (loss, grad norm)"
+            "; the next update from it repeats the straight one bit for bit (weights digest, loss, grad norm)"
             if repeats
             else "; the next update from it does NOT repeat the straight one (loss, grad norm: "
-            f"{figures['straight_vs_replayed']}): a resume's replay would refuse"
+            f"{figures['straight_vs_replayed']}, or the weights): a resume's replay would refuse"
         )
+        + f"; weights digest {digest_s * 1000:.0f} ms; update {deterministic_s:.2f} s with the trainer's kernels, "
+        f"{free_s:.2f} s with torch's free to choose (x{figures['deterministic_cost']:.2f})"
+        + (f"; {len(ops)} operation(s) without a deterministic kernel: {ops[0][:120]}" if ops else "")
     )
     return ok, detail, figures
+
+
+def _timed_update(trainer, batch) -> tuple[dict[str, Any], float]:
+    _sync()
+    t0 = time.perf_counter()
+    metrics = trainer.update(*batch)
+    _sync()
+    return metrics, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ process (only the ratios of one run are comparable: the machine's load changes b
 - **from memory**: ``engine.set_weights(trainer.engine_weights)``, what the update stage now does;
 - **the checkpoint** (``trainer.save_checkpoint``): what a step that keeps one writes (LoRA: the adapter and
   its AdamW state; full: weights and AdamW moments);
+- **the weights digest** (``trainer.params_digest``) every update records for the replay check, beside one
+  update of the bench's batch;
 
 each as the median seconds of ``--repeats``, the bytes written, and the growth of the process's peak resident
 memory during it (Linux: ``VmHWM``, reset before each). The models: SmolLM2-135M (``--smollm2``, when it is
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from coba_tasks.bench.timing import median_time
+from coba_tasks.bench.timing import median_time, timed
 
 DEFAULT_SMOLLM2 = "models/smollm2-135m-instruct"
 QWEN_05B_SHAPE = {  # Qwen2.5-0.5B's shape (its config.json)
@@ -119,6 +121,10 @@ def bench_case(engine: Any, model: Path, lora_rank: int, scratch: Path, repeats:
         row[f"{name}_bytes"] = int(written or 0)
         row[f"{name}_peak_gb"] = peak
     row["memory_over_file"] = row["memory_s"] / row["file_s"]
+    # what every update adds for the replay check: the digest of the trained weights, against one update here
+    _, row["update_s"] = timed(trainer.update, prompts, completions, adv)
+    row["digest_s"], _ = median_time(trainer.params_digest, repeats)
+    row["trained_parameters"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     return row
 
 
@@ -177,4 +183,14 @@ def format_weights(result: dict[str, Any]) -> str:
         )
     lines.append("file: what the engine read before (LoRA: merged weights; full: the checkpoint) written + reloaded; ")
     lines.append("memory: set_weights, no bytes written; ratio: memory s / file s (goal <= 0.10); ckpt: one checkpoint")
+    lines.append("")
+    lines.append(f"{'model':<20} {'update':<8} {'trained':>11} {'digest s':>9} {'update s':>9} {'ratio':>6}")
+    for c in result["cases"]:
+        kind = f"LoRA {c['lora_rank']}" if c["lora_rank"] else "full"
+        lines.append(
+            f"{c['model']:<20} {kind:<8} {c['trained_parameters']:>11,} {c['digest_s']:>9.3f} {c['update_s']:>9.3f} "
+            f"{c['digest_s'] / c['update_s']:>6.3f}"
+        )
+    lines.append("digest: the trained weights' digest each update records (the replay check); update: one update of")
+    lines.append("the bench's small batch (a run's updates are longer: compare with its update stage's seconds)")
     return "\n".join(lines)

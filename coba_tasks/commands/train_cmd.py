@@ -195,7 +195,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             "resume it with --trust-remote-code if you trust that model"
         )
     allow_user_code(cfg)  # the reward file's hash is checked below
-    from coba_tasks.pipeline.rerun import apply_rerun, damaged_tables, plan_repair
+    from coba_tasks.pipeline.rerun import apply_rerun, damaged_tables, plan_repair, resume_weights
 
     damaged = damaged_tables(store)  # every done table is checked against its manifest (size, sha256)
     if damaged and not args.repair:
@@ -205,6 +205,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
         plan = plan_repair(store)
         print(f"repairing: {len(damaged)} damaged table(s), the first at step {damaged[0][0]} ({damaged[0][1]})")
         print(plan.describe(store.root))
+        for line in resume_weights(store, plan):
+            print(line)
         with RunLock(store.root):
             apply_rerun(store, plan)
     first = first_step_not_done(store, cfg.run.steps)
@@ -231,7 +233,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_rerun(args: argparse.Namespace) -> int:
     """Run ``coba rerun``: list what the stage invalidates; with --yes remove it and (unless --no-resume) resume."""
-    from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
+    from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun, resume_weights
     from coba_tasks.pipeline.runlock import RunLock
     from coba_tasks.pipeline.store import RunStore
 
@@ -239,6 +241,8 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     RunLock(store.root).check_free()
     plan = plan_rerun(store, args.step, args.stage)
     print(plan.describe(store.root))
+    for line in resume_weights(store, plan):  # which checkpoint, how many updates replayed: before anything goes
+        print(line)
     if not args.yes:
         print("nothing removed: pass --yes to remove these outputs and recompute them")
         return 0

@@ -12,7 +12,9 @@ processes, each with a ``DataShard`` holding its share of each mini-batch.
 from __future__ import annotations
 
 import math
+import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from coba_tasks.engines.checkpoint import (
     optimizer_to_tensors,
     write_checkpoint,
 )
+from coba_tasks.engines.digest import params_digest
 from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass, supports_shared_prefix
 
 # -- what the update is told: its settings, the learning-rate schedule, the optimizer
@@ -357,6 +360,56 @@ class PromptWeights:
 # -- the training model
 
 
+# -- an update that repeats bit for bit (docs/operations.md, "Checkpoints and replay")
+
+CUBLAS_CONFIG = "CUBLAS_WORKSPACE_CONFIG"
+REPEATABLE_CUBLAS = (":4096:8", ":16:8")  # the workspace settings under which cuBLAS repeats its results
+
+
+def repeatable_setup(cuda: bool | None = None) -> str | None:
+    """Make this process's updates repeat bit for bit where the device allows it; why they cannot otherwise.
+
+    On CUDA (``cuda`` None: whether torch sees one): cuBLAS's workspace setting is fixed
+    (``CUBLAS_WORKSPACE_CONFIG``, read once per process: call this before the rollout engine starts) and each
+    update runs with torch's deterministic kernels (``deterministic_kernels``); a user's own setting other than
+    ``REPEATABLE_CUBLAS`` is the reason returned. On the CPU, kernels repeat on one machine by themselves (another
+    CPU or torch build may not: the replay's weights digest says so)."""
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return None
+    value = os.environ.setdefault(CUBLAS_CONFIG, REPEATABLE_CUBLAS[0])
+    if value not in REPEATABLE_CUBLAS:
+        return f"{CUBLAS_CONFIG}={value} (cuBLAS repeats its results only with {' or '.join(REPEATABLE_CUBLAS)})"
+    return None
+
+
+@contextmanager
+def deterministic_kernels(enabled: bool) -> Iterator[list[str]]:
+    """torch's deterministic kernels for the block when ``enabled`` (its own setting back after); yields a list
+    that holds, after the block, torch's warning for each operation that ran without a deterministic kernel."""
+    found: list[str] = []
+    if not enabled:
+        yield found
+        return
+    import torch.utils.deterministic as td
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = td.fill_uninitialized_memory  # filling every torch.empty with NaN: a cost, and no part of repeating
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    td.fill_uninitialized_memory = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield found
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        td.fill_uninitialized_memory = fill
+    for w in caught:
+        if "determinis" in str(w.message).lower():
+            found.append(str(w.message))
+        else:  # any other warning shown as it would have been
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
 class PolicyTrainer:
     """The policy being trained and its optimizer (one per run)."""
 
@@ -399,6 +452,9 @@ class PolicyTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.updates = 0
         self.timings: dict[str, float] = {}  # seconds of the last update: forward, backward, optimizer
+        # torch's warnings of the last update's operations that ran without a deterministic kernel (CUDA): an update
+        # that will not repeat bit for bit, whose checkpoint the run writes (``coba_tasks.pipeline.stages``)
+        self.not_repeatable: list[str] = []
 
     # -- log-probabilities ----------------------------------------------------------------------
     def _logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor, with_entropy: bool = False):
@@ -454,7 +510,13 @@ class PolicyTrainer:
         check_advantages(advantages, self.settings.lr)  # never a pass, let alone a step, on a NaN advantage
         prompts = PromptWeights(self.settings.prompt_weighting, prompt_ids, completion_ids, group_ids)
         run = self._update_shared_prefix if self.shared_prefix_unavailable() is None else self._update_full_sequences
-        return run(prompt_ids, completion_ids, advantages, sampler_logprobs, prompts)
+        with deterministic_kernels(self.device == "cuda") as self.not_repeatable:
+            return run(prompt_ids, completion_ids, advantages, sampler_logprobs, prompts)
+
+    def params_digest(self) -> str:
+        """The digest of the trained parameters (LoRA: the adapters), computed on their device
+        (``coba_tasks.engines.digest``): what a replayed update must give again."""
+        return params_digest((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
 
     def shared_prefix_unavailable(self) -> str | None:
         """Why this trainer updates on full sequences; None when it uses the shared-prefix pass."""

@@ -74,10 +74,10 @@ def _free_bytes(root: Path) -> int:
     return shutil.disk_usage(where).free
 
 
-def check_disk(cfg: Config, root: Path, first: int = 0, existing: int = 0) -> dict[str, float]:
-    """Refuse (``DiskSpaceError``, one line with the numbers and the keys to change) a run whose checkpoints
-    from step ``first`` on cannot fit beside the ``existing`` ones on the free space of ``root``'s disk; the
-    figures otherwise (GB)."""
+def check_disk(cfg: Config, root: Path, first: int = 0, existing: int = 0, resuming: bool = False) -> dict[str, float]:
+    """Refuse (``DiskSpaceError``, one line with the numbers and what to change: a new run's keys, or for a run
+    ``resuming`` the space, its settings being fixed) a run whose checkpoints from step ``first`` on cannot fit
+    beside the ``existing`` ones on the free space of ``root``'s disk; the figures otherwise (GB)."""
     one = checkpoint_bytes(cfg)
     at_once = checkpoints_at_once(cfg, first, existing)
     needed = max(0, at_once - existing) * one
@@ -92,10 +92,15 @@ def check_disk(cfg: Config, root: Path, first: int = 0, existing: int = 0) -> di
         keep = cfg.run.keep_checkpoints
         kept = "all" if keep == 0 else f"the newest {keep}"
         fits = max(1, int(free // one) - 1)
+        way_out = (
+            f"free {(needed - free) / GB:.1f} GB or more on that disk (a continuing run keeps the settings it started "
+            "with), or move the run directory to a larger disk and resume it there"
+            if resuming
+            else f"set run.keep_checkpoints={fits} or fewer, a larger run.checkpoint_every, or free the space"
+        )
         raise DiskSpaceError(
             f"{root}: the run's checkpoints need {needed / GB:.1f} GB ({at_once - existing} more of "
             f"{one / GB:.2f} GB each: run.keep_checkpoints keeps {kept}, written every "
-            f"{getattr(cfg.run, 'checkpoint_every', 1)} step(s)) and its disk has {free / GB:.1f} GB free; set "
-            f"run.keep_checkpoints={fits} or fewer, a larger run.checkpoint_every, or free the space"
+            f"{getattr(cfg.run, 'checkpoint_every', 1)} step(s)) and its disk has {free / GB:.1f} GB free; {way_out}"
         )
     return figures

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coba_tasks.pipeline.evaluation import eval_steps
-from coba_tasks.pipeline.run import first_step_not_done, read_run_config, whole_checkpoint
+from coba_tasks.pipeline.run import first_step_not_done, read_run_config, rerun_line, whole_checkpoint
 from coba_tasks.pipeline.store import PILOT_STAGES, STAGES, RunStore, StoreError, Table, inside_run, step_stages
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
@@ -75,12 +75,8 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
                     plan.tables.append((s, name))
     plan.tables.sort(key=lambda t: _order(*t))
     updates = [s for s, name in plan.tables if name == Table.UPDATE]
-    ckpt_root = store.root / "checkpoints"
-    if updates and ckpt_root.is_dir():
-        first = min(updates) + 1  # update(t) wrote checkpoints/t+1
-        plan.checkpoints = sorted(
-            p for p in ckpt_root.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) >= first
-        )
+    if updates:  # update(t) wrote checkpoints/t+1; only checkpoints count (``RunStore.checkpoints``)
+        plan.checkpoints = [store.checkpoint_dir(k) for k in store.checkpoints() if k >= min(updates) + 1]
     for extra in ("summary.json", "report"):
         if (store.root / extra).exists():
             plan.files.append(store.root / extra)
@@ -156,10 +152,42 @@ def check_plan(store: RunStore, plan: RerunPlan) -> None:
     raise StoreError(
         f"rerunning {plan.stage} at step {plan.step} needs {names} (the weights to continue or evaluate from), "
         f"missing or damaged (run.keep_checkpoints removes old ones); nothing was removed. To recompute from step "
-        f"{possible} instead ({'the base model' if possible == 0 else f'checkpoints/{possible:06d}'}), which "
-        f"removes every output from there on: coba rerun --run-dir {store.root} --step {possible} "
-        f"--stage {first_stage} --yes"
+        f"{possible} instead ({'the base model' if possible == 0 else f'checkpoints/{possible:06d}'}): "
+        f"{rerun_line(store, possible, first_stage)}"
     )
+
+
+def resume_weights(store: RunStore, plan: RerunPlan) -> list[str]:
+    """Where the resume after ``plan`` takes its weights from, in words, one line per held-out evaluation it
+    computes first and one for the step it goes on at: the checkpoint it loads (the newest whole one at or below,
+    above what the trainer holds then: ``stages.advance``) and how many updates it replays from their tables.
+    Under FSDP every update has its checkpoint: nothing is replayed."""
+    cfg = read_run_config(store)
+    steps = cfg.run.steps
+    first = resume_step(store, plan, steps)
+    if cfg.optim.fsdp_processes > 1:
+        return [f"the resume goes on at step {first + 1}/{steps} from checkpoints/{first:06d} (FSDP: no replay)"]
+    removed = set(plan.tables)
+    kept = sorted((k for k in store.checkpoints() if store.checkpoint_dir(k) not in plan.checkpoints), reverse=True)
+    due = [
+        e
+        for e in eval_steps(steps, cfg.run.eval_every)[1:-1]
+        if e <= first and ((e, Table.EVAL) in removed or not store.is_done(e, Table.EVAL))
+    ]
+    lines, held = [], 0
+    for target in (*due, first):
+        whole = next((k for k in kept if held < k <= target and whole_checkpoint(store, k)), None)
+        start = held if whole is None else whole
+        where = "the base model" if held == 0 else f"the policy after {held} updates"
+        where = f"checkpoints/{whole:06d}" if whole else where
+        what = f"the evaluation after step {target}" if target in due else f"training at step {first + 1}/{steps}"
+        if target == first == steps:
+            what = "the end of the run (the policy after its last update)"
+        n = target - start
+        said = f"replaying {n} update{'s' if n != 1 else ''} from their tables" if n else "no replay"
+        lines.append(f"the resume computes {what} from {where} ({said})")
+        held = target
+    return lines
 
 
 def apply_rerun(store: RunStore, plan: RerunPlan) -> None:

@@ -34,7 +34,7 @@ from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.fileio import content_sha256
 from coba_tasks.engines.reward_file import RewardFunction
 from coba_tasks.engines.rollout import make_backend
-from coba_tasks.engines.update import PolicyTrainer, UpdateSettings
+from coba_tasks.engines.update import PolicyTrainer, UpdateSettings, repeatable_setup
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import prompt_history
 from coba_tasks.pipeline.config import (
@@ -81,6 +81,10 @@ class RunResources:
     step_walls: list[tuple[float, float]] = field(default_factory=list)  # (step wall, orchestration) seconds
     faults: FaultHooks = field(default_factory=FaultHooks.from_env)  # tests' crash and failure points
     stop_signal: str | None = None  # SIGINT or SIGTERM once asked to stop (``stop_on_signals``)
+    # why every update is written as a checkpoint, its replay not relied on (``start_resources``); None: on schedule
+    not_repeatable: str | None = None
+    replay_failed: Exception | None = None  # a ReplayError: the trainer's policy is not the run's until a load
+    damaged_checkpoints: set[int] = field(default_factory=set)  # found partial or damaged: passed over, said once
 
     def timed(self, stage: str, seconds: float) -> None:
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
@@ -135,9 +139,21 @@ def checked_checkpoint(store: RunStore, step: int, needed_for: str = "") -> Path
         why = f"{ckpt} is missing" if not ckpt.is_dir() else str(exc)
         raise StoreError(
             f"{why}: {needed_for or f'step {step} continues from it'} (run.keep_checkpoints may delete old ones); "
-            f"recompute it with `coba rerun --run-dir {store.root} --step {step - 1} --stage update --yes`"
+            f"recompute it with {rerun_line(store, step - 1, Table.UPDATE)}"
         ) from None
     return ckpt
+
+
+def rerun_line(store: RunStore, step: int, stage: str) -> str:
+    """The ``coba rerun`` of ``stage`` at ``step`` with --yes, and what it deletes: the tables from there on and,
+    named one by one, the checkpoints of the updates from ``step`` on (an evaluation's rerun deletes only its
+    table). The only way a message advises a rerun."""
+    command = f"`coba rerun --run-dir {store.root} --step {step} --stage {stage} --yes`"
+    if stage == Table.EVAL:
+        return f"{command} (it deletes steps/{step:06d}/eval.parquet)"
+    gone = [k for k in store.checkpoints() if k > step]
+    named = f" and {', '.join(f'checkpoints/{k:06d}' for k in gone)}" if gone else ""
+    return f"{command} (it deletes the tables from its {stage} stage of step {step} on{named})"
 
 
 def whole_checkpoint(store: RunStore, step: int) -> bool:
@@ -149,18 +165,28 @@ def whole_checkpoint(store: RunStore, step: int) -> bool:
     return True
 
 
-def newest_checkpoint(store: RunStore, upto: int, warn: Callable[[str], None] | None = None) -> int:
-    """The newest checkpoint at or below ``upto`` whose files are as written (0: none, the base model); a
+def newest_checkpoint(
+    store: RunStore,
+    upto: int,
+    warn: Callable[[str], None] | None = None,
+    above: int = 0,
+    passed_over: set[int] | None = None,
+) -> int | None:
+    """The newest checkpoint at or below ``upto`` and above ``above`` whose files are as written (None: none; with
+    ``above`` 0 the caller starts from the base model); each is hashed only when the newer ones were not whole. A
     partial or damaged one on the way is named to ``warn`` and passed over (the updates after the one taken are
-    replayed from the tables: ``stages.advance``)."""
-    for k in sorted((k for k in store.checkpoints() if k <= upto), reverse=True):
+    replayed from the tables: ``stages.advance``), and added to ``passed_over``, whose versions are passed over
+    without a word (a run's earlier findings)."""
+    skip = passed_over if passed_over is not None else set()
+    for k in sorted((k for k in store.checkpoints() if above < k <= upto and k not in skip), reverse=True):
         try:
             verify_checkpoint(store.checkpoint_dir(k))
         except CheckpointError as exc:
             (warn or logger.warning)(f"{exc}: passed over, the updates after an earlier checkpoint are replayed")
+            skip.add(k)
             continue
         return k
-    return 0
+    return None
 
 
 class RunStopped(Exception):
@@ -388,7 +414,7 @@ def open_run(
     if continuing:
         store = RunStore.open(root)
         prompts = store.read_run_table("prompts")
-        check_disk(cfg, root, first_step_not_done(store, cfg.run.steps), len(store.checkpoints()))
+        check_disk(cfg, root, first_step_not_done(store, cfg.run.steps), len(store.checkpoints()), resuming=True)
     else:
         check_new_run_dir(root)
         check_disk(cfg, root)  # before anything is written: a run whose checkpoints cannot fit is refused
@@ -450,6 +476,13 @@ def start_resources(res: RunResources, model_path: str, version: int) -> None:
     """
     cfg = res.cfg
     r = cfg.rollout
+    if cfg.optim.fsdp_processes == 1:  # before the engine: cuBLAS reads its setting once
+        res.not_repeatable = repeatable_setup()
+        if res.not_repeatable:
+            logger.warning(
+                f"updates on this GPU will not repeat bit for bit ({res.not_repeatable}): every update is written as a "
+                "checkpoint, never replayed"
+            )
     res.engine = make_backend(
         r.backend,
         model_path,

@@ -10,9 +10,11 @@ resume recomputes it from the last checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,12 +48,15 @@ from coba_tasks.pipeline.run import (
     first_step_not_done,
     newest_checkpoint,
     previous_checkpoint,
+    rerun_line,
     resources,
     start_resources,
     update_settings,
     whole_checkpoint,
 )
 from coba_tasks.pipeline.store import StoreError, Table, step_stages
+
+logger = logging.getLogger(__name__)
 
 
 def batch_for_step(prompt_ids: Sequence[str], step: int, batch_size: int, seed: int, shuffle: bool = True) -> list[str]:
@@ -569,7 +574,7 @@ def _reload_policy(res: RunResources, step: int) -> None:
         res.engine.load_weights(res.store.checkpoint_dir(version), version=version)  # the job just wrote it
     else:
         advance(res, version)  # the trainer holds it: handed over (a trainer behind it would replay first)
-    res.store.prune_checkpoints(res.cfg.run.keep_checkpoints)
+    res.store.prune_checkpoints(res.cfg.run.keep_checkpoints, upto=version)
 
 
 @stage(Table.UPDATE, retries=0, then=_reload_policy)
@@ -675,11 +680,23 @@ def _update(res: RunResources, step: int, replay: bool = False) -> pd.DataFrame:
             )
         else:
             metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs, groups)
+    # the weights after the optimizer steps, for a replay to prove (FSDP: none, every update is a checkpoint)
+    metrics = {**metrics, "params_digest": "" if fsdp else res.trainer.params_digest()}
     if slept and not replay:
         res.store.write_step_json(step, "engine_sleep", slept)
-    if not fsdp and not replay and checkpoint_due(res, step + 1):
+    if not fsdp and not replay and (checkpoint_due(res, step + 1) or _not_repeated(res, step)):
         res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, step))
     return update_row(step, metrics, rolled, scored)
+
+
+def _not_repeated(res: RunResources, step: int) -> bool:
+    """Whether the update of ``step`` just done ran an operation without a deterministic kernel (said once per
+    run): it would not repeat bit for bit, so its checkpoint is written whatever ``run.checkpoint_every`` says."""
+    ops = res.trainer.not_repeatable
+    if ops and not res.not_repeatable:
+        res.not_repeatable = f"the update of step {step} ran an operation without a deterministic kernel ({ops[0]})"
+        logger.warning(f"{res.not_repeatable}: from now on every update is written as a checkpoint, never replayed")
+    return bool(ops)
 
 
 def checkpoint_state(res: RunResources, step: int) -> dict[str, Any]:
@@ -691,52 +708,129 @@ def checkpoint_state(res: RunResources, step: int) -> dict[str, Any]:
 
 def checkpoint_due(res: RunResources, version: int) -> bool:
     """Whether the policy after ``version`` updates is written as a checkpoint: every ``run.checkpoint_every``-th,
-    the last, and any once the run was asked to stop."""
+    the last, any once the run was asked to stop, and every one where updates do not repeat bit for bit."""
     r = res.cfg.run
-    return version % r.checkpoint_every == 0 or version == r.steps or res.stop_signal is not None
+    return (
+        version % r.checkpoint_every == 0
+        or version == r.steps
+        or res.stop_signal is not None
+        or res.not_repeatable is not None  # updates that do not repeat bit for bit: each one (``start_resources``)
+    )
 
 
 class ReplayError(StoreError):
-    """A replayed update that did not give the figures its table holds."""
+    """A replayed update that did not give the weights (or a figure) its table holds; ``step`` is its step."""
+
+    def __init__(self, message: str, step: int = -1) -> None:
+        super().__init__(message)
+        self.step = step
 
 
-def replay_update(res: RunResources, step: int) -> None:
+DIGEST = "params_digest"  # update.parquet's digest of the trained weights after the update (engines/digest.py)
+
+
+def replay_update(res: RunResources, step: int, start: str) -> None:
     """The trainer takes the update of ``step`` again from the step's tables (no rollout, no scoring), which must
-    give every figure ``update.parquet`` holds, bit for bit; ``ReplayError`` (one line, the way out) if not."""
+    give the weights digest and every figure ``update.parquet`` holds, bit for bit; ``ReplayError`` (one line, the
+    way out) if not. ``start``: where the replay started, in words (the message names it)."""
     stored = res.store.read_table(step, Table.UPDATE)
+    if DIGEST not in stored.columns:
+        raise ReplayError(
+            f"step {step}: update.parquet records no digest of the weights after the update (written by an earlier "
+            f"build), so a replay from {start} could not prove it rebuilds them; {_way_out(res, step)}",
+            step,
+        )
     row = _update(res, step, replay=True)
     same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731  (NaN is NaN here)
     differ = [c for c in stored.columns if c not in row.columns or not same(row[c].iloc[0], stored[c].iloc[0])]
     if differ:
-        figures = lambda t: f"loss {t['loss'].iloc[0]!r}, grad norm {t['grad_norm'].iloc[0]!r}"  # noqa: E731
         raise ReplayError(
-            f"step {step}: the update replayed from its tables gave {figures(row)} where update.parquet holds "
-            f"{figures(stored)} ({', '.join(differ[:4])} differ): this machine does not repeat the update bit for bit, "
-            f"so continuing from an earlier checkpoint would not be exact; to train the update of step {step} and "
-            f"the steps after it again: coba rerun --run-dir {res.store.root} --step {step} --stage update --yes"
+            f"step {step}: the update replayed from {start} gave {_figures(row)} where update.parquet holds "
+            f"{_figures(stored)} ({', '.join(differ[:4])} differ{'s' if len(differ) == 1 else ''}): this machine "
+            f"does not repeat the update bit for bit (another CPU, torch build or GPU kernels); {_way_out(res, step)}",
+            step,
         )
     ckpt = res.store.checkpoint_dir(step + 1)
     if ckpt.is_dir() and not whole_checkpoint(res.store, step + 1):  # damaged: written again, from the replayed policy
         res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, step))
+        res.damaged_checkpoints.discard(step + 1)
 
 
-def advance(res: RunResources, version: int) -> list[int]:
-    """Bring the trainer and the rollout engine to the policy after ``version`` updates, on from the trainer's:
-    the updates in between replayed from their tables (``replay_update``); the steps replayed. Without a trainer
-    here (FSDP) the engine loads ``checkpoints/<version>``."""
+def _figures(table: pd.DataFrame) -> str:
+    """The weights digest, loss and gradient norm of an update's row, as plain numbers."""
+    row = table.iloc[0]
+    return f"weights {row.get(DIGEST, '?')}, loss {float(row['loss'])!r}, grad norm {float(row['grad_norm'])!r}"
+
+
+def _way_out(res: RunResources, step: int) -> str:
+    return (
+        f"continue the run on the machine that trained it, or train again from step {step} with "
+        f"{rerun_line(res.store, step, Table.UPDATE)}"
+    )
+
+
+@dataclass(frozen=True)
+class Advanced:
+    """How ``advance`` brought the trainer to a version: the checkpoint it loaded (None: it went on from the
+    policy the trainer held, ``held`` updates), and the steps whose updates it replayed."""
+
+    loaded: int | None
+    held: int
+    replayed: tuple[int, ...] = ()
+
+    def line(self, version: int) -> str:
+        """What happened, in words (empty when the trainer held the version already)."""
+        if self.loaded is None and not self.replayed:
+            return ""
+        start = self.start_words()
+        if not self.replayed:
+            return f"the policy after {version} updates: {start}"
+        first, last = self.replayed[0], self.replayed[-1]
+        what = f"the updates of steps {first}-{last}" if last > first else f"the update of step {first}"
+        return (
+            f"the policy after {version} updates: {what} replayed from the tables (each gave its recorded weights "
+            f"digest and figures), from {start}"
+        )
+
+    def start_words(self) -> str:
+        if self.loaded is not None:
+            return f"checkpoints/{self.loaded:06d}"
+        return "the base model" if self.held == 0 else f"the policy after {self.held} updates the trainer held"
+
+
+def advance(res: RunResources, version: int) -> Advanced:
+    """Bring the trainer and the rollout engine to the policy after ``version`` updates: from the newest whole
+    checkpoint above the trainer's policy and at or below ``version`` when there is one (never a replay past a
+    checkpoint), else on from the trainer's; the updates in between replayed from their tables
+    (``replay_update``). After a failed replay the trainer's policy is not the run's: only a checkpoint above
+    the failed update brings it back, else the same ``ReplayError``. Without a trainer here (FSDP) the engine
+    loads ``checkpoints/<version>``."""
     if res.trainer is None:
         if res.engine.weight_version != version:
             res.engine.load_weights(checked_checkpoint(res.store, version), version=version)
-        return []
-    held = res.trainer.updates
-    if held > version:
+        return Advanced(loaded=version, held=version)
+    failed, held = res.replay_failed, res.trainer.updates
+    if failed is None and held > version:
         raise RuntimeError(f"the trainer holds the policy after {held} updates, past the {version} asked for")
-    replayed = list(range(held, version))
-    for step in replayed:
-        replay_update(res, step)
-    if replayed or res.engine.weight_version != version:
+    loaded = None
+    if failed is not None or held < version:
+        floor = failed.step if isinstance(failed, ReplayError) else held
+        loaded = newest_checkpoint(res.store, version, above=floor, passed_over=res.damaged_checkpoints)
+        if loaded is None and failed is not None:
+            raise ReplayError(str(failed), getattr(failed, "step", -1))
+        if loaded is not None:
+            res.trainer.load_checkpoint(res.store.checkpoint_dir(loaded))
+            res.replay_failed = None
+    done = Advanced(loaded=loaded, held=held, replayed=tuple(range(res.trainer.updates, version)))
+    for step in done.replayed:
+        try:
+            replay_update(res, step, done.start_words())
+        except ReplayError as exc:
+            res.replay_failed = exc
+            raise
+    if loaded is not None or done.replayed or res.engine.weight_version != version:
         res.engine.set_weights(res.trainer.engine_weights, version=version)
-    return replayed
+    return done
 
 
 def stop_run(res: RunResources, after: str) -> None:
@@ -750,7 +844,7 @@ def stop_run(res: RunResources, after: str) -> None:
         ckpt = res.store.checkpoint_dir(version)
         if not ckpt.is_dir():
             res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, version - 1))
-        written = f"; checkpoints/{version:06d} holds the policy after {version} updates"
+        written = f"; checkpoints/{version:06d} holds the policy after {version} update{'s' if version != 1 else ''}"
     raise RunStopped(
         f"stopped by {res.stop_signal} after {after}{written}; continue with: coba resume --run-dir {res.store.root}",
         int(signal.Signals[res.stop_signal]),
@@ -777,7 +871,7 @@ def resume_point(res: RunResources, upto: int | None = None) -> int:
         version = first
         ckpt = checked_checkpoint(res.store, first) if first > 0 else None
     else:
-        version = newest_checkpoint(res.store, upto)
+        version = newest_checkpoint(res.store, upto, passed_over=res.damaged_checkpoints) or 0
         ckpt = res.store.checkpoint_dir(version) if version > 0 else None
     lora = res.cfg.model.lora_rank > 0
     # an adapter checkpoint is not a whole model: the engine starts on the base, then takes the merged weights

@@ -39,6 +39,7 @@ STEPS_DIR = "steps"
 CHECKPOINTS_DIR = "checkpoints"
 REPORT_DIR = "report"
 SUMMARY_FILE = "summary.json"
+CHECKPOINT_FILE = "checkpoint.json"  # a checkpoint's own manifest, written last (coba_tasks.engines.checkpoint)
 STEP_DIGITS = 6
 
 # A table name is one path component: letters, digits, '_' and '-', not starting with '_' or '-'
@@ -212,21 +213,30 @@ class RunStore:
         """``steps/000007`` for step 7 (not created here)."""
         return self.root / STEPS_DIR / _step_name(step)
 
-    def prune_checkpoints(self, keep: int) -> list[Path]:
-        """Delete all but the newest ``keep`` checkpoints (``keep`` 0 deletes nothing); the paths deleted."""
+    def prune_checkpoints(self, keep: int, upto: int) -> list[Path]:
+        """Delete all but the newest ``keep`` checkpoints at or below version ``upto`` (the run's policy now;
+        ``keep`` 0 deletes nothing); the paths deleted. Only ``checkpoints()`` counts: a directory that is not a
+        checkpoint, or one above ``upto``, is neither kept in a checkpoint's place nor deleted."""
         if keep <= 0:
             return []
-        steps = self.checkpoints()
+        steps = [k for k in self.checkpoints() if k <= upto]
         gone = [inside_run(self.root, self.checkpoint_dir(s)) for s in steps[: max(0, len(steps) - keep)]]
         for path in gone:  # every one checked first: a link out of the run deletes nothing
             shutil.rmtree(path)
         return gone
 
     def checkpoints(self) -> list[int]:
-        """The versions of the checkpoint directories there (``checkpoints/000007``: 7), oldest first; whole or
-        not (``checkpoint.verify_checkpoint`` tells)."""
+        """The versions of the checkpoints there, oldest first: the directories named as a step
+        (``checkpoints/000007``: 7) that hold a ``checkpoint.json``, whole or not (``verify_checkpoint`` tells);
+        anything else under ``checkpoints/`` is not one."""
         root = self.root / CHECKPOINTS_DIR
-        return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
+        if not root.is_dir():
+            return []
+        return sorted(
+            int(p.name)
+            for p in root.iterdir()
+            if _STEP_DIR_RE.fullmatch(p.name) and p.name == _step_name(int(p.name)) and (p / CHECKPOINT_FILE).is_file()
+        )
 
     def checkpoint_dir(self, step: int) -> Path:
         """``checkpoints/000007``: the policy after 7 updates, written by the update of step 6 (not created here)."""

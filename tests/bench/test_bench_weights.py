@@ -25,8 +25,11 @@ def test_bench_weights_figures(tmp_path, random_checkpoints):
         assert c["parameters"] > 0 and engine.weight_version == 1
     assert lora["checkpoint_bytes"] < full["checkpoint_bytes"] / 2  # an adapter's checkpoint, not the model's
     assert full["file_bytes"] == full["checkpoint_bytes"]  # full fine-tuning: the engine read the checkpoint
+    # the digest covers what is trained: LoRA's adapters, every parameter of full fine-tuning
+    assert 0 < lora["trained_parameters"] < full["trained_parameters"] == full["parameters"]
+    assert all(c["digest_s"] > 0 and c["update_s"] > 0 for c in cases)
     table = format_weights({"repeats": 1, "torch_threads": 2, "cases": cases})
-    assert len(table.splitlines()) == 2 + len(cases) + 2 and "LoRA 4" in table and "full" in table
+    assert len(table.splitlines()) == 2 + len(cases) + 2 + 2 + len(cases) + 2 and "LoRA 4" in table and "full" in table
 
 
 def test_bench_weights_refuses_when_it_has_no_model(tmp_path):

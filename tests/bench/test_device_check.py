@@ -35,6 +35,10 @@ def test_every_check_passes_at_the_tiny_size_on_cpu(random_checkpoints, tmp_path
     assert all(v["tokens_per_s"] > 0 and v["peak_gib"] > 0 for v in variants.values())
     assert figures["rollout"]["logprob_gap_float32"]["max"] < 1e-3
     assert figures["checkpoint"]["tensors_that_differ"] == [] and figures["checkpoint"]["updates_after_load"] == 1
+    ck = figures["checkpoint"]  # the replay's question: the same weights digest (the CPU: free kernels repeat too)
+    assert ck["replay_repeats_the_update"] and ck["free_kernels_repeat_the_weights"]
+    assert ck["ops_without_deterministic_kernel"] == []
+    assert ck["update_deterministic_s"] > 0 and ck["update_free_kernels_s"] > 0
     assert figures["fsdp"]["largest_weight_difference"] <= 1e-3 * figures["fsdp"]["largest_update"]
     assert figures["train"]["weight_versions"] == [[0], [2]] and 0 <= figures["train"]["avg_after"] <= 1
     assert len(figures["tests"]["passed"]) > 0 and figures["tests"]["failed"] == {}

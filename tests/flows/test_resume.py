@@ -182,7 +182,7 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     rc = _coba(resume, None, log)
     assert rc == 0, log.read_text()[-3000:]
     assert _checkpoints(RunStore.open(reference)) == [2, 3]  # every 2nd update and the last
-    assert "replayed the updates of steps 0-0 from their tables" in log.read_text()
+    assert "the policy after 1 updates: the update of step 0 replayed from the tables" in log.read_text()
     _assert_same_run(RunStore.open(reference), RunStore.open(run_dir), model)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
@@ -207,7 +207,8 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     assert _coba(argv, f"1:{Table.ROLLOUTS}:TERM", stop_log) == 128 + signal.SIGTERM, stop_log.read_text()[-3000:]
     said = stop_log.read_text()
     assert "SIGTERM: the run stops after the stage it is in, with a checkpoint" in said
-    line = "stopped by SIGTERM after the rollouts stage of step 1; checkpoints/000001 holds the policy after 1 updates"
+    # counted as the progress line counts ("step 2/3: pass rate ..."), not as the directories (steps/000001)
+    line = "stopped by SIGTERM after the rollouts stage of step 2/3; checkpoints/000001 holds the policy after 1 update"
     assert f"{line}; continue with: coba resume --run-dir {stopped}" in said
     store = RunStore.open(stopped)
     assert store.is_done(1, Table.ROLLOUTS) and not store.is_done(1, Table.REWARDS)  # the stage finished
@@ -324,14 +325,34 @@ def test_a_partial_checkpoint_is_passed_over_and_written_again_by_the_replay(
     _assert_same_run(baseline, store, model)
 
 
+def _nudged_optimizer_steps(monkeypatch) -> None:
+    """From now on every AdamW step first moves every 211th element of each gradient one ulp up: a machine whose
+    kernels round a few elements otherwise. The figures an update records are computed before its optimizer step
+    (its loss, its clipped gradient's norm) and stay as they were; the weights after it do not."""
+    real = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        g = p.grad.view(-1)[::211]
+                        g.copy_(torch.nextafter(g, torch.full_like(g, float("inf"))))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+
+
 @pytest.mark.slow
 def test_a_replay_that_does_not_repeat_the_update_stops_the_resume_with_the_way_out(
     tmp_path, prefect_harness, random_checkpoints, first_char_data, monkeypatch
 ):
     """A checkpoint only at the last update, a run failed in step 2: its resume replays the updates of steps 0
-    and 1 from the base model. On a machine where an update does not repeat bit for bit (here: a loss off in its
-    9th digit), the first replay stops the resume in one line naming the step, both figures and the rerun that
-    trains on from there; nothing of step 2 is computed."""
+    and 1 from the base model. On a machine where an update does not repeat bit for bit the first replay stops the
+    resume in one line naming the step, both figures as plain numbers and the rerun that trains on from there (and
+    what it deletes); nothing of step 2 is computed. Two such machines: one whose weights come out a few ulps off
+    while every recorded figure is the same (the weights digest sees it: before it, that resume went on from
+    weights that were not the run's), one whose loss is off in its 9th digit."""
     from coba_tasks.pipeline import stages
     from coba_tasks.pipeline.stages import ReplayError
     from flows.train import train_flow
@@ -343,6 +364,20 @@ def test_a_replay_that_does_not_repeat_the_update_stops_the_resume_with_the_way_
     _, store = _failed_run(run_dir, cfg, f"2:{Table.BUDGET}", fail)
     fail.unlink()
     assert store.is_done(1, Table.UPDATE) and _checkpoints(store) == []
+    assert len(store.read_table(0, Table.UPDATE)["params_digest"].iloc[0]) == 16
+
+    with monkeypatch.context() as m:
+        _nudged_optimizer_steps(m)
+        with pytest.raises(ReplayError, match=r"\(params_digest differs\)") as info:
+            train_flow(run_dir=str(run_dir), resume=True)
+    message = str(info.value)
+    assert message.startswith("step 0: the update replayed from the base model gave weights ")
+    stored = store.read_table(0, Table.UPDATE).iloc[0]
+    # the same figures both sides, as plain numbers: only the weights differ
+    assert f"loss {float(stored['loss'])!r}, grad norm {float(stored['grad_norm'])!r} where" in message
+    assert "np.float64" not in message and "\n" not in message
+    assert not store.is_done(2, Table.BUDGET) and _checkpoints(store) == []
+
     real = stages.update_row
 
     def off(step, metrics, rolled, scored):
@@ -350,13 +385,83 @@ def test_a_replay_that_does_not_repeat_the_update_stops_the_resume_with_the_way_
 
     monkeypatch.setattr(stages, "update_row", off)
     pattern = (
-        r"^step 0: the update replayed from its tables gave loss .* where update\.parquet holds loss .* \(loss "
-        r"differ\): this machine does not repeat the update bit for bit, .*: coba rerun --run-dir .* --step 0 "
-        r"--stage update --yes$"
+        r"^step 0: the update replayed from the base model gave weights [0-9a-f]{16}, loss .* where update\.parquet "
+        r"holds weights [0-9a-f]{16}, loss .* \(loss differs\): this machine does not repeat the update bit for bit "
+        r"\(another CPU, torch build or GPU kernels\); continue the run on the machine that trained it, or train again "
+        r"from step 0 with `coba rerun --run-dir .* --step 0 --stage update --yes` \(it deletes the tables from its "
+        r"update stage of step 0 on\)$"
     )
     with pytest.raises(ReplayError, match=pattern):
         train_flow(run_dir=str(run_dir), resume=True)
     assert not store.is_done(2, Table.BUDGET) and _checkpoints(store) == []
+
+
+@pytest.mark.slow
+def test_an_evaluation_recomputed_where_updates_do_not_repeat_costs_nothing_of_the_run(
+    tmp_path, prefect_harness, random_checkpoints, first_char_data, monkeypatch, capsys, caplog
+):
+    """A 4-step run with a checkpoint every 3 updates, whose update of step 1 ran an operation without a
+    deterministic kernel: that update's checkpoint is written, and every one after it (checkpoints 2, 3, 4; said
+    once). Its evaluation after step 1 is recomputed (`coba rerun --stage eval`) on a machine where updates do not
+    repeat bit for bit: the rerun says first where the resume takes its weights from; the replay of update 0 from
+    the base model fails, so that evaluation is left missing with a warning, and the resume goes on from
+    checkpoints/000004 (never a replay past it): it ends with exit 0, its summary, and every checkpoint as it was.
+    Before, it replayed every update to the end, stopped with ReplayError, and the rerun it advised deleted the
+    final checkpoint. Back on a machine that repeats the updates, a resume computes that evaluation as it was."""
+    import logging
+
+    from coba_tasks.engines.update import PolicyTrainer
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    overrides = [*_overrides(model, first_char_data), "run.steps=4", "run.checkpoint_every=3"]
+    cfg = config_to_dict(load_config(ROOT / "configs/tiny-test.yaml", overrides))
+    real_update = PolicyTrainer.update
+
+    def update(self, *args, **kwargs):
+        out = real_update(self, *args, **kwargs)
+        if self.updates == 2:  # the update of step 1
+            self.not_repeatable = ["index_add_cuda_ does not have a deterministic implementation, but you set ..."]
+        return out
+
+    run_dir = tmp_path / "run"
+    caplog.set_level(logging.WARNING)
+    with monkeypatch.context() as m:
+        m.setattr(PolicyTrainer, "update", update)
+        train_flow(run_dir=str(run_dir), config=cfg)
+    store = RunStore.open(run_dir)
+    said = [r.getMessage() for r in caplog.records if "without a deterministic kernel" in r.getMessage()]
+    assert said == [
+        "the update of step 1 ran an operation without a deterministic kernel (index_add_cuda_ does not have a "
+        "deterministic implementation, but you set ...): from now on every update is written as a checkpoint, never "
+        "replayed"
+    ]
+    assert _checkpoints(store) == [2, 3, 4]
+    finals = {k: (store.checkpoint_dir(k) / "model.safetensors").read_bytes() for k in (2, 3, 4)}
+    eval1 = store.read_table(1, Table.EVAL)
+
+    capsys.readouterr()
+    args = ["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "eval", "--yes", "--no-resume"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "the resume computes the evaluation after step 1 from the base model (replaying 1 update from their " in out
+    assert "computes the end of the run (the policy after its last update) from checkpoints/000004 (no replay)" in out
+    assert out.index("the resume computes") < out.index("removed 1 table(s)")  # said before anything was removed
+
+    caplog.clear()
+    with monkeypatch.context() as m:
+        _nudged_optimizer_steps(m)
+        summary = train_flow(run_dir=str(run_dir), resume=True)
+    assert summary["steps"] == 4 and (run_dir / "summary.json").is_file()
+    (missing,) = [r.getMessage() for r in caplog.records if "left missing" in r.getMessage()]
+    assert missing.startswith("held-out evaluation after step 1 left missing: step 0: the update replayed from ")
+    assert not store.is_done(1, Table.EVAL)
+    assert _checkpoints(store) == [2, 3, 4]
+    assert all((store.checkpoint_dir(k) / "model.safetensors").read_bytes() == finals[k] for k in finals)
+
+    train_flow(run_dir=str(run_dir), resume=True)  # updates repeat here: the evaluation is computed as it was
+    pd.testing.assert_frame_equal(store.read_table(1, Table.EVAL), eval1, check_exact=True)
+    assert _checkpoints(store) == [2, 3, 4]
 
 
 @pytest.mark.slow

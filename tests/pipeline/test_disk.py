@@ -75,3 +75,19 @@ def test_coba_run_refuses_before_writing_anything_when_the_checkpoints_cannot_fi
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert f"error: {run_dir}: the run's checkpoints need " in line and "disk has 0.0 GB free" in line
     assert not run_dir.exists()  # nothing written
+
+
+def test_a_resume_that_cannot_fit_names_the_space_not_settings_it_cannot_change(random_checkpoints, monkeypatch):
+    """A continuing run's config is fixed by its hash: the refusal of a resume names the space to free (or a larger
+    disk), never run.keep_checkpoints or run.checkpoint_every, which it cannot change."""
+    a, _ = random_checkpoints
+    cfg = _cfg(a, "run.steps=200")
+    one = disk.checkpoint_bytes(cfg)
+    monkeypatch.setattr(disk, "_free_bytes", lambda root: 50 * one)
+    with pytest.raises(disk.DiskSpaceError) as err:
+        disk.check_disk(cfg, Path("runs/big"), first=100, existing=100, resuming=True)
+    message = str(err.value)
+    assert "\n" not in message and "(100 more of " in message
+    assert "set run." not in message and "a larger run.checkpoint_every" not in message
+    assert f"free {(100 * one - 50 * one) / disk.GB:.1f} GB or more on that disk" in message
+    assert "move the run directory to a larger disk and resume it there" in message

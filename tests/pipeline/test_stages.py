@@ -373,3 +373,56 @@ def test_a_reward_files_extra_keys_never_overwrite_each_other():
     cols = extra_columns([{"reward": 0.5, "extra_reward": 2.0, "verdict": "x"}, {"reward": 1.0, "extra_reward": 3.0}])
     assert cols["extra_extra_reward"].tolist() == [0.5, 1.0] and cols["extra_reward"].tolist() == [2.0, 3.0]
     assert cols["extra_verdict"].tolist() == ["x", None] and len(cols) == 3
+
+
+def _store_with_update(tmp_path, columns: dict, checkpoints=(1, 3)):
+    from coba_tasks.pipeline.store import RunStore, Table
+
+    store = RunStore(tmp_path / "run")
+    store.create({"run": {}}, "abc", {})
+    store.write_table(0, Table.UPDATE, pd.DataFrame([columns]))
+    for k in checkpoints:
+        store.checkpoint_dir(k).mkdir(parents=True)
+        (store.checkpoint_dir(k) / "checkpoint.json").write_text("{}")
+    (store.root / "checkpoints" / "7").mkdir()  # not a checkpoint: never named
+    return store
+
+
+def test_a_replay_of_an_update_without_a_weights_digest_is_refused_naming_what_the_rerun_deletes(tmp_path):
+    """An update table written before the weights digest: its replay could not prove the weights, so it is refused
+    before any training, in one line; the rerun it advises names the checkpoints it would delete."""
+    store = _store_with_update(tmp_path, {"step": 0, "loss": 0.5, "grad_norm": 1.0})
+    res = SimpleNamespace(store=store)
+    with pytest.raises(stages.ReplayError) as info:
+        stages.replay_update(res, 0, "the base model")
+    message = str(info.value)
+    assert info.value.step == 0 and "\n" not in message
+    assert message.startswith(
+        "step 0: update.parquet records no digest of the weights after the update (written by an earlier build), "
+        "so a replay from the base model could not prove it rebuilds them; continue the run on the machine that "
+        "trained it, or train again from step 0 with "
+    )
+    assert message.endswith(
+        f"`coba rerun --run-dir {store.root} --step 0 --stage update --yes` (it deletes the tables from its update "
+        "stage of step 0 on and checkpoints/000001, checkpoints/000003)"
+    )
+
+
+def test_every_rerun_a_message_advises_names_what_it_deletes(tmp_path):
+    from coba_tasks.pipeline.run import checked_checkpoint, rerun_line
+    from coba_tasks.pipeline.store import StoreError
+
+    store = _store_with_update(tmp_path, {"step": 0}, checkpoints=(2, 4, 6))
+    root = store.root
+    assert rerun_line(store, 3, "rollouts") == (
+        f"`coba rerun --run-dir {root} --step 3 --stage rollouts --yes` (it deletes the tables from its rollouts "
+        "stage of step 3 on and checkpoints/000004, checkpoints/000006)"
+    )
+    assert rerun_line(store, 6, "update").endswith("(it deletes the tables from its update stage of step 6 on)")
+    assert rerun_line(store, 2, "eval").endswith("(it deletes steps/000002/eval.parquet)")
+    with pytest.raises(StoreError) as info:  # a damaged checkpoint: the rerun that writes it again, and the rest
+        checked_checkpoint(store, 4)
+    assert str(info.value).endswith(
+        f"recompute it with `coba rerun --run-dir {root} --step 3 --stage update --yes` (it deletes the tables from "
+        "its update stage of step 3 on and checkpoints/000004, checkpoints/000006)"
+    )

@@ -487,15 +487,42 @@ def test_json_needs_a_json_suffix_and_missing_files_raise(run: RunStore) -> None
         run.read_json("summary.json")
 
 
+def _fake_checkpoint(path: Path) -> None:
+    """A directory with a checkpoint's manifest (what ``RunStore.checkpoints`` looks for), nothing verified."""
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"x")
+    (path / "checkpoint.json").write_text("{}")
+
+
 def test_prune_checkpoints_keeps_the_newest(run: RunStore) -> None:
     for step in (1, 2, 3, 10):
-        run.checkpoint_dir(step).mkdir(parents=True)
-        (run.checkpoint_dir(step) / "model.safetensors").write_bytes(b"x")
-    assert run.prune_checkpoints(0) == []  # 0 keeps every checkpoint
-    gone = run.prune_checkpoints(2)
+        _fake_checkpoint(run.checkpoint_dir(step))
+    assert run.prune_checkpoints(0, upto=10) == []  # 0 keeps every checkpoint
+    gone = run.prune_checkpoints(2, upto=10)
     assert gone == [run.checkpoint_dir(1), run.checkpoint_dir(2)]
     assert sorted(p.name for p in (run.root / "checkpoints").iterdir()) == ["000003", "000010"]
-    assert run.prune_checkpoints(5) == []
+    assert run.prune_checkpoints(5, upto=10) == []
+
+
+def test_pruning_keeps_real_checkpoints_whatever_else_is_under_checkpoints(run: RunStore) -> None:
+    """A stray ``checkpoints/7``, a table another program wrote as ``checkpoints/999999/x.parquet`` and a
+    directory named as a step without a checkpoint's manifest are not checkpoints: a prune keeping 2 keeps the two
+    newest real ones at or below the run's version and deletes neither the strays nor anything above that version
+    (before, the strays took the two places and every real checkpoint was deleted)."""
+    for step in (2, 4, 6):
+        _fake_checkpoint(run.checkpoint_dir(step))
+    stray = run.root / "checkpoints" / "7"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("mine")
+    (run.checkpoint_dir(999999)).mkdir()
+    (run.checkpoint_dir(999999) / "x.parquet").write_bytes(b"PAR1")
+    run.checkpoint_dir(5).mkdir()  # a step's name, no checkpoint.json
+    _fake_checkpoint(run.checkpoint_dir(8))  # above the run's version: not the run's (yet), never deleted here
+    assert run.checkpoints() == [2, 4, 6, 8]
+    assert run.prune_checkpoints(2, upto=6) == [run.checkpoint_dir(2)]
+    left = sorted(p.name for p in (run.root / "checkpoints").iterdir())
+    assert left == ["000004", "000005", "000006", "000008", "7", "999999"]
+    assert (stray / "notes.txt").read_text() == "mine"
 
 
 def test_prune_checkpoints_refuses_a_checkpoints_link_out_of_the_run(run: RunStore, tmp_path: Path) -> None:
@@ -503,10 +530,9 @@ def test_prune_checkpoints_refuses_a_checkpoints_link_out_of_the_run(run: RunSto
     (the rule of `coba rerun` and `coba inspect --sql`: resolved, inside the run)."""
     elsewhere = tmp_path / "big-disk" / "ckpts"
     for step in (1, 2, 3):
-        (elsewhere / f"{step:06d}").mkdir(parents=True)
-        (elsewhere / f"{step:06d}" / "model.safetensors").write_bytes(b"x")
+        _fake_checkpoint(elsewhere / f"{step:06d}")
     (run.root / "checkpoints").symlink_to(elsewhere)
     with pytest.raises(StoreError, match=r"outside the run directory .*replace the link by the real") as info:
-        run.prune_checkpoints(1)
+        run.prune_checkpoints(1, upto=3)
     assert "\n" not in str(info.value) and "checkpoints" in str(info.value)
     assert sorted(p.name for p in elsewhere.iterdir()) == ["000001", "000002", "000003"]
