@@ -52,9 +52,10 @@ def run_step(run_dir: str, step: int, view: RunView | None = None) -> None:
     """
     res, t0 = run.resources(run_dir), time.perf_counter()
     seconds_before = dict(res.stage_seconds)
-    for stage_task in step_tasks(res.cfg):
-        stage_task(run_dir, step)
-        stop_run(res, f"the {stage_task.name} stage of step {step + 1}/{res.cfg.run.steps}")  # when a stop was asked
+    for stage_task, r in step_tasks(res, step):  # a step sampled in rounds: the round pair again while it asks
+        stage_task(run_dir, step, r)
+        where = f" (round {r + 1})" if stage_task.name in (Table.ROUND, Table.ROUND_REWARDS) else ""
+        stop_run(res, f"the {stage_task.name} stage{where} of step {step + 1}/{res.cfg.run.steps}")  # when asked to
     seconds = write_step_timing(res, step, seconds_before)
     figures = step_figures(res.store, step)
     k = res.cfg.allocation.pilot_rollouts if res.cfg.allocation.piloted else 0

@@ -45,7 +45,8 @@ GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
 Train = Callable[[Any, str], dict]  # (config, run directory) -> the summary of the training flow (coba-train)
 EVAL_PROMPTS = 16  # held-out prompts per evaluation in the benchmark's runs (unless --set data.eval_prompts=...)
 # a step's tables (the pilot's only under allocation.estimator = pilot, which the benchmark does not time)
-STEP_TABLES = tuple(t.value for t in Table if t not in (Table.EVAL, Table.PILOT, Table.PILOT_REWARDS))
+# the tables of a step sampled once (not a pilot's, nor a round's: the demo's steps have neither)
+STEP_TABLES = tuple(t.value for t in (*STAGES, Table.HISTORY))
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:

@@ -48,6 +48,10 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "coba-released": ("allocation.strategy=coba", "allocation.mode=released", "allocation.schedule=adaptive"),
     "coba-reversed": ("allocation.strategy=coba", "allocation.mode=paper", "allocation.schedule=reversed"),
     "coba-fixed": ("allocation.strategy=coba", "allocation.mode=paper", "allocation.schedule=fixed"),
+    # what practitioners run against groups that score alike, each sampling a step in rounds (docs/method.md,
+    # sections 20-21): their rollouts generated per step vary
+    "dynamic": ("allocation.strategy=dynamic",),
+    "ada": ("allocation.strategy=ada",),
 }
 # CoBA-RL (paper mode, adaptive schedule) with one mechanism changed: a lower cap, a higher floor, equal prompt
 # weights in the loss, the decayed posterior or the pilot wave as the estimate (docs/method.md sections 2, 15)

@@ -52,11 +52,19 @@ VERY_EASY_ABOVE = 0.99  # released mode: p > 0.99 is "very easy"
 
 
 class Strategy(StrEnum):
-    """Allocation strategies."""
+    """How a step spends its rollouts: the allocators (``uniform``, ``knapsack``, ``coba``: one budget per prompt,
+    ``plan_allocation``) and the strategies that sample a step in rounds, each round's budget uniform
+    (``dynamic``: DAPO's dynamic sampling, ``coba_tasks.core.dynamic``; ``ada``: Reinforce-Ada,
+    ``coba_tasks.core.ada``)."""
 
     UNIFORM = "uniform"
     KNAPSACK = "knapsack"
     COBA = "coba"
+    DYNAMIC = "dynamic"
+    ADA = "ada"
+
+
+IN_ROUNDS = (Strategy.DYNAMIC.value, Strategy.ADA.value)  # sampled in rounds, not allocated by ``plan_allocation``
 
 
 class Mode(StrEnum):
@@ -389,3 +397,8 @@ def _validate(
     return AllocationRequest(
         p, seen, total_budget, min_budget, max_budget, alpha, beta, tau, Mode(mode), Solver(solver)
     )
+
+
+def step_strategies() -> list[str]:
+    """Every ``allocation.strategy`` a run may name: the registered allocators and those sampled in rounds."""
+    return sorted({*strategies(), *IN_ROUNDS})

@@ -13,8 +13,10 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BeforeValidator, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from coba_tasks.core.allocation import Mode, Strategy, strategies
+from coba_tasks.core.ada import AdaChoice
+from coba_tasks.core.allocation import IN_ROUNDS, Mode, Strategy, step_strategies
 from coba_tasks.core.capability import DEFAULT_DECAY, DEFAULT_PILOT_ROLLOUTS, DEFAULT_PRIOR_STRENGTH, Estimator
+from coba_tasks.core.dynamic import FilterMetric
 from coba_tasks.core.solvers import coba_solvers
 from coba_tasks.engines.rollout import TRANSPORT_BACKENDS, backends, engine_in_process, weight_transport_refusal
 from coba_tasks.engines.verify import Gsm8kAnswer
@@ -48,6 +50,8 @@ UnknownSources = Literal["error", "math"]  # verify.unknown_sources (coba_tasks.
 Schedule = Literal["adaptive", "reversed", "fixed"]  # allocation.schedule: the paper's ablations reverse or fix it
 ModeName = Literal["paper", "released"]  # allocation.mode: the values of coba_tasks.core.allocation.Mode
 EstimatorName = Literal["last", "posterior", "pilot"]  # allocation.estimator: coba_tasks.core.capability.Estimator
+FilterMetricName = Literal["acc", "seq_reward"]  # allocation.filter_metric: coba_tasks.core.dynamic.FilterMetric
+AdaChoiceName = Literal["balanced", "positive_focused"]  # allocation.reinforce_ada_choice: core.ada.AdaChoice
 # optim.rollout_correction: coba_tasks.core.grpo.RolloutCorrection's values (not imported here: it pulls in torch)
 RolloutCorrectionLevel = Literal["none", "token", "sequence"]
 # optim.prompt_weighting: coba_tasks.core.grpo.PromptWeighting's values (not imported here either)
@@ -55,6 +59,8 @@ PromptWeightingName = Literal["tokens", "equal"]
 DTYPES = get_args(Dtype)
 assert set(get_args(ModeName)) == {m.value for m in Mode}, "allocation.mode's words are Mode's values"
 assert set(get_args(EstimatorName)) == {e.value for e in Estimator}, "allocation.estimator's words are Estimator's"
+assert set(get_args(FilterMetricName)) == {m.value for m in FilterMetric}, "filter_metric's words are FilterMetric's"
+assert set(get_args(AdaChoiceName)) == {c.value for c in AdaChoice}, "reinforce_ada_choice's words are AdaChoice's"
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # run.trackers: the experiment trackers a run can log to
 MAIN_TEST_SET = "test"  # the eval table's test_set of data.test; an extra test's is its file name without .parquet
@@ -337,8 +343,10 @@ class AllocationConfig(Section):
 
     SECTION: ClassVar[str] = "allocation"
 
-    strategy: Annotated[Text, registered(strategies)] = config_key(
-        "coba", "allocator (coba_tasks.core.allocation.strategies()): coba, knapsack or uniform"
+    strategy: Annotated[Text, registered(step_strategies)] = config_key(
+        "coba",
+        "how a step spends its rollouts: the allocators coba, knapsack or uniform (one budget per prompt), or "
+        "dynamic (DAPO's dynamic sampling) or ada (Reinforce-Ada), which sample a step in rounds (docs/method.md)",
     )
     mode: ModeName = config_key(
         "paper", "coba variant: paper (heap over all prompts) or released (the authors' released code)"
@@ -405,6 +413,44 @@ class AllocationConfig(Section):
         "step's total stays B_total",
         ge=1,
     )
+    # dynamic: veRL's DAPO recipe's knobs, under its names (data.train_batch_size is data.prompts_per_step,
+    # actor_rollout_ref.rollout.n is group_size)
+    gen_batch_size: StrictInt = config_key(
+        0,
+        "dynamic: prompts per generation batch, each sampled group_size times (veRL's data.gen_batch_size); "
+        "0 = data.prompts_per_step",
+        ge=0,
+    )
+    filter_metric: FilterMetricName = config_key(
+        "acc",
+        "dynamic: what a group must vary in to be trained on (veRL's algorithm.filter_groups.metric): acc "
+        "(correct or not) or seq_reward (the reward)",
+    )
+    max_num_gen_batches: StrictInt = config_key(
+        0,
+        "dynamic: most generation batches a step samples; a step short of data.prompts_per_step mixed groups "
+        "then stops the run, as veRL's recipe does; 0 = no limit (until the training pool runs out)",
+        ge=0,
+    )
+    # ada: Reinforce-Ada's knobs, under the names of its authors' config (the group the update sees is group_size)
+    reinforce_ada_choice: AdaChoiceName = config_key(
+        "balanced",
+        "ada: when a prompt leaves the rounds: balanced (group_size / 2 correct and as many wrong rollouts so "
+        "far) or positive_focused (one correct)",
+    )
+    max_rounds: StrictInt = config_key(4, "ada: most rounds a step samples", ge=1)
+    round_repeat: StrictInt = config_key(8, "ada: rollouts per prompt still in the rounds, per round", ge=1)
+    positive_threshold: Number = config_key(0.7, "ada: a rollout whose reward is above this is positive")
+    global_stat_est: StrictBool = config_key(
+        True,
+        "ada: each prompt's baseline from every rollout it got in the step, not only from the group the update "
+        "sees (the authors' script: true)",
+    )
+    norm_adv_by_std_in_grpo: StrictBool = config_key(
+        False,
+        "ada: divide each advantage by the baseline's standard deviation (the authors' script: false; the other "
+        "strategies always divide by their group's)",
+    )
 
     @field_validator("tau", mode="before")
     @classmethod
@@ -426,8 +472,22 @@ class AllocationConfig(Section):
 
     @property
     def piloted(self) -> bool:
-        """Whether each step starts with a pilot (``estimator = pilot``): ``store.step_stages(piloted)``."""
+        """Whether each step starts with a pilot (``estimator = pilot``)."""
         return self.estimator == Estimator.PILOT
+
+    @property
+    def sampling(self) -> str:
+        """How a step samples (``store.step_stages``): ``once`` (its budget), ``pilot`` (a pilot, then the rest of
+        its budget) or ``rounds`` (``dynamic``, ``ada``: rounds decided from the rewards of the rounds before)."""
+        if self.strategy in IN_ROUNDS:
+            return "rounds"
+        return "pilot" if self.piloted else "once"
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        """The rollouts a prompt of a step's first round gets under ``dynamic`` (group_size) and ``ada``
+        (round_repeat)."""
+        return self.round_repeat if self.strategy == Strategy.ADA else self.group_size
 
     @model_validator(mode="after")
     def _budgets(self) -> AllocationConfig:
@@ -438,6 +498,18 @@ class AllocationConfig(Section):
                 "estimator",
                 "knapsack has its own estimate (the mean of a prompt's newest 16 rollouts); set "
                 "allocation.estimator=last with knapsack, or allocation.strategy=coba or uniform",
+            )
+        if self.strategy in IN_ROUNDS and self.group_size < 2:
+            self._fail(
+                "group_size",
+                f"must be >= 2 with {self.strategy}: the group the update sees is group_size rollouts, and a group of "
+                "one has no advantage",
+            )
+        if self.strategy in IN_ROUNDS and self.estimator != Estimator.LAST:
+            self._fail(
+                "estimator",
+                f"{self.strategy} samples its own rounds and uses no estimate; set allocation.estimator=last with "
+                f"allocation.strategy={self.strategy}",
             )
         if self.piloted and self.pilot_rollouts > self.min_budget:
             self._fail(

@@ -49,6 +49,16 @@ ALLOCATION_KEYS = (
     "prior_strength",
     "posterior_decay",
     "pilot_rollouts",  # read by the pilot alone
+    # read by the strategies sampled in rounds alone (dynamic, ada), whose steps are no other run's
+    "gen_batch_size",
+    "filter_metric",
+    "max_num_gen_batches",
+    "reinforce_ada_choice",
+    "max_rounds",
+    "round_repeat",
+    "positive_threshold",
+    "global_stat_est",
+    "norm_adv_by_std_in_grpo",
 )
 PREFIX_KEYS = frozenset({"run.name", *(f"allocation.{k}" for k in ALLOCATION_KEYS)})
 ROLLOUT_INPUTS = ("prompt_id", "budget")  # what the rollouts stage reads of a budget table (stages.rollout_tables)
@@ -67,9 +77,10 @@ def differing_keys(a: Config, b: Config) -> list[str]:
 
 def shares_prefix(a: Config, b: Config) -> bool:
     """Whether runs of configs ``a`` and ``b`` may share their first steps: they differ only in ``PREFIX_KEYS``
-    and neither samples a pilot (``allocation.estimator: pilot`` samples inside the step: a step of such a run
-    is no other run's)."""
-    return not (a.allocation.piloted or b.allocation.piloted) and set(differing_keys(a, b)) <= PREFIX_KEYS
+    and each samples a step once, from its budget (a pilot, or rounds (dynamic, ada), sample inside the step: a
+    step of such a run is no other run's)."""
+    once = a.allocation.sampling == b.allocation.sampling == "once"
+    return once and set(differing_keys(a, b)) <= PREFIX_KEYS
 
 
 @dataclass
@@ -88,7 +99,8 @@ def fork_point(source: RunStore, cfg: Config) -> ForkPoint | None:
     theirs = read_run_config(source)
     if not shares_prefix(theirs, cfg):
         apart = [k for k in differing_keys(theirs, cfg) if k not in PREFIX_KEYS]
-        raise ForkError(f"the configs differ in {', '.join(apart)}" if apart else "a pilot run shares no steps")
+        why = "a step sampled in more than one wave is no other run's"
+        raise ForkError(f"the configs differ in {', '.join(apart)}" if apart else why)
     prompts = source.read_run_table("prompts")
     view = RunResources(cfg=cfg, store=source, prompts=prompts, test=pd.DataFrame())
     their_view = RunResources(cfg=theirs, store=source, prompts=prompts, test=pd.DataFrame())

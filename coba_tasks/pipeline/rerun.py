@@ -14,10 +14,10 @@ from pathlib import Path
 
 from coba_tasks.pipeline.evaluation import eval_steps
 from coba_tasks.pipeline.run import first_step_not_done, read_run_config, rerun_line, whole_checkpoint
-from coba_tasks.pipeline.store import PILOT_STAGES, STAGES, RunStore, StoreError, Table, inside_run, step_stages
+from coba_tasks.pipeline.store import STEP_ORDER, RunStore, StoreError, Table, inside_run, step_stages
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
-RERUNNABLE = (*STAGES, Table.EVAL, Table.PILOT, Table.PILOT_REWARDS)
+RERUNNABLE = (*STEP_ORDER, Table.EVAL)
 
 
 def _order(step_dir: int, name: str) -> tuple[int, int]:
@@ -25,9 +25,9 @@ def _order(step_dir: int, name: str) -> tuple[int, int]:
     if name == Table.EVAL:  # eval(t) measures the weights after update(t - 1), before step t's stages
         return (step_dir, -1)
     stage = Table.CAPABILITY if name == Table.HISTORY else name
-    if stage not in PILOT_STAGES:
+    if stage not in STEP_ORDER:
         raise ValueError(f"unknown stage {name!r}; choose one of {', '.join(RERUNNABLE)}")
-    return (step_dir, PILOT_STAGES.index(stage))
+    return (step_dir, STEP_ORDER.index(stage))
 
 
 @dataclass
@@ -59,12 +59,15 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if require_done and not store.is_done(step, stage):
-        done = [n for n in (*PILOT_STAGES, Table.EVAL) if store.is_done(step, n)]
+        done = [n for n in (*STEP_ORDER, Table.EVAL) if store.is_done(step, n)]
         raise ValueError(
             f"{stage} is not done at step {step} (done there: {', '.join(done) or 'nothing'}); "
             "`coba resume` computes what is missing"
         )
-    start = _order(step, stage)
+    # a step sampled in rounds: each round's requests follow from the rewards of those before, and its rollouts
+    # and rewards are its rounds': rerunning any of them redoes every round
+    sampled = (Table.ROUND, Table.ROUND_REWARDS, Table.ROLLOUTS, Table.REWARDS)
+    start = _order(step, Table.ROUND if stage in sampled and store.is_done(step, Table.ROUND) else stage)
     plan = RerunPlan(step=step, stage=stage)
     if stage == Table.EVAL:  # nothing reads a held-out evaluation: it invalidates only itself
         plan.tables.append((step, stage))
@@ -83,12 +86,12 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
     return plan
 
 
-def _piloted(store: RunStore) -> bool:
-    """Whether the run's steps start with a pilot (its config's ``allocation.piloted``); a damaged config: no."""
+def _sampling(store: RunStore) -> str:
+    """How the run's steps sample (its config's ``allocation.sampling``); a damaged config: ``once``."""
     try:
-        return read_run_config(store).allocation.piloted
+        return read_run_config(store).allocation.sampling
     except StoreError:
-        return False
+        return "once"
 
 
 def damaged_tables(store: RunStore) -> list[tuple[int, str, str]]:
@@ -140,7 +143,7 @@ def check_plan(store: RunStore, plan: RerunPlan) -> None:
     missing = [k for k in needed_checkpoints(store, plan) if not whole_checkpoint(store, k)]
     if not missing:
         return
-    first_stage = step_stages(_piloted(store))[0]
+    first_stage = step_stages(_sampling(store))[0]
     possible = 0
     for k in range(missing[0] - 1, 0, -1):
         if whole_checkpoint(store, k) and store.is_done(k - 1, Table.UPDATE):

@@ -13,7 +13,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,8 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
-from coba_tasks.core.allocation import Allocation, Strategy, plan_allocation
+from coba_tasks.core.ada import global_advantages
+from coba_tasks.core.allocation import IN_ROUNDS, Allocation, Strategy, plan_allocation
 from coba_tasks.core.capability import CapabilityTracker, Estimator
 from coba_tasks.core.grpo import (
     RewardScaleError,
@@ -41,6 +42,16 @@ from coba_tasks.engines.verify import VerdictKind, count_verdicts
 from coba_tasks.pipeline import prompt_history
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.prompt_history import batch_estimates, pass_rates, pooled_flags
+from coba_tasks.pipeline.rounds import (
+    ROUND,
+    USED,
+    ada_counts,
+    ada_next,
+    ada_used,
+    dynamic_next,
+    dynamic_used,
+    gen_batch_size,
+)
 from coba_tasks.pipeline.run import (
     RunResources,
     RunStopped,
@@ -289,7 +300,13 @@ def schedule_shape(tracker: CapabilityTracker, alloc: Any) -> tuple[float, float
 
 
 def section_allocation(est: np.ndarray, alloc: Any, alpha: float, beta: float) -> Allocation:
-    """The allocation of a batch with pass rates ``est`` (NaN: never seen) under the ``allocation`` section."""
+    """The allocation of a batch with pass rates ``est`` (NaN: never seen) under the ``allocation`` section; a
+    strategy sampled in rounds gives each prompt of its first round ``rollouts_per_prompt`` (uniform)."""
+    if alloc.strategy in IN_ROUNDS:
+        m, nan = len(est), np.full(len(est), np.nan)
+        budgets = np.full(m, alloc.rollouts_per_prompt, dtype=np.int64)
+        groups = np.array(["all"] * m, dtype=object)
+        return Allocation(budgets, est, nan, nan, groups, alloc.strategy, alloc.mode, "", alpha, beta, float("nan"))
     return plan_allocation(
         est,
         len(est) * alloc.group_size,
@@ -387,6 +404,39 @@ def advantages_for(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> np.ndarray:
     return group_advantages(reward, ids).numpy()
 
 
+def trained(
+    rolled: pd.DataFrame, scored: pd.DataFrame, alloc: Any
+) -> tuple[pd.DataFrame, pd.DataFrame, np.ndarray, np.ndarray]:
+    """What the update trains on: the rollouts and their rewards (a step sampled in rounds: the ``used`` ones),
+    their advantages and each one's group (``optim.prompt_weighting``). GRPO's group advantages by prompt
+    (dynamic: by prompt and round, a generation batch's group); ada: the reward minus its prompt's pass rate over
+    every rollout of the step (``allocation.global_stat_est``; else over its trained group), divided by that
+    pool's standard deviation under ``allocation.norm_adv_by_std_in_grpo`` (docs/method.md, section 21)."""
+    if USED not in rolled:
+        return rolled, scored, advantages_for(rolled, scored), pd.factorize(rolled["prompt_id"])[0]
+    mask = rolled[USED].to_numpy(dtype=bool)
+    if alloc.strategy != Strategy.ADA:  # dynamic: a group is a prompt's rollouts in one generation batch
+        keyed = rolled.assign(prompt_id=rolled["prompt_id"].astype(str) + "@" + rolled[ROUND].astype(str))
+        keyed_scores = scored.assign(prompt_id=keyed["prompt_id"].to_numpy())
+        adv = advantages_for(keyed[mask], keyed_scores[mask])
+        return rolled[mask], scored[mask], adv, pd.factorize(keyed["prompt_id"][mask])[0]
+    reward = scored["reward"].to_numpy(dtype=np.float64)
+    bad = unbounded_rewards(torch.tensor(reward))
+    if bad.numel():
+        row = scored.iloc[int(bad[0])]
+        where = f"prompt {row['prompt_id']} (sample {row['sample_idx']})"
+        raise RewardScaleError(reward_scale_message(where, float(row["reward"])))
+    used = scored[mask]
+    if alloc.global_stat_est:
+        pos, neg = ada_counts(scored, alloc)
+        adv = global_advantages(reward[mask], pos[mask], neg[mask], alloc.norm_adv_by_std_in_grpo)
+    elif alloc.norm_adv_by_std_in_grpo:
+        adv = advantages_for(rolled[mask], used)
+    else:
+        adv = reward[mask] - used.groupby("prompt_id")["reward"].transform("mean").to_numpy(dtype=np.float64)
+    return rolled[mask], used, adv, pd.factorize(rolled["prompt_id"][mask])[0]
+
+
 def update_sequences(
     rollouts: pd.DataFrame, prompts: pd.DataFrame
 ) -> tuple[list[list[int]], list[list[int]], list[list[float]] | None]:
@@ -465,29 +515,33 @@ def merged_reward_table(
 
 # --- The stages as Prefect tasks over the run directory
 
-StageBody = Callable[[RunResources, int], pd.DataFrame]
+StageBody = Callable[..., pd.DataFrame]  # (res, step) -> table; a round's stage (res, step, r) -> table
 
 
 def stage(
     table: Table,
     retries: int = 1,
     then: Callable[[RunResources, int], None] | None = None,
-) -> Callable[[StageBody], Task[[str, int], State]]:
+    rounds: bool = False,
+) -> Callable[[StageBody], Task[..., State]]:
     """A stage body ``(res, step) -> table`` as the Prefect task ``(run_dir, step) -> Completed state`` named
     ``table`` (runs ``<table>-step-<step>``): the body skipped when the table is done, else the fault hooks and
     the write; then ``then(res, step)``, done or not; timed. The state's data is the table's path, its message
-    says whether the table was written now or was already done (a resume, a retry: shown in the Prefect UI)."""
+    says whether the table was written now or was already done (a resume, a retry: shown in the Prefect UI).
+    ``rounds``: a stage of each round of a step sampled in rounds, ``(res, step, r) -> table`` as the task
+    ``(run_dir, step, r)`` (runs ``<table>-step-<step>-round-<r>``), skipped when its table holds round ``r``
+    (the table holds every round so far: written again with each)."""
 
-    def make(body: StageBody) -> Task[[str, int], State]:
-        def run_stage(run_dir: str, step: int) -> State:
+    def make(body: StageBody) -> Task[..., State]:
+        def run_stage(run_dir: str, step: int, r: int = 0) -> State:
             res, t0 = resources(run_dir), time.perf_counter()
             path = res.store.table_path(step, table)
             shown = path.relative_to(res.store.root).as_posix()
-            if res.store.is_done(step, table):
+            if round_done(res.store, step, table, r) if rounds else res.store.is_done(step, table):
                 message = f"already done: {shown} is in the step's manifest, not computed again"
             else:
-                frame = body(res, step)
-                res.faults.at(step, table)
+                frame = body(res, step, r) if rounds else body(res, step)
+                res.faults.at(step, f"{table.value}.{r}" if rounds else table.value)
                 res.store.write_table(step, table, frame)
                 message = f"wrote {shown} ({len(frame)} rows)"
             if then is not None:
@@ -498,9 +552,15 @@ def stage(
         run_stage.__name__ = run_stage.__qualname__ = body.__name__
         run_stage.__doc__, run_stage.__module__ = body.__doc__, body.__module__
         options = {"retries": retries, "retry_delay_seconds": 2, "cache_policy": NO_CACHE, "persist_result": False}
-        return task(run_stage, name=table.value, task_run_name=f"{table.value}-step-{{step}}", **options)
+        name = f"{table.value}-step-{{step}}" + ("-round-{r}" if rounds else "")
+        return task(run_stage, name=table.value, task_run_name=name, **options)
 
     return make
+
+
+def round_done(store: Any, step: int, table: Table, r: int) -> bool:
+    """Whether ``table`` (``round`` or ``round_rewards``) of ``step`` holds round ``r``."""
+    return store.is_done(step, table) and int(store.read_table(step, table, columns=(ROUND,))[ROUND].max()) >= r
 
 
 # --- The stages (their order: ``store.step_stages``)
@@ -525,16 +585,53 @@ def pilot_rewards(res: RunResources, step: int) -> pd.DataFrame:
 @stage(Table.BUDGET)
 def budget(res: RunResources, step: int) -> pd.DataFrame:
     """The allocation of step t from the history and the Beta shape after step t - 1 (uniform at step 0), and
-    under ``allocation.estimator = pilot`` the step's pilot (every budget holds its k)."""
+    under ``allocation.estimator = pilot`` the step's pilot (every budget holds its k). Under a strategy sampled
+    in rounds: its first round's prompts, each ``rollouts_per_prompt`` (dynamic: with ``gen_batch``, the index of
+    the step's first generation batch among the run's)."""
     history = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else prompt_history.empty_history()
     scored = res.store.read_table(step, Table.PILOT_REWARDS) if res.cfg.allocation.piloted else None
-    return budget_for(res, step, history, tracker_before(res, step), pilot=scored)
+    table = budget_for(res, step, history, tracker_before(res, step), pilot=scored)
+    if res.cfg.allocation.strategy == Strategy.DYNAMIC:
+        table["gen_batch"] = np.int64(first_gen_batch(res, step))
+    return table
+
+
+@stage(Table.ROUND, rounds=True)
+def round_rollouts(res: RunResources, step: int, r: int) -> pd.DataFrame:
+    """Round ``r`` of a step sampled in rounds, after the rounds before it: its prompts (``round_plan``), each
+    sampled with the round's seeds (``rollout_seed``'s wave ``r``), numbered on after the prompt's earlier rows."""
+    before = rounds_before(res, step, Table.ROUND, r)
+    plan, seed = round_plan(res, step, r), res.cfg.run.seed
+    fresh = rollout_table(plan, res.prompts, res.engine, sampling(res.cfg), seed, step, wave=r)
+    if before is not None:
+        earlier = before.groupby("prompt_id").size().reindex(fresh["prompt_id"]).fillna(0)
+        fresh["sample_idx"] += earlier.to_numpy(dtype=np.int64)
+    fresh[ROUND] = np.int64(r)
+    return fresh if before is None else pd.concat([before, fresh], ignore_index=True)
+
+
+@stage(Table.ROUND_REWARDS, rounds=True)
+def round_rewards(res: RunResources, step: int, r: int) -> pd.DataFrame:
+    """Round ``r``'s rollouts scored, after the rounds before it (a round with too many errors or timeouts stops
+    the run)."""
+    rows = res.store.read_table(step, Table.ROUND)
+    scored = reward_table(rows[rows[ROUND] == r], res.prompts, res.pool)
+    scored[ROUND] = np.int64(r)
+    check_error_share(scored, f"step {step}, round {r}", res.cfg.verify.max_error_share)
+    before = rounds_before(res, step, Table.ROUND_REWARDS, r)
+    return scored if before is None else pd.concat([before, scored], ignore_index=True)
 
 
 @stage(Table.ROLLOUTS)
 def rollouts(res: RunResources, step: int) -> pd.DataFrame:
     """Sample each prompt of the step's budget table as many completions as its budget, with the rollout engine
-    (after a pilot: the rest of its budget, beside the pilot's)."""
+    (after a pilot: the rest of its budget, beside the pilot's). Sampled in rounds: every round's rollouts, and
+    whether the update trains on each (``used``: ``rounds.dynamic_used``, ``rounds.ada_used``)."""
+    if res.cfg.allocation.sampling == "rounds":
+        rows, scored = res.store.read_table(step, Table.ROUND), res.store.read_table(step, Table.ROUND_REWARDS)
+        if not rows[KEY].equals(scored[KEY]):
+            raise StoreError(f"step {step}: the round and round_rewards tables do not hold the same rows")
+        return rows.assign(**{USED: used_rows(res, step, rows, scored)})
     budget = res.store.read_table(step, Table.BUDGET)
     args = (res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
     if res.cfg.allocation.piloted:
@@ -544,8 +641,10 @@ def rollouts(res: RunResources, step: int) -> pd.DataFrame:
 
 @stage(Table.REWARDS)
 def rewards(res: RunResources, step: int) -> pd.DataFrame:
-    """Score every completion with the verifier pool (after a pilot: its rewards kept, the rest scored); a step
-    with too many errors or timeouts stops the run."""
+    """Score every completion with the verifier pool (after a pilot: its rewards kept, the rest scored; sampled in
+    rounds: its rounds' rewards); a step with too many errors or timeouts stops the run."""
+    if res.cfg.allocation.sampling == "rounds":
+        return res.store.read_table(step, Table.ROUND_REWARDS)
     rolled = res.store.read_table(step, Table.ROLLOUTS)
     if res.cfg.allocation.piloted:
         scored = res.store.read_table(step, Table.PILOT_REWARDS)
@@ -587,11 +686,27 @@ def update(res: RunResources, step: int) -> pd.DataFrame:
         raise type(exc)(f"step {step}: {exc}") from None
 
 
-def step_tasks(cfg: Config) -> tuple[Task[[str, int], State], ...]:
-    """The stage tasks of one step of the run, in the order ``store.step_stages`` gives, each with its timeout
-    (``limited``)."""
-    tasks = {t.name: t for t in (pilot, pilot_rewards, budget, rollouts, rewards, capability, update)}
-    return tuple(limited(tasks[name], cfg) for name in step_stages(cfg.allocation.piloted))
+def step_tasks(res: RunResources, step: int) -> Iterator[tuple[Task[..., State], int]]:
+    """The stage tasks of step ``step`` in the order ``store.step_stages`` gives, each with its timeout
+    (``limited``) and its round (0 but in a step sampled in rounds); the round pair is given again while
+    ``more_rounds`` asks for one, each time after the one before ran (a generator: the caller runs each task
+    before asking for the next)."""
+    tasks = stage_tasks(res.cfg)
+    for name in step_stages(res.cfg.allocation.sampling):
+        if name == Table.ROUND:
+            r = 0
+            while more_rounds(res, step, r):
+                yield tasks[Table.ROUND], r
+                yield tasks[Table.ROUND_REWARDS], r
+                r += 1
+        elif name != Table.ROUND_REWARDS:
+            yield tasks[name], 0
+
+
+def stage_tasks(cfg: Config) -> dict[str, Task[..., State]]:
+    """Every stage's task, by name, with the timeout ``cfg`` gives it (``limited``)."""
+    every = (pilot, pilot_rewards, budget, round_rollouts, round_rewards, rollouts, rewards, capability, update)
+    return {t.name: limited(t, cfg) for t in every}
 
 
 def limited(stage_task: Task[[str, int], State], cfg: Config) -> Task[[str, int], State]:
@@ -600,6 +715,7 @@ def limited(stage_task: Task[[str, int], State], cfg: Config) -> Task[[str, int]
     r = cfg.run
     limits = {
         Table.PILOT: r.rollouts_timeout_s,
+        Table.ROUND: r.rollouts_timeout_s,
         Table.ROLLOUTS: r.rollouts_timeout_s,
         Table.UPDATE: r.update_timeout_s,
         Table.EVAL: r.eval_timeout_s,
@@ -638,10 +754,74 @@ def capability_and_history(res: RunResources, step: int) -> tuple[pd.DataFrame, 
 
 
 def batch_of(res: RunResources, step: int) -> list[str]:
-    """The prompt ids of ``step``'s batch."""
+    """The prompt ids of ``step``'s batch (dynamic: its first generation batch's)."""
     cfg = res.cfg
+    if cfg.allocation.strategy == Strategy.DYNAMIC:
+        return generation_batch(res, first_gen_batch(res, step))
     ids = res.prompts["prompt_id"].tolist()
     return batch_for_step(ids, step, cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
+
+
+# --- A step sampled in rounds (``coba_tasks.pipeline.rounds`` decides; these read and write its tables)
+
+
+def generation_batch(res: RunResources, index: int) -> list[str]:
+    """dynamic: the prompts of the run's generation batch ``index`` (the pool's epochs cut into
+    ``gen_batch_size`` prompts, as ``batch_for_step`` cuts a step's batch)."""
+    cfg = res.cfg
+    size = gen_batch_size(cfg.allocation, cfg.data.prompts_per_step)
+    return batch_for_step(res.prompts["prompt_id"].tolist(), index, size, cfg.run.seed, cfg.data.shuffle)
+
+
+def first_gen_batch(res: RunResources, step: int) -> int:
+    """dynamic: the index of ``step``'s first generation batch: every generation batch of the steps before it (the
+    budget of step - 1 holds its own first index; its rounds, how many it sampled)."""
+    if step == 0:
+        return 0
+    before = int(res.store.read_table(step - 1, Table.BUDGET, columns=("gen_batch",))["gen_batch"].iloc[0])
+    return before + int(res.store.read_table(step - 1, Table.ROUND, columns=(ROUND,))[ROUND].max()) + 1
+
+
+def rounds_before(res: RunResources, step: int, table: Table, r: int) -> pd.DataFrame | None:
+    """The rows of the rounds before ``r`` in ``table`` (``round`` or ``round_rewards``); None before round 1."""
+    if r == 0 or not res.store.is_done(step, table):
+        return None
+    rows = res.store.read_table(step, table)
+    return rows[rows[ROUND] < r].reset_index(drop=True)
+
+
+def more_rounds(res: RunResources, step: int, r: int) -> bool:
+    """Whether the step samples round ``r`` (round 0 always), from the rewards of the rounds before it."""
+    if r == 0:
+        return True
+    scored = rounds_before(res, step, Table.ROUND_REWARDS, r)
+    alloc, m = res.cfg.allocation, res.cfg.data.prompts_per_step
+    if alloc.strategy == Strategy.DYNAMIC:
+        return dynamic_next(scored, alloc, m, len(res.prompts), step)
+    return bool(ada_next(scored, batch_of(res, step), alloc))
+
+
+def round_plan(res: RunResources, step: int, r: int) -> pd.DataFrame:
+    """Round ``r``'s requests (prompt_id, budget): round 0 the budget table's; then dynamic the step's next
+    generation batch, ``group_size`` each; ada the prompts still in the rounds, ``round_repeat`` each."""
+    if r == 0:
+        return res.store.read_table(step, Table.BUDGET, columns=("prompt_id", "budget"))
+    alloc = res.cfg.allocation
+    if alloc.strategy == Strategy.DYNAMIC:
+        index = int(res.store.read_table(step, Table.BUDGET, columns=("gen_batch",))["gen_batch"].iloc[0]) + r
+        prompts = generation_batch(res, index)
+    else:
+        prompts = ada_next(rounds_before(res, step, Table.ROUND_REWARDS, r), batch_of(res, step), alloc)
+    budgets = np.full(len(prompts), alloc.rollouts_per_prompt, dtype=np.int64)
+    return pd.DataFrame({"prompt_id": prompts, "budget": budgets})
+
+
+def used_rows(res: RunResources, step: int, rows: pd.DataFrame, scored: pd.DataFrame) -> np.ndarray:
+    """Which of a step's rollouts (every round's, ``rows``, scored alike in ``scored``) the update trains on."""
+    alloc = res.cfg.allocation
+    if alloc.strategy == Strategy.DYNAMIC:
+        return dynamic_used(rows, scored, alloc.filter_metric, res.cfg.data.prompts_per_step)
+    return ada_used(scored, batch_of(res, step), alloc)
 
 
 def budget_for(
@@ -655,11 +835,10 @@ def _update(res: RunResources, step: int, replay: bool = False) -> pd.DataFrame:
     """The update of ``step`` from its tables; its checkpoint when due (``checkpoint_due``). ``replay``: the
     trainer takes it again (``replay_update``): no checkpoint, no record of the engine's sleep."""
     ckpt = res.store.checkpoint_dir(step + 1)
-    rolled = res.store.read_table(step, Table.ROLLOUTS)
-    scored = res.store.read_table(step, Table.REWARDS)
-    adv = advantages_for(rolled, scored)
+    rolled, scored, adv, groups = trained(
+        res.store.read_table(step, Table.ROLLOUTS), res.store.read_table(step, Table.REWARDS), res.cfg.allocation
+    )
     prompt_ids, completion_ids, sampler_logprobs = update_sequences(rolled, res.prompts)
-    groups = pd.factorize(rolled["prompt_id"])[0]  # each rollout's prompt (optim.prompt_weighting)
     fsdp = res.cfg.optim.fsdp_processes > 1
     previous = previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
     with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:

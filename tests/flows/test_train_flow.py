@@ -635,15 +635,16 @@ def test_a_stage_past_its_timeout_fails_the_flow_run_instead_of_hanging(tmp_path
     from prefect.task_engine import TaskRunTimeoutError
 
     from coba_tasks.pipeline.evaluation import evaluate_step
-    from coba_tasks.pipeline.stages import limited, step_tasks
+    from coba_tasks.pipeline.stages import limited, stage_tasks
     from flows.train import train_flow
 
     model, _ = random_checkpoints
     cfg = load_config(
         "configs/tiny-test.yaml", [f"model.path={model}", "run.eval_timeout_s=0.05", "run.update_timeout_s=0"]
     )
-    limits = {t.name: t.timeout_seconds for t in step_tasks(cfg)}
-    assert limits == {"budget": None, "rollouts": 21600.0, "rewards": None, "capability": None, "update": None}
+    limits = {name: t.timeout_seconds for name, t in stage_tasks(cfg).items()}
+    sampling = {"pilot": 21600.0, "round": 21600.0, "rollouts": 21600.0}  # every stage that samples
+    assert limits == {name: sampling.get(name) for name in Table if name not in (Table.HISTORY, Table.EVAL)}
     assert limited(evaluate_step, cfg).timeout_seconds == 0.05 and evaluate_step.timeout_seconds is None
     run_dir = tmp_path / "run"
     with pytest.raises(TaskRunTimeoutError):

@@ -277,7 +277,10 @@ def test_wrong_type_in_a_file(tmp_path):
         ("rollout.max_tokens=0", r"rollout\.max_tokens = 0: must be >= 1"),
         ("rollout.max_model_len=12", r"rollout\.max_model_len = 12: must exceed rollout\.max_tokens \(12\)"),
         ("rollout.gpu_memory_utilization=1.2", r"rollout\.gpu_memory_utilization = 1\.2: must be in \(0, 1\]"),
-        ("allocation.strategy=best", r"allocation\.strategy = 'best': must be one of coba, knapsack, uniform"),
+        (
+            "allocation.strategy=best",
+            r"allocation\.strategy = 'best': must be one of ada, coba, dynamic, knapsack, uniform",
+        ),
         ("allocation.mode=fancy", r"allocation\.mode = 'fancy': must be one of paper, released"),
         ("allocation.solver=lp", r"allocation\.solver = 'lp': must be one of dp, heap, threshold"),
         ("allocation.min_budget=1", r"allocation\.min_budget = 1: .*a GRPO group of one rollout has no advantage"),
