@@ -24,7 +24,7 @@ from prefect import flow, get_run_logger
 
 from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
-from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, eval_steps, evaluate_step
+from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, evaluate_step, run_eval_steps
 from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.stages import (
     Advanced,
@@ -38,7 +38,14 @@ from coba_tasks.pipeline.stages import (
 )
 from coba_tasks.pipeline.store import Table
 from coba_tasks.readers import trackers
-from coba_tasks.readers.figures import NO_SIGNAL_FIX, NO_SIGNAL_STEPS, eval_figures, no_signal_streak, step_figures
+from coba_tasks.readers.figures import (
+    NO_SIGNAL_FIX,
+    NO_SIGNAL_STEPS,
+    eval_figures,
+    generated_counts,
+    no_signal_streak,
+    step_figures,
+)
 from coba_tasks.readers.figures import summary_json as make_summary_json
 from flows.view import RunView
 
@@ -61,7 +68,8 @@ def run_step(run_dir: str, step: int, view: RunView | None = None) -> None:
     k = res.cfg.allocation.pilot_rollouts if res.cfg.allocation.piloted else 0
     quiet = no_signal_streak(res.store, step)  # steps in a row whose every group scored alike
     elapsed = time.perf_counter() - t0
-    line = step_line(step, res.cfg.run.steps, figures, seconds, elapsed, no_signal=quiet, pilot=k)
+    counts = generated_counts(res.store, step)
+    line = step_line(step, res.cfg.run.steps, figures, seconds, elapsed, no_signal=quiet, pilot=k, counts=counts)
     log = get_run_logger()
     (log.warning if quiet >= NO_SIGNAL_STEPS else log.info)(line)
     if view is not None:
@@ -76,6 +84,7 @@ def step_line(
     elapsed: float,
     no_signal: int = 0,
     pilot: int = 0,
+    counts: dict[str, int] | None = None,
 ) -> str:
     """The step's progress line: pass rate, failure rate and Beta shape, its budgets, the update, time.
 
@@ -83,7 +92,8 @@ def step_line(
     ``update``); ``seconds``: the step's seconds per stage; ``elapsed``: the step's wall seconds;
     ``no_signal``: how many steps in a row, ending at this one, had no mixed group (every advantage 0): from
     ``NO_SIGNAL_STEPS`` on, the line says that nothing is learned and what to change. ``pilot``: the pilot's
-    rollouts per prompt under ``allocation.estimator = pilot``.
+    rollouts per prompt under ``allocation.estimator = pilot``. ``counts``: ``readers.figures.generated_counts``
+    (what the update trained on, when it is not all the step generated, and the run's rollouts so far).
 
     >>> print(step_line(2, 10, {
     ...     "rollouts": {"rollouts": 128},
@@ -91,9 +101,11 @@ def step_line(
     ...     "capability": {"S": 0.31, "F": 0.69, "alpha": 8.2, "beta": 2.8},
     ...     "budget": {"min": 2, "max": 24, "mean": 8.0},
     ...     "update": {"loss": -0.0123, "grad_norm": 0.52},
-    ... }, {"rollouts": 21.7, "rewards": 0.4, "update": 25.1}, 49.6))
+    ... }, {"rollouts": 21.7, "rewards": 0.4, "update": 25.1}, 49.6,
+    ... counts={"rollouts_generated": 128, "rollouts_trained": 96, "rollouts_generated_total": 384}))
     step 3/10: pass rate 0.31 (mean over prompts; 40/128 rollouts correct, 8 unanswered); F 0.69 -> alpha 8.20 \
-beta 2.80; budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52; 50 s (rollouts 22 s, update 25 s)
+beta 2.80; budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52 on 96 of them; 384 rollouts so far; 50 s \
+(rollouts 22 s, update 25 s)
     """
     verdicts, cap, budget, upd = figures["rewards"], figures["capability"], figures["budget"], figures["update"]
     other = {k: v for k, v in verdicts.items() if k not in ("correct", "wrong") and v}
@@ -108,8 +120,17 @@ beta 2.80; budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52; 50 s (rollouts
         + f"); F {cap['F']:.2f} -> alpha {cap['alpha']:.2f} beta "
         f"{cap['beta']:.2f}; budgets {budget['min']}-{budget['max']} (mean "
         f"{budget['mean']:.1f}{f', a pilot of {pilot} each' if pilot else ''}); loss "
-        f"{upd['loss']:+.4f}, grad norm {upd['grad_norm']:.2f}; {elapsed:.0f} s ({parts})" + _no_signal_text(no_signal)
+        f"{upd['loss']:+.4f}, grad norm {upd['grad_norm']:.2f}{_counts_text(counts)}; {elapsed:.0f} s ({parts})"
+        + _no_signal_text(no_signal)
     )
+
+
+def _counts_text(counts: dict[str, int] | None) -> str:
+    if not counts:
+        return ""
+    trained, generated = counts["rollouts_trained"], counts["rollouts_generated"]
+    part = f" on {trained} of them" if trained != generated else ""
+    return f"{part}; {counts['rollouts_generated_total']:,} rollouts so far"
 
 
 def _no_signal_text(steps: int) -> str:
@@ -164,7 +185,7 @@ def train_flow(
     trk = None
     try:
         trk = trackers.open_trackers(directory, cfg, warn=log.warning)  # run.trackers, continued on a resume
-        first = run.first_step_not_done(res.store, cfg.run.steps)
+        first = run.first_step_not_done(res.store, run.run_length(res.store, cfg))
         due = due_evaluations(res, first)  # a kill, a rerun or a repair left these
         resume_point(res, upto=min([first, *due]))  # the newest checkpoint the evaluations and the steps start from
         if first > 0:
@@ -182,22 +203,23 @@ def train_flow(
         _say_advanced(advance(res, first), first)  # from the newest whole checkpoint at or below it
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
-        due_steps = eval_steps(cfg.run.steps, cfg.run.eval_every)
         with run.stop_on_signals(res, log.warning):  # Ctrl-C, SIGTERM: stop after the stage, with a checkpoint
-            for step in range(first, cfg.run.steps):
+            step = first
+            while step < run.run_length(res.store, cfg):  # run.steps, or fewer once run.rollout_budget is spent
                 # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
                 # bodies (the same code a plain function call would run), measured in this run
                 t0, inside0 = time.perf_counter(), sum(res.stage_seconds.values())
                 run_step(directory, step, view)
                 wall = time.perf_counter() - t0
                 res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
-                if step + 1 in due_steps and step + 1 < cfg.run.steps:
-                    _held_out(res, view, step + 1, f"after step {step + 1}")
+                step += 1
+                if step in run_eval_steps(res.store, cfg) and step < run.run_length(res.store, cfg):
+                    _held_out(res, view, step, f"after step {step}")
                 trk.log_new()
-                run.step_boundary(res, step + 1)
-                stop_run(res, f"step {step + 1}/{cfg.run.steps}")
+                run.step_boundary(res, step)
+                stop_run(res, f"step {step}/{cfg.run.steps}")
         log.info(f"held-out evaluation after training: {eval_plan(res)}")
-        _held_out(res, view, cfg.run.steps, "after training")
+        _held_out(res, view, run.run_length(res.store, cfg), "after training")
         trk.log_new()
         summary = make_summary_json(res.store.root, time.perf_counter() - t_start, res.stage_seconds, res.step_walls)
         res.store.write_json("summary.json", summary)

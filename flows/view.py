@@ -114,11 +114,18 @@ class RunView:
             progress=self._percent(), key=f"{self.scope}-progress", description=self._progress_text()
         )
 
+    def _generated(self) -> int:
+        return max((int(r.get("rollouts_generated_total") or 0) for r in self.rows.values()), default=0)
+
     def _percent(self) -> float:
-        return 100.0 * len(self.rows) / max(1, self.cfg.run.steps)
+        budget = self.cfg.run.rollout_budget  # under a rollout budget the run ends when its rollouts reach it
+        done = self._generated() / budget if budget else len(self.rows) / max(1, self.cfg.run.steps)
+        return 100.0 * min(1.0, done)
 
     def _progress_text(self) -> str:
-        return f"{self.shown}: {len(self.rows)} of {self.cfg.run.steps} steps done"
+        text = f"{self.shown}: {len(self.rows)} of {self.cfg.run.steps} steps done"
+        budget = self.cfg.run.rollout_budget
+        return text + (f", {self._generated():,} of {budget:,} rollouts generated" if budget else "")
 
     def step_done(self, step: int, figures: dict[str, dict[str, Any]], no_signal: int) -> None:
         """After step ``step``: its row in the step table, the progress, its budgets, its events."""

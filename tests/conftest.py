@@ -30,6 +30,7 @@ LONGEST_FILES = (
     "tests/flows/test_shipped_configs.py",
     "tests/flows/test_workers_postgres.py",
     "tests/commands/test_compare.py",
+    "tests/flows/test_rounds_flow.py",
     "tests/engines/test_ray_rollout.py",
     "tests/flows/test_lora_flow.py",
     "tests/flows/test_fsdp_flow.py",

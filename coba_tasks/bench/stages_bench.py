@@ -144,13 +144,14 @@ def _bench(train: Train, cfg: Any, config_path: str | None, work: Path, steps: i
         verify = _bench_verify(res, rollouts, rewards, repeats, progress)
         parquet = _bench_parquet(store, scratch_dir, cfg, t, repeats, progress)
         update = _bench_update(res, rollouts, rewards, scratch_dir, repeats, progress)
+        rounds = _bench_rounds(res, cfg, budget, t, scratch_dir, repeats, progress)
     finally:
         run.close_run(res)
 
     machine["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     rollout["write_s"] = parquet["tables"]["rollouts"]["write_s"]
     ratios = {
-        "rollout_stage_over_bare": rollout["stage_s"] / rollout["bare_s"],
+        "rollout_stage_over_bare": rollout["paired_ratio"],
         "rollout_stage_and_write_over_bare": (rollout["stage_s"] + rollout["write_s"]) / rollout["bare_s"],
         "orchestration_share": step["outside_stages_s"] / step["step_s"],
     }
@@ -178,6 +179,7 @@ def _bench(train: Train, cfg: Any, config_path: str | None, work: Path, steps: i
         "parquet": parquet,
         "verify": verify,
         "update": update,
+        "rounds": rounds,
         "ratios": ratios,
         "goals": goals,
     }
@@ -231,8 +233,59 @@ def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, pro
         "tokens": tokens,
         "stage_s": statistics.median(times["stage"]),
         "bare_s": bare_s,
+        # each repeat's two calls ran side by side: the median of their ratios is steadier than the ratio of the
+        # medians when the machine's load moves between repeats (a shared machine's does)
+        "paired_ratio": statistics.median(a / b for a, b in zip(times["stage"], times["bare"], strict=True)),
         "bare_tokens_per_s": tokens / bare_s,
         "same_completions": [list(x) for x in table["token_ids"]] == bare_ids,
+    }
+
+
+ROUND_SPLITS = (1, 2, 4)  # the step's rollouts sampled in this many rounds (``_bench_rounds``)
+
+
+def _bench_rounds(res: Any, cfg: Any, budget: Any, step: int, scratch: Path, repeats: int, progress) -> dict:
+    """What each extra round of a step costs: the step's budget sampled in 1, 2 and 4 rounds (its prompts cut
+    into that many parts, each round as the round stages run one: the rollouts with the round's seeds, scored,
+    every round so far written as a table), alternated; per split the median seconds and the seconds per round
+    beyond the first against one round."""
+    import pandas as pd
+
+    from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline.config import config_hash, config_to_dict
+    from coba_tasks.pipeline.rounds import ROUND
+    from coba_tasks.pipeline.store import RunStore
+
+    out = RunStore(scratch / "rounds")
+    out.create(config_to_dict(cfg), config_hash(cfg), {})
+    sampling = stages.sampling(cfg)
+
+    def in_rounds(k: int) -> None:
+        parts = [budget.iloc[i::k].reset_index(drop=True) for i in range(k)]
+        rows, scored = [], []
+        for r, part in enumerate(parts):
+            fresh = stages.rollout_table(part, res.prompts, res.engine, sampling, cfg.run.seed, step, wave=r)
+            rows.append(fresh.assign(**{ROUND: r}))
+            scored.append(stages.reward_table(fresh, res.prompts, res.pool).assign(**{ROUND: r}))
+            out.write_table(k, Table.ROUND, pd.concat(rows, ignore_index=True))
+            out.write_table(k, Table.ROUND_REWARDS, pd.concat(scored, ignore_index=True))
+
+    splits = ", ".join(map(str, ROUND_SPLITS))
+    progress(f"rounds: the step's rollouts in {splits} rounds, {repeats} alternating repeats")
+    for k in ROUND_SPLITS:
+        in_rounds(k)  # warm-up
+    times: dict[int, list[float]] = {k: [] for k in ROUND_SPLITS}
+    for i in range(repeats):
+        for k in ROUND_SPLITS if i % 2 == 0 else tuple(reversed(ROUND_SPLITS)):
+            _, seconds = timed(in_rounds, k)
+            times[k].append(seconds)
+    one = statistics.median(times[1])
+    return {
+        str(k): {
+            "seconds": statistics.median(times[k]),
+            "per_extra_round_s": (statistics.median(times[k]) - one) / (k - 1) if k > 1 else 0.0,
+        }
+        for k in ROUND_SPLITS
     }
 
 
@@ -350,7 +403,8 @@ def format_stages(result: dict) -> str:
         f"  {'bare llm.generate':<34}{_fmt_s(ro['bare_s']):>10}   {ro['bare_tokens_per_s']:,.0f} tokens/s",
         f"  {'stages.rollout_table':<34}{_fmt_s(ro['stage_s']):>10}",
         f"  {'Parquet write of rollouts':<34}{_fmt_s(ro['write_s']):>10}",
-        f"  stage / bare = {ra['rollout_stage_over_bare']:.3f}x (goal <= {g_roll['goal']:.2f}: {_met(g_roll)}); "
+        f"  stage / bare = {ra['rollout_stage_over_bare']:.3f}x, the median of the repeats' paired ratios (goal <= "
+        f"{g_roll['goal']:.2f}: {_met(g_roll)}); "
         f"(stage + write) / bare = {ra['rollout_stage_and_write_over_bare']:.3f}x; "
         f"same completions: {'yes' if ro['same_completions'] else 'NO'}",
         "",
@@ -380,6 +434,14 @@ def format_stages(result: dict) -> str:
         f"{_fmt_s(up['seconds'])} = {up['tokens_per_s']:,.0f} tokens/s; tokenizing the prompts "
         f"{_fmt_s(up['prepare_s'])}, checkpoint save {_fmt_s(up['checkpoint_save_s'])}, "
         f"vLLM weight reload {_fmt_s(up['engine_reload_s'])}",
+        "",
+        "6. Rounds: the step's rollouts sampled in k rounds (each: its part of the prompts, scored, the rounds so "
+        "far written), against one",
+        *(
+            f"  {k} round{'s' if k != '1' else ' '}  {_fmt_s(r['seconds']):>10}"
+            + (f"   {_fmt_s(r['per_extra_round_s'])} per round beyond the first" if k != "1" else "")
+            for k, r in result["rounds"].items()
+        ),
         "",
         f"Goals: rollout stage / bare vLLM <= {g_roll['goal']:.2f}: {_met(g_roll)} "
         f"({g_roll['value']:.3f}); orchestration <= {g_orch['goal']:.0%} of a step: {_met(g_orch)} "

@@ -377,7 +377,8 @@ COMMAND = Command(
     help="uniform vs knapsack vs CoBA-RL (and ablations) on the same rollout budget",
     description="Train one run per (strategy, seed) from the same config (same model start, data, rollouts per "
     "step, steps and seeds; only the allocation differs), seed by seed, then write the tables (runs, results, "
-    "steps, budget_by_level, budget_by_pass_rate, transitions, estimate_by_age, steps_by_level), final.json and "
+    "steps, budget_by_level, budget_by_pass_rate, transitions, estimate_by_age, steps_by_level, prompt_visits), "
+    "final.json and "
     "compare.png into "
     "--out and print the gain per strategy, the paired difference to uniform with its 95 % interval and the "
     "smallest detectable difference, where the rollouts went and the mechanisms per step (the estimates' error, "

@@ -5,11 +5,13 @@ what the row is about:
 
     runs.parquet         strategy, seed, config_hash, finished, steps, rollouts, wall_seconds: the runs the
                          tables hold (a later sitting checks its runs against these hashes)
-    results.parquet      strategy, seed, step, rollouts_spent (rollouts the model had trained on when it was
-                         evaluated), accuracy (avg@k), accuracy_greedy, answered, boxed, one column per level,
+    results.parquet      strategy, seed, step, rollouts_spent (rollouts generated before the weights evaluated:
+                         every round, pilot and dropped group; the x axis of runs that spend differently per
+                         step), accuracy (avg@k), accuracy_greedy, answered, boxed, one column per level,
                          pass_at_1 .. pass_at_k (pass@k, unbiased, k up to the completions per prompt)
     steps.parquet        strategy, seed, step, S, F, alpha, beta, alloc_alpha, alloc_beta (the Beta the step's
-                         budgets were allocated with), rollouts, effective gradient ratio (share of groups
+                         budgets were allocated with), rollouts (generated), rollouts_trained (those its update
+                         trained on), effective gradient ratio (share of groups
                          with non-zero reward variance), effective rollout ratio (share of rollouts in such
                          groups: the samples with a non-zero advantage), first_solved (prompts with a
                          correct rollout for the first time in the run) and ``mechanisms.STEP_COLUMNS``:
@@ -27,6 +29,10 @@ what the row is about:
                          groups, those scored alike, all wrong and mixed, their rollouts and pass rate, the
                          prompts first solved, the all-wrong -> mixed conversions, the all-wrong groups of
                          prompts mixed at another visit, the estimates' error (``mechanisms.level_mechanisms``)
+    prompt_visits.parquet    strategy, seed and ``mechanisms.ROW_COLUMNS`` (and ``level`` where the prompts have
+                         one): one row per prompt and visit, its rounds, rollouts generated, trained on and
+                         solved, the budget and estimate it was allocated with (``mechanisms.prompt_visits``:
+                         which prompts a strategy cracked, and at which visit)
 
 ``steps.parquet`` also holds each update's size: ``grad_norm`` (before clipping) and ``nonzero_token_share``
 (the share of the step's completion tokens in groups with a non-zero advantage: the token-mean loss divides by
@@ -55,7 +61,7 @@ from coba_tasks.engines.fileio import atomic_write, write_parquet
 CLASSES = ("all_wrong", "mixed", "all_right")
 KEYS = ["strategy", "seed"]
 TABLES = ("runs", "results", "steps", "budget_by_level", "budget_by_pass_rate", "transitions", "estimate_by_age")
-TABLES += ("steps_by_level",)
+TABLES += ("steps_by_level", "prompt_visits")
 # the per-step mechanisms mechanism_table averages (over steps, then seeds); NaN for tables made before them
 STEP_MEANS = (
     "effective_prompts",
@@ -125,7 +131,7 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
     from coba_tasks.pipeline import prompt_history
     from coba_tasks.pipeline.store import Table
     from coba_tasks.readers.figures import eval_figures
-    from coba_tasks.readers.mechanisms import STEP_COLUMNS, by_age, level_mechanisms, run_mechanisms
+    from coba_tasks.readers.mechanisms import STEP_COLUMNS, by_age, level_mechanisms, prompt_visits, run_mechanisms
 
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
     planned = t.config_value("run", "steps")
@@ -163,6 +169,7 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
                     # schedules differ from the tracker's alpha, beta); NaN for strategies without them
                     **_allocation_beta(t, step),
                     "rollouts": rollouts,
+                    "rollouts_trained": _rollouts_trained(t, step),
                     "effective_gradient_ratio": 1.0 - float(cap["zero_variance_groups"]),
                     # share of the step's rollouts in groups with non-zero reward variance (non-zero advantage)
                     "effective_rollout_ratio": float(sizes[mixed].sum() / sizes.sum()),
@@ -197,12 +204,21 @@ def _collect_run(t: Any, key: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
         for a, b in itertools.product(CLASSES, CLASSES)
     ]
     out["estimate_by_age"] += [{**key, **r} for r in by_age(mech.rows).to_dict("records")]
+    out["prompt_visits"] += [{**key, **r} for r in prompt_visits(t, mech.rows).to_dict("records")]
     if level is not None:
         out["steps_by_level"] += [{**key, **r} for r in level_mechanisms(mech.rows, level).to_dict("records")]
     summary = t.summary_file() or {}
     run = {"config_hash": t.store.config_hash, "finished": bool(summary), "steps": int(planned), "rollouts": spent}
     out["runs"].append({**key, **run, "wall_seconds": float(summary.get("wall_seconds", math.nan))})
     return out
+
+
+def _rollouts_trained(t: Any, step: int) -> float:
+    """The rollouts the update of ``step`` trained on (NaN before it is done)."""
+    from coba_tasks.pipeline.store import Table
+
+    update = t.table(step, Table.UPDATE) if Table.UPDATE in t.done[step] else None
+    return float(update["rollouts"].iloc[0]) if update is not None and "rollouts" in update else math.nan
 
 
 def _update_size(t: Any, step: int, mixed: pd.Series) -> dict[str, float]:
@@ -359,7 +375,9 @@ def paired_difference(diffs: Sequence[float], power: float = POWER) -> dict[str,
 def paired_table(results: pd.DataFrame, baseline: str = "uniform") -> pd.DataFrame:
     """Per strategy but ``baseline``, per measure (avg@k, greedy, pass@k), over the seeds both finished: the final
     held-out accuracy minus the baseline's on the same seed (the same pool, held-out sample and start),
-    with ``paired_difference``'s interval and smallest detectable difference."""
+    with ``paired_difference``'s interval and smallest detectable difference, and the mean rollouts generated
+    before each side's final evaluation (``rollouts``, ``baseline_rollouts``: equal, up to one step's, where the
+    runs end at ``run.rollout_budget``)."""
     if results.empty or baseline not in set(results["strategy"]):
         return pd.DataFrame()
     _, last = _first_last(results)
@@ -373,7 +391,13 @@ def paired_table(results: pd.DataFrame, baseline: str = "uniform") -> pd.DataFra
         for col, _, measure in measures(results):
             diffs = (mine.loc[seeds, col] - base.loc[seeds, col]).to_numpy()
             stats_ = paired_difference(diffs)
-            rows.append({"strategy": strategy, "baseline": baseline, "measure": measure, "seeds": str(seeds), **stats_})
+            has = "rollouts_spent" in mine  # tables kept from before it was recorded have none
+            spent = {
+                "rollouts": float(mine.loc[seeds, "rollouts_spent"].mean()) if has else math.nan,
+                "baseline_rollouts": float(base.loc[seeds, "rollouts_spent"].mean()) if has else math.nan,
+            }
+            row = {"strategy": strategy, "baseline": baseline, "measure": measure, "seeds": str(seeds)}
+            rows.append(row | stats_ | spent)
     return pd.DataFrame(rows)
 
 
@@ -450,6 +474,13 @@ def format_report(final: pd.DataFrame, paired: pd.DataFrame, mechanism: pd.DataF
             f"paired difference to {paired['baseline'].iloc[0]} on the same seed (final accuracy): "
             f"mean [95 % interval], smallest difference detectable with {POWER:.0%} power",
         ]
+        spent = paired[["rollouts", "baseline_rollouts"]].dropna() if "rollouts" in paired else paired.iloc[:0]
+        if len(spent) and not (spent["rollouts"] == spent["baseline_rollouts"]).all():
+            r = paired.iloc[0]  # arms that spend differently per step: the rollouts each had generated
+            lines.append(
+                f"  (evaluated after {r['rollouts']:,.0f} rollouts generated, {r['baseline']} after "
+                f"{r['baseline_rollouts']:,.0f}; means over the seeds paired)"
+            )
         for r in paired.itertuples():
             head = f"  {r.strategy:<{w}} {r.measure:<7} {r.pairs} seeds  {r.mean:+.3f}"
             if r.pairs < 2:  # no spread to make an interval from

@@ -76,6 +76,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate; print the figures (or one JSON object with ``--json``)."""
     from coba_tasks.pipeline.evaluation import check_eval_inputs
 
+    if bool(args.dataset) == bool(args.census):
+        raise ValueError("give --dataset (held-out prompts) or --census RUN_DIR (a run's training pool), one of them")
+    if args.census:
+        return cmd_census(args)
+
     settings, source = eval_settings_for(args)
     check_eval_inputs(args.model, settings, args.out, args.overwrite)  # before Prefect and the engine start
     from coba_tasks.commands.prefect_env import configure_prefect, start_local_server
@@ -96,6 +101,86 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for label, text in eval_rows(figures, s.samples):
         print(f"  {label:<10} {text}")
     return 0
+
+
+CENSUS_SAMPLES = 64  # completions per prompt of a census unless --samples says otherwise
+
+
+def cmd_census(args: argparse.Namespace) -> int:
+    """``coba eval --census RUN_DIR``: the run's training pool, each prompt ``--samples`` times at its training
+    sampling, scored as the run scores (``evaluation.pool_census``); how many prompts each count of solved
+    completions has (by level where the pool has levels), the table to ``--out``."""
+    from coba_tasks.pipeline.evaluation import check_eval_output, eval_settings, pool_census, write_eval_table
+    from coba_tasks.pipeline.run import read_run_config
+    from coba_tasks.pipeline.store import RunStore
+
+    store = RunStore.open(args.census)
+    cfg = read_run_config(store)
+    if cfg.verify.reward_function.strip():  # the run's own scoring, asked for by the user's own command
+        from coba_tasks.pipeline.deployment import allow_reward_files
+
+        allow_reward_files()
+    samples = args.samples or CENSUS_SAMPLES
+    if args.out:  # never an input of the census: the model, its base, the run's tables
+        test = str(store.root / "prompts.parquet")
+        check_eval_output(args.out, args.model, eval_settings(test_path=test), args.overwrite)
+    table = pool_census(store, cfg, args.model, samples, args.prompts or 0, progress=sys.stderr.isatty())
+    written = write_eval_table(table, args.out, args.overwrite) if args.out else None
+    counts = census_counts(table, samples)
+    if args.json:
+        print(json.dumps({"model": args.model, "run": str(store.root), "samples": samples, **counts, "out": written}))
+        return 0
+    r = cfg.rollout
+    print(
+        f"{args.model} on {store.root}'s training pool: {len(table)} prompts x {samples} samples (temperature "
+        f"{r.temperature}, top-p {r.top_p}, at most {r.max_tokens} tokens: the run's training sampling)"
+    )
+    for label, text in census_rows(counts, samples):
+        print(f"  {label:<14} {text}")
+    if written:
+        print(f"  {'table':<14} {written} (per prompt: solved of samples)")
+    return 0
+
+
+def census_counts(table: Any, samples: int) -> dict[str, Any]:
+    """Prompts by the completions they solved: ``never`` (0), ``sometimes`` (1 .. samples - 1, each count in
+    ``by_solved``), ``always`` (all); the same by difficulty level where there are levels.
+
+    >>> import pandas as pd
+    >>> t = pd.DataFrame({"solved": [0, 0, 1, 3, 4], "difficulty": [1, 1, 1, 0, 0]})
+    >>> census_counts(t, 4)["by_level"]
+    {'0': {'never': 0, 'sometimes': 1, 'always': 1}, '1': {'never': 2, 'sometimes': 1, 'always': 0}}
+    """
+
+    def classes(solved: Any) -> dict[str, int]:
+        return {
+            "never": int((solved == 0).sum()),
+            "sometimes": int(((solved > 0) & (solved < samples)).sum()),
+            "always": int((solved == samples).sum()),
+        }
+
+    solved = table["solved"]
+    out: dict[str, Any] = classes(solved)
+    out["by_solved"] = {str(k): int(v) for k, v in solved.value_counts().sort_index().items()}
+    levels = table.get("difficulty")
+    if levels is not None and (levels >= 0).any():
+        out["by_level"] = {str(lv): classes(part["solved"]) for lv, part in table.groupby("difficulty")}
+    return out
+
+
+def census_rows(counts: dict[str, Any], samples: int) -> list[tuple[str, str]]:
+    """(label, text) rows of a census."""
+    total = counts["never"] + counts["sometimes"] + counts["always"]
+    share = lambda n: f"{n} ({n / total:.0%})" if total else str(n)  # noqa: E731
+    rows = [
+        ("never solved", f"{share(counts['never'])}: 0 of {samples}"),
+        ("sometimes", f"{share(counts['sometimes'])}: 1 to {samples - 1} of {samples}, the prompts more samples crack"),
+        ("always solved", share(counts["always"])),
+        ("solved: prompts", "  ".join(f"{k}: {v}" for k, v in counts["by_solved"].items())),
+    ]
+    for level, c in (counts.get("by_level") or {}).items():
+        rows.append((f"level {level}", f"never {c['never']}, sometimes {c['sometimes']}, always {c['always']}"))
+    return rows
 
 
 def eval_rows(figures: dict[str, Any], samples: int) -> list[tuple[str, str]]:
@@ -135,7 +220,9 @@ COMMAND = Command(
     "its base model is checked) on a Parquet dataset (veRL or prompt/answer), as a training run evaluates: "
     "avg@k over --samples completions, greedy accuracy, pass@k (unbiased, k = 1 .. samples), by difficulty "
     "and by data source. Settings come from --config (for a run's checkpoint, its run's config.yaml; else "
-    "the defaults) with these options on top. Runs the coba-eval Prefect flow.",
+    "the defaults) with these options on top. Runs the coba-eval Prefect flow. --census RUN_DIR instead "
+    "samples that run's training pool at its training sampling, scored as the run scores: which prompts "
+    "more samples would crack.",
     examples=[
         "coba eval --model runs/demo/checkpoints/000010 --dataset data/arith_chat_test.parquet",
         "coba eval --model runs/demo/checkpoints/000010 --dataset data/arith_chat_test.parquet --samples 16 --json",
@@ -143,10 +230,18 @@ COMMAND = Command(
         "--config configs/demo.yaml --prompts 0",
         "coba eval --model runs/demo/checkpoints/000010 --dataset data/arith_chat_test.parquet "
         "--out evals/demo-step10.parquet",
+        "coba eval --model runs/demo/checkpoints/000004 --census runs/demo --samples 32 --out evals/census-4.parquet",
     ],
     options=[
         option("--model", required=True, help="a model directory, a run's checkpoint or a LoRA checkpoint"),
-        option("--dataset", required=True, help="held-out prompts: a Parquet file (veRL or prompt/answer)"),
+        option("--dataset", default=None, help="held-out prompts: a Parquet file (veRL or prompt/answer)"),
+        option(
+            "--census",
+            metavar="RUN_DIR",
+            default=None,
+            help="instead of --dataset: that run's training pool at its training sampling and scoring, "
+            f"--samples (default {CENSUS_SAMPLES}) a prompt: how many completions each prompt solves",
+        ),
         option("--config", default=None, help="YAML run config whose evaluation settings to use"),
         option("--samples", type=positive_int, default=None, help="completions per prompt (avg@k, pass@k)"),
         option("--temperature", type=non_negative_float, default=None, help="sampling temperature; 0 = greedy"),

@@ -179,7 +179,13 @@ def _check_default_tiny_model(path: str) -> None:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """Run ``coba resume``: check the run (lock, config, tables, inputs, checkpoint), then continue its flow."""
-    from coba_tasks.pipeline.run import check_inputs, checked_checkpoint, first_step_not_done, read_run_config
+    from coba_tasks.pipeline.run import (
+        check_inputs,
+        checked_checkpoint,
+        first_step_not_done,
+        read_run_config,
+        run_length,
+    )
     from coba_tasks.pipeline.runlock import RunLock
     from coba_tasks.pipeline.store import RunStore
 
@@ -209,10 +215,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
             print(line)
         with RunLock(store.root):
             apply_rerun(store, plan)
-    first = first_step_not_done(store, cfg.run.steps)
+    length = run_length(store, cfg)  # run.steps, or fewer under run.rollout_budget
+    first = first_step_not_done(store, length)
     summary_file = store.root / "summary.json"
-    if first == cfg.run.steps and summary_file.is_file():
-        print(f"{store.root}: all {cfg.run.steps} steps are done; nothing to resume")
+    if first == length and summary_file.is_file():
+        print(f"{store.root}: all {length} steps are done; nothing to resume")
         _print_summary(json.loads(summary_file.read_text()))
         return 0
     # what the flow checks too, here first so that a refusal is one line, not a failed flow run's log

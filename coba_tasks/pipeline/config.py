@@ -63,6 +63,8 @@ HASH_NEUTRAL_KEYS: tuple[tuple[str, str], ...] = tuple(
             "rollouts_timeout_s",
             "update_timeout_s",
             "eval_timeout_s",
+            "rollout_budget",
+            "eval_every_rollouts",
         ),
         "data": ("on_bad_rows", "prompt_format", "extra_tests", "difficulties"),
         "model": ("lora_rank", "lora_alpha", "lora_target_modules"),

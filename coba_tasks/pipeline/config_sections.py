@@ -111,6 +111,18 @@ class RunConfig(Section):
     eval_every: StrictInt = config_key(
         5, "evaluate on held-out prompts every this many steps; 0 = only before and after training", ge=0
     )
+    rollout_budget: StrictInt = config_key(
+        0,
+        "end training after the step whose rollouts take the run's rollouts generated (every round, pilot and "
+        "dropped group counted) to at least this many; run.steps stays the most steps; 0 = run.steps steps",
+        ge=0,
+    )
+    eval_every_rollouts: StrictInt = config_key(
+        0,
+        "also evaluate after each step whose rollouts take the run's rollouts generated past a multiple of this "
+        "(runs that spend differently per step compared at equal rollouts generated); 0 = none",
+        ge=0,
+    )
     eval_samples: StrictInt = config_key(
         1, "samples per held-out prompt (avg@k at eval_temperature); 1 with temperature 0 = greedy", ge=1
     )

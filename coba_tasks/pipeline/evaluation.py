@@ -58,7 +58,14 @@ from coba_tasks.pipeline.data import (
     sample_eval_prompts,
 )
 from coba_tasks.pipeline.deployment import check_reward_files
-from coba_tasks.pipeline.run import RunResources, check_remote_code, checked_checkpoint, verifier_pool
+from coba_tasks.pipeline.run import (
+    RunResources,
+    check_remote_code,
+    checked_checkpoint,
+    rollouts_generated,
+    run_length,
+    verifier_pool,
+)
 from coba_tasks.pipeline.stages import check_error_share, reward_table, rollout_tables, stage
 from coba_tasks.pipeline.store import RunStore, StoreError, Table
 
@@ -97,6 +104,22 @@ def eval_steps(steps: int, every: int) -> list[int]:
     """
     between = range(every, steps, every) if every else range(0)
     return sorted({0, *between, steps})
+
+
+def run_eval_steps(store: Any, cfg: Config) -> list[int]:
+    """The steps whose weights the run in ``store`` evaluates: ``eval_steps`` of its length (``run_length``: fewer
+    than ``run.steps`` under ``run.rollout_budget``), and under ``run.eval_every_rollouts`` N each step t + 1
+    after a step t whose rollouts took the rollouts generated past a multiple of N (the steps done so far
+    decide)."""
+    length, every = run_length(store, cfg), cfg.run.eval_every_rollouts
+    steps = set(eval_steps(length, cfg.run.eval_every))
+    if every:
+        total = 0
+        for step, n in enumerate(rollouts_generated(store, length)):
+            if (total + n) // every > total // every:
+                steps.add(step + 1)
+            total += n
+    return sorted(steps)
 
 
 def evaluate(
@@ -484,6 +507,47 @@ def evaluate_run_checkpoint(store: RunStore, cfg: Config, step: int, eval_prompt
         )
 
 
+def pool_census(
+    store: RunStore, cfg: Config, model_path: str, samples: int, prompts: int = 0, progress: bool = False
+) -> pd.DataFrame:
+    """Per prompt of the run's training pool (its prompts.parquet, as the run rendered them; ``prompts`` > 0: a
+    seeded sample), ``solved`` of ``samples`` completions of ``model_path`` (a model directory, a checkpoint of
+    this run or another, a LoRA checkpoint) at the run's training sampling (rollout.temperature, top_p,
+    max_tokens), scored by the run's verifier pool (its reward file too): where a prompt lies between never and
+    always solved, so which prompts more samples would crack. ``accuracy`` is solved / samples."""
+    check_reward_files(cfg)
+    check_remote_code(cfg)
+    pool_prompts = store.read_run_table("prompts")
+    if prompts:
+        pool_prompts = sample_eval_prompts(pool_prompts, prompts, cfg.run.seed)
+    ro = cfg.rollout
+    with contextlib.ExitStack() as stack:
+        engine = make_backend(
+            ro.backend,
+            engine_weights(model_path, cfg.model.dtype, stack),
+            dtype=cfg.model.dtype,
+            max_model_len=ro.max_model_len or None,
+            seed=cfg.run.seed,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        stack.callback(engine.close)
+        engine.weight_version = checkpoint_version(model_path)
+        pool = stack.enter_context(verifier_pool(cfg))
+        return evaluate(
+            pool_prompts,
+            engine,
+            pool,
+            samples,
+            ro.temperature,
+            ro.max_tokens,
+            cfg.run.seed,
+            top_p=ro.top_p,
+            progress=progress,
+            max_error_share=cfg.verify.max_error_share,
+            where=f"census of {model_path} on {store.root}'s training pool",
+        )
+
+
 # --- In a training run: the task, the weights it scores, which evaluations are due
 
 
@@ -544,8 +608,7 @@ def _load_version(res: RunResources, version: int) -> None:
 def due_evaluations(res: RunResources, first: int) -> list[int]:
     """The held-out evaluations between training's first and last, at most ``first`` (the step a run continues
     at), not done (a kill after an update, a rerun or repair leaves one): the flow computes them first."""
-    r = res.cfg.run
-    due = eval_steps(r.steps, r.eval_every)[1:-1]  # the evaluations before and after training have their own
+    due = run_eval_steps(res.store, res.cfg)[1:-1]  # the evaluations before and after training have their own
     return [e for e in due if e <= first and not res.store.is_done(e, Table.EVAL)]
 
 

@@ -12,8 +12,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coba_tasks.pipeline.evaluation import eval_steps
-from coba_tasks.pipeline.run import first_step_not_done, read_run_config, rerun_line, whole_checkpoint
+from coba_tasks.pipeline.evaluation import run_eval_steps
+from coba_tasks.pipeline.run import first_step_not_done, read_run_config, rerun_line, run_length, whole_checkpoint
 from coba_tasks.pipeline.store import STEP_ORDER, RunStore, StoreError, Table, inside_run, step_stages
 
 # Stages a user can rerun, by the file they own in steps/<step>/.
@@ -125,13 +125,12 @@ def needed_checkpoints(store: RunStore, plan: RerunPlan) -> list[int]:
     """The checkpoints the resume after ``plan`` reads, in a run whose updates run under FSDP (the others replay
     the updates after their newest checkpoint, none needed): the one it continues from (none at step 0), and
     those of the held-out evaluations before that step it must compute first (the plan's own, or ones missing)."""
-    if int((store.read_config().get("optim") or {}).get("fsdp_processes", 1)) <= 1:
+    cfg = read_run_config(store)
+    if cfg.optim.fsdp_processes <= 1:
         return []
-    cfg = store.read_config().get("run") or {}
-    steps, every = int(cfg.get("steps", 0)), int(cfg.get("eval_every", 0))
-    first = resume_step(store, plan, steps)
+    first = resume_step(store, plan, run_length(store, cfg))
     removed = set(plan.tables)
-    evals = [e for e in eval_steps(steps, every) if 0 < e < first]
+    evals = [e for e in run_eval_steps(store, cfg) if 0 < e < first]
     needed = [e for e in evals if (e, Table.EVAL) in removed or not store.is_done(e, Table.EVAL)]
     return sorted({*needed, *([first] if first > 0 else [])})
 
@@ -166,7 +165,7 @@ def resume_weights(store: RunStore, plan: RerunPlan) -> list[str]:
     above what the trainer holds then: ``stages.advance``) and how many updates it replays from their tables.
     Under FSDP every update has its checkpoint: nothing is replayed."""
     cfg = read_run_config(store)
-    steps = cfg.run.steps
+    steps = run_length(store, cfg)
     first = resume_step(store, plan, steps)
     if cfg.optim.fsdp_processes > 1:
         return [f"the resume goes on at step {first + 1}/{steps} from checkpoints/{first:06d} (FSDP: no replay)"]
@@ -174,7 +173,7 @@ def resume_weights(store: RunStore, plan: RerunPlan) -> list[str]:
     kept = sorted((k for k in store.checkpoints() if store.checkpoint_dir(k) not in plan.checkpoints), reverse=True)
     due = [
         e
-        for e in eval_steps(steps, cfg.run.eval_every)[1:-1]
+        for e in run_eval_steps(store, cfg)[1:-1]
         if e <= first and ((e, Table.EVAL) in removed or not store.is_done(e, Table.EVAL))
     ]
     lines, held = [], 0

@@ -155,4 +155,3 @@ def ada_counts(rewards: pd.DataFrame, alloc: Any) -> tuple[np.ndarray, np.ndarra
     total_pos = pos.groupby(pid).transform("sum").to_numpy(dtype=np.float64)
     total = pid.groupby(pid).transform("size").to_numpy(dtype=np.float64)
     return total_pos, total - total_pos
-

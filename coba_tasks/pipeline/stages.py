@@ -61,6 +61,7 @@ from coba_tasks.pipeline.run import (
     previous_checkpoint,
     rerun_line,
     resources,
+    run_length,
     start_resources,
     update_settings,
     whole_checkpoint,
@@ -450,7 +451,8 @@ def update_sequences(
 
 
 def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rewards: pd.DataFrame) -> pd.DataFrame:
-    """update.parquet: the update's metrics, the share of zero-variance groups, the rollouts."""
+    """update.parquet: the update's metrics, the share of zero-variance groups, the rollouts it trained on
+    (``rollouts``; what the step generated: the metrics' ``rollouts_generated`` and ``tokens_generated``)."""
     ids = torch.as_tensor(pd.factorize(rewards["prompt_id"])[0])
     zero = zero_variance_share(torch.tensor(rewards["reward"].to_numpy(dtype=np.float64)), ids)
     return pd.DataFrame([{"step": step, **metrics, "zero_variance_groups": zero, "rollouts": len(rollouts)}])
@@ -835,9 +837,8 @@ def _update(res: RunResources, step: int, replay: bool = False) -> pd.DataFrame:
     """The update of ``step`` from its tables; its checkpoint when due (``checkpoint_due``). ``replay``: the
     trainer takes it again (``replay_update``): no checkpoint, no record of the engine's sleep."""
     ckpt = res.store.checkpoint_dir(step + 1)
-    rolled, scored, adv, groups = trained(
-        res.store.read_table(step, Table.ROLLOUTS), res.store.read_table(step, Table.REWARDS), res.cfg.allocation
-    )
+    generated = res.store.read_table(step, Table.ROLLOUTS)
+    rolled, scored, adv, groups = trained(generated, res.store.read_table(step, Table.REWARDS), res.cfg.allocation)
     prompt_ids, completion_ids, sampler_logprobs = update_sequences(rolled, res.prompts)
     fsdp = res.cfg.optim.fsdp_processes > 1
     previous = previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
@@ -861,6 +862,8 @@ def _update(res: RunResources, step: int, replay: bool = False) -> pd.DataFrame:
             metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs, groups)
     # the weights after the optimizer steps, for a replay to prove (FSDP: none, every update is a checkpoint)
     metrics = {**metrics, "params_digest": "" if fsdp else res.trainer.params_digest()}
+    # what the step generated (every round, the pilot, dropped groups) beside what the update trained on
+    metrics |= {"rollouts_generated": len(generated), "tokens_generated": int(generated["n_tokens"].sum())}
     if slept and not replay:
         res.store.write_step_json(step, "engine_sleep", slept)
     if not fsdp and not replay and (checkpoint_due(res, step + 1) or _not_repeated(res, step)):
@@ -891,7 +894,7 @@ def checkpoint_due(res: RunResources, version: int) -> bool:
     r = res.cfg.run
     return (
         version % r.checkpoint_every == 0
-        or version == r.steps
+        or version == run_length(res.store, res.cfg)  # the last (under run.rollout_budget known by its rollouts)
         or res.stop_signal is not None
         or res.not_repeatable is not None  # updates that do not repeat bit for bit: each one (``start_resources``)
     )
@@ -1044,7 +1047,7 @@ def resume_point(res: RunResources, upto: int | None = None) -> int:
     """Start the resources on the newest whole checkpoint at or below ``upto`` (default and at most: the first
     step not done; the base model when there is none) and return the first step not done: ``advance`` replays
     the updates after that checkpoint. With FSDP (every step has its checkpoint) the checkpoint of that step."""
-    first = first_step_not_done(res.store, res.cfg.run.steps)
+    first = first_step_not_done(res.store, run_length(res.store, res.cfg))
     upto = first if upto is None else min(upto, first)
     if res.cfg.optim.fsdp_processes > 1:
         version = first

@@ -29,7 +29,11 @@ MIN_CORR_PROMPTS = 3  # fewer estimated prompts than this: no correlation
 STEP_COLUMNS = ("step", "prompts", "estimated", "estimate_mae", "estimate_bias", "estimate_corr", "estimate_age_mean")
 STEP_COLUMNS += ("effective_prompts", "mixed_groups", "first_solved", f"train_pass_at_{PASS_AT}")
 AGE_COLUMNS = ("age", "prompts", "estimate_mae", "estimate_bias")
-ROW_COLUMNS = ("step", "prompt_id", "budget", "estimate", "realized", "age", "seen")
+# one row per prompt and visit (a step that sampled it): its rounds, the rollouts generated and trained on, the
+# correct ones among them; the budget and estimate it was allocated with (NaN for a prompt the budget did not
+# hold: a later generation batch of dynamic sampling), the share correct, the estimate's age, seen (estimated)
+ROW_COLUMNS = ("step", "prompt_id", "rounds", "generated", "trained", "successes", "budget", "estimate", "realized")
+ROW_COLUMNS += ("age", "seen")
 
 
 LEVEL_COLUMNS = ("step", "difficulty", "groups", "alike", "all_wrong", "mixed", "rollouts", "pass_rate")
@@ -86,6 +90,45 @@ def estimate_rows(
             "seen": seen.to_numpy(dtype=bool),
         }
     )
+
+
+def visit_rows(estimates: pd.DataFrame, rewards: pd.DataFrame, rollouts: pd.DataFrame | None) -> pd.DataFrame:
+    """``ROW_COLUMNS`` of a step: its ``estimate_rows`` (the budget's prompts, in its order) beside every prompt
+    it sampled (``rewards``; a prompt the budget did not hold gets no budget or estimate), with the rounds it was
+    sampled in, its rollouts generated, trained on (``rollouts``' ``used``: all without one, or without
+    ``rollouts``) and solved.
+
+    >>> e = pd.DataFrame({"step": 3, "prompt_id": ["a"], "budget": [2], "estimate": [0.5], "realized": [0.5],
+    ...                   "age": [1.0], "seen": [True]})
+    >>> r = pd.DataFrame({"prompt_id": ["a", "a", "b", "b"], "verdict": ["correct", "wrong", "wrong", "wrong"]})
+    >>> ro = pd.DataFrame({"prompt_id": list("aabb"), "round": [0, 0, 1, 1], "used": [True, True, False, False]})
+    >>> visit_rows(e, r, ro)[["prompt_id", "rounds", "generated", "trained", "successes", "budget", "seen"]]
+      prompt_id  rounds  generated  trained  successes  budget   seen
+    0         a       1          2        2          1     2.0   True
+    1         b       1          2        0          0     NaN  False
+    """
+    ids = rewards["prompt_id"].astype(str)
+    counts = pd.DataFrame({"generated": ids.groupby(ids, sort=False).size()})
+    counts["successes"] = solved(rewards).groupby(ids, sort=False).sum().astype(int)
+    if rollouts is not None and "used" in rollouts:
+        counts["trained"] = rollouts["used"].groupby(rollouts["prompt_id"].astype(str), sort=False).sum()
+    else:
+        counts["trained"] = counts["generated"]
+    if rollouts is not None and "round" in rollouts:
+        counts["rounds"] = rollouts["round"].groupby(rollouts["prompt_id"].astype(str), sort=False).nunique()
+    else:
+        counts["rounds"] = 1
+    step = int(estimates["step"].iloc[0]) if len(estimates) else -1
+    order = list(dict.fromkeys([*estimates["prompt_id"].astype(str), *counts.index]))
+    out = estimates.assign(prompt_id=estimates["prompt_id"].astype(str)).set_index("prompt_id").reindex(order)
+    out = out.join(counts).reset_index()
+    realized = counts["successes"] / counts["generated"]
+    out["realized"] = out["prompt_id"].map(realized).astype(float)
+    out["step"] = step
+    out["seen"] = out["seen"].fillna(False).astype(bool)
+    for col in ("rounds", "generated", "trained", "successes"):
+        out[col] = out[col].fillna(0).astype(np.int64)
+    return out[list(ROW_COLUMNS)]
 
 
 def estimate_figures(rows: pd.DataFrame) -> dict[str, float]:
@@ -187,9 +230,18 @@ def step_mechanisms(t: RunTables, step: int) -> tuple[dict[str, float], pd.DataF
     """The figures of step ``step`` but ``first_solved`` (which needs the steps before it) and its
     ``estimate_rows``; its budget and rewards tables must be done."""
     rewards = t.table(step, Table.REWARDS)
-    rows = estimate_rows(t.table(step, Table.BUDGET), rewards, step, _last_visits(t, step))
+    estimates = estimate_rows(t.table(step, Table.BUDGET), rewards, step, _last_visits(t, step))
+    rows = visit_rows(estimates, rewards, _sampling_columns(t, step))
     figures = {**group_figures(rewards), **estimate_figures(rows), "effective_prompts": effective_prompts_of(t, step)}
     return figures, rows
+
+
+def _sampling_columns(t: RunTables, step: int) -> pd.DataFrame | None:
+    """The step's rollouts' ``prompt_id``, ``round`` and ``used`` (a step sampled in rounds), read alone and
+    unhashed (the token ids are most of the table); None for a step sampled once."""
+    if Table.ROLLOUTS not in t.done.get(step, set()) or Table.ROUND not in t.done.get(step, set()):
+        return None
+    return t.store.read_table(step, Table.ROLLOUTS, verify=False, columns=("prompt_id", "round", "used"))
 
 
 def run_mechanisms(t: RunTables) -> Mechanisms:
@@ -209,6 +261,18 @@ def run_mechanisms(t: RunTables) -> Mechanisms:
     frame = pd.DataFrame(steps, columns=list(STEP_COLUMNS))
     every = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=list(ROW_COLUMNS))
     return Mechanisms(steps=frame, rows=every)
+
+
+def prompt_visits(t: RunTables, rows: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per prompt and visit of the run (``run_mechanisms``' ``rows``, or ``rows``), with its difficulty
+    ``level`` where the prompts have one: the table ``coba inspect --mechanisms prompts`` shows and
+    ``coba compare`` keeps (``prompt_visits.parquet``)."""
+    rows = run_mechanisms(t).rows if rows is None else rows
+    prompts = t.prompts()
+    if prompts is None or "difficulty" not in prompts:
+        return rows
+    level = prompts.assign(prompt_id=prompts["prompt_id"].astype(str)).set_index("prompt_id")["difficulty"]
+    return rows.assign(level=rows["prompt_id"].astype(str).map(level).to_numpy())
 
 
 def by_age(rows: pd.DataFrame) -> pd.DataFrame:
@@ -291,7 +355,7 @@ def level_mechanisms(rows: pd.DataFrame, level: pd.Series) -> pd.DataFrame:
             "alike": (~mixed).astype(int),
             "all_wrong": wrong.astype(int),
             "mixed": mixed.astype(int),
-            "rollouts": r["budget"],
+            "rollouts": r["generated"] if "generated" in r else r["budget"],
             "pass_rate": r["realized"],
             "first_solved": ((r["realized"] > 0) & ~solved_before.astype(bool)).astype(int),
             "wrong_to_mixed": (prev_wrong.astype(bool) & mixed).astype(int),

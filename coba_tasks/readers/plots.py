@@ -325,6 +325,38 @@ def plot_update(run: RunTables, path: Path) -> Path:
     return _save(fig, path)
 
 
+def plot_rollouts(run: RunTables, path: Path) -> Path:
+    """Left: the rollouts each step generated (every round, pilot and dropped group) and those its update trained
+    on. Right: the held-out accuracy of the weights after t updates against the rollouts generated before them
+    (steps 0..t-1): the x axis on which runs that spend differently per step compare."""
+    fig, (per_step, by_budget) = _subplots(1, 2, figsize=(11.0, 4.2))
+    steps = run.steps_with(Table.ROLLOUTS)
+    generated = [int(run.store.manifest(s)[Table.ROLLOUTS]["rows"]) for s in steps]
+    if steps:
+        per_step.plot(steps, generated, "o-", ms=4, color="C0", label="generated")
+        updates = run.stacked(Table.UPDATE).reset_index(drop=True)
+        if len(updates):
+            per_step.plot(updates["step"], updates["rollouts"], "s--", ms=4, color="C1", label="trained on")
+        per_step.legend(fontsize=9, frameon=False)
+        _step_axis(per_step, steps)
+    else:
+        _no_data(per_step, "no rollouts yet")
+    per_step.set_title("rollouts per step")
+    per_step.grid(True, alpha=0.3)
+    before = dict(zip([s + 1 for s in steps], np.cumsum(generated).tolist(), strict=True)) | {0: 0}
+    evals = [s for s in run.steps_with(Table.EVAL) if s in before]
+    if evals:
+        ys = [float(split_test_sets(run.table(s, Table.EVAL))[MAIN_TEST_SET]["accuracy"].mean()) for s in evals]
+        by_budget.plot([before[s] for s in evals], ys, "o-", ms=5, color="C0")
+        by_budget.set_ylim(-0.02, 1.02)
+    else:
+        _no_data(by_budget, "no held-out evaluation yet")
+    by_budget.set_xlabel("rollouts generated before the weights evaluated")
+    by_budget.set_title("held-out accuracy by rollouts generated")
+    by_budget.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
 def plot_mechanisms(run: RunTables, path: Path) -> Path:
     """Per step: N_eff of the update beside the mixed groups and the prompts; the estimates the budget was
     allocated with against the pass rates realized (MAE, bias, correlation) and pass@2; and by the

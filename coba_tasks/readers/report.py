@@ -13,6 +13,7 @@ a table counts only when the store says it is done) and writes into ``<run_dir>/
                              gradient norm of each step's update
     mechanisms.png           per step N_eff, mixed groups, the estimates' error against the realized pass
                              rates and pass@2; the estimates' error by age (``readers.mechanisms``)
+    rollouts.png             rollouts generated and trained on per step; held-out accuracy by rollouts generated
     stage_time.png           seconds per stage, from summary.json (only once the run has finished)
     index.html               all of the above, a table of headline figures, what came back (per evaluated
                              step a few prompts with their budget, the pass-rate estimate the allocation
@@ -49,6 +50,7 @@ from coba_tasks.readers.plots import (
     plot_budget_hist,
     plot_capability,
     plot_mechanisms,
+    plot_rollouts,
     plot_scatter,
     plot_stage_time,
     plot_update,
@@ -66,10 +68,11 @@ BUDGET_HIST_PNG = "budget_hist.png"
 VERDICTS_PNG = "verdicts.png"
 UPDATE_PNG = "update.png"
 MECHANISMS_PNG = "mechanisms.png"
+ROLLOUTS_PNG = "rollouts.png"
 STAGE_TIME_PNG = "stage_time.png"
 INDEX_HTML = "index.html"
 PLOT_FILES = (ACCURACY_PNG, CAPABILITY_PNG, SCATTER_PNG, BUDGET_HIST_PNG, VERDICTS_PNG, UPDATE_PNG, MECHANISMS_PNG)
-PLOT_FILES += (STAGE_TIME_PNG,)
+PLOT_FILES += (ROLLOUTS_PNG, STAGE_TIME_PNG)
 
 _CAPTIONS = {
     ACCURACY_PNG: "Held-out accuracy of the weights after t updates (overall, and one thin line per difficulty "
@@ -88,6 +91,9 @@ _CAPTIONS = {
     "tokens under the token mean). Middle: the pass-rate estimates budget(t) was allocated with against the pass "
     "rates realized at t (prompts with an estimate only): mean absolute error, bias and correlation; and pass@2 of "
     "the step's groups. Right: the same error and bias by the estimate's age, the steps since the visit it came from.",
+    ROLLOUTS_PNG: "Left: the rollouts step t generated (every round, a pilot's and dropped groups' included) and "
+    "those its update trained on. Right: held-out accuracy of the weights after t updates against the rollouts "
+    "generated before them, the axis on which runs that spend differently per step compare.",
     STAGE_TIME_PNG: "Wall-clock seconds spent in each stage over the whole run (summary.json).",
 }
 
@@ -137,6 +143,7 @@ def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[in
         (VERDICTS_PNG, lambda p: plot_verdicts(data, p)),
         (UPDATE_PNG, lambda p: plot_update(data, p)),
         (MECHANISMS_PNG, lambda p: plot_mechanisms(data, p)),
+        (ROLLOUTS_PNG, lambda p: plot_rollouts(data, p)),
     ]
     skipped: dict[str, str] = {}
     stage_seconds, why = stage_timing(summary)

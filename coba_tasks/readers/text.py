@@ -72,6 +72,7 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     last = s.get("last_step_done")
     step_line = f"{s.get('step_dirs', 0)} directories, last done {'-' if last is None else last}"
     rows.append(("steps", step_line + f", {s.get('total_rollouts', 0):,} rollouts"))
+    rows += _rollout_rows(s)
     if latest is not None and not s.get("finished"):
         rows.append(("latest step", f"{latest['step']}: " + (", ".join(latest.get("tables") or []) or "nothing yet")))
     rows += _heldout_rows(s)
@@ -97,6 +98,16 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         cells = [f"{k} {_num(upd[k], '.4g')}" for k in UPDATE_FIELDS if k in upd and k != "lr"]
         rows.append(("last update", f"step {upd['step']}: " + "  ".join(cells)))
     return rows
+
+
+def _rollout_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the run generated (every round, pilot and dropped group) against what its updates trained on."""
+    generated, trained = s.get("total_rollouts", 0), s.get("rollouts_trained")
+    if not trained:
+        return []
+    tokens = s.get("tokens_generated")
+    token_text = f"; tokens {tokens:,} generated, {s.get('tokens_trained', 0):,} trained" if tokens is not None else ""
+    return [("rollouts", f"{generated:,} generated, {trained:,} trained ({trained / generated:.0%}){token_text}")]
 
 
 AGES_SHOWN = 5  # the text rows show estimates of ages 1 .. 5 one by one and the older ones together

@@ -30,7 +30,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ import pandas as pd
 
 from coba_tasks.pipeline.config import Config, check_installed, config_to_dict
 from coba_tasks.pipeline.config_sections import TRACKERS
+from coba_tasks.pipeline.evaluation import run_eval_steps
+from coba_tasks.pipeline.run import run_length
 from coba_tasks.pipeline.store import STAGES, RunStore, Table
 from coba_tasks.readers.figures import budget_figures, capability_figures, eval_figures, update_figures
 from coba_tasks.readers.mechanisms import step_mechanisms
@@ -53,21 +55,13 @@ SAMPLE_CHARS = 400  # a sample completion is cut to this many characters
 # --- The figures of a tracker step, from the tables
 
 
-def eval_due(k: int, steps: int, every: int) -> bool:
-    """Whether the flow evaluates the weights after ``k`` updates (before training, every ``every``, at the end).
-
-    >>> [k for k in range(7) if eval_due(k, 6, 4)]
-    [0, 4, 6]
-    """
-    return k == 0 or k == steps or bool(every and k % every == 0 and k < steps)
-
-
-def step_complete(t: RunTables, k: int, steps: int, every: int) -> bool:
-    """Whether tracker step ``k`` has all its tables: the update of step k - 1, and the evaluation when due."""
+def step_complete(t: RunTables, k: int, steps: int, evals: Collection[int]) -> bool:
+    """Whether tracker step ``k`` has all its tables: the update of step k - 1, and the evaluation when ``k`` is
+    among ``evals`` (``evaluation.run_eval_steps``); none past the run's ``steps`` (``run.run_length``)."""
     if k > steps:
         return False
     trained = k == 0 or Table.UPDATE in t.done.get(k - 1, set())
-    evaluated = not eval_due(k, steps, every) or Table.EVAL in t.done.get(k, set())
+    evaluated = k not in evals or Table.EVAL in t.done.get(k, set())
     return trained and evaluated
 
 
@@ -348,13 +342,13 @@ class Trackers:
         if not self.open:
             return []
         t = load_run(self.store.root)
-        steps, every = self.cfg.run.steps, self.cfg.run.eval_every
+        steps, evals = run_length(self.store, self.cfg), set(run_eval_steps(self.store, self.cfg))
         logged: set[int] = set()
         for name, tracker in list(self.open.items()):
             entry = self.state[name]
             try:
                 k = entry["last_step"] + 1
-                while step_complete(t, k, steps, every):
+                while step_complete(t, k, steps, evals):
                     tracker.log(k, step_metrics(t, k), step_samples(t, k))
                     entry["last_step"] = k
                     entry["fingerprints"][str(k)] = step_fingerprint(self.store, k)

@@ -19,7 +19,7 @@ import pandas as pd
 
 from coba_tasks.pipeline.store import RunStore
 from coba_tasks.readers.figures import plain
-from coba_tasks.readers.mechanisms import by_age, run_mechanisms
+from coba_tasks.readers.mechanisms import by_age, prompt_visits, run_mechanisms
 from coba_tasks.readers.tables import TABLE_ORDER, load_run, ordered
 from coba_tasks.readers.text import run_status, step_ranges, summary_rows
 
@@ -123,8 +123,9 @@ _MECHANISM_NOTES = {
     "estimated prompts; effective_prompts = N_eff of the update; mixed_groups: prompts with a non-zero advantage)",
     "age": "(the estimated prompts of every step by the age of their estimate: steps since the visit it came from; "
     "bias = mean realized - estimate)",
-    "prompts": "(per allocated prompt of step t: the estimate budget(t) used, the pass rate realized at t, the "
-    "estimate's age in steps; seen: it had an estimate)",
+    "prompts": "(per prompt and visit, step t: the rounds it was sampled in, its rollouts generated, trained on "
+    "and solved, the budget and estimate budget(t) allocated it with, the pass rate realized at t, the estimate's "
+    "age in steps; seen: it had an estimate; level: its difficulty)",
 }
 
 
@@ -136,15 +137,16 @@ def show_mechanisms(
     fmt: str = "table",
 ) -> str:
     """One of ``MECHANISM_VIEWS`` of the run, formatted: ``steps`` (``mechanisms.STEP_COLUMNS``, one row per
-    step), ``age`` (``mechanisms.by_age`` over every step) or ``prompts`` (``mechanisms.estimate_rows`` of
-    every step)."""
+    step), ``age`` (``mechanisms.by_age`` over every step) or ``prompts`` (``mechanisms.prompt_visits``: one row
+    per prompt and visit)."""
     if view not in MECHANISM_VIEWS:
         raise ValueError(f"unknown mechanisms view {view!r}; views: {', '.join(MECHANISM_VIEWS)}")
     _check_format(fmt)
     limit = _check_limit(limit)
     open_run(run_dir)
-    m = run_mechanisms(load_run(run_dir))
-    df = {"steps": m.steps, "age": by_age(m.rows), "prompts": m.rows}[view]
+    t = load_run(run_dir)
+    m = run_mechanisms(t)
+    df = {"steps": m.steps, "age": by_age(m.rows), "prompts": prompt_visits(t, m.rows)}[view]
     df = select_columns(df, columns, f"the {view} view of --mechanisms")
     return _render_head(df, limit, fmt, _MECHANISM_NOTES[view])
 

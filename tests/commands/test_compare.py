@@ -214,6 +214,9 @@ def _tables(strategy: str, seed: int, accuracy: float, config_hash: str = "h") -
         "transitions": pd.DataFrame([{**key, "from_class": "mixed", "to_class": "mixed", "prompts": 0}]),
         "estimate_by_age": pd.DataFrame([{**key, "age": 1, "prompts": 4, "estimate_mae": 0.25, "estimate_bias": 0.1}]),
         "steps_by_level": pd.DataFrame([{**key, "step": 0, "difficulty": 1, "groups": 4, "alike": 2, "mixed": 2}]),
+        "prompt_visits": pd.DataFrame(
+            [{**key, "step": 0, "prompt_id": "a", "rounds": 1, "generated": 16, "trained": 16, "successes": 8}]
+        ),
     }
 
 
@@ -358,7 +361,7 @@ def test_out_refuses_to_drop_an_earlier_run_made_with_another_config(tmp_path):
     with pytest.raises(ValueError) as refused:
         compare.cmd_compare(args)
     assert str(refused.value) == (
-        f"coba-seed0 in the tables in {out} (8 rows of an earlier sitting) was trained with another config "
+        f"coba-seed0 in the tables in {out} (9 rows of an earlier sitting) was trained with another config "
         f"(hash h, this one {_run_hash(args, 'coba', 0)}): use the same config and options, or another --out"
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -679,3 +682,36 @@ def test_the_report_columns_line_up_for_a_strategy_name_longer_than_the_default_
     assert paired and all(line.index("avg") == len(f"  {long} ") for line in paired)
     mech = [line for line in lines if "N_eff" in line and line.lstrip().startswith(("uniform", long))]
     assert len(mech) == 2 and len({line.index("N_eff") for line in mech}) == 1
+
+
+@pytest.mark.slow
+def test_a_comparison_with_a_rollout_budget_pairs_its_arms_at_equal_rollouts_generated(
+    tmp_path, prefect_harness, random_checkpoints, monkeypatch
+):
+    """Uniform GRPO spends 16 rollouts a step here; DAPO's dynamic sampling a varying number (generation batches of
+    2 prompts until 4 groups vary). With run.rollout_budget 48 each arm ends at the step whose rollouts reach 48,
+    after another number of steps, and the paired table pairs their final evaluations at the rollouts generated
+    before them: at least 48 each, within one step's rollouts of each other; results.parquet has the x axis."""
+    model, _ = random_checkpoints
+    use_the_sessions_server(monkeypatch)
+    out = tmp_path / "cmp"
+    args = tiny_compare_args(out, model, strategies="uniform,dynamic", steps=20, eval_samples=1, eval_every=0)
+    reward = write_first_char_reward_file(tmp_path)
+    budget = ["run.rollout_budget=48", "allocation.gen_batch_size=2", f"verify.reward_function={reward}"]
+    args.set = [*args.set, *budget]
+    assert compare.cmd_compare(args) == 0
+    results = pd.read_parquet(out / "results.parquet")
+    last = results.sort_values("step").groupby("strategy").last()
+    assert (last["rollouts_spent"] >= 48).all() and (last["step"] < 20).all()
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert (steps.groupby("strategy")["rollouts"].sum() == last["rollouts_spent"]).all()
+    widest = steps.groupby("strategy")["rollouts"].max().max()
+    assert abs(last.loc["dynamic", "rollouts_spent"] - last.loc["uniform", "rollouts_spent"]) < widest
+    assert (steps["rollouts_trained"] == 16).all()  # each update trained on 4 groups of 4
+    assert (steps.loc[steps["strategy"] == "dynamic", "rollouts"] >= 16).all()
+    visits = pd.read_parquet(out / "prompt_visits.parquet")  # one row per prompt and visit, each arm
+    assert (visits.groupby("strategy")["generated"].sum() == last["rollouts_spent"]).all()
+    assert (visits.groupby("strategy")["trained"].sum() == steps.groupby("strategy")["rollouts_trained"].sum()).all()
+    paired = ct.paired_table(results).set_index("measure")
+    assert paired.loc["avg", "rollouts"] == last.loc["dynamic", "rollouts_spent"]
+    assert paired.loc["avg", "baseline_rollouts"] == last.loc["uniform", "rollouts_spent"]

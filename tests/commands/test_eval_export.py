@@ -72,6 +72,45 @@ def test_coba_eval_reports_avg_greedy_and_unbiased_pass_at_k_and_writes_the_tabl
     assert f"avg@4      {figures['accuracy']:.3f}" in text and "pass@k     @1 " in text and "greedy" not in text
 
 
+@pytest.mark.slow
+def test_a_census_samples_the_runs_training_pool_as_the_run_samples_and_scores_it(
+    tmp_path, random_checkpoints, prefect_harness, first_char_data, capsys, monkeypatch
+):
+    """``coba eval --census RUN_DIR``: every prompt of the run's pool (prompts.parquet) ``--samples`` times at the
+    run's training sampling (its temperature), scored by the run's reward file (allowed by the command itself),
+    counted by how many completions each solved."""
+    from helpers_reward import data_overrides, write_first_char_reward_file
+
+    from coba_tasks.pipeline.config import config_to_dict, load_config
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    reward = write_first_char_reward_file(tmp_path)
+    overrides = [f"model.path={model}", "data.train_prompts=6", "run.steps=1", "rollout.backend=transformers"]
+    overrides += [*data_overrides(first_char_data), f"verify.reward_function={reward}", "rollout.temperature=0.9"]
+    cfg = load_config("configs/tiny-test.yaml", overrides)
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("COBA_ALLOW_REWARD_FILES", "1")  # as `coba run` allows its own
+    train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    monkeypatch.delenv("COBA_ALLOW_REWARD_FILES")  # the census allows the run's itself
+    out = tmp_path / "census.parquet"
+    ckpt = str(run_dir / "checkpoints" / "000001")
+    args = ["eval", "--model", ckpt, "--census", str(run_dir), "--samples", "8", "--out", str(out), "--json"]
+    assert cli_main(args) == 0
+    counts = json.loads(capsys.readouterr().out)
+    table = pd.read_parquet(out)
+    pool = pd.read_parquet(run_dir / "prompts.parquet")
+    assert table["prompt_id"].tolist() == pool["prompt_id"].tolist() and (table["samples"] == 8).all()
+    assert counts["never"] + counts["sometimes"] + counts["always"] == 6 and counts["sometimes"] > 0  # scored
+    assert sum(counts["by_solved"].values()) == 6 and (table["solved"] > 0).any()
+    assert (table["weight_version"] == 1).all()
+    assert cli_main(["eval", "--model", ckpt, "--census", str(run_dir), "--samples", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "training pool: 6 prompts x 8 samples (temperature 0.9, top-p 1.0" in text and "sometimes" in text
+    assert cli_main(["eval", "--model", ckpt]) == 2  # neither --dataset nor --census
+    assert "give --dataset (held-out prompts) or --census RUN_DIR" in capsys.readouterr().err
+
+
 def test_coba_eval_refuses_a_model_that_is_not_one_in_one_line(tmp_path, capsys):
     test = write_flat(tmp_path / "test.parquet", TEST_PROMPTS)
     assert cli_main(["eval", "--model", str(tmp_path), "--dataset", str(test)]) == 2

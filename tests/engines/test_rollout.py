@@ -57,6 +57,20 @@ def test_an_eager_cpu_engine_compiles_nothing(vllm_engine):
     assert torch._dynamo.config.disable and counters["frames"]["total"] == frames
 
 
+@pytest.mark.slow
+def test_the_rows_are_the_same_without_the_text_of_each_logprobs_token(vllm_engine, monkeypatch):
+    """coba has vLLM leave each log-probability's token text undecoded (``skip_logprob_token_text``: a fifth of a
+    generate call of the tiny model): the rows (completion text, token ids, the sampled tokens' log-probabilities)
+    are those vLLM gives when it decodes them."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    assert LogprobsProcessor._coba_skips_token_text  # the engine's start installed it
+    fast = vllm_engine.generate(requests(4), SAMPLE)
+    monkeypatch.setattr(LogprobsProcessor, "from_new_request", LogprobsProcessor._coba_decodes_token_text)
+    slow = vllm_engine.generate(requests(4), SAMPLE)
+    assert fast == slow and all(len(r.logprobs) == r.n_tokens > 0 for r in fast)
+
+
 def test_registry_and_bad_input(tmp_path):
     assert backends() == ["transformers", "vllm", "vllm-ray"]
     with pytest.raises(ValueError, match=r"unknown rollout backend 'sglang'.*transformers, vllm"):

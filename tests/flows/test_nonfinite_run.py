@@ -48,11 +48,11 @@ def _stop_message(tmp_path, model, overrides, error: type[Exception], stopping_s
     res, root = _open(tmp_path, model, overrides)
     try:
         for step in range(stopping_step):
-            for stage_task in stage_step.step_tasks(res.cfg):  # one step, without Prefect
-                stage_task.fn(str(root), step)
+            for stage_task, r in stage_step.step_tasks(res, step):  # one step, without Prefect
+                stage_task.fn(str(root), step, r)
         with pytest.raises(error) as info:
-            for stage_task in stage_step.step_tasks(res.cfg):  # one step, without Prefect
-                stage_task.fn(str(root), stopping_step)
+            for stage_task, r in stage_step.step_tasks(res, stopping_step):  # one step, without Prefect
+                stage_task.fn(str(root), stopping_step, r)
     finally:
         run.close_run(res)
     message = str(info.value)

@@ -91,8 +91,8 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
         assert stage_step.resume_point(res) == 0
         assert res.pool.reward_function is not None and res.pool.reward_function.pass_threshold == 0.5
         for step in range(2):
-            for stage_task in stage_step.step_tasks(res.cfg):  # one step, without Prefect
-                stage_task.fn(str(root), step)
+            for stage_task, r in stage_step.step_tasks(res, step):  # one step, without Prefect
+                stage_task.fn(str(root), step, r)
         held_out = evaluation.evaluate(res.test, res.engine, res.pool, 1, 0.0, cfg.rollout.max_tokens, cfg.run.seed)
         greedy = res.engine.generate(  # the same greedy completions, to score by hand
             [RolloutRequest(r.prompt_id, tuple(r.prompt_token_ids), 1, 0) for r in res.test.itertuples()],

@@ -47,8 +47,8 @@ def test_a_training_step_from_a_verl_gsm8k_file(tmp_path, long_context_model):
     res = run.open_run(root, cfg, continuing=False)
     try:
         assert stage_step.resume_point(res) == 0
-        for stage_task in stage_step.step_tasks(res.cfg):  # one step, without Prefect
-            stage_task.fn(str(root), 0)
+        for stage_task, r in stage_step.step_tasks(res, 0):  # one step, without Prefect
+            stage_task.fn(str(root), 0, r)
     finally:
         run.close_run(res)
 

@@ -179,3 +179,43 @@ def test_a_strategy_sampled_in_rounds_takes_no_estimator_and_a_group_of_two():
     assert apply_overrides(Config(), ["allocation.strategy=ada"]).allocation.sampling == "rounds"
     assert apply_overrides(Config(), ["allocation.estimator=pilot"]).allocation.sampling == "pilot"
     assert Config().allocation.sampling == "once"
+
+
+# --- counted in rollouts generated
+
+
+def _store_with_rollouts(tmp_path, counts: list[int]):
+    from coba_tasks.pipeline.store import RunStore, Table
+
+    store = RunStore(tmp_path / "run")
+    store.create({"run": {}}, "abc", {})
+    for step, n in enumerate(counts):
+        store.write_table(step, Table.ROLLOUTS, pd.DataFrame({"prompt_id": ["p"] * n, "n_tokens": [3] * n}))
+    return store
+
+
+def test_a_rollout_budget_ends_the_run_after_the_step_that_reaches_it(tmp_path):
+    """Steps that generated 16, 24, 40 and 16 rollouts: a budget of 40 is reached by step 1 (16 + 24), so the run
+    is 2 steps; 81 by step 3; one no step reaches leaves run.steps; no budget: run.steps."""
+    from coba_tasks.pipeline.run import rollouts_generated, run_length
+
+    store = _store_with_rollouts(tmp_path, [16, 24, 40, 16])
+    cfg = lambda **run: apply_overrides(Config(), ["run.steps=10", *(f"run.{k}={v}" for k, v in run.items())])  # noqa: E731
+    assert rollouts_generated(store, 10) == [16, 24, 40, 16]
+    assert run_length(store, cfg(rollout_budget=40)) == 2
+    assert run_length(store, cfg(rollout_budget=81)) == 4
+    assert run_length(store, cfg(rollout_budget=97)) == 10  # not reached by the steps done so far
+    assert run_length(store, cfg()) == 10
+
+
+def test_evaluations_every_so_many_rollouts_generated_follow_the_steps_that_cross_them(tmp_path):
+    """eval_every_rollouts 30: the totals 16, 40, 80, 96 cross 30 at step 1 and 60 at step 2 (one evaluation
+    each, after the step: the weights after 2 and 3 updates), 90 at step 3; with the step schedule and the run's
+    end beside them."""
+    from coba_tasks.pipeline.evaluation import run_eval_steps
+
+    store = _store_with_rollouts(tmp_path, [16, 24, 40, 16])
+    cfg = apply_overrides(Config(), ["run.steps=10", "run.eval_every=0", "run.eval_every_rollouts=30"])
+    assert run_eval_steps(store, cfg) == [0, 2, 3, 4, 10]
+    budget = apply_overrides(cfg, ["run.rollout_budget=80", "run.eval_every=1"])
+    assert run_eval_steps(store, budget) == [0, 1, 2, 3]  # the run ends after step 2: its last evaluation at 3

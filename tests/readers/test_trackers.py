@@ -76,8 +76,9 @@ def test_step_metrics_and_samples_from_the_tables(tmp_path):
     store = _run(tmp_path / "run", cfg)
     _step(store, 0, evaluate=False)
     t = trackers.load_run(store.root)
-    assert trackers.step_complete(t, 0, STEPS, 2) and trackers.step_complete(t, 1, STEPS, 2)
-    assert not trackers.step_complete(t, 2, STEPS, 2)  # no update of step 1
+    evals = {0, 2, STEPS}  # eval_steps(STEPS, 2)
+    assert trackers.step_complete(t, 0, STEPS, evals) and trackers.step_complete(t, 1, STEPS, evals)
+    assert not trackers.step_complete(t, 2, STEPS, evals)  # no update of step 1
     m = trackers.step_metrics(t, 1)
     assert m["train/pass_rate"] == 0.25 and m["train/F"] == 0.75 and m["train/reward_mean"] == 0.25
     assert (m["capability/alpha"], m["capability/beta"]) == (6.0, 2.0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import logging
 import os
 import threading
@@ -132,6 +133,7 @@ class VLLMBackend(RolloutBackend):
         if self.weight_transport == "ipc":
             kwargs["weight_transfer_config"] = {"backend": "ipc"}
         kwargs.update(extra or {})
+        skip_logprob_token_text()
         self._asleep = False
         self._llm_kwargs = kwargs  # to start an identical engine if this one dies
         self._weights_path: str | None = None  # the last checkpoint given to load_weights
@@ -172,7 +174,10 @@ class VLLMBackend(RolloutBackend):
             # logprobs=0: the log-probability of each sampled token (processed_logprobs)
             if sampling.temperature == 0.0:  # vLLM's greedy sampling takes n = 1: repeat the prompt
                 prompts += [tokens] * r.n
-                params += [SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens, logprobs=0)] * r.n
+                greedy = SamplingParams(
+                    n=1, temperature=0.0, max_tokens=sampling.max_tokens, logprobs=0, flat_logprobs=True
+                )
+                params += [greedy] * r.n
                 owners += [i] * r.n
             else:
                 prompts.append(tokens)
@@ -186,6 +191,7 @@ class VLLMBackend(RolloutBackend):
                         max_tokens=sampling.max_tokens,
                         seed=r.seed,
                         logprobs=0,
+                        flat_logprobs=True,  # a few lists per completion, not a dict and an object per token
                     )
                 )
                 owners.append(i)
@@ -390,12 +396,42 @@ class _EngineClient:
         self.llm.collective_rpc("finish_weight_update")
 
 
+def skip_logprob_token_text() -> bool:
+    """Have vLLM's output processor in this process leave the text of each log-probability's token undecoded (its
+    ``decoded_token`` None); the completions' own text is decoded as before. coba reads only each sampled token's
+    log-probability, and decoding every such token cost the rollout stage about a fifth of a generate call of the
+    tiny model (docs/benchmarks.md, "The rollout stage against bare vLLM"). Done once per process; False where
+    this vLLM has no ``LogprobsProcessor.from_new_request`` taking ``tokenizer`` (it then decodes them as it
+    always did, and nothing else changes)."""
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+    except ImportError:
+        return False
+    if getattr(LogprobsProcessor, "_coba_skips_token_text", False):
+        return True
+    original = getattr(LogprobsProcessor.from_new_request, "__func__", None)
+    if original is None or "tokenizer" not in inspect.signature(original).parameters:
+        return False
+
+    def from_new_request(cls: Any, tokenizer: Any, request: Any) -> Any:
+        return original(cls, tokenizer=None, request=request)
+
+    LogprobsProcessor._coba_decodes_token_text = classmethod(original)  # vLLM's own (tests compare against it)
+    LogprobsProcessor.from_new_request = classmethod(from_new_request)
+    LogprobsProcessor._coba_skips_token_text = True
+    return True
+
+
 def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> tuple[float, ...]:
-    """The log p of each sampled token from vLLM's per-position ``{token id: Logprob}`` dicts."""
+    """The log p of each sampled token: from vLLM's flat lists (``flat_logprobs``: with ``logprobs=0`` one entry
+    per position, the sampled token's), else from its per-position ``{token id: Logprob}`` dicts."""
     if logprobs is None or len(logprobs) != len(token_ids):
         raise RuntimeError(
             f"vLLM returned {0 if logprobs is None else len(logprobs)} logprobs for {len(token_ids)} tokens"
         )
+    flat = getattr(logprobs, "logprobs", None)
+    if flat is not None and logprobs.token_ids == list(token_ids):  # one per position, each the sampled token's
+        return tuple(flat)
     return tuple(float(position[t].logprob) for t, position in zip(token_ids, logprobs, strict=True))
 
 

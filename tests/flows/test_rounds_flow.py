@@ -91,6 +91,22 @@ def test_a_run_sampled_in_rounds_decides_each_round_from_the_ones_before(
     m, n = cfg.data.prompts_per_step, cfg.allocation.group_size
     assert any(generated > m * n for _, generated in rounds)  # and generated more than its update trained on
     assert set(store.manifest(0)) >= {Table.ROUND, Table.ROUND_REWARDS, Table.ROLLOUTS, Table.REWARDS}
+    # one row per prompt and visit: every prompt the step sampled, its rounds, generated, trained on, solved
+    from coba_tasks.readers.mechanisms import prompt_visits
+    from coba_tasks.readers.tables import load_run
+
+    visits = prompt_visits(load_run(run_dir))
+    for step in range(STEPS):
+        rolled, scored = store.read_table(step, Table.ROLLOUTS), store.read_table(step, Table.REWARDS)
+        mine = visits[visits["step"] == step].set_index("prompt_id")
+        assert set(mine.index) == set(rolled["prompt_id"])
+        assert mine["generated"].to_dict() == rolled.groupby("prompt_id").size().to_dict()
+        assert mine["trained"].to_dict() == rolled.groupby("prompt_id")[USED].sum().to_dict()
+        correct = (scored["verdict"] == "correct").groupby(scored["prompt_id"]).sum()
+        assert mine["successes"].to_dict() == correct.to_dict()
+        assert mine["rounds"].to_dict() == rolled.groupby("prompt_id")[ROUND].nunique().to_dict()
+        budget = set(store.read_table(step, Table.BUDGET)["prompt_id"])
+        assert mine["budget"].notna().to_dict() == {p: p in budget for p in mine.index}
 
     # a rerun of a step's rollouts redoes its rounds; its resume writes them again as they were
     before = _all_tables(store)
@@ -148,3 +164,31 @@ def test_a_run_killed_inside_and_between_rounds_resumes_as_the_uninterrupted_one
         pd.testing.assert_frame_equal(a[key], b[key], check_exact=True, obj=str(key))
     wa, wb = (load_file(str(s.checkpoint_dir(STEPS) / "model.safetensors")) for s in (ref, store))
     assert wa.keys() == wb.keys() and all(np.array_equal(wa[k].numpy(), wb[k].numpy()) for k in wa)
+
+
+@pytest.mark.slow
+def test_a_run_with_a_rollout_budget_ends_when_its_rollouts_reach_it(
+    tmp_path, prefect_harness, random_checkpoints, first_char_data, capsys
+):
+    """DAPO's dynamic sampling spends a varying number of rollouts a step: with run.rollout_budget 40 the run ends
+    after the step whose rollouts reach 40 (run.steps 20 only the most), is evaluated after each step that
+    crosses a multiple of run.eval_every_rollouts 20 and at its end, and a resume finds it done."""
+    from coba_tasks.commands.cli import main as cli_main
+    from coba_tasks.pipeline.run import rollouts_generated
+    from flows.train import train_flow
+
+    model, _ = random_checkpoints
+    more = ["run.steps=20", "run.eval_every=0", "run.rollout_budget=40", "run.eval_every_rollouts=20"]
+    cfg = load_config(ROOT / "configs/tiny-test.yaml", [*_overrides(model, first_char_data, "dynamic"), *more])
+    run_dir = tmp_path / "run"
+    summary = train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
+    store = RunStore.open(run_dir)
+    counts = rollouts_generated(store, 20)
+    totals = np.cumsum(counts).tolist()
+    assert totals[-1] >= 40 > totals[-2] and summary["steps"] == len(counts) < 20
+    crossed = [s + 1 for s, (a, b) in enumerate(zip([0, *totals[:-1]], totals, strict=True)) if b // 20 > a // 20]
+    assert [s for s in store.steps() if store.is_done(s, Table.EVAL)] == sorted({0, *crossed, len(counts)})
+    assert not store.is_done(len(counts), Table.BUDGET)  # no step after the last
+    capsys.readouterr()
+    assert cli_main(["resume", "--run-dir", str(run_dir)]) == 0
+    assert f"all {len(counts)} steps are done; nothing to resume" in capsys.readouterr().out
