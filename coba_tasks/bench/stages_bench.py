@@ -236,6 +236,8 @@ def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, pro
         # each repeat's two calls ran side by side: the median of their ratios is steadier than the ratio of the
         # medians when the machine's load moves between repeats (a shared machine's does)
         "paired_ratio": statistics.median(a / b for a, b in zip(times["stage"], times["bare"], strict=True)),
+        "stage_repeats_s": times["stage"],
+        "bare_repeats_s": times["bare"],
         "bare_tokens_per_s": tokens / bare_s,
         "same_completions": [list(x) for x in table["token_ids"]] == bare_ids,
     }

@@ -322,6 +322,8 @@ EXAMPLES = [
     "coba compare --out runs/compare --collect-only      # redraw tables and plot from the runs there",
     "coba compare --seeds 5 --steps 12 --out runs/compare-demo --kept docs/compare-demo   # continue a comparison",
     "coba compare --strategies uniform,coba-posterior --seeds 100-109 --steps 12 --out runs/confirm   # fresh seeds",
+    "coba compare --strategies uniform,coba,dynamic,ada --seeds 1 --steps 40 --eval-every 0 "
+    "--set run.rollout_budget=1536 --set run.eval_every_rollouts=768   # equal rollouts generated",
 ]
 
 
@@ -399,7 +401,13 @@ COMMAND = Command(
             default="3",
             help="N: seeds 0..N-1 per strategy (default 3); A-B: seeds A..B; or a list like 0,7,9",
         ),
-        option("--steps", type=int, default=24, help="training steps per run (default 24)"),
+        option(
+            "--steps",
+            type=int,
+            default=24,
+            help="training steps per run (default 24; with --set run.rollout_budget=N the most: a run stops at N "
+            "rollouts generated)",
+        ),
         option("--eval-samples", type=int, default=4, help="k of avg@k at temperature 1 (default 4)"),
         option("--eval-every", type=int, default=6, help="evaluate every N steps (default 6)"),
         option("--out", default="runs/compare", help="directory of the runs and tables (default runs/compare)"),

@@ -92,12 +92,20 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
 
     # ratios are the quotients of the figures they come from
     ra = result["ratios"]
-    assert ra["rollout_stage_over_bare"] == ro["stage_s"] / ro["bare_s"]
+    pairs = list(zip(ro["stage_repeats_s"], ro["bare_repeats_s"], strict=True))  # the repeats, side by side
+    assert ro["stage_s"] == statistics.median(ro["stage_repeats_s"])
+    assert ro["bare_s"] == statistics.median(ro["bare_repeats_s"])
+    assert ra["rollout_stage_over_bare"] == ro["paired_ratio"] == statistics.median(a / b for a, b in pairs)
     assert ra["rollout_stage_and_write_over_bare"] == (ro["stage_s"] + ro["write_s"]) / ro["bare_s"]
     assert ra["orchestration_share"] == st["outside_stages_s"] / st["step_s"]
     assert ro["bare_tokens_per_s"] == ro["tokens"] / ro["bare_s"]
     assert ve["items_per_s"] == ve["items"] / ve["seconds"]
     assert up["tokens_per_s"] == up["tokens"] / up["seconds"]
+    rounds = result["rounds"]  # the step's rollouts in 1, 2 and 4 rounds: the cost of each round past the first
+    assert sorted(rounds, key=int) == ["1", "2", "4"] and rounds["1"]["per_extra_round_s"] == 0.0
+    for k in (2, 4):
+        extra = (rounds[str(k)]["seconds"] - rounds["1"]["seconds"]) / (k - 1)
+        assert math.isclose(rounds[str(k)]["per_extra_round_s"], extra)
     for name, limit in GOALS.items():
         goal = result["goals"][name]
         assert goal["goal"] == limit and goal["value"] == ra[name] and goal["met"] == (ra[name] <= limit)
