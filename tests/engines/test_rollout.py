@@ -67,8 +67,44 @@ def test_the_rows_are_the_same_without_the_text_of_each_logprobs_token(vllm_engi
     assert LogprobsProcessor._coba_skips_token_text  # the engine's start installed it
     fast = vllm_engine.generate(requests(4), SAMPLE)
     monkeypatch.setattr(LogprobsProcessor, "from_new_request", LogprobsProcessor._coba_decodes_token_text)
+    monkeypatch.setattr(LogprobsProcessor, "_update_sample_logprobs", LogprobsProcessor._coba_appends_by_position)
     slow = vllm_engine.generate(requests(4), SAMPLE)
     assert fast == slow and all(len(r.logprobs) == r.n_tokens > 0 for r in fast)
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 1])
+def test_each_steps_logprobs_appended_at_once_are_the_lists_vllm_appends_position_by_position(num_logprobs):
+    """``skip_logprob_token_text`` appends a step's sampled-token log-probabilities in one go where a request asks
+    for them alone (``logprobs=0``); the lists and the running sum are those of vLLM's loop, also where another
+    request of the batch asked for more (a second column) and over several positions (speculative decoding)."""
+    pytest.importorskip("vllm")
+    import numpy as np
+    from vllm.logprobs import FlatLogprobs
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    from coba_tasks.engines.rollout.vllm_backend import skip_logprob_token_text
+
+    assert skip_logprob_token_text()
+    steps = [  # (token ids, log-probabilities, ranks) of 1, 3 and 1 positions, two columns each
+        (np.array([[5, 9]]), np.array([[-0.25, -0.5]], dtype=np.float32), np.array([2])),
+        (
+            np.array([[7, 1], [3, 4], [8, 8]]),
+            np.array([[-1.5, -0.1], [-0.3, -2.0], [-1e-8, -1e-8]]),
+            np.array([1, 3, 1]),
+        ),
+        (np.array([[2, 6]]), np.array([[-7.0, -0.2]], dtype=np.float32), np.array([4])),
+    ]
+
+    def fed(update):
+        kept = LogprobsProcessor(None, FlatLogprobs(), None, 0.0, num_logprobs, None)
+        for ids, lps, ranks in steps:
+            update(kept, LogprobsLists(ids, lps, ranks, None))
+        return kept
+
+    fast, vllms = fed(LogprobsProcessor._update_sample_logprobs), fed(LogprobsProcessor._coba_appends_by_position)
+    assert vars(fast.logprobs) == vars(vllms.logprobs) and fast.cumulative_logprob == vllms.cumulative_logprob
+    assert len(fast.logprobs) == 5  # positions
 
 
 def test_registry_and_bad_input(tmp_path):

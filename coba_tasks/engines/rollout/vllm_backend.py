@@ -397,27 +397,56 @@ class _EngineClient:
 
 
 def skip_logprob_token_text() -> bool:
-    """Have vLLM's output processor in this process leave the text of each log-probability's token undecoded (its
-    ``decoded_token`` None); the completions' own text is decoded as before. coba reads only each sampled token's
-    log-probability, and decoding every such token cost the rollout stage about a fifth of a generate call of the
-    tiny model (docs/benchmarks.md, "The rollout stage against bare vLLM"). Done once per process; False where
-    this vLLM has no ``LogprobsProcessor.from_new_request`` taking ``tokenizer`` (it then decodes them as it
+    """Have vLLM's output processor in this process keep only what coba reads of each sampled token's
+    log-probability: the token's text is left undecoded (its ``decoded_token`` None; the completions' own text is
+    decoded as before), and a request asking for the sampled token's log-probability alone (``logprobs=0``, flat
+    lists, no text) has each step's figures appended in one go instead of position by position. Decoding every
+    such token cost the rollout stage about a fifth of a generate call of the tiny model, the per-position
+    appends about a tenth (docs/benchmarks.md, "Pipeline benchmarks"); the lists are those vLLM builds. Done
+    once per process; False where this vLLM's ``LogprobsProcessor`` has another shape (it then does what it
     always did, and nothing else changes)."""
+    import numpy as np
+
     try:
+        from vllm.logprobs import FlatLogprobs
         from vllm.v1.engine.logprobs import LogprobsProcessor
     except ImportError:
         return False
     if getattr(LogprobsProcessor, "_coba_skips_token_text", False):
         return True
     original = getattr(LogprobsProcessor.from_new_request, "__func__", None)
-    if original is None or "tokenizer" not in inspect.signature(original).parameters:
+    update = getattr(LogprobsProcessor, "_update_sample_logprobs", None)
+    if original is None or update is None or "tokenizer" not in inspect.signature(original).parameters:
         return False
 
     def from_new_request(cls: Any, tokenizer: Any, request: Any) -> Any:
         return original(cls, tokenizer=None, request=request)
 
-    LogprobsProcessor._coba_decodes_token_text = classmethod(original)  # vLLM's own (tests compare against it)
+    def update_sample_logprobs(self: Any, logprobs_lists: Any) -> None:
+        flat = self.logprobs
+        token_ids, logprobs, ranks = logprobs_lists[:3]
+        if self.tokenizer is not None or self.num_logprobs != 0 or type(flat) is not FlatLogprobs:
+            return update(self, logprobs_lists)
+        if not all(isinstance(a, np.ndarray) for a in (token_ids, logprobs, ranks)) or logprobs.ndim != 2:
+            return update(self, logprobs_lists)
+        # logprobs=0: one entry per position, the sampled token's (column 0; a column past it belongs to
+        # another request of the batch asking for more, which vLLM's own loop cuts off the same way)
+        values = logprobs[:, 0].tolist()
+        start = len(flat.logprobs)
+        flat.start_indices.extend(range(start, start + len(values)))
+        flat.end_indices.extend(range(start + 1, start + len(values) + 1))
+        flat.token_ids.extend(token_ids[:, 0].tolist())
+        flat.logprobs.extend(values)
+        flat.ranks.extend(ranks.tolist())
+        flat.decoded_tokens.extend([None] * len(values))
+        for value in values:  # one addition per position, in order, as vLLM sums them
+            self.cumulative_logprob += value
+        return None
+
+    LogprobsProcessor._coba_decodes_token_text = classmethod(original)  # vLLM's own (tests compare against them)
+    LogprobsProcessor._coba_appends_by_position = update
     LogprobsProcessor.from_new_request = classmethod(from_new_request)
+    LogprobsProcessor._update_sample_logprobs = update_sample_logprobs
     LogprobsProcessor._coba_skips_token_text = True
     return True
 
