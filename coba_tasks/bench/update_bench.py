@@ -41,10 +41,11 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 from coba_tasks.bench.timing import available_cpus, timed
 
@@ -54,6 +55,8 @@ DEFAULT_GROUPS = (2, 4, 6, 8, 10, 14, 20)  # 64 completions: CoBA's budgets are 
 
 def matmul_gflops(size: int = 2048, repeats: int = 10) -> float:
     """float32 GFLOP/s of ``torch.mm`` on ``size`` x ``size`` matrices (best of three timings)."""
+    import torch
+
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b  # warm-up
     best = math.inf
@@ -70,6 +73,9 @@ def synthetic_batch(
 ) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
     """(prompt ids, completion ids, advantages) of ``groups`` GRPO groups of random tokens; one prompt per
     group, completions of ``completion_tokens`` tokens, advantages of mixed sign."""
+    import numpy as np
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     prompts, completions = [], []
     for size in groups:
@@ -102,11 +108,15 @@ class PlainUpdate:
     """The plain loop: full sequences, logits everywhere, the GRPO loss on completion tokens, AdamW."""
 
     def __init__(self, model: torch.nn.Module, micro_batch: int, lr: float, pad_id: int) -> None:
+        import torch
+
         self.model, self.micro_batch, self.pad_id = model, micro_batch, pad_id
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def loss_backward(self, prompts: list[list[int]], completions: list[list[int]], adv: np.ndarray) -> float:
         """Forward and backward over every micro-batch (gradients accumulate); the batch's loss."""
+        import torch
+
         from coba_tasks.core.grpo import policy_loss
         from coba_tasks.engines.update import pad_sequences
 
@@ -124,6 +134,8 @@ class PlainUpdate:
         return total
 
     def step(self, prompts: list[list[int]], completions: list[list[int]], adv: np.ndarray) -> float:
+        import torch
+
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_backward(prompts, completions, adv)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -185,6 +197,7 @@ def bench_update(
     progress: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """The figures (see the module docstring), as a dict."""
+    import torch
     from transformers import AutoConfig
 
     from coba_tasks.engines.update import PolicyTrainer

@@ -30,8 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from coba_tasks.bench.timing import median_time, timed
 
 DEFAULT_SMOLLM2 = "models/smollm2-135m-instruct"
@@ -135,6 +133,8 @@ def bench_weights(
     progress: Callable[[str], None] = lambda msg: None,
 ) -> dict[str, Any]:
     """The figures of every (model, LoRA or full) case; see the module docstring."""
+    import torch
+
     from coba_tasks.engines.rollout import make_backend
 
     cases: list[dict[str, Any]] = []

@@ -32,12 +32,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-import pandas as pd
-
 from coba_tasks.commands.args import Command, option
 from coba_tasks.commands.console import VERBOSE_OPTION
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from coba_tasks.pipeline.config import Config
 
 # strategy name -> config overrides (on top of the config file)
@@ -329,6 +329,8 @@ EXAMPLES = [
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Run (or continue) the comparison, then write its tables and plot and print the summary."""
+    import pandas as pd
+
     from coba_tasks.commands import compare_tables as ct
 
     strategies = parse_strategies(args.strategies)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from coba_tasks.commands.args import Command, option, positive_int
-from coba_tasks.core.allocation import plan_allocation
-from coba_tasks.core.capability import CapabilityTracker, beta_mode
+
+if TYPE_CHECKING:
+    import numpy as np
 
 LEVELS = 5
 
@@ -41,11 +41,18 @@ class DemoConfig:
 
 def _true_pass_prob(skill: float, level: np.ndarray) -> np.ndarray:
     """Success probability of one rollout: a logistic curve in (skill - difficulty)."""
+    import numpy as np
+
     return 1.0 / (1.0 + np.exp(-(skill - 1.6 * level)))
 
 
 def simulate(cfg: DemoConfig, emit: Callable[[str], None] = print) -> dict:
     """Run the simulation, print a table per step through ``emit``, return the figures."""
+    import numpy as np
+
+    from coba_tasks.core.allocation import plan_allocation
+    from coba_tasks.core.capability import CapabilityTracker, beta_mode
+
     rng = np.random.default_rng(cfg.seed)
     level = np.arange(cfg.prompts) % LEVELS
     total = cfg.prompts * cfg.group_size

@@ -7,7 +7,7 @@ come from the manifests, never from a glob, so the temporaries a writer leaves b
 inspected at any moment. ``run_summary`` and ``show_table`` check each file's sha256 against the manifest
 (``RunStore.read_table``); ``run_sql`` lets DuckDB read the files directly (no hashing).
 
-Step numbering is the store's (``coba_tasks.pipeline.store.Table``): a table lives in the directory of
+Step numbering is the store's (``coba_tasks.pipeline.tables.Table``): a table lives in the directory of
 the step that uses it.
 
 The views and their rendering are readers of the run (``coba_tasks.readers.views`` and, for the SQL,
@@ -20,20 +20,7 @@ import argparse
 import json
 from typing import Any
 
-from coba_tasks.readers.figures import run_summary
-from coba_tasks.readers.sql import run_sql
-from coba_tasks.readers.views import (
-    DEFAULT_LIMIT,
-    FORMATS,
-    MECHANISM_VIEWS,
-    TABLE_NAMES,
-    format_summary,
-    render,
-    select_columns,
-    show_mechanisms,
-    show_prompts,
-    show_table,
-)
+from coba_tasks.readers.choices import DEFAULT_LIMIT, FORMATS, MECHANISM_VIEWS, TABLE_NAMES
 
 # --- CLI
 
@@ -117,6 +104,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         columns = [c.strip() for c in args.columns.split(",") if c.strip()]
         if not columns:
             raise ValueError("--columns: give comma-separated column names, e.g. --columns prompt_id,reward")
+
+    from coba_tasks.readers.figures import run_summary
+    from coba_tasks.readers.sql import run_sql
+    from coba_tasks.readers.views import (
+        format_summary,
+        render,
+        select_columns,
+        show_mechanisms,
+        show_prompts,
+        show_table,
+    )
 
     limit = DEFAULT_LIMIT if args.limit is None else args.limit  # of a table or the prompts
     if table_mode:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from coba_tasks.readers.report import build_report
-
 REPORT_EPILOG = """examples:
   coba report --run-dir runs/demo                 # writes runs/demo/report/index.html and the PNGs
   coba report --run-dir runs/demo --steps 0,8,16  # the budget scatter for steps 0, 8 and 16
@@ -47,6 +45,8 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Write the report; print the HTML path, then the PNG paths."""
+    from coba_tasks.readers.report import build_report
+
     files = build_report(args.run_dir, args.steps)
     print(files.html)
     for p in files.pngs:

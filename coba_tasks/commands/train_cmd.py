@@ -23,7 +23,7 @@ from coba_tasks.commands.model_cmd import cmd_bootstrap
 
 def add_train_parsers(subparsers: Any) -> None:
     """Register ``coba run``, ``coba resume`` and ``coba rerun``, in this order; each sets its ``func``."""
-    from coba_tasks.pipeline.rerun import RERUNNABLE
+    from coba_tasks.pipeline.tables import RERUNNABLE
 
     add_command(
         subparsers,

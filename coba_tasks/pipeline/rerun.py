@@ -15,9 +15,7 @@ from pathlib import Path
 from coba_tasks.pipeline.evaluation import run_eval_steps
 from coba_tasks.pipeline.run import first_step_not_done, read_run_config, rerun_line, run_length, whole_checkpoint
 from coba_tasks.pipeline.store import STEP_ORDER, RunStore, StoreError, Table, inside_run, step_stages
-
-# Stages a user can rerun, by the file they own in steps/<step>/.
-RERUNNABLE = (*STEP_ORDER, Table.EVAL)
+from coba_tasks.pipeline.tables import RERUNNABLE
 
 
 def _order(step_dir: int, name: str) -> tuple[int, int]:

@@ -26,6 +26,16 @@ import pyarrow.parquet as pq
 import yaml
 
 from coba_tasks.engines.fileio import atomic_write, remove_stale_temporaries, sha256_file, write_parquet
+from coba_tasks.pipeline.tables import (  # noqa: F401  (the store's names, where its readers look for them)
+    PILOT_STAGES,
+    ROUND_PAIR,
+    ROUND_STAGES,
+    SAMPLING_STAGES,
+    STAGES,
+    STEP_ORDER,
+    Table,
+    step_stages,
+)
 
 # 2: each step allocates its own budget (steps/t/budget.parquet is step t's first stage; no budget for a step
 # after the last). Run directories of schema 1 were made by builds up to commit e79713f: continue them there.
@@ -49,52 +59,6 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")
 _COMPONENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 _STEP_DIR_RE = re.compile(rf"\d{{{STEP_DIGITS},}}")
 _REPAIR_HINT = "run `coba resume --repair` to recompute it"
-
-
-class Table(StrEnum):
-    """The tables of ``steps/t``, each named by its file: the first nine are the stages' (in the order
-    ``SAMPLING_STAGES`` gives; each run's steps have those ``step_stages`` names), ``history`` the capability
-    stage's second, ``eval`` the held-out evaluation of the weights after t updates (computed before step t starts).
-    ``round`` and ``round_rewards`` hold every round so far of a step sampled in rounds (a ``round`` column), each
-    written again as a round is added.
-
-    >>> [t.value for t in Table]
-    ['pilot', 'pilot_rewards', 'budget', 'round', 'round_rewards', 'rollouts', 'rewards', 'capability', 'update', \
-'history', 'eval']
-    >>> [t.value for t in step_stages("once")]
-    ['budget', 'rollouts', 'rewards', 'capability', 'update']
-    """
-
-    PILOT = "pilot"
-    PILOT_REWARDS = "pilot_rewards"
-    BUDGET = "budget"
-    ROUND = "round"
-    ROUND_REWARDS = "round_rewards"
-    ROLLOUTS = "rollouts"
-    REWARDS = "rewards"
-    CAPABILITY = "capability"
-    UPDATE = "update"
-    HISTORY = "history"
-    EVAL = "eval"
-
-
-# One training step, in order: the one place the stage order is written. Every step allocates its budget, samples
-# and scores its rollouts, updates the capability and the policy. Under the pilot estimator a pilot and its rewards
-# lead (the budget is allocated after them); a strategy that samples in rounds (dynamic, ada) samples and scores
-# one round at a time (``round``, ``round_rewards``, again while it asks for another round), then writes the
-# step's rollouts and rewards from its rounds (docs/design.md, "One training step, stage by stage").
-STAGES = (Table.BUDGET, Table.ROLLOUTS, Table.REWARDS, Table.CAPABILITY, Table.UPDATE)
-PILOT_STAGES = (Table.PILOT, Table.PILOT_REWARDS, *STAGES)
-ROUND_STAGES = (Table.BUDGET, Table.ROUND, Table.ROUND_REWARDS, *STAGES[1:])
-ROUND_PAIR = (Table.ROUND, Table.ROUND_REWARDS)  # what repeats, a round at a time
-SAMPLING_STAGES = {"once": STAGES, "pilot": PILOT_STAGES, "rounds": ROUND_STAGES}
-STEP_ORDER = (Table.PILOT, Table.PILOT_REWARDS, *ROUND_STAGES)  # every stage's table in the order a step writes them
-
-
-def step_stages(sampling: str) -> tuple[Table, ...]:
-    """The stages of one training step in the order they run, by how it samples (``AllocationConfig.sampling``:
-    ``once``, ``pilot``, ``rounds``)."""
-    return SAMPLING_STAGES[sampling]
 
 
 class StoreError(ValueError):

@@ -23,7 +23,7 @@ a table counts only when the store says it is done) and writes into ``<run_dir>/
 Step numbers. Every plot's x axis is the step ``t`` of the run's tables: the rollouts of step ``t``
 come from the weights after ``t`` updates, and ``steps/t/eval.parquet`` evaluates the same weights,
 so the training pass rate and the held-out accuracy at ``t`` describe one policy (and ``steps/t`` holds the
-budget step ``t`` used: ``coba_tasks.pipeline.store.Table``).
+budget step ``t`` used: ``coba_tasks.pipeline.tables.Table``).
 
 ``report_artifacts_markdown(run_dir)`` gives the report as markdown for a Prefect artifact (the plots inline). The
 plots themselves are drawn by ``coba_tasks.readers.plots``; the ``coba report`` subcommand is

@@ -4,7 +4,7 @@
 the file present, ``RunStore.is_done``), so a run still going can be read at any moment, and each table is
 read (and checked against its manifest entry) at most once. ``coba inspect``, ``coba report``, the
 trackers, the summary and ``coba compare`` read runs through it. Where each table lives (a budget in the
-directory of the step that uses it) is the store's rule: ``coba_tasks.pipeline.store.Table``.
+directory of the step that uses it) is the store's rule: ``coba_tasks.pipeline.tables.Table``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pandas as pd
 
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, StoreError, Table
+from coba_tasks.readers.choices import TABLE_NAMES as TABLE_ORDER  # the order a step produces them
 
-TABLE_ORDER: tuple[str, ...] = tuple(t.value for t in Table)  # the order a step produces them
 VERDICTS = tuple(kind.value for kind in VerdictKind)
 _VERDICT_PREFIX = "verdict_"
 

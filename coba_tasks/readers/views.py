@@ -18,17 +18,11 @@ import numpy as np
 import pandas as pd
 
 from coba_tasks.pipeline.store import RunStore
+from coba_tasks.readers.choices import DEFAULT_LIMIT, FORMATS, MECHANISM_VIEWS, TABLE_NAMES
 from coba_tasks.readers.figures import plain
 from coba_tasks.readers.mechanisms import by_age, prompt_visits, run_mechanisms
-from coba_tasks.readers.tables import TABLE_ORDER, load_run, ordered
+from coba_tasks.readers.tables import load_run, ordered
 from coba_tasks.readers.text import run_status, step_ranges, summary_rows
-
-# The per-step tables, in the order a step produces them (budget first: it is written into the
-# step's directory before the step runs; a pilot run's pilot tables before it). ``history`` is the per-step
-# snapshot of the pass-rate history, ``eval`` the held-out evaluation (only on evaluated steps).
-TABLE_NAMES: tuple[str, ...] = TABLE_ORDER  # what `coba inspect --stage` shows: every table of a step
-FORMATS: tuple[str, ...] = ("table", "csv", "json")
-DEFAULT_LIMIT = 20
 
 _CELL_WIDTH = 48  # characters a cell may take in the ``table`` format before it is cut
 # what a completion must not send to a terminal: C0 controls but newline and tab (ESC, CR, BEL, backspace),
@@ -117,7 +111,6 @@ def show_prompts(
     return _render_head(select_columns(df, columns, "prompts"), limit, fmt)
 
 
-MECHANISM_VIEWS: tuple[str, ...] = ("steps", "age", "prompts")  # what `coba inspect --mechanisms` shows
 _MECHANISM_NOTES = {
     "steps": "(per step t: the estimates budget(t) allocated with against the pass rates realized at t, over the "
     "estimated prompts; effective_prompts = N_eff of the update; mixed_groups: prompts with a non-zero advantage)",

@@ -25,6 +25,28 @@ def test_help_has_examples(capsys):
         assert "examples:" in capsys.readouterr().out
 
 
+LIBRARIES = ("torch", "transformers", "peft", "vllm", "prefect", "pandas", "numpy", "scipy", "pyarrow", "matplotlib")
+
+
+def test_the_parser_and_every_help_load_no_library_of_the_work():
+    """``coba --help`` and each command's help answer at once: building the parser imports none of the libraries
+    the commands run on (torch alone cost about 10 s of CPU there), only the command's handler does."""
+    import subprocess
+    import sys
+
+    helps = [["--help"], *([name, "--help"] for name in build_parser()._subparsers._group_actions[0].choices)]
+    code = (
+        "import sys, contextlib, io\n"
+        "from coba_tasks.commands.cli import main\n"
+        f"for argv in {helps!r}:\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(argv)\n"
+        f"print(sorted(m for m in {LIBRARIES!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PROJECT_ROOT)
+    assert len(helps) > 10 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
 def test_bad_argument_is_a_message(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--steps", "0"])
