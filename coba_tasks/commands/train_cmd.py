@@ -119,6 +119,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = [*(args.set or []), *(f"{key}={value}" for key, value in given.items() if value is not None)]
     cfg = load_config(args.config, overrides)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.run.name
+    blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)  # the nearest that exists
+    if blocked is not None and not blocked.is_dir():
+        raise ValueError(
+            f"--run-dir {run_dir}: {blocked} is a file, not a directory; give a new or empty directory (e.g. "
+            f"runs/{cfg.run.name})"
+        )
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ValueError(f"run directory {run_dir} already exists; pick another --run-dir (or resume it)")
     if args.bootstrap_if_missing and not (Path(cfg.model.path) / "config.json").is_file():

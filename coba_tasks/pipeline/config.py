@@ -220,6 +220,10 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# owner/name, as the Hugging Face Hub names a model (a model.path of this form that is not a directory)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
 def check_paths(cfg: Config, root: str | os.PathLike[str] | None = None) -> None:
     """ConfigError naming the key unless the datasets and the model directory exist (relative to ``root``,
     default the working directory). Apart from ``load_config``: the demo bootstraps a missing model."""
@@ -240,6 +244,19 @@ def check_paths(cfg: Config, root: str | os.PathLike[str] | None = None) -> None
             )
     model = resolve(cfg.model.path)
     if not (model / "config.json").is_file():
+        owner = str(cfg.model.path).split("/", 1)[0]  # a Hub id's owner is not a directory here
+        if (
+            not model.exists()
+            and HUB_ID.fullmatch(str(cfg.model.path))
+            and owner != "models"
+            and not resolve(owner).exists()
+        ):
+            local = f"models/{str(cfg.model.path).rsplit('/', 1)[-1]}"
+            raise ConfigError(
+                f"model.path: {cfg.model.path} is not a directory{where(cfg.model.path)} but looks like a Hugging "
+                f"Face Hub id; coba-rl downloads nothing: fetch it first (`hf download {cfg.model.path} --local-dir "
+                f"{local}`) and set model.path={local}"
+            )
         what = "does not exist" if not model.exists() else "has no config.json (not a Hugging Face model directory)"
         raise ConfigError(
             f"model.path: {cfg.model.path} {what}{where(cfg.model.path)};"
@@ -392,7 +409,7 @@ def _apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         dotted, text = (s.strip() for s in item.split("=", 1))
         name, _, key = dotted.partition(".")
         if name not in SECTIONS:
-            raise ConfigError(unknown_section(name, f" in --set {item}"))
+            raise ConfigError(unknown_section(name, f" in --set {item}", dotted))
         if key not in SECTIONS[name].model_fields:
             raise ConfigError(unknown_key(name, key, f" in --set {item}"))
         if not isinstance(out.get(name) or {}, Mapping):

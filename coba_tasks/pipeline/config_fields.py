@@ -160,16 +160,68 @@ def _one_line(loc: tuple[Any, ...], kind: str, value: Any, err: Any, where: str)
     return ConfigError(f"{section}.{key}{index}: expected {expected}, got {show(value)}")
 
 
-def unknown_section(name: str, where: str) -> str:
-    return (
-        f"unknown config section {name!r}{where}{did_you_mean(name, SECTIONS)}; valid sections: {', '.join(SECTIONS)}"
-    )
+# The names TRL (GRPOConfig) and veRL (its PPO/GRPO trainer config) give settings that coba-rl has under
+# another name: name -> (coba-rl's key, whose name it is, how they differ). A user's unknown key or section
+# whose last dotted part is one of them is answered with coba-rl's key.
+PEER_NAMES: dict[str, tuple[str, str, str]] = {
+    "learning_rate": ("optim.lr", "TRL's", ""),
+    "lr": ("optim.lr", "veRL's actor.optim.", ""),
+    "warmup_steps": ("optim.lr_warmup_steps", "TRL's", ""),
+    "num_generations": ("allocation.group_size", "TRL's", ": rollouts per prompt"),
+    "n": ("allocation.group_size", "veRL's rollout.", ": rollouts per prompt"),
+    "max_completion_length": ("rollout.max_tokens", "TRL's", ""),
+    "response_length": ("rollout.max_tokens", "veRL's rollout.", ""),
+    "max_response_length": ("rollout.max_tokens", "veRL's data.", ""),
+    "temperature": ("rollout.temperature", "TRL's and veRL's", ""),
+    "top_p": ("rollout.top_p", "TRL's and veRL's", ""),
+    "beta": ("optim.kl_coef", "TRL's", ": the KL coefficient"),
+    "kl_loss_coef": ("optim.kl_coef", "veRL's actor.", ""),
+    "epsilon": ("optim.clip_low", "TRL's", ""),
+    "epsilon_high": ("optim.clip_high", "TRL's", ""),
+    "clip_ratio": ("optim.clip_low", "veRL's actor.", ""),
+    "clip_ratio_low": ("optim.clip_low", "veRL's actor.", ""),
+    "clip_ratio_high": ("optim.clip_high", "veRL's actor.", ""),
+    "num_iterations": ("optim.update_epochs", "TRL's", ""),
+    "ppo_epochs": ("optim.update_epochs", "veRL's actor.", ""),
+    "train_batch_size": ("data.prompts_per_step", "veRL's data.", ": prompts per step"),
+    "ppo_mini_batch_size": (
+        "optim.mini_batches",
+        "veRL's actor.",
+        ", a count where veRL's is a size: data.prompts_per_step / ppo_mini_batch_size",
+    ),
+    "ppo_micro_batch_size_per_gpu": ("optim.micro_batch_size", "veRL's actor.", ": sequences per forward/backward"),
+    "per_device_train_batch_size": ("optim.micro_batch_size", "TRL's", ": sequences per forward/backward"),
+    "max_grad_norm": ("optim.max_grad_norm", "TRL's", ""),
+    "grad_clip": ("optim.max_grad_norm", "veRL's actor.", ""),
+    "weight_decay": ("optim.weight_decay", "TRL's and veRL's", ""),
+    "max_steps": ("run.steps", "TRL's", ""),
+    "total_training_steps": ("run.steps", "veRL's trainer.", ""),
+    "seed": ("run.seed", "TRL's and veRL's", ""),
+    "model_name_or_path": ("model.path", "TRL's", ""),
+    "gen_batch_size": ("allocation.gen_batch_size", "veRL's data.", ""),
+    "max_num_gen_batches": ("allocation.max_num_gen_batches", "veRL's algorithm.filter_groups.", ""),
+}
+
+
+def peer_hint(dotted: str) -> str:
+    """`` (TRL's learning_rate is coba-rl's optim.lr)`` where the last part of ``dotted`` is another trainer's name
+    for a coba-rl key (``PEER_NAMES``); "" otherwise."""
+    name = dotted.rsplit(".", 1)[-1]
+    if name not in PEER_NAMES:
+        return ""
+    key, whose, note = PEER_NAMES[name]
+    return f" ({whose}{'' if whose.endswith('.') else ' '}{name} is coba-rl's {key}{note})"
+
+
+def unknown_section(name: str, where: str, dotted: str = "") -> str:
+    hint = peer_hint(dotted or name) or did_you_mean(name, SECTIONS)
+    return f"unknown config section {name!r}{where}{hint}; valid sections: {', '.join(SECTIONS)}"
 
 
 def unknown_key(section: str, key: str, where: str) -> str:
     valid = list(SECTIONS[section].model_fields)
     return (
-        f"unknown config key '{section}.{key}'{where}{did_you_mean(key, valid)};"
+        f"unknown config key '{section}.{key}'{where}{peer_hint(key) or did_you_mean(key, valid)};"
         f" valid keys of {section}: {', '.join(valid)}"
     )
 

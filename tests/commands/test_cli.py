@@ -115,6 +115,19 @@ def test_run_refuses_a_run_dir_that_is_not_empty(tmp_path, capsys, random_checkp
     assert [p.name for p in run_dir.iterdir()] == ["config.yaml"] and (run_dir / "config.yaml").read_text() == "mine\n"
 
 
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_run_dir_that_is_a_file_is_refused_in_one_line_and_left_as_it_was(
+    tmp_path, capsys, random_checkpoints, under
+):
+    model, _ = random_checkpoints
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine\n")
+    rc = main(["run", "--run-dir", str(mine / under), "--set", f"model.path={model}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{mine} is a file, not a directory" in err and err.count("\n") == 1, err
+    assert mine.read_text() == "mine\n"
+
+
 @pytest.mark.parametrize(
     ("overrides", "key", "fragment"),
     [

@@ -200,6 +200,11 @@ UNKNOWN_KEY_OVERRIDES = [
     ("optim.lrr=1", r"unknown config key 'optim\.lrr'.*did you mean 'lr'.*valid keys of optim: lr, weight_decay"),
     ("optimiser.lr=1", r"unknown config section 'optimiser'.*valid sections: run, data, model"),
     ("lr=1", r"unknown config section 'lr'"),
+    # another trainer's name for a key: coba-rl's name for it
+    ("optim.learning_rate=1e-5", r"'optim\.learning_rate'.*\(TRL's learning_rate is coba-rl's optim\.lr\); valid keys"),
+    ("num_generations=8", r"section 'num_generations'.*TRL's num_generations is coba-rl's allocation\.group_size"),
+    ("actor_rollout_ref.rollout.n=8", r"'actor_rollout_ref'.*veRL's rollout\.n is coba-rl's allocation\.group_size"),
+    ("optim.ppo_mini_batch_size=4", r"coba-rl's optim\.mini_batches, a count where veRL's is a size"),
     ("optim.lr", r"must look like section\.key=value"),
 ]
 
@@ -575,6 +580,26 @@ def test_check_paths_names_the_missing_dataset(tmp_path):
     (tmp_path / "data" / "arith_train.parquet").unlink()
     with pytest.raises(ConfigError, match=r"data\.train: data/arith_train\.parquet does not exist"):
         check_paths(Config(), root=tmp_path)
+
+
+def test_every_other_trainers_name_leads_to_a_coba_rl_key():
+    from coba_tasks.pipeline.config_fields import PEER_NAMES, SECTIONS
+
+    for name, (key, _, _) in PEER_NAMES.items():
+        section, _, field = key.partition(".")
+        assert field in SECTIONS[section].model_fields, (name, key)
+        assert name not in SECTIONS, name
+
+
+def test_a_hugging_face_hub_id_as_the_model_is_answered_with_how_to_fetch_it(tmp_path):
+    make_project(tmp_path)
+    cfg = apply_overrides(Config(), ["model.path=HuggingFaceTB/SmolLM2-135M-Instruct"])
+    hint = r"looks like a Hugging Face Hub id; coba-rl downloads nothing: fetch it first \(`hf download "
+    with pytest.raises(ConfigError, match=hint + r"HuggingFaceTB/SmolLM2-135M-Instruct --local-dir models/SmolLM2"):
+        check_paths(cfg, root=tmp_path)
+    for local in ("models/absent", "data/absent"):  # a path under the project's folders is a local path
+        with pytest.raises(ConfigError, match=r"does not exist.*coba bootstrap"):
+            check_paths(apply_overrides(Config(), [f"model.path={local}"]), root=tmp_path)
 
 
 def test_check_paths_suggests_bootstrap_for_the_model(tmp_path):
