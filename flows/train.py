@@ -69,6 +69,8 @@ def run_step(run_dir: str, step: int, view: RunView | None = None) -> None:
     quiet = no_signal_streak(res.store, step)  # steps in a row whose every group scored alike
     elapsed = time.perf_counter() - t0
     counts = generated_counts(res.store, step)
+    if counts and res.cfg.run.rollout_budget:
+        counts["rollout_budget"] = res.cfg.run.rollout_budget  # the run ends at this many: said beside the total
     line = step_line(step, res.cfg.run.steps, figures, seconds, elapsed, no_signal=quiet, pilot=k, counts=counts)
     log = get_run_logger()
     (log.warning if quiet >= NO_SIGNAL_STEPS else log.info)(line)
@@ -93,7 +95,9 @@ def step_line(
     ``no_signal``: how many steps in a row, ending at this one, had no mixed group (every advantage 0): from
     ``NO_SIGNAL_STEPS`` on, the line says that nothing is learned and what to change. ``pilot``: the pilot's
     rollouts per prompt under ``allocation.estimator = pilot``. ``counts``: ``readers.figures.generated_counts``
-    (what the update trained on, when it is not all the step generated, and the run's rollouts so far).
+    (what the update trained on, when it is not all the step generated, and the run's rollouts so far), with
+    ``rollout_budget`` under ``run.rollout_budget``: the run's end, said as the total to reach (``steps`` is then
+    the most steps).
 
     >>> print(step_line(2, 10, {
     ...     "rollouts": {"rollouts": 128},
@@ -113,8 +117,9 @@ beta 2.80; budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52 on 96 of them; 
         f"{v} {k}" for k, v in other.items()
     ]
     parts = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items() if k in ("rollouts", "update"))
+    most = "at most " if counts and counts.get("rollout_budget") else ""  # the run ends at its rollouts
     return (
-        f"step {step + 1}/{steps}: pass rate {cap['S']:.2f} (mean over prompts; {verdicts['correct']}/"
+        f"step {step + 1}/{most}{steps}: pass rate {cap['S']:.2f} (mean over prompts; {verdicts['correct']}/"
         f"{figures['rollouts']['rollouts']} rollouts correct"
         + "".join(f", {x}" for x in notes)
         + f"); F {cap['F']:.2f} -> alpha {cap['alpha']:.2f} beta "
@@ -130,7 +135,9 @@ def _counts_text(counts: dict[str, int] | None) -> str:
         return ""
     trained, generated = counts["rollouts_trained"], counts["rollouts_generated"]
     part = f" on {trained} of them" if trained != generated else ""
-    return f"{part}; {counts['rollouts_generated_total']:,} rollouts so far"
+    budget = counts.get("rollout_budget")
+    of = f" of the run's {budget:,}" if budget else ""
+    return f"{part}; {counts['rollouts_generated_total']:,}{of} rollouts so far"
 
 
 def _no_signal_text(steps: int) -> str:

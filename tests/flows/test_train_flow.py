@@ -595,6 +595,13 @@ def test_the_step_line_warns_when_no_group_has_been_mixed_for_several_steps():
     assert "; budgets 4-4 (mean 4.0); " in plain
     # allocation.estimator=pilot: the budgets are the step's own, allocated after a pilot of k each
     assert "; budgets 4-4 (mean 4.0, a pilot of 2 each); " in step_line(0, 2, figures, {}, 10.0, pilot=2)
+    counts = {"rollouts_generated": 128, "rollouts_trained": 96, "rollouts_generated_total": 1408}
+    assert "; 1,408 rollouts so far;" in step_line(0, 40, figures, {}, 10.0, counts=counts)
+    ended_by_rollouts = step_line(10, 40, figures, {}, 10.0, counts={**counts, "rollout_budget": 1536})
+    assert (
+        ended_by_rollouts.startswith("step 11/at most 40: ")
+        and "; 1,408 of the run's 1,536 rollouts so far;" in ended_by_rollouts
+    )
 
 
 @pytest.mark.slow
