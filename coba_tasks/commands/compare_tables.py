@@ -363,13 +363,12 @@ def paired_difference(diffs: Sequence[float], power: float = POWER) -> dict[str,
     if n < 2 or np.allclose(d, d[0], rtol=0.0, atol=1e-12):
         nans = dict.fromkeys(("ci_low", "ci_high", "mdd", "p"), math.nan)
         return {"pairs": n, "mean": mean, "sd": math.nan if n < 2 else 0.0, **nans}
+    test = stats.ttest_1samp(d, 0.0)  # the paired t-test: the differences against 0 (se > 0: equal ones above)
+    interval = test.confidence_interval(0.95)
     sd = float(d.std(ddof=1))
-    se = sd / math.sqrt(n)
-    t975 = float(stats.t.ppf(0.975, n - 1))
-    mdd = (t975 + float(stats.t.ppf(power, n - 1))) * se
-    p = float(2 * stats.t.sf(abs(mean) / se, n - 1))  # se > 0: equal differences returned above
-    ci = {"ci_low": mean - t975 * se, "ci_high": mean + t975 * se}
-    return {"pairs": n, "mean": mean, "sd": sd, **ci, "mdd": mdd, "p": p}
+    mdd = (float(stats.t.ppf(0.975, n - 1)) + float(stats.t.ppf(power, n - 1))) * sd / math.sqrt(n)
+    ci = {"ci_low": float(interval.low), "ci_high": float(interval.high)}
+    return {"pairs": n, "mean": mean, "sd": sd, **ci, "mdd": mdd, "p": float(test.pvalue)}
 
 
 def paired_table(results: pd.DataFrame, baseline: str = "uniform") -> pd.DataFrame:
