@@ -11,6 +11,7 @@ processes, each with a ``DataShard`` holding its share of each mini-batch.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -57,6 +58,8 @@ class UpdateSettings:
 
     lr: float
     lr_warmup_steps: int  # linear warm-up over this many updates (training steps); 0 = none
+    lr_schedule: str  # after the warm-up: constant, linear or cosine (transformers' schedules), to 0 at ...
+    lr_schedule_steps: int  # ... this many updates (run.steps)
     weight_decay: float
     betas: tuple[float, float]
     eps: float
@@ -105,6 +108,31 @@ class UpdateSettings:
     @property
     def corrects_rollouts(self) -> bool:
         return self.rollout_correction != RolloutCorrection.NONE
+
+
+def scheduled_lr(settings: UpdateSettings, update: int) -> float:
+    """The learning rate of update ``update`` (from 0): ``warmup_lr`` during the warm-up and under the constant
+    schedule, else the decay of transformers' schedule of that name (``get_scheduler``: linear or cosine from
+    ``lr`` at the warm-up's end to 0 at ``lr_schedule_steps`` updates).
+
+    >>> from types import SimpleNamespace
+    >>> s = SimpleNamespace(lr=1.0, lr_warmup_steps=2, lr_schedule="linear", lr_schedule_steps=6)
+    >>> [round(scheduled_lr(s, k), 3) for k in range(6)]
+    [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    """
+    warmup = settings.lr_warmup_steps
+    if settings.lr_schedule == "constant" or update < warmup:
+        return warmup_lr(settings.lr, warmup, update)
+    return settings.lr * _decay(settings.lr_schedule, warmup, settings.lr_schedule_steps)(update)
+
+
+@functools.lru_cache(maxsize=8)
+def _decay(schedule: str, warmup: int, steps: int) -> Callable[[int], float]:
+    """transformers' multiplier of update k for ``schedule`` (its ``lr_lambda``), read off the scheduler it builds."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # get_scheduler needs one
+    return get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=steps).lr_lambdas[0]
 
 
 def warmup_lr(lr: float, warmup_steps: int, update: int) -> float:
@@ -586,7 +614,7 @@ class PolicyTrainer:
     def _begin_update(self) -> dict[str, float]:
         """Sets the learning rate and train mode; returns the metric sums to fill."""
         for group in self.optimizer.param_groups:  # the warm-up follows the update count, so a resume agrees
-            group["lr"] = warmup_lr(self.settings.lr, self.settings.lr_warmup_steps, self.updates)
+            group["lr"] = scheduled_lr(self.settings, self.updates)
         self.model.train()
         return {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "entropy_tokens": 0.0, "clip_tokens": 0.0, "grad_norm": 0.0}
 

@@ -87,6 +87,7 @@ HASH_NEUTRAL_KEYS: tuple[tuple[str, str], ...] = tuple(
         "optim": (
             "fsdp_processes",
             "lr_warmup_steps",
+            "lr_schedule",
             "shared_prefix",
             "skip_zero_advantage",
             "rollout_correction",

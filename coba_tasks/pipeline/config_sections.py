@@ -561,6 +561,11 @@ class OptimConfig(Section):
     lr_warmup_steps: StrictInt = config_key(
         0, "linear warm-up: training step k (from 0) updates at lr * min(1, (k + 1) / N); 0 = none", ge=0
     )
+    lr_schedule: Literal["constant", "linear", "cosine"] = config_key(
+        "constant",
+        "the learning rate after the warm-up: constant, or decayed to 0 over run.steps updates as transformers' "
+        "linear or cosine schedule (under run.rollout_budget run.steps is the most steps: the decay spans them)",
+    )
     fsdp_processes: StrictInt = config_key(
         1, "1 = the update in the flow process; N > 1 = each update a torchrun job of N FSDP ranks", ge=1
     )

@@ -475,9 +475,10 @@ def update_settings(cfg: Config | None = None, **changes: Any) -> UpdateSettings
     benchmark: every key not changed is the config's."""
     cfg = cfg if cfg is not None else Config()
     # every setting is the config key of its name, optim's or else model's; the temperature is the rollouts'
-    keys = [f.name for f in dataclasses.fields(UpdateSettings) if f.name not in ("threads", "temperature")]
+    run_keys = {"temperature": cfg.rollout.temperature, "lr_schedule_steps": cfg.run.steps}
+    keys = [f.name for f in dataclasses.fields(UpdateSettings) if f.name not in ("threads", *run_keys)]
     values = {k: getattr(cfg.optim if k in OptimConfig.model_fields else cfg.model, k) for k in keys}
-    return UpdateSettings(**{**values, "temperature": cfg.rollout.temperature, **changes})
+    return UpdateSettings(**{**values, **run_keys, **changes})
 
 
 def verifier_pool(cfg: Config) -> VerifierPool:

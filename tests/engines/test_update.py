@@ -191,6 +191,31 @@ def test_warmup_lr_is_linear_then_constant():
     assert warmup_lr(1e-3, 0, 0) == 1e-3 and warmup_lr(1e-3, 1, 0) == 1e-3
 
 
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_a_decaying_schedule_is_the_warmup_then_transformers_schedule_of_that_name(schedule):
+    """After the warm-up the rate of update k is what transformers' scheduler of that name gives at its step k
+    (stepped as a trainer steps it, once per update), down to 0 at run.steps; the warm-up is the constant
+    schedule's, so a run's first updates do not change with the schedule."""
+    from transformers import get_scheduler
+
+    from coba_tasks.engines.update import scheduled_lr
+
+    settings = update_settings(lr=1e-3, lr_warmup_steps=3, lr_schedule=schedule, lr_schedule_steps=10)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    theirs = get_scheduler(schedule, optimizer, num_warmup_steps=3, num_training_steps=10)
+    rates = []
+    for _ in range(10):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        theirs.step()
+    ours = [scheduled_lr(settings, k) for k in range(10)]
+    assert ours[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3]) and ours[3:] == pytest.approx(rates[3:])
+    assert ours[3] > ours[6] > ours[9] > 0 == pytest.approx(scheduled_lr(settings, 10))
+    constant = update_settings(lr=1e-3, lr_warmup_steps=3, lr_schedule_steps=10)
+    assert [scheduled_lr(constant, k) for k in range(12)] == pytest.approx([*ours[:3], *[1e-3] * 9])
+    assert update_settings().lr_schedule == "constant"  # the default: every run made before the key is unchanged
+
+
 def test_update_follows_the_warmup_and_resumes_on_it(random_checkpoints, tmp_path):
     """Each update steps at the warm-up's rate for its update count; a reloaded trainer continues the schedule."""
     a, _ = random_checkpoints
