@@ -134,10 +134,11 @@ def test_a_server_that_never_answers_stops_at_the_limit_in_one_line(tmp_path, ra
 
 @pytest.mark.slow
 def test_configure_prefect_reaches_a_prefect_imported_before_it(tmp_path):
-    """``coba`` imports Prefect while it builds its parser, before ``configure_prefect``: Prefect's settings in that
-    process (the start-up limit, PREFECT_HOME) are coba's all the same, not Prefect's defaults (20 s, ~/.prefect)."""
+    """A process that imported Prefect before ``configure_prefect`` (``coba`` did while it built its parser, a
+    library or a user's script may): Prefect's settings in that process (the start-up limit, PREFECT_HOME) are
+    coba's all the same, not Prefect's defaults (20 s, ~/.prefect)."""
     code = (
-        "import sys; from coba_tasks.commands.cli import build_parser; build_parser(); "
+        "import sys; import prefect.settings; "
         "assert 'prefect' in sys.modules; "
         "from coba_tasks.commands.prefect_env import configure_prefect; configure_prefect(sys.argv[1]); "
         "from prefect.settings import PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as limit; "
