@@ -38,6 +38,7 @@ from coba_tasks.pipeline.config_fields import (
     unknown_section,
 )
 from coba_tasks.pipeline.config_sections import (
+    ROUND_SAMPLING_KEYS,
     AllocationConfig,
     DataConfig,
     ModelConfig,
@@ -74,15 +75,7 @@ HASH_NEUTRAL_KEYS: tuple[tuple[str, str], ...] = tuple(
             "prior_strength",
             "posterior_decay",
             "pilot_rollouts",
-            "gen_batch_size",
-            "filter_metric",
-            "max_num_gen_batches",
-            "reinforce_ada_choice",
-            "max_rounds",
-            "round_repeat",
-            "positive_threshold",
-            "global_stat_est",
-            "norm_adv_by_std_in_grpo",
+            *ROUND_SAMPLING_KEYS,
         ),
         "optim": (
             "fsdp_processes",

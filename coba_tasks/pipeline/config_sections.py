@@ -350,6 +350,21 @@ class RolloutConfig(Section):
 _TAU = "must be 'adaptive' or a positive number (the saturation scale of eta, docs/method.md)"
 
 
+# The allocation keys read by the strategies that sample a step in rounds alone (dynamic, ada): added together,
+# hash-neutral at their defaults (config.HASH_NEUTRAL_KEYS), and no other strategy's steps depend on them (fork)
+ROUND_SAMPLING_KEYS = (
+    "gen_batch_size",
+    "filter_metric",
+    "max_num_gen_batches",
+    "reinforce_ada_choice",
+    "max_rounds",
+    "round_repeat",
+    "positive_threshold",
+    "global_stat_est",
+    "norm_adv_by_std_in_grpo",
+)
+
+
 class AllocationConfig(Section):
     """Rollout-budget allocation (docs/method.md)."""
 

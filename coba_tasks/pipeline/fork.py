@@ -24,6 +24,7 @@ import pandas as pd
 from coba_tasks.engines.fileio import new_temporary_dir, sha256_file, write_parquet
 from coba_tasks.pipeline import prompt_history, stages
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict
+from coba_tasks.pipeline.config_sections import ROUND_SAMPLING_KEYS
 from coba_tasks.pipeline.run import RunResources, checked_checkpoint, read_run_config
 from coba_tasks.pipeline.store import MANIFEST_FILE, RunStore, StoreError, Table
 
@@ -50,15 +51,7 @@ ALLOCATION_KEYS = (
     "posterior_decay",
     "pilot_rollouts",  # read by the pilot alone
     # read by the strategies sampled in rounds alone (dynamic, ada), whose steps are no other run's
-    "gen_batch_size",
-    "filter_metric",
-    "max_num_gen_batches",
-    "reinforce_ada_choice",
-    "max_rounds",
-    "round_repeat",
-    "positive_threshold",
-    "global_stat_est",
-    "norm_adv_by_std_in_grpo",
+    *ROUND_SAMPLING_KEYS,
 )
 PREFIX_KEYS = frozenset({"run.name", *(f"allocation.{k}" for k in ALLOCATION_KEYS)})
 ROLLOUT_INPUTS = ("prompt_id", "budget")  # what the rollouts stage reads of a budget table (stages.rollout_tables)
