@@ -32,6 +32,13 @@ def bootstrap_flow(
 
     ``out_dir`` must be missing or empty, or hold an earlier bootstrap (replaced only with ``force``);
     a directory holding anything else is refused before any work, ``force`` included.
+
+    Args:
+        out_dir: Where to write the model (missing, empty, or an earlier bootstrap).
+        train_path: The training problems (Parquet) the model warms up on.
+        test_path: The held-out problems (Parquet) its figures are measured on.
+        cfg: The warm-up's settings: the model's shape, steps, batch size, learning rate (defaults when left out).
+        force: Replace an earlier bootstrap at out_dir.
     """
     if deployment.started_by_deployment():  # parameters from the API: their paths stay inside the project
         deployment.check_deployment_paths({"out_dir": out_dir, "train_path": train_path, "test_path": test_path})

@@ -5,8 +5,8 @@ tasks over the run directory's Parquet tables.
     coba run --config configs/tiny-test.yaml --run-dir runs/t --steps 2 --set optim.lr=3e-5
 
 This module only composes. ``run_step`` calls the stage tasks of ``coba_tasks.pipeline.stages`` in the order
-the run directory's contract gives (``store.step_stages``: under ``allocation.estimator = pilot`` the pilot
-and its rewards first); each task's body is that stage's work (skipped when its table is done). Tasks
+the run directory's contract gives (``store.step_stages``; a step sampled in rounds, the pilot estimator's
+included, a round at a time); each task's body is that stage's work (skipped when its table is done). Tasks
 pass the run directory and a step number: the long-lived resources of a run (the rollout engine, the
 verifier pool, the training model) live in the flow process and are looked up by directory
 (``coba_tasks.pipeline.run``).
@@ -36,7 +36,8 @@ from coba_tasks.pipeline.stages import (
     stop_run,
     write_step_timing,
 )
-from coba_tasks.pipeline.store import Table
+from coba_tasks.pipeline.store import SUMMARY_FILE, Table
+from coba_tasks.pipeline.tables import after_updates, step_label
 from coba_tasks.readers import trackers
 from coba_tasks.readers.figures import (
     NO_SIGNAL_FIX,
@@ -47,7 +48,7 @@ from coba_tasks.readers.figures import (
     step_figures,
 )
 from coba_tasks.readers.figures import summary_json as make_summary_json
-from flows.view import RunView
+from flows.view import RunView, flow_run_title
 
 
 def run_step(run_dir: str, step: int, view: RunView | None = None) -> None:
@@ -61,8 +62,8 @@ def run_step(run_dir: str, step: int, view: RunView | None = None) -> None:
     seconds_before = dict(res.stage_seconds)
     for stage_task, r in step_tasks(res, step):  # a step sampled in rounds: the round pair again while it asks
         stage_task(run_dir, step, r)
-        where = f" (round {r + 1})" if stage_task.name in (Table.ROUND, Table.ROUND_REWARDS) else ""
-        stop_run(res, f"the {stage_task.name} stage{where} of step {step + 1}/{res.cfg.run.steps}")  # when asked to
+        where = f" (round {r})" if stage_task.name in (Table.ROUND, Table.ROUND_REWARDS) else ""
+        stop_run(res, f"the {stage_task.name} stage{where} of {step_label(step, res.cfg.run.steps)}")  # when asked to
     seconds = write_step_timing(res, step, seconds_before)
     figures = step_figures(res.store, step)
     k = res.cfg.allocation.pilot_rollouts if res.cfg.allocation.piloted else 0
@@ -107,7 +108,7 @@ def step_line(
     ...     "update": {"loss": -0.0123, "grad_norm": 0.52},
     ... }, {"rollouts": 21.7, "rewards": 0.4, "update": 25.1}, 49.6,
     ... counts={"rollouts_generated": 128, "rollouts_trained": 96, "rollouts_generated_total": 384}))
-    step 3/10: pass rate 0.31 (mean over prompts; 40/128 rollouts correct, 8 unanswered); F 0.69 -> alpha 8.20 \
+    step 2 (3 of 10): pass rate 0.31 (mean over prompts; 40/128 rollouts correct, 8 unanswered); F 0.69 -> alpha 8.20 \
 beta 2.80; budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52 on 96 of them; 384 rollouts so far; 50 s \
 (rollouts 22 s, update 25 s)
     """
@@ -117,9 +118,9 @@ beta 2.80; budgets 2-24 (mean 8.0); loss -0.0123, grad norm 0.52 on 96 of them; 
         f"{v} {k}" for k, v in other.items()
     ]
     parts = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items() if k in ("rollouts", "update"))
-    most = "at most " if counts and counts.get("rollout_budget") else ""  # the run ends at its rollouts
+    most = bool(counts and counts.get("rollout_budget"))  # the run ends at its rollouts
     return (
-        f"step {step + 1}/{most}{steps}: pass rate {cap['S']:.2f} (mean over prompts; {verdicts['correct']}/"
+        f"{step_label(step, steps, most)}: pass rate {cap['S']:.2f} (mean over prompts; {verdicts['correct']}/"
         f"{figures['rollouts']['rollouts']} rollouts correct"
         + "".join(f", {x}" for x in notes)
         + f"); F {cap['F']:.2f} -> alpha {cap['alpha']:.2f} beta "
@@ -149,7 +150,7 @@ def _no_signal_text(steps: int) -> str:
     return f"; no group mixed ({steps} step{'s' if steps > 1 else ''} in a row)" if steps else ""
 
 
-@flow(name="coba-train")
+@flow(name="coba-train", flow_run_name=flow_run_title)
 def train_flow(
     config: Config | None = None,
     config_path: str | None = None,
@@ -161,18 +162,22 @@ def train_flow(
 ) -> dict[str, Any]:
     """A whole training run: held-out eval before, ``run.steps`` training steps, eval every ``eval_every``, eval after.
 
-    Parameters: ``config`` the run's typed config (``coba run`` passes the one it built and checked; a
-    deployment's parameter form shows its sections and keys, and a JSON object of them is validated
-    before the flow starts, keys left out taking their defaults), else ``config_path`` the YAML
-    config (default configs/demo.yaml); ``run_dir`` the run directory (default runs/<run.name>);
-    ``resume`` continues the run in ``run_dir`` with its own config; ``allow_changed_inputs`` lets a
-    continuing run go on when data.test, model.path or the reward file changed since it started (their
-    sha256 is in run.json; refused otherwise). ``run_name`` (sets run.name) and ``overrides`` (``section.key=value``
-    strings, as ``coba run --set``) change the config given either way.
-    Stages already done (in their step's manifest) are not recomputed, so the flow run can be
-    retried or resumed after a crash and ends with the same tables as an uninterrupted run. Started from a
-    deployment, every path stays inside the project or its worker's roots and ``config_path``'s text is never
-    quoted in an error (``coba_tasks.pipeline.deployment``); a reward file runs only where the process allows it.
+    Stages already done (in their step's manifest) are not recomputed, so the flow run can be retried or resumed
+    after a crash and ends with the same tables as an uninterrupted run; a finished run is not trained, evaluated
+    or posted again. Started from a deployment, every path stays inside the project or its worker's roots and
+    ``config_path``'s text is never quoted in an error (``coba_tasks.pipeline.deployment``); a reward file runs only
+    where the process allows it. The flow run is named after the run when Prefect creates it (``flow_run_title``).
+
+    Args:
+        config: The run's config, section by section (keys left out take their defaults); instead of config_path.
+        config_path: A YAML config file of the project (default configs/demo.yaml), used when config is empty.
+        run_dir: The run directory (default runs/<run.name>); a directory holding a run of the same config
+            continues it.
+        resume: Continue the run in run_dir with its own config (config, config_path and overrides are not read).
+        allow_changed_inputs: Let a continuing run go on although data.test, model.path or the reward file
+            changed since it started.
+        run_name: Sets run.name (the default run directory runs/<run.name>).
+        overrides: Config changes as section.key=value strings, as `coba run --set` (e.g. optim.lr=3e-6).
     """
     log = get_run_logger()
     from_api = deployment.started_by_deployment()
@@ -191,12 +196,18 @@ def train_flow(
     directory = str(res.store.root)
     trk = None
     try:
+        if (res.store.root / SUMMARY_FILE).is_file():  # finished: a retry computes nothing, posts nothing again
+            log.info(
+                f"{root} is a finished run (its {SUMMARY_FILE} is there): nothing to compute or post; `coba inspect "
+                f"--run-dir {root}` shows it, `coba rerun` recomputes a stage"
+            )
+            return res.store.read_json(SUMMARY_FILE)
         trk = trackers.open_trackers(directory, cfg, warn=log.warning)  # run.trackers, continued on a resume
         first = run.first_step_not_done(res.store, run.run_length(res.store, cfg))
         due = due_evaluations(res, first)  # a kill, a rerun or a repair left these
         resume_point(res, upto=min([first, *due]))  # the newest checkpoint the evaluations and the steps start from
         if first > 0:
-            log.info(f"continuing {root} at step {first + 1}/{cfg.run.steps}: stages already done are skipped")
+            log.info(f"continuing {root} at {step_label(first, cfg.run.steps)}: stages already done are skipped")
         view = RunView(res, first)  # the flow run named after the run; its artifacts and events
         log.info(f"held-out evaluation before training: {eval_plan(res)}")
         _held_out(res, view, 0, "before training")
@@ -204,9 +215,9 @@ def train_flow(
             try:
                 _say_advanced(advance(res, version), version)
             except ReplayError as exc:  # the weights of that step cannot be rebuilt here: the run goes on without it
-                log.warning(f"held-out evaluation after step {version} left missing: {exc}")
+                log.warning(f"held-out evaluation {after_updates(version)} left missing: {exc}")
                 continue
-            _held_out(res, view, version, f"after step {version} (recomputed)")
+            _held_out(res, view, version, f"{after_updates(version)} (recomputed)")
         _say_advanced(advance(res, first), first)  # from the newest whole checkpoint at or below it
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
@@ -221,15 +232,15 @@ def train_flow(
                 res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
                 step += 1
                 if step in run_eval_steps(res.store, cfg) and step < run.run_length(res.store, cfg):
-                    _held_out(res, view, step, f"after step {step}")
+                    _held_out(res, view, step, after_updates(step))
                 trk.log_new()
                 run.step_boundary(res, step)
-                stop_run(res, f"step {step}/{cfg.run.steps}")
+                stop_run(res, step_label(step - 1, cfg.run.steps))
         log.info(f"held-out evaluation after training: {eval_plan(res)}")
         _held_out(res, view, run.run_length(res.store, cfg), "after training")
         trk.log_new()
         summary = make_summary_json(res.store.root, time.perf_counter() - t_start, res.stage_seconds, res.step_walls)
-        res.store.write_json("summary.json", summary)
+        res.store.write_json(SUMMARY_FILE, summary)
         _post_report(res.store.root, view)
         return summary
     finally:

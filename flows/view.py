@@ -1,4 +1,5 @@
-"""What a training run shows in Prefect: its flow run named after it, its artifacts, its events.
+"""What a training run shows in Prefect: its flow run named after it from its creation (``flow_run_title``) and
+tagged with its strategy, seed and config (``run_tags``), its artifacts, its events.
 
 Every artifact key starts with the run's scope (``run_scope``: the run directory's name and a short hash of its
 absolute path), so two runs never share a collection, in ``coba compare`` as anywhere:
@@ -45,9 +46,11 @@ from prefect.client.schemas.sorting import ArtifactSort
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from coba_tasks.pipeline.config import Config
-from coba_tasks.pipeline.run import RunResources
+from coba_tasks.pipeline import deployment
+from coba_tasks.pipeline.config import Config, config_hash
+from coba_tasks.pipeline.run import RunResources, resolve_run
 from coba_tasks.pipeline.store import Table
+from coba_tasks.pipeline.tables import after_updates
 from coba_tasks.readers.figures import NO_SIGNAL_STEPS, heldout_rows, step_row
 from coba_tasks.readers.text import markdown_text
 
@@ -84,6 +87,39 @@ def run_title(root: str | os.PathLike[str], strategy: str, seed: int) -> str:
     return f"{shown} ({strategy}, seed {seed})"
 
 
+def flow_run_title() -> str:
+    """The name Prefect gives a ``coba-train`` flow run as it creates it (the flow's ``flow_run_name``, called
+    before the run starts): ``run_title`` of the run its parameters start or continue, so the worker's lines after
+    it, the terminal's, every event and a run that fails early carry it. Parameters that are refused (the flow then
+    stops on them in one line) give the run directory or config asked for, marked refused."""
+    params = dict(flow_run.parameters or {})
+    try:
+        cfg, root, _ = resolve_run(
+            params.get("config_path"),
+            params.get("run_name"),
+            params.get("run_dir"),
+            params.get("overrides"),
+            params.get("config"),
+            bool(params.get("resume")),
+            deployment.started_by_deployment(),
+        )
+    except Exception:  # the flow reports it in its first line; a name needs no reason
+        asked = params.get("run_dir") or params.get("config_path") or "configs/demo.yaml"
+        return f"{asked} (refused: see the flow run's log)"
+    return run_title(root, cfg.allocation.strategy, cfg.run.seed)
+
+
+def run_tags(cfg: Config) -> list[str]:
+    """A run's tags in Prefect, to filter its flow runs by: ``strategy:<allocation.strategy>``, ``seed:<run.seed>``
+    and ``config:<the first 8 digits of its config hash>`` (runs of one config share it).
+
+    >>> from coba_tasks.pipeline.config import Config
+    >>> run_tags(Config())[:2]
+    ['strategy:coba', 'seed:0']
+    """
+    return [f"strategy:{cfg.allocation.strategy}", f"seed:{cfg.run.seed}", f"config:{config_hash(cfg)[:8]}"]
+
+
 def table_cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``rows`` for a table artifact: each text cell as markdown that shows it as written (``markdown_text``)."""
     return [{k: markdown_text(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
@@ -95,8 +131,8 @@ def run_resource(scope: str, title: str) -> dict[str, str]:
 
 
 class RunView:
-    """A run's window in Prefect for one flow run of it (``train_flow``): it names the flow run and posts the
-    artifacts and events of the module docstring as steps and evaluations finish."""
+    """A run's window in Prefect for one flow run of it (``train_flow``): it tags the flow run (``run_tags``) and
+    posts the artifacts and events of the module docstring as steps and evaluations finish."""
 
     def __init__(self, res: RunResources, first: int) -> None:
         self.store, self.cfg = res.store, res.cfg
@@ -107,9 +143,10 @@ class RunView:
         self.rows = {s: step_row(self.store, s) for s in range(first)}  # the steps done before this flow run
         self.evaluations = {s: self._evaluation(s) for s in self.store.steps() if self.store.is_done(s, Table.EVAL)}
         self.table_id: Any = None
-        if flow_run.id:
+        if flow_run.id:  # named at its creation (``flow_run_title``); tagged here, beside a deployment's own tags
             with get_client(sync_client=True) as client:
-                client.update_flow_run(flow_run.id, name=self.title)
+                tags = client.read_flow_run(flow_run.id).tags
+                client.update_flow_run(flow_run.id, tags=list(dict.fromkeys([*tags, *run_tags(res.cfg)])))
         self.progress_id = create_progress_artifact(
             progress=self._percent(), key=f"{self.scope}-progress", description=self._progress_text()
         )
@@ -159,7 +196,7 @@ class RunView:
         create_table_artifact(
             table=table_cells(every),
             key=f"{self.scope}-heldout",
-            description=f"{self.shown}: held-out evaluations, the newest after step {step}",
+            description=f"{self.shown}: held-out evaluations, the newest {after_updates(step)}",
         )
         emit_event(EVAL_EVENT, resource=self.resource, payload={"step": step, "rows": rows})
 

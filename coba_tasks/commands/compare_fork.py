@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coba_tasks.pipeline.tables import step_label
+
 if TYPE_CHECKING:
     from coba_tasks.pipeline.config import Config
     from coba_tasks.pipeline.run import RunResources
@@ -124,16 +126,19 @@ def forked_text(source: str, step: int, steps: int) -> str:
     """How `coba compare` says that a run was forked from ``source`` before ``step`` (of ``steps``).
 
     >>> forked_text("uniform-seed0", 3, 12)
-    'forked from uniform-seed0 before step 4/12, sharing its steps 1-3 and their evaluations: training 9 steps'
+    'forked from uniform-seed0 before step 3 (4 of 12), sharing its steps 0-2 and their evaluations: training 9 steps'
     >>> forked_text("uniform-seed0", 2, 3)
-    'forked from uniform-seed0 before step 3/3, sharing its steps 1-2 and their evaluations: training 1 step'
+    'forked from uniform-seed0 before step 2 (3 of 3), sharing its steps 0-1 and their evaluations: training 1 step'
+    >>> forked_text("uniform-seed0", 1, 3)
+    'forked from uniform-seed0 before step 1 (2 of 3), sharing its step 0 and its evaluations: training 2 steps'
     >>> forked_text("uniform-seed0", 0, 12)
-    'forked from uniform-seed0 before step 1/12, sharing its evaluation before training: training 12 steps'
+    'forked from uniform-seed0 before step 0 (1 of 12), sharing its evaluation before training: training 12 steps'
     >>> forked_text("uniform-seed0", 12, 12)
     'forked from uniform-seed0 after its last step (every allocation gave the same rollouts): evaluating'
     """
     if step >= steps:
         return f"forked from {source} after its last step (every allocation gave the same rollouts): evaluating"
-    shared = f"its steps 1-{step} and their evaluations" if step else "its evaluation before training"
+    shared = f"its steps 0-{step - 1} and their evaluations" if step > 1 else "its step 0 and its evaluations"
+    shared = shared if step else "its evaluation before training"
     left = f"{steps - step} step{'s' if steps - step > 1 else ''}"
-    return f"forked from {source} before step {step + 1}/{steps}, sharing {shared}: training {left}"
+    return f"forked from {source} before {step_label(step, steps)}, sharing {shared}: training {left}"

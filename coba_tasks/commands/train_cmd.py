@@ -194,6 +194,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     )
     from coba_tasks.pipeline.runlock import RunLock
     from coba_tasks.pipeline.store import RunStore
+    from coba_tasks.pipeline.tables import step_label
 
     store = RunStore.open(args.run_dir)  # refuses a missing run or another schema version
     RunLock(store.root).check_free()  # a run still going there: refuse before starting anything
@@ -233,7 +234,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     check_inputs(store, cfg, changed, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
     if first > 0 and cfg.optim.fsdp_processes > 1:  # FSDP continues from the checkpoint of its step; others replay
         checked_checkpoint(store, first)  # a partial or damaged checkpoint: the file and the rerun that mends it
-    print(f"resuming {store.root} at step {first + 1} of {cfg.run.steps}; stages already done are not recomputed")
+    print(f"resuming {store.root} at {step_label(first, cfg.run.steps)}; stages already done are not recomputed")
     from coba_tasks.commands.prefect_env import configure_prefect, start_local_server
 
     configure_prefect()

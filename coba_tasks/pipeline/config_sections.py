@@ -147,8 +147,8 @@ class RunConfig(Section):
     )
     rollouts_timeout_s: Number = config_key(
         21600,
-        "wall-clock limit of one step's rollouts task (and its pilot's), seconds; a task past it fails (retried "
-        "once) and so does the flow run, instead of hanging on a stuck engine; 0 = none",
+        "wall-clock limit of one step's rollouts task (and of each of its rounds), seconds; a task past it fails "
+        "(retried once) and so does the flow run, instead of hanging on a stuck engine; 0 = none",
         ge=0,
         le=MAX_TIMEOUT_S,
     )
@@ -504,8 +504,9 @@ class AllocationConfig(Section):
 
     @property
     def sampling(self) -> str:
-        """How a step samples (``store.step_stages``): ``once`` (its budget), ``pilot`` (a pilot, then the rest of
-        its budget) or ``rounds`` (``dynamic``, ``ada``: rounds decided from the rewards of the rounds before)."""
+        """How a step samples (``store.step_stages``): ``once`` (its budget), ``pilot`` (two rounds: a pilot, then
+        the rest of the budget allocated on it) or ``rounds`` (``dynamic``, ``ada``: rounds decided from the rewards
+        of the rounds before)."""
         if self.strategy in IN_ROUNDS:
             return "rounds"
         return "pilot" if self.piloted else "once"

@@ -15,7 +15,7 @@ from pathlib import Path
 from coba_tasks.pipeline.evaluation import run_eval_steps
 from coba_tasks.pipeline.run import first_step_not_done, read_run_config, rerun_line, run_length, whole_checkpoint
 from coba_tasks.pipeline.store import STEP_ORDER, RunStore, StoreError, Table, inside_run, step_stages
-from coba_tasks.pipeline.tables import RERUNNABLE
+from coba_tasks.pipeline.tables import RERUNNABLE, after_updates, step_label
 
 
 def _order(step_dir: int, name: str) -> tuple[int, int]:
@@ -63,9 +63,13 @@ def plan_rerun(store: RunStore, step: int, stage: str, require_done: bool = True
             "`coba resume` computes what is missing"
         )
     # a step sampled in rounds: each round's requests follow from the rewards of those before, and its rollouts
-    # and rewards are its rounds': rerunning any of them redoes every round
+    # and rewards are its rounds': rerunning any of them redoes every round (a pilot's budget, allocated between
+    # its rounds, with them: the step from its start)
     sampled = (Table.ROUND, Table.ROUND_REWARDS, Table.ROLLOUTS, Table.REWARDS)
-    start = _order(step, Table.ROUND if stage in sampled and store.is_done(step, Table.ROUND) else stage)
+    if stage in (*sampled, Table.BUDGET) and store.is_done(step, Table.ROUND) and _sampling(store) == "pilot":
+        start = _order(step, Table.BUDGET)
+    else:
+        start = _order(step, Table.ROUND if stage in sampled and store.is_done(step, Table.ROUND) else stage)
     plan = RerunPlan(step=step, stage=stage)
     if stage == Table.EVAL:  # nothing reads a held-out evaluation: it invalidates only itself
         plan.tables.append((step, stage))
@@ -166,7 +170,7 @@ def resume_weights(store: RunStore, plan: RerunPlan) -> list[str]:
     steps = run_length(store, cfg)
     first = resume_step(store, plan, steps)
     if cfg.optim.fsdp_processes > 1:
-        return [f"the resume goes on at step {first + 1}/{steps} from checkpoints/{first:06d} (FSDP: no replay)"]
+        return [f"the resume goes on at {step_label(first, steps)} from checkpoints/{first:06d} (FSDP: no replay)"]
     removed = set(plan.tables)
     kept = sorted((k for k in store.checkpoints() if store.checkpoint_dir(k) not in plan.checkpoints), reverse=True)
     due = [
@@ -178,9 +182,9 @@ def resume_weights(store: RunStore, plan: RerunPlan) -> list[str]:
     for target in (*due, first):
         whole = next((k for k in kept if held < k <= target and whole_checkpoint(store, k)), None)
         start = held if whole is None else whole
-        where = "the base model" if held == 0 else f"the policy after {held} updates"
+        where = "the base model" if held == 0 else f"the policy {after_updates(held)}"
         where = f"checkpoints/{whole:06d}" if whole else where
-        what = f"the evaluation after step {target}" if target in due else f"training at step {first + 1}/{steps}"
+        what = f"the evaluation {after_updates(target)}" if target in due else f"training at {step_label(first, steps)}"
         if target == first == steps:
             what = "the end of the run (the policy after its last update)"
         n = target - start

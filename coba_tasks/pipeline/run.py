@@ -413,6 +413,7 @@ def open_run(
     test = data.test
     if continuing:
         store = RunStore.open(root)
+        check_layout(store)
         prompts = store.read_run_table("prompts")
         check_disk(cfg, root, first_step_not_done(store, cfg.run.steps), len(store.checkpoints()), resuming=True)
     else:
@@ -444,6 +445,22 @@ def rollouts_generated(store: RunStore, upto: int) -> list[int]:
             break
         out.append(int(entry["rows"]))
     return out
+
+
+PILOT_TABLES_BUILD = "e6f9dd8"  # the last build whose pilot steps wrote pilot.parquet and pilot_rewards.parquet
+
+
+def check_layout(store: RunStore) -> None:
+    """StoreError (one line) for a run this build cannot continue although its schema version is its own: a pilot
+    run begun before its pilot became round 0 of each step (``pilot.parquet`` in a step). Its tables stay readable
+    (``coba inspect``, ``coba report``)."""
+    old = [s for s in store.steps() if "pilot" in store.manifest(s)]
+    if old:
+        raise StoreError(
+            f"{store.root}: step {old[0]} holds pilot.parquet: this pilot run was begun by commit "
+            f"{PILOT_TABLES_BUILD} or earlier, whose pilot steps this build does not continue (a step's pilot is now "
+            "round 0 of round.parquet); continue it with that build, or start the run again"
+        )
 
 
 def run_length(store: RunStore, cfg: Config) -> int:

@@ -1,6 +1,7 @@
 """One training step: each stage as a pure function over tables (testable without Prefect) and as a Prefect
 task over the run directory (docs/design.md, "One training step, stage by stage": the stages, in the order
-``store.step_stages`` gives, what each reads and writes, the pilot's two waves, and what ``@stage`` adds).
+``store.step_stages`` gives, what each reads and writes, the rounds of a step sampled in rounds, and what
+``@stage`` adds).
 
 A task takes the run directory and the step, never models or tables (the engine, verifier pool and trainer
 are found by directory: ``run.resources``). The update is not retried by Prefect: it moves the weights, and a
@@ -108,7 +109,7 @@ def rollout_table(
     wave: int = 0,
 ) -> pd.DataFrame:
     """``budget.budget`` completions per prompt, one row each, sampled from each prompt's ``prompt_token_ids``
-    (the ids the update trains on); ``logprobs`` is the sampler's. ``wave``: 1 is the second wave after a pilot
+    (the ids the update trains on); ``logprobs`` is the sampler's. ``wave``: the round ``r`` of a step sampled in rounds
     (its seeds, ``rollout_seed``)."""
     return rollout_tables([(budget, sampling)], prompts, engine, run_seed, step, wave=wave)[0]
 
@@ -458,61 +459,40 @@ def update_row(step: int, metrics: dict[str, float], rollouts: pd.DataFrame, rew
     return pd.DataFrame([{"step": step, **metrics, "zero_variance_groups": zero, "rollouts": len(rollouts)}])
 
 
-# --- The pilot (allocation.estimator = pilot): its request, the second wave beside it, the rewards of both
-
 KEY = ["prompt_id", "sample_idx"]
 
 
 def pilot_budget(batch: Sequence[str], k: int) -> pd.DataFrame:
-    """The pilot's request: ``k`` rollouts for each prompt of ``batch``."""
+    """The pilot's request (allocation.estimator = pilot, round 0 of its step): ``k`` rollouts for each prompt of
+    ``batch``."""
     if k < 1:
         raise ValueError(f"the pilot needs at least one rollout per prompt, got k={k}")
     return pd.DataFrame({"prompt_id": list(batch), "budget": np.full(len(batch), k, dtype=np.int64)})
 
 
-def second_wave_table(
-    budget: pd.DataFrame,
-    pilot: pd.DataFrame,
-    prompts: pd.DataFrame,
-    engine: RolloutBackend,
-    sampling: SamplingConfig,
-    run_seed: int,
-    step: int,
-) -> pd.DataFrame:
-    """The step's rollouts: each prompt's ``pilot`` rollouts and its second wave (``budget.budget`` minus them,
-    the second wave's seeds, ``sample_idx`` numbered on), by prompt in budget order, then ``sample_idx``."""
-    have = pilot.groupby("prompt_id", sort=False).size()
-    missing = sorted(set(budget["prompt_id"]) - set(have.index))
-    if missing or set(have.index) - set(budget["prompt_id"]):
-        raise ValueError(f"the pilot's prompts are not the budget's (first not in both: {missing[:1]})")
-    k = have.reindex(budget["prompt_id"]).to_numpy(dtype=np.int64)
+def second_round_budget(budget: pd.DataFrame, k: int) -> pd.DataFrame:
+    """The pilot's second round: each prompt's ``budget`` less the pilot's ``k``, the prompts with more to sample
+    (in budget order).
+
+    >>> second_round_budget(pd.DataFrame({"prompt_id": ["a", "b"], "budget": [2, 5]}), 2)
+    ... # doctest: +NORMALIZE_WHITESPACE
+      prompt_id  budget
+    1         b       3
+    """
     rest = budget[["prompt_id"]].assign(budget=budget["budget"].to_numpy(dtype=np.int64) - k)
     if (rest["budget"] < 0).any():
         raise ValueError("a budget below its prompt's pilot rollouts")
-    rest = rest[rest["budget"] > 0]
-    if rest.empty:  # every budget is the pilot's k: nothing more to sample
-        return pilot.reset_index(drop=True)
-    wave = rollout_table(rest, prompts, engine, sampling, run_seed, step, wave=1)
-    wave["sample_idx"] += have.reindex(wave["prompt_id"]).to_numpy(dtype=np.int64)
-    both = pd.concat([pilot, wave], ignore_index=True)
+    return rest[rest["budget"] > 0]
+
+
+def in_budget_order(rows: pd.DataFrame, budget: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` (a pilot step's rounds) by prompt in ``budget`` order, then ``sample_idx``: each group together,
+    its pilot first."""
     order = {pid: i for i, pid in enumerate(budget["prompt_id"])}
-    both["_order"] = both["prompt_id"].map(order)
-    return both.sort_values(["_order", "sample_idx"], kind="stable").drop(columns="_order").reset_index(drop=True)
-
-
-def merged_reward_table(
-    rollouts: pd.DataFrame, pilot_rewards: pd.DataFrame, prompts: pd.DataFrame, pool: Any
-) -> pd.DataFrame:
-    """The step's rewards, in ``rollouts`` order: the pilot's as scored (those the allocation used), the second
-    wave's scored now."""
-    is_pilot = rollouts[KEY].merge(pilot_rewards[KEY].assign(_pilot=True), on=KEY, how="left")["_pilot"]
-    fresh = rollouts[~is_pilot.fillna(False).astype(bool).to_numpy()]
-    parts = [pilot_rewards] + ([reward_table(fresh, prompts, pool)] if len(fresh) else [])
-    scored = pd.concat(parts, ignore_index=True)
-    table = rollouts[KEY].merge(scored, on=KEY, how="left", validate="one_to_one")
-    if table["verdict"].isna().any():
-        raise ValueError("the pilot's rewards do not cover its rollouts")
-    return table
+    keyed = rows.assign(_order=rows["prompt_id"].map(order))
+    if keyed["_order"].isna().any():
+        raise ValueError("the pilot's prompts are not the budget's")
+    return keyed.sort_values(["_order", "sample_idx"], kind="stable").drop(columns="_order").reset_index(drop=True)
 
 
 # --- The stages as Prefect tasks over the run directory
@@ -568,30 +548,14 @@ def round_done(store: Any, step: int, table: Table, r: int) -> bool:
 # --- The stages (their order: ``store.step_stages``)
 
 
-@stage(Table.PILOT)
-def pilot(res: RunResources, step: int) -> pd.DataFrame:
-    """allocation.estimator = pilot: the first wave, allocation.pilot_rollouts completions of each prompt of the
-    step's batch, from the current policy (each group's usual seed)."""
-    plan = pilot_budget(batch_of(res, step), res.cfg.allocation.pilot_rollouts)
-    return rollout_table(plan, res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
-
-
-@stage(Table.PILOT_REWARDS)
-def pilot_rewards(res: RunResources, step: int) -> pd.DataFrame:
-    """The pilot scored, as the rewards stage scores (and stops on too many errors or timeouts)."""
-    table = reward_table(res.store.read_table(step, Table.PILOT), res.prompts, res.pool)
-    check_error_share(table, f"step {step}", res.cfg.verify.max_error_share)
-    return table
-
-
 @stage(Table.BUDGET)
 def budget(res: RunResources, step: int) -> pd.DataFrame:
     """The allocation of step t from the history and the Beta shape after step t - 1 (uniform at step 0), and
-    under ``allocation.estimator = pilot`` the step's pilot (every budget holds its k). Under a strategy sampled
-    in rounds: its first round's prompts, each ``rollouts_per_prompt`` (dynamic: with ``gen_batch``, the index of
-    the step's first generation batch among the run's)."""
+    under ``allocation.estimator = pilot`` the step's pilot (its round 0; every budget holds its k). Under a
+    strategy sampled in rounds: its first round's prompts, each ``rollouts_per_prompt`` (dynamic: with
+    ``gen_batch``, the index of the step's first generation batch among the run's)."""
     history = res.store.read_table(step - 1, Table.HISTORY) if step > 0 else prompt_history.empty_history()
-    scored = res.store.read_table(step, Table.PILOT_REWARDS) if res.cfg.allocation.piloted else None
+    scored = rounds_before(res, step, Table.ROUND_REWARDS, 1) if res.cfg.allocation.piloted else None
     table = budget_for(res, step, history, tracker_before(res, step), pilot=scored)
     if res.cfg.allocation.strategy == Strategy.DYNAMIC:
         table["gen_batch"] = np.int64(first_gen_batch(res, step))
@@ -626,33 +590,32 @@ def round_rewards(res: RunResources, step: int, r: int) -> pd.DataFrame:
 
 @stage(Table.ROLLOUTS)
 def rollouts(res: RunResources, step: int) -> pd.DataFrame:
-    """Sample each prompt of the step's budget table as many completions as its budget, with the rollout engine
-    (after a pilot: the rest of its budget, beside the pilot's). Sampled in rounds: every round's rollouts, and
-    whether the update trains on each (``used``: ``rounds.dynamic_used``, ``rounds.ada_used``)."""
-    if res.cfg.allocation.sampling == "rounds":
+    """Sample each prompt of the step's budget table as many completions as its budget, with the rollout engine.
+    Sampled in rounds: every round's rollouts; after a pilot each group together in budget order (the pilot's
+    first), else in the order the rounds came, with whether the update trains on each (``used``:
+    ``rounds.dynamic_used``, ``rounds.ada_used``)."""
+    if res.cfg.allocation.sampling != "once":
         rows, scored = res.store.read_table(step, Table.ROUND), res.store.read_table(step, Table.ROUND_REWARDS)
         if not rows[KEY].equals(scored[KEY]):
             raise StoreError(f"step {step}: the round and round_rewards tables do not hold the same rows")
+        if res.cfg.allocation.piloted:  # a pilot step trains on every rollout, in the groups of its budget
+            return in_budget_order(rows, res.store.read_table(step, Table.BUDGET, columns=("prompt_id",)))
         return rows.assign(**{USED: used_rows(res, step, rows, scored)})
     budget = res.store.read_table(step, Table.BUDGET)
-    args = (res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
-    if res.cfg.allocation.piloted:
-        return second_wave_table(budget, res.store.read_table(step, Table.PILOT), *args)
-    return rollout_table(budget, *args)
+    return rollout_table(budget, res.prompts, res.engine, sampling(res.cfg), res.cfg.run.seed, step)
 
 
 @stage(Table.REWARDS)
 def rewards(res: RunResources, step: int) -> pd.DataFrame:
-    """Score every completion with the verifier pool (after a pilot: its rewards kept, the rest scored; sampled in
-    rounds: its rounds' rewards); a step with too many errors or timeouts stops the run."""
-    if res.cfg.allocation.sampling == "rounds":
-        return res.store.read_table(step, Table.ROUND_REWARDS)
-    rolled = res.store.read_table(step, Table.ROLLOUTS)
-    if res.cfg.allocation.piloted:
-        scored = res.store.read_table(step, Table.PILOT_REWARDS)
-        table = merged_reward_table(rolled, scored, res.prompts, res.pool)
-    else:
-        table = reward_table(rolled, res.prompts, res.pool)
+    """Score every completion with the verifier pool (sampled in rounds: its rounds' rewards as scored, in the rows'
+    order of the step's rollouts); a step with too many errors or timeouts stops the run."""
+    if res.cfg.allocation.sampling != "once":
+        scored = res.store.read_table(step, Table.ROUND_REWARDS)
+        if not res.cfg.allocation.piloted:
+            return scored
+        rolled = res.store.read_table(step, Table.ROLLOUTS, columns=tuple(KEY))
+        return rolled.merge(scored, on=KEY, how="left", validate="one_to_one")
+    table = reward_table(res.store.read_table(step, Table.ROLLOUTS), res.prompts, res.pool)
     check_error_share(table, f"step {step}", res.cfg.verify.max_error_share)  # before the table is written
     return table
 
@@ -693,30 +656,30 @@ def step_tasks(res: RunResources, step: int) -> Iterator[tuple[Task[..., State],
     (``limited``) and its round (0 but in a step sampled in rounds); the round pair is given again while
     ``more_rounds`` asks for one, each time after the one before ran (a generator: the caller runs each task
     before asking for the next)."""
-    tasks = stage_tasks(res.cfg)
+    tasks, r = stage_tasks(res.cfg), 0
     for name in step_stages(res.cfg.allocation.sampling):
-        if name == Table.ROUND:
-            r = 0
+        if name != Table.ROUND:
+            if name == Table.ROUND_REWARDS:
+                continue
+            yield tasks[name], 0
+        if name == Table.ROUND or (name == Table.BUDGET and r > 0):  # the rounds (a pilot's rest: after its budget)
             while more_rounds(res, step, r):
                 yield tasks[Table.ROUND], r
                 yield tasks[Table.ROUND_REWARDS], r
                 r += 1
-        elif name != Table.ROUND_REWARDS:
-            yield tasks[name], 0
 
 
 def stage_tasks(cfg: Config) -> dict[str, Task[..., State]]:
     """Every stage's task, by name, with the timeout ``cfg`` gives it (``limited``)."""
-    every = (pilot, pilot_rewards, budget, round_rollouts, round_rewards, rollouts, rewards, capability, update)
+    every = (budget, round_rollouts, round_rewards, rollouts, rewards, capability, update)
     return {t.name: limited(t, cfg) for t in every}
 
 
 def limited(stage_task: Task[[str, int], State], cfg: Config) -> Task[[str, int], State]:
-    """``stage_task`` with the wall-clock limit the config gives its stage (``run.rollouts_timeout_s`` for the
-    pilot and the rollouts, ``run.update_timeout_s``, ``run.eval_timeout_s``; 0: none, the task as it is)."""
+    """``stage_task`` with the wall-clock limit the config gives its stage (``run.rollouts_timeout_s`` for a
+    round and the rollouts, ``run.update_timeout_s``, ``run.eval_timeout_s``; 0: none, the task as it is)."""
     r = cfg.run
     limits = {
-        Table.PILOT: r.rollouts_timeout_s,
         Table.ROUND: r.rollouts_timeout_s,
         Table.ROLLOUTS: r.rollouts_timeout_s,
         Table.UPDATE: r.update_timeout_s,
@@ -793,22 +756,32 @@ def rounds_before(res: RunResources, step: int, table: Table, r: int) -> pd.Data
 
 
 def more_rounds(res: RunResources, step: int, r: int) -> bool:
-    """Whether the step samples round ``r`` (round 0 always), from the rewards of the rounds before it."""
+    """Whether the step samples round ``r`` (round 0 always), from the rewards of the rounds before it (a pilot's
+    round 1: once the budget allocated on its pilot is there, when a budget holds more than the pilot)."""
     if r == 0:
         return True
-    scored = rounds_before(res, step, Table.ROUND_REWARDS, r)
     alloc, m = res.cfg.allocation, res.cfg.data.prompts_per_step
+    if alloc.piloted:
+        if r > 1 or not res.store.is_done(step, Table.BUDGET):
+            return False
+        return not second_round_budget(res.store.read_table(step, Table.BUDGET), alloc.pilot_rollouts).empty
+    scored = rounds_before(res, step, Table.ROUND_REWARDS, r)
     if alloc.strategy == Strategy.DYNAMIC:
         return dynamic_next(scored, alloc, m, len(res.prompts), step)
     return bool(ada_next(scored, batch_of(res, step), alloc))
 
 
 def round_plan(res: RunResources, step: int, r: int) -> pd.DataFrame:
-    """Round ``r``'s requests (prompt_id, budget): round 0 the budget table's; then dynamic the step's next
-    generation batch, ``group_size`` each; ada the prompts still in the rounds, ``round_repeat`` each."""
+    """Round ``r``'s requests (prompt_id, budget): round 0 the budget table's (a pilot: ``pilot_rollouts`` of each
+    prompt of the batch); then dynamic the step's next generation batch, ``group_size`` each; ada the prompts still
+    in the rounds, ``round_repeat`` each; a pilot's round 1 the rest of each budget (``second_round_budget``)."""
+    alloc = res.cfg.allocation
+    if alloc.piloted:
+        if r == 0:
+            return pilot_budget(batch_of(res, step), alloc.pilot_rollouts)
+        return second_round_budget(res.store.read_table(step, Table.BUDGET), alloc.pilot_rollouts)
     if r == 0:
         return res.store.read_table(step, Table.BUDGET, columns=("prompt_id", "budget"))
-    alloc = res.cfg.allocation
     if alloc.strategy == Strategy.DYNAMIC:
         index = int(res.store.read_table(step, Table.BUDGET, columns=("gen_batch",))["gen_batch"].iloc[0]) + r
         prompts = generation_batch(res, index)

@@ -237,11 +237,14 @@ def step_mechanisms(t: RunTables, step: int) -> tuple[dict[str, float], pd.DataF
 
 
 def _sampling_columns(t: RunTables, step: int) -> pd.DataFrame | None:
-    """The step's rollouts' ``prompt_id``, ``round`` and ``used`` (a step sampled in rounds), read alone and
-    unhashed (the token ids are most of the table); None for a step sampled once."""
+    """The step's rollouts' ``prompt_id``, ``round`` and ``used`` (a step sampled in rounds; after a pilot, which
+    trains on every rollout, no ``used``), read alone and unhashed (the token ids are most of the table); None for
+    a step sampled once."""
     if Table.ROLLOUTS not in t.done.get(step, set()) or Table.ROUND not in t.done.get(step, set()):
         return None
-    return t.store.read_table(step, Table.ROLLOUTS, verify=False, columns=("prompt_id", "round", "used"))
+    piloted = t.config_value("allocation", "estimator") == "pilot"
+    columns = ("prompt_id", "round") if piloted else ("prompt_id", "round", "used")
+    return t.store.read_table(step, Table.ROLLOUTS, verify=False, columns=columns)
 
 
 def run_mechanisms(t: RunTables) -> Mechanisms:

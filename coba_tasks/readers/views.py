@@ -78,9 +78,11 @@ def show_table(
         raise ValueError(
             f"stage {stage!r} is not done at step {step} yet (done there: {', '.join(ordered(done)) or 'nothing'})"
         )
-    df = select_columns(store.read_table(step, stage), columns, f"{stage} at step {step}")
+    table = store.read_table(step, stage)
+    df = select_columns(table, columns, f"{stage} at step {step}")
     note = None
-    if stage == "budget" and "pilot" in done:  # allocation.estimator = pilot: the step allocated it, after its pilot
+    piloted = stage == "budget" and "estimator" in table and (table["estimator"] == "pilot").any()
+    if piloted:  # allocation.estimator = pilot: the step allocated it, after its pilot (round 0)
         note = f"(the budget step {step} uses, allocated by step {step} after its pilot)"
     elif stage == "budget":
         note = f"(the budget step {step} uses, allocated from the tables of step {step - 1})" if step else None

@@ -426,7 +426,7 @@ def test_a_comparison_forks_the_later_runs_of_a_seed_or_trains_them_from_their_s
     assert calls == [("uniform-seed0", False, ["coba-seed0"]), ("coba-seed0", True, [])]
     assert "[1/2] uniform-seed0: forks coba-seed0 from it where their allocations part" in printed
     assert (
-        "[2/2] coba-seed0: forked from uniform-seed0 before step 3/3, sharing its steps 1-2 and their "
+        "[2/2] coba-seed0: forked from uniform-seed0 before step 2 (3 of 3), sharing its steps 0-1 and their "
         "evaluations: training 1 step"
     ) in printed
     forked = RunStore.open(tmp_path / "a" / "coba-seed0")
@@ -478,7 +478,7 @@ def test_the_first_run_forks_each_carried_run_at_the_boundary_of_its_fork_point(
     store.write_table(1, Table.UPDATE, update)
     carrier(res, 2)
     assert said == [
-        "coba-seed0: forked from uniform-seed0 before step 3/3, sharing its steps 1-2 and their evaluations: "
+        "coba-seed0: forked from uniform-seed0 before step 2 (3 of 3), sharing its steps 0-1 and their evaluations: "
         "training 1 step"
     ]
     assert RunStore.open(tmp_path / "coba-seed0").read_config()["allocation"]["strategy"] == "coba"
@@ -553,7 +553,7 @@ def test_compare_runs_continues_and_collects(tmp_path, prefect_harness, random_c
     assert "uniform" in printed and "non-zero advantage" in printed
     assert "[1/2] uniform-seed0: forks coba-seed0 from it where their allocations part" in printed
     assert (
-        "[2/2] coba-seed0: forked from uniform-seed0 before step 3/3, sharing its steps 1-2 and their "
+        "[2/2] coba-seed0: forked from uniform-seed0 before step 2 (3 of 3), sharing its steps 0-1 and their "
         "evaluations: training 1 step"
     ) in printed
     # coba trained from its start (--no-fork, alone in another directory) is the forked coba, bit for bit

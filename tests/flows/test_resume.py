@@ -207,8 +207,11 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     assert _coba(argv, f"1:{Table.ROLLOUTS}:TERM", stop_log) == 128 + signal.SIGTERM, stop_log.read_text()[-3000:]
     said = stop_log.read_text()
     assert "SIGTERM: the run stops after the stage it is in, with a checkpoint" in said
-    # counted as the progress line counts ("step 2/3: pass rate ..."), not as the directories (steps/000001)
-    line = "stopped by SIGTERM after the rollouts stage of step 2/3; checkpoints/000001 holds the policy after 1 update"
+    # counted as the directories and tasks count (steps/000001, rollouts-step-1), with how far into the run it is
+    line = (
+        "stopped by SIGTERM after the rollouts stage of step 1 (2 of 3); checkpoints/000001 holds the policy after "
+        "1 update"
+    )
     assert f"{line}; continue with: coba resume --run-dir {stopped}" in said
     store = RunStore.open(stopped)
     assert store.is_done(1, Table.ROLLOUTS) and not store.is_done(1, Table.REWARDS)  # the stage finished
@@ -444,7 +447,7 @@ def test_an_evaluation_recomputed_where_updates_do_not_repeat_costs_nothing_of_t
     args = ["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "eval", "--yes", "--no-resume"]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
-    assert "the resume computes the evaluation after step 1 from the base model (replaying 1 update from their " in out
+    assert "the resume computes the evaluation after 1 update from the base model (replaying 1 update from their " in out
     assert "computes the end of the run (the policy after its last update) from checkpoints/000004 (no replay)" in out
     assert out.index("the resume computes") < out.index("removed 1 table(s)")  # said before anything was removed
 
@@ -454,7 +457,7 @@ def test_an_evaluation_recomputed_where_updates_do_not_repeat_costs_nothing_of_t
         summary = train_flow(run_dir=str(run_dir), resume=True)
     assert summary["steps"] == 4 and (run_dir / "summary.json").is_file()
     (missing,) = [r.getMessage() for r in caplog.records if "left missing" in r.getMessage()]
-    assert missing.startswith("held-out evaluation after step 1 left missing: step 0: the update replayed from ")
+    assert missing.startswith("held-out evaluation after 1 update left missing: step 0: the update replayed from ")
     assert not store.is_done(1, Table.EVAL)
     assert _checkpoints(store) == [2, 3, 4]
     assert all((store.checkpoint_dir(k) / "model.safetensors").read_bytes() == finals[k] for k in finals)
@@ -516,11 +519,13 @@ def test_a_run_stopped_at_an_epoch_boundary_resumes_the_remaining_steps(
 def test_a_pilot_run_keeps_b_total_and_resumes_between_its_waves_exactly(
     tmp_path, prefect_harness, random_checkpoints, first_char_data
 ):
-    """allocation.estimator=pilot, 2 steps: each step starts with a pilot of k rollouts per prompt and allocates
-    its own budget after it. Every step's rollouts number B_total, each group holds its pilot's rollouts (the
-    same rows and rewards) beside a second wave of other seeds, and every budget is within its bounds. A run
-    that fails after step 1's pilot is recorded (in the allocation, before the second wave) and is resumed
-    equals the uninterrupted run table for table and weight for weight, without sampling its pilot again."""
+    """allocation.estimator=pilot, 2 steps: each step samples its pilot as round 0 (k rollouts per prompt) and
+    allocates its own budget on it, then samples the rest as round 1. Every step's rollouts number B_total, each
+    group holds its pilot's rollouts (the same rows and rewards) beside a second round of other seeds, and every
+    budget is within its bounds. A run that fails after step 1's pilot is recorded (in the allocation, before the
+    second round) and is resumed equals the uninterrupted run table for table and weight for weight, without
+    sampling its pilot again; one begun by a build whose pilot had tables of its own is refused in one line."""
+    from coba_tasks.pipeline.run import check_layout
     from coba_tasks.readers.views import show_table
     from flows.train import train_flow
 
@@ -532,22 +537,27 @@ def test_a_pilot_run_keeps_b_total_and_resumes_between_its_waves_exactly(
     train_flow(run_dir=str(tmp_path / "straight"), config=config_to_dict(cfg))
     ref = RunStore.open(tmp_path / "straight")
     for step in range(steps):
-        budget, pilot = ref.read_table(step, Table.BUDGET), ref.read_table(step, Table.PILOT)
+        budget, rounds = ref.read_table(step, Table.BUDGET), ref.read_table(step, Table.ROUND)
         rollouts, rewards = ref.read_table(step, Table.ROLLOUTS), ref.read_table(step, Table.REWARDS)
         assert int(budget["budget"].sum()) == len(rollouts) == len(rewards) == m * a.group_size, step
         assert budget["budget"].between(a.min_budget, a.max_budget).all() and (budget["pilot_rollouts"] == k).all()
         assert (budget["estimator"] == "pilot").all() and budget["pass_rate_est"].notna().all()
         sizes = dict(zip(budget["prompt_id"], budget["budget"], strict=True))
-        assert rollouts.groupby("prompt_id").size().to_dict() == sizes
-        # the pilot's k per prompt are the first k of its group, row for row, with the rewards they were given
-        assert len(pilot) == m * k and (pilot["weight_version"] == step).all()
+        assert rollouts.groupby("prompt_id").size().to_dict() == sizes and "used" not in rollouts
+        assert rewards[key].equals(rollouts[key])
+        # the pilot's k per prompt are round 0 and the first k of its group, row for row, with their rewards
+        pilot = rounds[rounds["round"] == 0].reset_index(drop=True)
+        assert len(pilot) == m * k and (pilot["weight_version"] == step).all() and set(rounds["round"]) == {0, 1}
         first = rollouts["sample_idx"] < k
+        assert (rollouts["round"] == (~first).astype(int)).all()
         pd.testing.assert_frame_equal(rollouts[first].reset_index(drop=True), pilot, check_exact=True)
-        scored = rewards.merge(rollouts[key].assign(first=first), on=key)["first"].to_numpy()
+        round_rewards = ref.read_table(step, Table.ROUND_REWARDS)
         pd.testing.assert_frame_equal(
-            rewards[scored].reset_index(drop=True), ref.read_table(step, Table.PILOT_REWARDS), check_exact=True
+            rewards[first.to_numpy()].reset_index(drop=True),
+            round_rewards[round_rewards["round"] == 0].reset_index(drop=True),
+            check_exact=True,
         )
-        assert set(rollouts.loc[~first, "seed"]).isdisjoint(pilot["seed"])  # the second wave: seeds of its own
+        assert set(rollouts.loc[~first, "seed"]).isdisjoint(pilot["seed"])  # the second round: seeds of its own
     # step 0: the prior (s = 2 at pbar 0.5) decayed by half, plus the pilot's k: each estimate rests on 3
     assert (ref.read_table(0, Table.BUDGET)["estimate_rollouts"] == 1.0 + k).all()
     assert not ref.is_done(steps, Table.BUDGET)  # each step allocates its own: none for a step after the last
@@ -555,12 +565,13 @@ def test_a_pilot_run_keeps_b_total_and_resumes_between_its_waves_exactly(
 
     run_dir, fail = tmp_path / "stopped", tmp_path / "fail-at"
     _, store = _failed_run(run_dir, config_to_dict(cfg), "1:budget", fail)
-    assert store.is_done(1, Table.PILOT_REWARDS) and not store.is_done(1, Table.BUDGET)
+    assert store.is_done(1, Table.ROUND_REWARDS) and not store.is_done(1, Table.BUDGET)
     assert not store.is_done(1, Table.ROLLOUTS)
-    recorded = _pilot_file(store, 1)
+    recorded = store.read_table(1, Table.ROUND)
     summary = train_flow(run_dir=str(run_dir), resume=True)
     assert summary["steps"] == steps and summary["total_rollouts"] == steps * m * a.group_size
-    assert _pilot_file(store, 1) == recorded  # the pilot recorded before the failure is the one the step went on with
+    rounds = store.read_table(1, Table.ROUND)  # written again with round 1 added, round 0 as recorded
+    pd.testing.assert_frame_equal(rounds[rounds["round"] == 0], recorded, check_exact=True)
     ours, theirs = _all_tables(store), _all_tables(ref)
     assert sorted(ours) == sorted(theirs)
     for name in ours:
@@ -571,12 +582,10 @@ def test_a_pilot_run_keeps_b_total_and_resumes_between_its_waves_exactly(
         assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wb), step
     _assert_same_trainer_state(store, ref, steps)
     assert_updates_moved(store, model, steps)
-
-
-def _pilot_file(store: RunStore, step: int) -> tuple:
-    """A pilot table's manifest entry, inode and modification time: all the same only if it was not written again."""
-    stat = store.table_path(step, Table.PILOT).stat()
-    return store.manifest(step)[Table.PILOT], stat.st_ino, stat.st_mtime_ns
+    # a pilot run of the earlier layout (its pilot in pilot.parquet): refused, naming the build that continues it
+    store.write_table(1, "pilot", pd.DataFrame({"x": [1]}))
+    with pytest.raises(StoreError, match=r"step 1 holds pilot\.parquet: .* continue it with that build"):
+        check_layout(store)
 
 
 def _fake_run(root: Path, steps: int = 3, eval_every: int = 0, fsdp: bool = False) -> RunStore:
@@ -695,24 +704,25 @@ def test_plan_rerun_orders_outputs_as_computed(tmp_path):
 
 
 def test_plan_rerun_orders_a_pilot_runs_outputs_as_computed(tmp_path):
-    """allocation.estimator=pilot: step t starts with its pilot and pilot rewards (sampled with the weights of
-    update(t - 1)) and then allocates its own budget; a rerun invalidates them in that order."""
+    """allocation.estimator=pilot: step t samples its pilot as round 0 (with the weights of update(t - 1)), then
+    allocates its own budget on it and samples round 1; a rerun of any of its rounds, its budget, rollouts or
+    rewards redoes the step from its start (round 1 follows from the budget, the budget from round 0)."""
     store = RunStore(tmp_path / "r")
     store.create({"run": {"steps": 2}, "allocation": {"estimator": "pilot"}}, "h", {})
     df = pd.DataFrame({"x": [1]})
     store.write_table(0, Table.EVAL, df)
     for t in range(2):
-        for name in (Table.PILOT, Table.PILOT_REWARDS, Table.BUDGET, *STEP_REST):
+        for name in (Table.ROUND, Table.ROUND_REWARDS, Table.BUDGET, *STEP_REST):
             store.write_table(t, name, df)
         store.checkpoint_dir(t + 1).mkdir(parents=True)
     store.write_table(2, Table.EVAL, df)
-    step1 = [(1, n) for n in ("pilot", "pilot_rewards", "budget", "rollouts", "rewards", "capability", "history")]
+    step1 = [(1, n) for n in ("budget", "round", "round_rewards", "rollouts", "rewards", "capability", "history")]
     assert plan_rerun(store, 0, Table.UPDATE).tables == [(0, "update"), *step1, (1, "update"), (2, "eval")]
-    assert plan_rerun(store, 1, Table.BUDGET).tables == [*step1[2:], (1, "update"), (2, "eval")]
-    assert plan_rerun(store, 1, Table.PILOT_REWARDS).tables[:2] == [(1, "pilot_rewards"), (1, "budget")]
-    first = plan_rerun(store, 0, Table.BUDGET).tables  # budget(0) follows pilot(0) and eval(0)
-    assert first[0] == (0, "budget") and (0, "pilot") not in first and (0, "eval") not in first
-    with pytest.raises(ValueError, match=r"done there: pilot, pilot_rewards, budget, rollouts"):
+    for stage in (Table.BUDGET, Table.ROUND, Table.ROUND_REWARDS, Table.ROLLOUTS, Table.REWARDS):
+        assert plan_rerun(store, 1, stage).tables == [*step1, (1, "update"), (2, "eval")], stage
+    first = plan_rerun(store, 0, Table.CAPABILITY).tables
+    assert first[0] == (0, "capability") and (0, "round") not in first and (0, "eval") not in first
+    with pytest.raises(ValueError, match=r"done there: budget, round, round_rewards, rollouts"):
         plan_rerun(store, 1, Table.EVAL)
 
 

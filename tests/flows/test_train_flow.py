@@ -124,11 +124,15 @@ def test_train_flow_writes_every_stage(tmp_path, prefect_harness, random_checkpo
     report = run_dir / "report"
     assert (report / "index.html").is_file() and (report / "accuracy.png").stat().st_size > 5000
     assert not [c for c in store.read_table(0, Table.REWARDS).columns if c.endswith("_ms")]  # no timings in tables
-    # what Prefect shows of the run, read back through its client (flows.view); then a resume of the finished
-    # run: its stages and evaluations are skipped, and say so
+    # what Prefect shows of the run, read back through its client (flows.view); then a retry of the finished run
+    # (a resume): it computes and posts nothing and returns the run's summary
     flow_id = _flow_run_of(run_dir)
-    train_flow(run_dir=str(run_dir), resume=True)
+    assert train_flow(run_dir=str(run_dir), resume=True) == saved
     _check_prefect_view(run_dir, flow_id, cfg, store)
+    # a run whose end was lost (no summary.json): its stages and evaluations are skipped, and say so
+    (run_dir / "summary.json").unlink()
+    train_flow(run_dir=str(run_dir), resume=True)
+    _check_skipped(run_dir)
     _check_watch(run_dir, store)
 
 
@@ -191,16 +195,25 @@ def _check_prefect_view(run_dir, flow_id, cfg, store):
         ArtifactFilterKey,
         FlowRunFilter,
         FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
     )
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
+    from coba_tasks.pipeline.config import config_hash
     from coba_tasks.readers.figures import heldout_rows, step_row
     from flows.view import run_scope
 
     scope = run_scope(run_dir)
     with get_client(sync_client=True) as client:
-        # the flow run is named after the run (its directory, strategy and seed), not a random name
-        assert client.read_flow_run(flow_id).name.endswith("run (coba, seed 0)")
+        # the flow run is named after the run (its directory, strategy and seed), not a random name, and tagged
+        named = client.read_flow_run(flow_id)
+        assert named.name.endswith("run (coba, seed 0)")
+        assert {"strategy:coba", "seed:0", f"config:{config_hash(cfg)[:8]}"} <= set(named.tags), named.tags
+        # named when Prefect created it: its first line already says so (no random name in any line of it)
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_id])))
+        first_line = min(logs, key=lambda g: g.timestamp).message
+        assert first_line == f"Beginning flow run {named.name!r} for flow 'coba-train'", first_line
         arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_id])))
         # every key is scoped to the run: no run shares a collection with another
         keys = {a.key for a in arts if a.key}
@@ -225,22 +238,15 @@ def _check_prefect_view(run_dir, flow_id, cfg, store):
         (report,) = by_key[f"{scope}-report"]
         assert report.data.count("](data:image/png;base64,") >= 5  # the plots inline: seen without a file server
         assert "file://" not in report.data
-        # the resume: a new flow run of the same run, its evaluation tasks already done, said in their state
+        # the retry: a new flow run of the same run, named after it, that ran no task and posted nothing
         later = _flow_run_of(run_dir)
         assert later != flow_id
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[later])))
-        messages = {t.name: t.state.message for t in tasks}
-        assert (
-            messages["eval-step-0"]
-            == "already done: steps/000000/eval.parquet is in the step's manifest, not computed again"
-        )
-        assert messages["eval-step-3"].startswith("already done: steps/000003/eval.parquet")
+        assert client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[later]))) == []
         first_tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_id])))
         wrote = {t.name: t.state.message for t in first_tasks}
         assert wrote["rollouts-step-1"].startswith("wrote steps/000001/rollouts.parquet (")
-        # the resumed flow run's progress starts where the run stands: 100 %
-        again = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"{scope}-progress"])))
-        assert sorted(a.data for a in again) == [100.0, 100.0]
+        every = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=sorted(keys))))
+        assert sorted(a.flow_run_id for a in every) == [flow_id] * len(every)
         # events, for automations: a step event per step with its row, an evaluation event per evaluation
         resource = EventResourceFilter(id=[f"coba.run.{scope}"])
         for _ in range(60):  # the server stores events a moment after they arrive
@@ -248,15 +254,29 @@ def _check_prefect_view(run_dir, flow_id, cfg, store):
                 filter=EventFilter(event=EventNameFilter(prefix=["coba."]), resource=resource), limit=50
             )
             names = [e.event for e in page.events]
-            if names.count("coba.step.finished") == 3 and names.count("coba.evaluation.finished") >= 4:
+            if names.count("coba.step.finished") == 3 and names.count("coba.evaluation.finished") >= 2:
                 break
             time.sleep(0.5)
     steps = sorted((e.payload for e in page.events if e.event == "coba.step.finished"), key=lambda p: p["step"])
     assert steps == rows
     evals = [e.payload for e in page.events if e.event == "coba.evaluation.finished"]
-    assert sorted({p["step"] for p in evals}) == [0, 3] and len(evals) == 4  # two evaluations in each flow run
+    assert sorted(p["step"] for p in evals) == [0, 3]  # each evaluation once: the retry emitted nothing
     assert "coba.run.no-signal" not in names  # every step of this run had a mixed group
     assert all(r["mixed_groups"] > 0 for r in rows)
+
+
+def _check_skipped(run_dir):
+    """The newest flow run of ``run_dir`` resumed a run whose end was lost: its evaluations were skipped, said in
+    their tasks' states."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[_flow_run_of(run_dir)])))
+    messages = {t.name: t.state.message for t in tasks}
+    said = "already done: steps/000000/eval.parquet is in the step's manifest, not computed again"
+    assert messages["eval-step-0"] == said
+    assert messages["eval-step-3"].startswith("already done: steps/000003/eval.parquet")
 
 
 def _flat(path, prompts):
@@ -599,7 +619,7 @@ def test_the_step_line_warns_when_no_group_has_been_mixed_for_several_steps():
     assert "; 1,408 rollouts so far;" in step_line(0, 40, figures, {}, 10.0, counts=counts)
     ended_by_rollouts = step_line(10, 40, figures, {}, 10.0, counts={**counts, "rollout_budget": 1536})
     assert (
-        ended_by_rollouts.startswith("step 11/at most 40: ")
+        ended_by_rollouts.startswith("step 10 (11 of at most 40): ")
         and "; 1,408 of the run's 1,536 rollouts so far;" in ended_by_rollouts
     )
 
@@ -650,7 +670,7 @@ def test_a_stage_past_its_timeout_fails_the_flow_run_instead_of_hanging(tmp_path
         "configs/tiny-test.yaml", [f"model.path={model}", "run.eval_timeout_s=0.05", "run.update_timeout_s=0"]
     )
     limits = {name: t.timeout_seconds for name, t in stage_tasks(cfg).items()}
-    sampling = {"pilot": 21600.0, "round": 21600.0, "rollouts": 21600.0}  # every stage that samples
+    sampling = {"round": 21600.0, "rollouts": 21600.0}  # every stage that samples
     assert limits == {name: sampling.get(name) for name in Table if name not in (Table.HISTORY, Table.EVAL)}
     assert limited(evaluate_step, cfg).timeout_seconds == 0.05 and evaluate_step.timeout_seconds is None
     run_dir = tmp_path / "run"

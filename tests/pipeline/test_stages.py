@@ -327,12 +327,11 @@ class _Pool:
         return [Verdict(float(e), VerdictKind.CORRECT if e else VerdictKind.WRONG, "x", "") for e in even]
 
 
-def test_the_second_wave_joins_the_pilots_groups_with_seeds_of_its_own():
-    """The step's rollouts after a pilot: each prompt's pilot rows, then B_i - k more numbered on from k, sampled
-    with the second wave's seed; a prompt whose budget is its pilot gets none. Its rewards keep the pilot's
-    (not scored again) and score the rest."""
+def test_the_pilots_second_round_joins_its_groups_with_seeds_of_its_own():
+    """A pilot step's rounds: round 0 is k of each prompt of the batch, round 1 each budget less k (a prompt whose
+    budget is its pilot gets none), numbered on from k and sampled with the second round's seed; the step's
+    rollouts hold each group together in budget order, its pilot first."""
     from coba_tasks.engines.rollout import SamplingConfig, rollout_seed
-    from coba_tasks.pipeline import stages as waves
 
     prompts = pd.DataFrame(
         {
@@ -344,26 +343,24 @@ def test_the_second_wave_joins_the_pilots_groups_with_seeds_of_its_own():
         }
     )
     engine, sampling = _Engine(), SamplingConfig()
-    first = stages.rollout_table(waves.pilot_budget(["q", "p"], 2), prompts, engine, sampling, 7, 4)
+    first = stages.rollout_table(stages.pilot_budget(["q", "p"], 2), prompts, engine, sampling, 7, 4)
     assert first["seed"].tolist() == [rollout_seed(7, 4, "q")] * 2 + [rollout_seed(7, 4, "p")] * 2
     budget = pd.DataFrame({"prompt_id": ["q", "p"], "budget": [5, 2]})
-    both = waves.second_wave_table(budget, first, prompts, engine, sampling, 7, 4)
-    assert [(r.prompt_id, r.n) for r in engine.requests[2:]] == [("q", 3)]  # p's budget is its pilot
+    rest = stages.second_round_budget(budget, 2)
+    assert rest["prompt_id"].tolist() == ["q"] and rest["budget"].tolist() == [3]  # p's budget is its pilot
+    second = stages.rollout_table(rest, prompts, engine, sampling, 7, 4, wave=1)
+    second["sample_idx"] += 2
+    rows = pd.concat([first.assign(round=0), second.assign(round=1)], ignore_index=True)
+    both = stages.in_budget_order(rows, budget)
     assert both["prompt_id"].tolist() == ["q"] * 5 + ["p"] * 2
-    assert both["sample_idx"].tolist() == [0, 1, 2, 3, 4, 0, 1]
-    pilot_seed, second = rollout_seed(7, 4, "q"), rollout_seed(7, 4, "q", wave=1)
-    assert second != pilot_seed and both["seed"].tolist()[:5] == [pilot_seed] * 2 + [second] * 3
-    assert both["completion"].tolist()[2:5] == [f"{second}/0", f"{second}/1", f"{second}/2"]
-    assert list(both.columns) == list(first.columns) and both.dtypes.equals(first.dtypes)
-    pool = _Pool()
-    pilot_rewards = stages.reward_table(first, prompts, pool).assign(detail="pilot")
-    rewards = waves.merged_reward_table(both, pilot_rewards, prompts, pool)
-    assert pool.scored == 4 + 3  # the pilot once, the second wave once
-    assert rewards[["prompt_id", "sample_idx"]].equals(both[["prompt_id", "sample_idx"]])
-    assert rewards["detail"].tolist() == ["pilot", "pilot", "", "", "", "pilot", "pilot"]
-    assert rewards["reward"].tolist() == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]  # by index in its wave
+    assert both["sample_idx"].tolist() == [0, 1, 2, 3, 4, 0, 1] and both["round"].tolist() == [0, 0, 1, 1, 1, 0, 0]
+    pilot_seed, later = rollout_seed(7, 4, "q"), rollout_seed(7, 4, "q", wave=1)
+    assert later != pilot_seed and both["seed"].tolist()[:5] == [pilot_seed] * 2 + [later] * 3
+    assert both["completion"].tolist()[2:5] == [f"{later}/0", f"{later}/1", f"{later}/2"]
+    with pytest.raises(ValueError, match="below its prompt's pilot"):
+        stages.second_round_budget(budget, 3)
     with pytest.raises(ValueError, match="not the budget's"):
-        waves.second_wave_table(budget, first[first["prompt_id"] == "q"], prompts, engine, sampling, 7, 4)
+        stages.in_budget_order(rows, budget[budget["prompt_id"] == "q"])
 
 
 def test_a_reward_files_extra_keys_never_overwrite_each_other():

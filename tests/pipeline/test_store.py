@@ -208,10 +208,10 @@ def test_json_path_through_a_symlink_out_of_the_run_is_refused(run: RunStore, tm
 def test_one_step_is_one_list_with_its_budget_first() -> None:
     assert [s.value for s in STAGES] == ["budget", "rollouts", "rewards", "capability", "update"]
     assert step_stages("once") == STAGES
-    assert step_stages("pilot") == (Table.PILOT, Table.PILOT_REWARDS, *STAGES)  # the pilot's two lead
+    assert step_stages("pilot") == (Table.ROUND, Table.ROUND_REWARDS, *STAGES)  # the pilot (round 0) leads
     # in rounds: the round pair after the budget (repeated while the strategy asks), then the step's own tables
     assert step_stages("rounds") == (Table.BUDGET, Table.ROUND, Table.ROUND_REWARDS, *STAGES[1:])
-    assert set(Table) == {*STEP_ORDER, Table.HISTORY, Table.EVAL} and len(Table) == 11
+    assert set(Table) == {*STEP_ORDER, Table.HISTORY, Table.EVAL} and len(Table) == 9
     assert all(name == Table.REWARDS for name in (Table.REWARDS, "rewards"))  # a Table or its name reads a table
 
 

@@ -30,8 +30,8 @@ SEED_MASK = 0x7FFF_FFFF  # vLLM and torch both take a 31-bit seed
 
 def rollout_seed(run_seed: int, step: int, prompt_id: str, wave: int = 0) -> int:
     """Seed of one prompt's group at one step: a stable hash of (run seed, step, prompt id). A group sampled in
-    two waves (``allocation.estimator = pilot``: the pilot, then the rest) seeds its second wave (``wave`` 1)
-    with the wave's number hashed too, so the two never share a seed; wave 0 is every other group's seed.
+    rounds (dynamic, ada, the pilot estimator's pilot and then the rest) seeds its round ``wave`` > 0
+    with that number hashed too, so two rounds never share a seed; wave 0 is every other group's seed.
 
     >>> rollout_seed(0, 3, "p1") == rollout_seed(0, 3, "p1", wave=0) != rollout_seed(0, 3, "p1", wave=1)
     True
