@@ -25,17 +25,20 @@ in ``<out>/<check>.json``; ``<out>/device_check.json`` gathers them. The checks,
   first line of why; those that need a package that is not here are counted apart.
 
 On the lent GPU machine (one H100 or H200, Python 3.12 with torch, transformers, peft, safetensors, pandas,
-pyarrow, scipy, pytest; no Prefect, pydantic or math-verify, no package index, at most 64 MiB travels):
+pyarrow, scipy, pytest; no vLLM, Prefect, pydantic or math-verify, no package index, at most 64 MiB travels;
+it stays warm only 30 s after a call, so plan one call):
 
-1. here, once (after ``make setup``): ``.venv/bin/python scripts/device_check.py --wheels .whl`` (``.whl/``, ignored
-   by git: Prefect, pydantic, math-verify and what they need that the machine lacks, 74 wheels, 42 MiB) and
-   ``.venv/bin/coba bootstrap`` (``models/arith-tiny``, the tiny model, 0.5 MB, whose weights travel);
-2. the device tool's ``run`` with ``carry: [".whl", "models/arith-tiny"]``, ``timeout_s: 560`` and the command
+1. here, once (after ``make setup``): ``.venv/bin/python scripts/device_check.py --wheels .whl``: into ``.whl/``
+   (ignored by git) the wheels of Prefect, pydantic, math-verify and what they need that the machine lacks, or
+   needs at another version than the machine may have (about 100 wheels, under 52 MiB), and the train check's
+   model ``models/arith-tiny`` when it is missing (``coba bootstrap``, about 7 minutes; 0.5 MB, it travels);
+2. the device tool's ``run`` with ``carry: [".whl", "models/arith-tiny"]``, ``timeout_s: 590`` and the command
    ``bash scripts/device_check.sh`` (it installs the wheels beside the machine's packages, then runs this
-   script with ``--budget 480``: about 8 minutes, so that the machine's start and this fit in its 15);
+   script with ``--budget 540``: 9 minutes, the checks' caps scaled to fit, so that the machine's start and
+   this fit in its 15); the tests that need vLLM are skipped there, a package the machine lacks is counted
+   apart, never as a failure;
 3. ``$OUT/device_check.json`` (every check's line and figures) and ``$OUT/device_check.tar.gz`` (the logs)
-   come back; put the figures, the date and the machine in docs/real_models.md. If minutes remain, run
-   the failed checks again with ``bash scripts/device_check.sh --only NAME,...``.
+   come back; put the figures, the date and the machine in docs/real_models.md.
 
 Here, on CPU (the test suite runs this at ``--size tiny``, so it cannot rot)::
 
@@ -121,7 +124,7 @@ FULL = Size(
     rollout_prompt=128,
     rollout_tokens=256,
     train=("run.steps=6", "run.eval_every=0"),  # make demo-tiny's first 6 steps: 128 x 16 rollouts, avg@16 of 500
-    caps={"env": 45, "update": 110, "rollout": 70, "checkpoint": 90, "fsdp": 100, "train": 100, "tests": 150},
+    caps={"env": 40, "update": 100, "rollout": 60, "checkpoint": 70, "fsdp": 70, "train": 110, "tests": 90},  # 540 s
 )
 TINY = Size(
     name="tiny",
@@ -155,6 +158,7 @@ TINY = Size(
 SIZES = {s.name: s for s in (FULL, TINY)}
 CHECKS = ("env", "update", "rollout", "checkpoint", "fsdp", "train", "tests")
 MIN_CAP_S = 15.0  # a check that would get less than this of the budget is skipped
+DEFAULT_BUDGET_S = 540.0  # the device tool's run: timeout_s 590, the machine's start and return inside 15 minutes
 
 # Agreement a check requires (the update's gradient: relative L2 difference from the float32 reference)
 FP32_GRAD_TOL = 1e-3  # float32 paths that compute the same sum in another order
@@ -203,7 +207,10 @@ def _norm(name: str) -> str:
 
 def wheel_set(roots: Sequence[str] = WHEEL_ROOTS) -> dict[str, str]:
     """The packages ``roots`` need on the GPU machine (name: the version installed here), every requirement
-    followed as the GPU machine's Python evaluates its markers, less the packages its image has."""
+    followed as the GPU machine's Python evaluates its markers, less the packages its image has, but those a
+    carried package requires at a version (pydantic: typing-extensions>=4.16; prefect: packaging<26.3): the
+    image's version is not known to satisfy it, the version installed here does (``carried_conflicts`` checks
+    the result on the machine)."""
     import importlib.metadata as md
 
     from packaging.requirements import Requirement
@@ -226,7 +233,44 @@ def wheel_set(roots: Sequence[str] = WHEEL_ROOTS) -> dict[str, str]:
             req = Requirement(line)
             if req.marker is None or req.marker.evaluate({**GPU_PYTHON, "extra": extra}):
                 todo += [(req.name, "")] + [(req.name, e) for e in req.extras]  # sqlalchemy[asyncio]: greenlet
-    return {name: version for name, version in sorted(found.items()) if name not in GPU_IMAGE_PACKAGES}
+    carried = {name for name in found if name not in GPU_IMAGE_PACKAGES}
+    constrained = {_norm(req.name) for name in carried for req in _requirements(name) if str(req.specifier)}
+    keep = carried | (constrained & set(found))
+    return {name: version for name, version in sorted(found.items()) if name in keep}
+
+
+def _requirements(name: str) -> list[Any]:
+    """The requirements of the installed package ``name`` that apply on the GPU machine's Python (no extra)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(line) for line in md.distribution(name).requires or []]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate(dict(GPU_PYTHON))]
+
+
+def carried_conflicts(site: Path) -> list[str]:
+    """What the packages installed in ``site`` (the carried wheels) require that this interpreter does not
+    give, one line each ("prefect 3.7.7 needs packaging<26.3, finds 26.4"): the wheels' versions checked
+    against the machine's, not only ``pip check``'s word. Empty: every requirement met."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    problems = []
+    for dist in md.distributions(path=[str(site)]):
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate(dict(GPU_PYTHON) | {"extra": ""}):
+                continue
+            try:
+                found = md.version(req.name)
+            except md.PackageNotFoundError:
+                problems.append(f"{dist.metadata['Name']} {dist.version} needs {req}, finds none")
+                continue
+            if req.specifier and not req.specifier.contains(found, prereleases=True):
+                problems.append(f"{dist.metadata['Name']} {dist.version} needs {req}, finds {found}")
+    return sorted(set(problems))
 
 
 def make_wheels(folder: Path) -> int:
@@ -279,7 +323,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/device-check", help="output folder (model, runs, figures)")
     parser.add_argument("--size", default="full", choices=sorted(SIZES), help="full: Qwen2.5-0.5B's shape (default)")
     parser.add_argument("--only", default="", help=f"comma-separated checks to run (default all: {','.join(CHECKS)})")
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all checks together (default 480)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"seconds for all checks together (default {DEFAULT_BUDGET_S:.0f}); their caps are scaled down to fit",
+    )
+    parser.add_argument(
+        "--site",
+        default="/tmp/site",
+        help="where scripts/device_check.sh installed the carried wheels: the env check checks their requirements",
+    )
     parser.add_argument("--tiny-model", default="models/arith-tiny", help="the train check's model (coba bootstrap)")
     parser.add_argument(
         "--min-gain",
@@ -291,12 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--wheels",
         metavar="DIR",
-        help="only download the wheels the GPU machine lacks into DIR (new, empty or an earlier --wheels DIR)",
+        help="only prepare the GPU machine's run: download the wheels it lacks into DIR (new, empty or an earlier "
+        "--wheels DIR) and build the train check's model (--tiny-model) when it is missing",
     )
     parser.add_argument("--run-check", help=argparse.SUPPRESS)  # a child: run this one check
     args = parser.parse_args(argv)
     if args.wheels:
-        return make_wheels(Path(args.wheels))
+        return make_wheels(Path(args.wheels)) or build_tiny_model(args.tiny_model)
     size = SIZES[args.size]
     out = Path(args.out).resolve()
     if args.run_check:
@@ -312,9 +367,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     started = time.monotonic()
     results = []
-    for name in [c for c in CHECKS if c in only]:
+    names = [c for c in CHECKS if c in only]
+    caps = fitted_caps({n: size.caps[n] for n in names}, args.budget)
+    if caps != {n: size.caps[n] for n in names}:
+        print(f"the checks' caps ({sum(size.caps[n] for n in names):.0f} s) scaled to the budget ({args.budget:.0f} s)")
+    for name in names:
         left = args.budget - (time.monotonic() - started)
-        cap = min(size.caps[name], left)
+        cap = min(caps[name], left)
         if cap < MIN_CAP_S:
             result = {"name": name, "ok": False, "detail": f"skipped: {left:.0f} s of the budget left", "figures": {}}
         else:
@@ -334,6 +393,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def fitted_caps(caps: dict[str, float], budget: float) -> dict[str, float]:
+    """Each check's cap, scaled down together so that they add up to ``budget`` at most: the last check gets
+    its share instead of the budget's leftovers.
+
+    >>> fitted_caps({"env": 40, "update": 100}, 70), fitted_caps({"env": 40}, 480)
+    ({'env': 20.0, 'update': 50.0}, {'env': 40})
+    """
+    total = sum(caps.values())
+    if total <= budget:
+        return caps
+    return {name: cap * budget / total for name, cap in caps.items()}
+
+
+def build_tiny_model(path: str) -> int:
+    """The train check's model, built here (``coba bootstrap``, about 7 minutes on 2 cores) when ``path`` holds
+    none: the one model the GPU run needs that it cannot make in its budget."""
+    model = Path(path) if Path(path).is_absolute() else ROOT / path
+    if (model / "config.json").is_file():
+        print(f"the train check's model is at {model}")
+        return 0
+    print(f"building the train check's model at {model} (coba bootstrap, about 7 minutes on 2 cores)", flush=True)
+    cmd = [sys.executable, "-m", "coba_tasks.commands.cli", "bootstrap", "--out", str(model)]
+    return subprocess.run(cmd, cwd=ROOT).returncode
+
+
 def _line(result: dict[str, Any]) -> str:
     return f"{'ok  ' if result['ok'] else 'FAIL'}  {result['name']}: {result['detail']}"
 
@@ -341,7 +425,7 @@ def _line(result: dict[str, Any]) -> str:
 def _run_child(name: str, args: argparse.Namespace, cap: float, out: Path) -> dict[str, Any]:
     """Run check ``name`` in its own process, killed after ``cap`` seconds; its result (or why there is none)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-check", name, "--size", args.size, "--out", str(out)]
-    cmd += ["--tiny-model", args.tiny_model, "--tests", args.tests]
+    cmd += ["--tiny-model", args.tiny_model, "--tests", args.tests, "--site", args.site]
     cmd += ["--min-gain", str(args.min_gain)] if args.min_gain is not None else []
     log = out / f"{name}.log"
     t0 = time.monotonic()
@@ -553,6 +637,9 @@ def check_env(size: Size, out: Path, args: argparse.Namespace) -> tuple[bool, st
         problems = [f"pip check did not run: {exc}"]
     ours = ("prefect", "pydantic", "math-verify", "coba-rl", "pip check")
     figures["pip_check"] = [line for line in problems if line.lower().startswith(ours)][:20]
+    site = Path(args.site)
+    figures["carried_site"] = str(site) if site.is_dir() else None
+    figures["carried_conflicts"] = carried_conflicts(site)[:20] if site.is_dir() else []
     t0 = time.perf_counter()
     path = build_model(size, out)
     figures["model_build_s"] = round(time.perf_counter() - t0, 1)
@@ -564,10 +651,15 @@ def check_env(size: Size, out: Path, args: argparse.Namespace) -> tuple[bool, st
         f"built in {figures['model_build_s']} s at {path}"
     )
     if missing:
-        detail += f"; missing: {', '.join(missing)} (bash scripts/device_wheels.sh, carry .whl)"
+        detail += f"; missing: {', '.join(missing)} (here: python scripts/device_check.py --wheels .whl; carry .whl)"
+    if figures["carried_conflicts"]:
+        first = figures["carried_conflicts"][0]
+        detail += (
+            f"; {len(figures['carried_conflicts'])} requirement(s) of the carried wheels unmet, the first: {first}"
+        )
     if figures["pip_check"]:
         detail += f"; pip check: {len(figures['pip_check'])} conflict(s) of the carried packages"
-    return not missing, detail, figures
+    return not missing and not figures["carried_conflicts"], detail, figures
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1120,6 +1212,7 @@ def check_tests(size: Size, out: Path, args: argparse.Namespace) -> tuple[bool, 
     xml = out / "tests.xml"
     workers = max(1, min(8, (os.cpu_count() or 2) // 2))
     cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "--junitxml", str(xml)]
+    cmd += ["--continue-on-collection-errors"]  # a module that cannot be imported here must not stop the others
     cmd += ["-n", str(workers)] if workers > 1 and _has("xdist") else []
     cmd += ["--timeout", "90"] if _has("pytest_timeout") else []
     cmd += args.tests.split()
@@ -1143,7 +1236,7 @@ def check_tests(size: Size, out: Path, args: argparse.Namespace) -> tuple[bool, 
     if failed:
         detail += "; failed: " + "; ".join(f"{name}: {why}" for name, why in list(failed.items())[:5])
         detail += " ..." if len(failed) > 5 else ""
-    return not failed and rc in (0, 1), detail, figures
+    return not failed and bool(outcome["passed"]) and rc in (0, 1), detail, figures
 
 
 def _has(module: str) -> bool:
@@ -1160,12 +1253,18 @@ def junit_outcomes(path: Path) -> dict[str, Any]:
         name = f"{case.get('classname', '')}::{case.get('name', '')}".removeprefix("tests.")
         problem = case.find("failure") if case.find("failure") is not None else case.find("error")
         skip = case.find("skipped")
-        if problem is not None:
-            text = (problem.get("message") or problem.text or "").strip()
+        if problem is not None:  # a collection error's message is "collection failure", its text says why
+            message, body = (problem.get("message") or "").strip(), (problem.text or "").strip()
+            text = message or body
             why = text.splitlines()[0][:200] if text else "(no message)"
-            (missing if any(m in text for m in MISSING_PACKAGE) else failed)[name] = why
-        elif skip is not None:
-            skipped[name] = (skip.get("message") or "").strip()[:200]
+            lost = [line.strip() for line in body.splitlines() if any(m in line for m in MISSING_PACKAGE)]
+            if any(m in message for m in MISSING_PACKAGE) or lost:
+                missing[name] = why if any(m in message for m in MISSING_PACKAGE) else lost[-1][:200]
+            else:
+                failed[name] = why
+        elif skip is not None:  # a module skipped at collection: "collection skipped", the reason in its text
+            reason = (skip.get("message") or "").strip()
+            skipped[name] = ((skip.text or "").strip() if reason in ("", "collection skipped") else reason)[:200]
         else:
             passed.append(name)
     return {"passed": passed, "skipped": skipped, "failed": failed, "missing_package": missing}

@@ -139,7 +139,10 @@ def evaluate(
     """Per held-out prompt, the share of ``samples`` completions solved (verdict ``correct``), greedy when
     temperature is 0, and with ``greedy`` also ``accuracy_greedy``; ``samples`` and ``solved`` (pass@k's
     input), ``answered``, ``boxed``, ``errors``, ``timeouts`` (the columns: docs/design.md, "Step tables",
-    ``eval``), and ``test``'s ``test_set``. ``top_p``: the nucleus of a sampled evaluation. Each held-out set
+    ``eval``), and ``test``'s ``test_set``; what came back, kept: ``prompt_text`` (when ``test`` has it),
+    ``sample_completion`` and ``sample_verdict`` (each prompt's first sampled completion; with ``greedy``,
+    ``greedy_completion`` and ``greedy_verdict``).
+    ``top_p``: the nucleus of a sampled evaluation. Each held-out set
     whose share of unscored completions is above ``max_error_share`` stops it (``ScoringError`` naming
     ``where`` and the set).
     """
@@ -194,6 +197,15 @@ def evaluate(
     if greedy:
         out["accuracy_greedy"] = out["accuracy"].to_numpy() if only_greedy else per_prompt(1)["reward"].to_numpy()
     out["weight_version"] = engine.weight_version
+    # what came back, kept: each prompt's first sampled completion and its verdict (and the greedy one's)
+    if "prompt_text" in test:
+        out["prompt_text"] = test["prompt_text"].astype(str).to_numpy()
+    shown = rolls.assign(verdict=rewards["verdict"].to_numpy()).drop_duplicates(["_kind", "prompt_id"])
+    for kind, name in ((0, "sample"), (1, "greedy")):
+        first = shown[shown["_kind"] == kind].set_index("prompt_id").reindex(test["prompt_id"])
+        if kind == 0 or (greedy and not only_greedy):
+            out[f"{name}_completion"] = first["completion"].astype(object).to_numpy()
+            out[f"{name}_verdict"] = first["verdict"].astype(object).to_numpy()
     return out.reset_index(drop=True)
 
 

@@ -58,13 +58,18 @@ def _legend_right(ax, **kw) -> None:
 
 
 def _save(fig, path: Path) -> Path:
-    """Render ``fig`` to PNG bytes and write them atomically; close the figure."""
+    """Render ``fig`` to PNG bytes and write them atomically; close the figure. The image is quantized to a
+    palette of 256 colours (Pillow): a plot has few colours, and the report's artifact carries every plot inline."""
+    from PIL import Image
+
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format="png", dpi=DPI)
     finally:
         _pyplot().close(fig)
-    data = buf.getvalue()
+    out = io.BytesIO()
+    Image.open(io.BytesIO(buf.getvalue())).convert("RGB").quantize(colors=256).save(out, format="PNG", optimize=True)
+    data = out.getvalue()
     return atomic_write(path, lambda f: f.write(data))
 
 
@@ -322,6 +327,86 @@ def plot_update(run: RunTables, path: Path) -> Path:
         _no_data(norm_ax, "no update yet")
     norm_ax.set_title("gradient norm (before clipping)")
     norm_ax.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
+# The curves RL users read first (update.parquet's figures, the rollouts' lengths): (column, title)
+TRAINING_CURVES = (
+    ("loss", "loss"),
+    ("entropy", "entropy (nats per token)"),
+    ("kl", "KL to the sampling policy"),
+    ("clip_frac", "clip fraction"),
+    ("lr", "learning rate"),
+    ("grad_norm", "gradient norm (before clipping)"),
+    ("completion_tokens", "completion length (tokens, mean)"),
+    ("truncated", "share truncated at rollout.max_tokens"),
+)
+
+
+def completion_lengths(run: RunTables) -> pd.DataFrame:
+    """Per step with rollouts: ``completion_tokens`` (mean tokens of a completion) and ``truncated`` (the share that
+    ended at the length limit, ``finish_reason`` ``length``), read from two columns of each rollouts table."""
+    rows = []
+    for s in run.steps_with(Table.ROLLOUTS):
+        r = run.store.read_table(s, Table.ROLLOUTS, verify=False, columns=("n_tokens", "finish_reason"))
+        rows.append(
+            {
+                "step": s,
+                "completion_tokens": float(r["n_tokens"].mean()),
+                "truncated": float((r["finish_reason"] == "length").mean()),
+            }
+        )
+    return pd.DataFrame(rows, columns=["step", "completion_tokens", "truncated"])
+
+
+def plot_training(run: RunTables, path: Path) -> Path:
+    """The training curves, one panel each (``TRAINING_CURVES``): the update's loss, entropy, KL, clip fraction,
+    learning rate and gradient norm, and the completions' mean length and share truncated, by step."""
+    fig, axes = _subplots(2, 4, figsize=(14.0, 5.6))
+    u = run.stacked(Table.UPDATE).reset_index(drop=True)
+    lengths = completion_lengths(run)
+    frame = u.merge(lengths, on="step", how="outer") if len(u) else lengths
+    for ax, (column, title) in zip(axes.flat, TRAINING_CURVES, strict=True):
+        values = frame[["step", column]].dropna() if column in frame else frame.iloc[:0]
+        if len(values):
+            ax.plot(values["step"], values[column], "o-", ms=3, lw=1.2)
+            _step_axis(ax, values["step"].astype(int).tolist())
+            ax.set_xlabel("step t")
+        else:
+            _no_data(ax, "not recorded")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes.flat[3].set_ylim(bottom=0)
+    axes.flat[7].set_ylim(-0.02, 1.02)
+    return _save(fig, path)
+
+
+def plot_budget_map(run: RunTables, path: Path) -> Path:
+    """Every prompt a budget table holds (rows, in the order of their first step) by step (columns): the budget it
+    got, blank where the step's batch did not hold it. Where the allocation sends the rollouts, over the run."""
+    fig, ax = _subplots(figsize=(11.0, 5.2))
+    tables = run.by_step(Table.BUDGET)
+    parts = [b[["prompt_id", "budget"]].assign(step=s) for s, b in tables.items() if "budget" in b]
+    if parts:
+        long = pd.concat(parts, ignore_index=True)
+        order = long.drop_duplicates("prompt_id")["prompt_id"].tolist()
+        grid = long.pivot_table(index="prompt_id", columns="step", values="budget", aggfunc="sum").reindex(order)
+        image = np.ma.masked_invalid(grid.to_numpy(dtype=float))
+        shown = ax.imshow(
+            image,
+            aspect="auto",
+            interpolation="nearest",
+            cmap="viridis",
+            extent=(grid.columns.min() - 0.5, grid.columns.max() + 0.5, len(order) - 0.5, -0.5),
+        )
+        fig.colorbar(shown, ax=ax, label="budget (rollouts)")
+        _step_axis(ax, [int(c) for c in grid.columns])
+        ax.set_ylabel(f"prompt ({len(order)}, by first step)")
+        ax.grid(False)
+        ax.set_title("Budget of each prompt at each step (blank: not in that step's batch)")
+    else:
+        _no_data(ax, "no budget table yet")
+        ax.set_title("Budget of each prompt at each step")
     return _save(fig, path)
 
 

@@ -14,11 +14,15 @@ a table counts only when the store says it is done) and writes into ``<run_dir>/
     mechanisms.png           per step N_eff, mixed groups, the estimates' error against the realized pass
                              rates and pass@2; the estimates' error by age (``readers.mechanisms``)
     rollouts.png             rollouts generated and trained on per step; held-out accuracy by rollouts generated
+    training.png             the curves RL users read first: loss, entropy, KL, clip fraction, learning rate,
+                             gradient norm, completion length and the share truncated at the length limit
+    budget_map.png           every prompt (rows) by step (columns): the budget it got
     stage_time.png           seconds per stage, from summary.json (only once the run has finished)
-    index.html               all of the above, a table of headline figures, what came back (per evaluated
-                             step a few prompts with their budget, the pass-rate estimate the allocation
-                             used, their completions with rewards and verdicts: ``readers.samples``) and
-                             the paths
+    index.html               all of the above (from a jinja2 template, every text escaped), a table of headline
+                             figures, the held-out completions of the newest evaluation, the training rollouts
+                             that came back (per evaluated step a few prompts with their budget, the pass-rate
+                             estimate the allocation used, their completions with rewards and verdicts:
+                             ``readers.samples``) and the paths
 
 Step numbers. Every plot's x axis is the step ``t`` of the run's tables: the rollouts of step ``t``
 come from the weights after ``t`` updates, and ``steps/t/eval.parquet`` evaluates the same weights,
@@ -33,7 +37,6 @@ plots themselves are drawn by ``coba_tasks.readers.plots``; the ``coba report`` 
 from __future__ import annotations
 
 import base64
-import html
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,22 +45,24 @@ from pathlib import Path
 from typing import Any
 
 from coba_tasks.engines.fileio import atomic_write
-from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, Table
+from coba_tasks.pipeline.store import SUMMARY_FILE, Table
 from coba_tasks.readers.figures import run_summary
 from coba_tasks.readers.plots import (
     pick_scatter_steps,
     plot_accuracy,
     plot_budget_hist,
+    plot_budget_map,
     plot_capability,
     plot_mechanisms,
     plot_rollouts,
     plot_scatter,
     plot_stage_time,
+    plot_training,
     plot_update,
     plot_verdicts,
     stage_timing,
 )
-from coba_tasks.readers.samples import samples_sql, step_samples_for_eval
+from coba_tasks.readers.samples import heldout_samples, samples_sql, step_samples_for_eval
 from coba_tasks.readers.tables import RunTables, load_run
 from coba_tasks.readers.text import figure_table, markdown_text, run_status, summary_rows
 
@@ -69,10 +74,15 @@ VERDICTS_PNG = "verdicts.png"
 UPDATE_PNG = "update.png"
 MECHANISMS_PNG = "mechanisms.png"
 ROLLOUTS_PNG = "rollouts.png"
+TRAINING_PNG = "training.png"
+BUDGET_MAP_PNG = "budget_map.png"
 STAGE_TIME_PNG = "stage_time.png"
 INDEX_HTML = "index.html"
-PLOT_FILES = (ACCURACY_PNG, CAPABILITY_PNG, SCATTER_PNG, BUDGET_HIST_PNG, VERDICTS_PNG, UPDATE_PNG, MECHANISMS_PNG)
-PLOT_FILES += (ROLLOUTS_PNG, STAGE_TIME_PNG)
+# every plot the report draws, in the page's order
+PLOT_FILES = (ACCURACY_PNG, TRAINING_PNG, CAPABILITY_PNG, SCATTER_PNG, BUDGET_MAP_PNG, BUDGET_HIST_PNG, VERDICTS_PNG)
+PLOT_FILES += (UPDATE_PNG, MECHANISMS_PNG, ROLLOUTS_PNG, STAGE_TIME_PNG)
+# the plots of the Prefect artifact (inline, so it is seen without a file server): the ones read first
+ARTIFACT_FILES = (ACCURACY_PNG, TRAINING_PNG, ROLLOUTS_PNG, BUDGET_MAP_PNG, MECHANISMS_PNG)
 
 _CAPTIONS = {
     ACCURACY_PNG: "Held-out accuracy of the weights after t updates (overall, and one thin line per difficulty "
@@ -95,6 +105,11 @@ _CAPTIONS = {
     "those its update trained on. Right: held-out accuracy of the weights after t updates against the rollouts "
     "generated before them, the axis on which runs that spend differently per step compare.",
     STAGE_TIME_PNG: "Wall-clock seconds spent in each stage over the whole run (summary.json).",
+    TRAINING_PNG: "The update of step t: its loss, the policy's entropy per token, the KL to the sampling policy, "
+    "the share of tokens clipped, the learning rate and the gradient norm (before clipping); and step t's "
+    "completions: their mean length in tokens and the share cut at rollout.max_tokens (finish reason length).",
+    BUDGET_MAP_PNG: "Every prompt a batch held (a row each, in the order of its first step) by step: the budget "
+    "the allocation gave it there; blank where the step's batch did not hold it.",
 }
 
 
@@ -137,8 +152,10 @@ def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[in
     out.mkdir(parents=True, exist_ok=True)
     plots: list[tuple[str, Callable[[Path], Path]]] = [
         (ACCURACY_PNG, lambda p: plot_accuracy(data, p)),
+        (TRAINING_PNG, lambda p: plot_training(data, p)),
         (CAPABILITY_PNG, lambda p: plot_capability(data, p)),
         (SCATTER_PNG, lambda p: plot_scatter(data, p, scatter_steps)),
+        (BUDGET_MAP_PNG, lambda p: plot_budget_map(data, p)),
         (BUDGET_HIST_PNG, lambda p: plot_budget_hist(data, p)),
         (VERDICTS_PNG, lambda p: plot_verdicts(data, p)),
         (UPDATE_PNG, lambda p: plot_update(data, p)),
@@ -155,7 +172,7 @@ def build_report(run_dir: str | os.PathLike[str], steps_for_scatter: Sequence[in
         skipped[STAGE_TIME_PNG] = why
         (out / STAGE_TIME_PNG).unlink(missing_ok=True)  # a stale one would contradict the page
     pngs = [draw(out / name) for name, draw in plots]
-    page = _html(data.store, figures, pngs, skipped, scatter_steps, _samples_html(data))
+    page = _html(data, figures, pngs, skipped, scatter_steps)
     html_path = atomic_write(out / INDEX_HTML, lambda f: f.write(page.encode("utf-8")))
     return ReportFiles(html=html_path, pngs=pngs, skipped=skipped)
 
@@ -174,11 +191,10 @@ def write_report(run_dir: str | os.PathLike[str], steps_for_scatter: list[int] |
     return build_report(run_dir, steps_for_scatter).html
 
 
-def _samples_html(t: RunTables) -> str:
-    """Per evaluated step: a few prompts with their budget and pass-rate estimate, and their completions
-    with rewards and verdicts; every text escaped (completions are untrusted)."""
-    e = html.escape
-    parts = []
+def _training_samples(t: RunTables) -> list[dict[str, Any]]:
+    """Per evaluated step: a few prompts of the training step that shows those weights, with their budget,
+    pass-rate estimate and completions (rewards, verdicts); the query that lists them all."""
+    sections = []
     shown: set[int] = set()
     for eval_step in t.steps_with(Table.EVAL):
         found = step_samples_for_eval(t, eval_step)
@@ -186,106 +202,101 @@ def _samples_html(t: RunTables) -> str:
             continue
         step, rows = found
         shown.add(step)
-        weights = "these weights'" if step == eval_step else f"the weights after {step} updates'"
-        parts.append(f"<h3>Held-out evaluation at step {eval_step}: {weights} training rollouts (step {step})</h3>")
+        prompts = []
         for pid, group in rows.groupby("prompt_id", sort=False):
             first = group.iloc[0]
             est = first["pass_rate_est"]
-            est_text = "never seen (no estimate)" if est != est else f"{est:.2f}"
-            items = "\n".join(
-                f'<li><span class="verdict">{e(str(r.verdict))}, reward {float(r.reward):g}</span>'
-                f"<pre>{e(str(r.completion))}</pre></li>"
+            completions = [
+                {"verdict": str(r.verdict), "reward": f"{float(r.reward):g}", "text": str(r.completion)}
                 for r in group.itertuples()
                 if r.completion == r.completion
+            ]
+            prompts.append(
+                {
+                    "id": str(pid),
+                    "budget": int(first["budget"]),
+                    "estimate": "never seen (no estimate)" if est != est else f"{est:.2f}",
+                    "prompt": str(first["prompt"]),
+                    "completions": completions,
+                }
             )
-            parts.append(
-                f'<div class="sample"><p><code>{e(str(pid))}</code>: budget {int(first["budget"])} rollouts, '
-                f'pass-rate estimate used {e(est_text)}</p><pre class="prompt">{e(str(first["prompt"]))}</pre>'
-                f'<ol start="0">{items}</ol></div>'
-            )
-        command = f'coba inspect --run-dir {t.store.root} --sql "{samples_sql(step)}"'
-        parts.append(f"<p>Every completion of step {step}: <code>{e(command)}</code></p>")
-    return "\n".join(parts) or "<p>No evaluated step has training rollouts yet.</p>"
+        sections.append(
+            {
+                "eval_step": eval_step,
+                "step": step,
+                "prompts": prompts,
+                "command": f'coba inspect --run-dir {t.store.root} --sql "{samples_sql(step)}"',
+            }
+        )
+    return sections
 
 
-def _html(
-    store: RunStore,
-    figures: dict[str, Any],
-    pngs: list[Path],
-    skipped: dict[str, str],
-    scatter: list[int],
-    samples: str,
-) -> str:
-    e = html.escape
-    root = store.root
-    name = root.resolve().name
-    rows = "\n".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in _headline_rows(figures))
-    paths = [("run directory", root.resolve()), ("report directory", store.report_dir().resolve())]
-    path_rows = "\n".join(f"<tr><th>{e(k)}</th><td><code>{e(str(v))}</code></td></tr>" for k, v in paths)
+def _heldout(t: RunTables) -> dict[str, Any] | None:
+    """The newest held-out evaluation's kept completions (``readers.samples.heldout_samples``), or None."""
+    evals = t.steps_with(Table.EVAL)
+    shown = heldout_samples(t, evals[-1]) if evals else None
+    if shown is None or shown.empty:
+        return None
+    rows = []
+    for r in shown.to_dict("records"):
+        kinds = [("sampled", "sample")] + ([("greedy", "greedy")] if "greedy_completion" in r else [])
+        rows.append(
+            {
+                "id": str(r["prompt_id"]),
+                "level": int(r["difficulty"]),
+                "accuracy": f"{float(r['accuracy']):.2f}",
+                "prompt": str(r.get("prompt_text") or ""),
+                "completions": [
+                    {"kind": label, "verdict": str(r[f"{key}_verdict"]), "text": str(r[f"{key}_completion"])}
+                    for label, key in kinds
+                    if r.get(f"{key}_completion") == r.get(f"{key}_completion")  # NaN: none kept
+                ],
+            }
+        )
+    return {"step": evals[-1], "rows": rows}
+
+
+PAGE_TEMPLATE = "report.html.j2"  # beside this module: the page, a jinja2 template (every value escaped)
+
+
+def _html(t: RunTables, figures: dict[str, Any], pngs: list[Path], skipped: dict[str, str], scatter: list[int]) -> str:
+    """The report page (``PAGE_TEMPLATE``, a jinja2 template that escapes every value: completions are untrusted)."""
+    from importlib.resources import files
+
+    import jinja2
+
+    store = t.store
+    shown = []
+    for p in pngs:
+        caption = _CAPTIONS.get(p.name, "")
+        if p.name == SCATTER_PNG and scatter:
+            caption += f" Steps shown: {', '.join(map(str, scatter))}."
+        shown.append({"file": p.name, "stem": p.stem, "caption": caption})
     status = (
         f"finished ({SUMMARY_FILE} present)"
         if figures.get("finished")
         else f"in progress or stopped: no {SUMMARY_FILE}; figures cover the tables done so far"
     )
-    figures = []
-    for p in pngs:
-        caption = _CAPTIONS.get(p.name, "")
-        if p.name == SCATTER_PNG and scatter:
-            caption += f" Steps shown: {', '.join(map(str, scatter))}."
-        figures.append(
-            f'<figure><img src="{e(p.name)}" alt="{e(p.stem)}">'
-            f"<figcaption><code>{e(p.name)}</code>: {e(caption)}</figcaption></figure>"
-        )
-    for png, why in skipped.items():
-        figures.append(f'<p class="skipped"><code>{e(png)}</code> not drawn: {e(why)}</p>')
-    file_list = "\n".join(f"<li><code>{e(str(p.resolve()))}</code></li>" for p in pngs)
-    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>coba-rl report: {e(name)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
-table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; }}
-th, td {{ text-align: left; padding: 0.25em 1em 0.25em 0; border-bottom: 1px solid #ddd; }}
-figure {{ margin: 1.5em 0; }}
-img {{ max-width: 100%; border: 1px solid #eee; }}
-figcaption {{ color: #555; font-size: 0.9em; }}
-.skipped {{ color: #8a5a00; }}
-pre {{ white-space: pre-wrap; background: #f6f6f6; padding: 0.4em; margin: 0.2em 0 0.6em; box-sizing: border-box; }}
-pre.prompt {{ background: #eef3fa; }}
-.sample {{ border-left: 3px solid #ccd; padding-left: 0.8em; margin: 1em 0; }}
-.verdict {{ color: #555; font-size: 0.9em; }}
-</style>
-</head>
-<body>
-<h1>coba-rl report: {e(name)}</h1>
-<p>Run status: {e(status)}. Generated {e(generated)}.</p>
-<h2>Headline figures</h2>
-<table>
-{rows}
-</table>
-<h2>Plots</h2>
-{chr(10).join(figures)}
-<h2 id="what-came-back">What came back</h2>
-{samples}
-<h2>Paths</h2>
-<table>
-{path_rows}
-</table>
-<ul>
-{file_list}
-</ul>
-</body>
-</html>
-"""
+    text = files("coba_tasks.readers").joinpath(PAGE_TEMPLATE).read_text(encoding="utf-8")
+    page = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string(text)
+    return page.render(
+        name=store.root.resolve().name,
+        status=status,
+        generated=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        rows=_headline_rows(figures),
+        figures=shown,
+        skipped=list(skipped.items()),
+        heldout=_heldout(t),
+        training=_training_samples(t),
+        paths=[("run directory", str(store.root.resolve())), ("report directory", str(store.report_dir().resolve()))],
+        files=[str(p.resolve()) for p in pngs],
+    )
 
 
 def report_artifacts_markdown(run_dir: str | os.PathLike[str], inline: bool = True) -> str:
-    """The report as markdown for a Prefect artifact: the headline figures and the report's plots, each shown
-    inline (a ``data:`` image: the artifact needs nothing else to be seen, in any browser) when ``inline``, with
-    its path; the page's path. The run's paths are shown as written (``markdown_text``), never as markdown.
+    """The report as markdown for a Prefect artifact: the headline figures and the report's plots, those of
+    ``ARTIFACT_FILES`` shown inline (a ``data:`` image: the artifact needs nothing else to be seen, in any browser)
+    when ``inline``, every one with its path; the page's path. The run's paths are shown as written (``markdown_text``), never as markdown.
 
     Lists the PNGs present in ``<run_dir>/report/`` (run ``write_report`` first to draw them).
 
@@ -301,8 +312,8 @@ def report_artifacts_markdown(run_dir: str | os.PathLike[str], inline: bool = Tr
         lines.append(f"No plots yet: run coba report --run-dir {root}")
         return "\n".join(lines) + "\n"
     lines.append("Plots:")
-    for p in pngs:
-        if inline:
+    for p in pngs:  # those read first inline, every one by its path
+        if inline and p.name in ARTIFACT_FILES:
             lines += ["", f"![{p.name}](data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()})", ""]
         lines.append(f"- {markdown_text(p)}")
     if (report / INDEX_HTML).is_file():

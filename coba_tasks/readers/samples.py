@@ -1,7 +1,9 @@
 """What came back: a few prompts of a step with the budget the allocation gave them, the pass-rate estimate
-it used, and their completions with rewards and verdicts (the report shows them per evaluated step).
+it used, and their completions with rewards and verdicts (the report shows them per evaluated step); and a
+held-out evaluation's completions (``heldout_samples``: the first sampled and the greedy completion it kept).
 
     samples = step_samples_for_eval(load_run("runs/demo"), eval_step=10)   # None when no step has them
+    held_out = heldout_samples(load_run("runs/demo"), eval_step=10)       # None: the table kept none
 
 A held-out evaluation at step ``t`` scores the weights after ``t`` updates; the training rollouts of those
 weights are step ``t``'s. After the last update no training step follows, so the last evaluation is shown
@@ -75,3 +77,28 @@ def samples_sql(step: int) -> str:
         "from rollouts r join rewards w using (step, prompt_id, sample_idx) join budget b using (step, prompt_id) "
         f"where r.step = {step} order by r.prompt_id, r.sample_idx"
     )
+
+
+HELDOUT_PER_LEVEL = 2  # held-out prompts shown per difficulty level: one the policy solved, one it did not
+
+
+def heldout_samples(t: RunTables, eval_step: int) -> pd.DataFrame | None:
+    """The held-out evaluation of the weights after ``eval_step`` updates, what it kept of its completions: per
+    difficulty level of the main held-out set up to ``HELDOUT_PER_LEVEL`` prompts (one the sampled completion
+    solved and one it did not, where there are), with ``prompt_text``, ``accuracy``, ``sample_completion`` and
+    ``sample_verdict`` (and ``greedy_completion``, ``greedy_verdict`` when the run decodes greedily too), texts cut
+    at ``TEXT_CHARS``. None when the table kept no completion (runs made before it did)."""
+    table = t.table(eval_step, Table.EVAL)
+    if "sample_completion" not in table:
+        return None
+    main = table[table["test_set"] == "test"] if "test_set" in table else table
+    picks = []
+    for _, level in main.groupby("difficulty", sort=True):
+        right = level["sample_verdict"].astype(str) == "correct"
+        for part in (level[right], level[~right]):
+            picks.append(part.head(1))
+    shown = pd.concat(picks).groupby("difficulty", sort=True).head(HELDOUT_PER_LEVEL).reset_index(drop=True)
+    for column in ("prompt_text", "sample_completion", "greedy_completion"):
+        if column in shown:
+            shown[column] = shown[column].astype(str).str.slice(0, TEXT_CHARS)
+    return shown

@@ -52,12 +52,15 @@ def test_every_check_passes_at_the_tiny_size_on_cpu(random_checkpoints, tmp_path
 def test_a_check_past_its_cap_or_the_budget_fails_with_the_reason(tmp_path, capsys):
     out = tmp_path / "check"
     out.mkdir()
-    args = argparse.Namespace(size="tiny", tiny_model="models/arith-tiny", tests="tests/core", min_gain=None)
+    args = argparse.Namespace(size="tiny", tiny_model="models/arith-tiny", tests="tests/core", min_gain=None, site="/x")
     result = device_check._run_child("env", args, 0.5, out)  # importing torch alone takes longer
     assert not result["ok"] and result["detail"].startswith("no result within its cap of 0 s")
     assert device_check.main(["--size", "tiny", "--out", str(tmp_path / "b"), "--budget", "5"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "FAIL  env: skipped: 5 s of the budget left" and lines[-1].startswith("0/7 checks passed")
+    assert lines[0] == "the checks' caps (780 s) scaled to the budget (5 s)"  # each under MIN_CAP_S: skipped
+    assert lines[1] == "FAIL  env: skipped: 5 s of the budget left" and lines[-1].startswith("0/7 checks passed")
+    # the caps of the full size fit its default budget: no check is left with the budget's leftovers
+    assert sum(device_check.FULL.caps.values()) <= device_check.DEFAULT_BUDGET_S
     with pytest.raises(SystemExit):
         device_check.main(["--only", "env,nothing"])
     assert "unknown check(s) nothing" in capsys.readouterr().err
@@ -85,12 +88,24 @@ def test_the_pytest_report_is_read_as_passed_failed_skipped_and_missing_packages
         <testcase classname="tests.engines.test_b" name="test_vllm"><error message="ModuleNotFoundError: No module
         named 'vllm'"/></testcase>
         <testcase classname="tests.core.test_c" name="test_later"><skipped message="needs a GPU"/></testcase>
+        <testcase classname="" name="tests.engines.test_nucleus"><error message="collection failure">ImportError
+        while importing test module 'tests/engines/test_nucleus.py'.
+        E   ModuleNotFoundError: No module named 'vllm'</error></testcase>
+        <testcase classname="" name="tests.engines.test_other"><error message="collection failure">E   NameError:
+        name 'x' is not defined</error></testcase>
         </testsuite></testsuites>"""
     )
     outcome = device_check.junit_outcomes(xml)
     assert outcome["passed"] == ["engines.test_a::test_ok"]
-    assert outcome["failed"] == {"engines.test_a::test_far": "assert 0.2 < 1e-4"}
-    assert list(outcome["missing_package"]) == ["engines.test_b::test_vllm"]
+    # a collection error: its message says only "collection failure", its body why (a package missing, or not)
+    assert outcome["failed"] == {
+        "engines.test_a::test_far": "assert 0.2 < 1e-4",
+        "::tests.engines.test_other": "collection failure",
+    }
+    assert outcome["missing_package"] == {
+        "engines.test_b::test_vllm": "ModuleNotFoundError: No module         named 'vllm'",
+        "::tests.engines.test_nucleus": "E   ModuleNotFoundError: No module named 'vllm'",
+    }
     assert outcome["skipped"] == {"core.test_c::test_later": "needs a GPU"}
 
 
@@ -102,8 +117,71 @@ def test_the_wheels_are_what_the_gpu_machine_lacks():
     wheels = device_check.wheel_set()
     assert {"prefect", "pydantic", "pydantic-core", "math-verify", "sqlalchemy", "greenlet"} <= set(wheels)
     assert wheels["prefect"] == version("prefect") and wheels["pydantic"] == version("pydantic")
-    assert not set(wheels) & device_check.GPU_IMAGE_PACKAGES
     assert not {"torch", "transformers", "numpy", "pandas", "vllm"} & set(wheels)
+    # of the image's packages, only those a carried package requires at a version, at the version here
+    image = set(wheels) & device_check.GPU_IMAGE_PACKAGES
+    assert {"typing-extensions", "packaging"} <= image and wheels["packaging"] == version("packaging")
+    constrained = {
+        device_check._norm(r.name) for n in set(wheels) - image for r in device_check._requirements(n) if r.specifier
+    }
+    assert image <= constrained
+
+
+def _site_with(tmp_path, name: str, requires: list[str]):
+    """A folder holding one installed distribution ``name`` 1.0 with ``requires``, as pip --target leaves it."""
+    info = tmp_path / "site" / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", "Version: 1.0", *(f"Requires-Dist: {r}" for r in requires)]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+    return tmp_path / "site"
+
+
+def test_the_carried_wheels_requirements_are_checked_against_the_machines_versions(tmp_path):
+    """What the env check fails on: a carried package that needs a version the machine does not give (the
+    machine's packaging, a missing package), named with both versions; met requirements and those of another
+    Python or an extra are not listed."""
+    from importlib.metadata import version
+
+    here = version("packaging")
+    site = _site_with(
+        tmp_path,
+        "carried",
+        [
+            f"packaging<{here}",
+            f"packaging>={here}",
+            "no-such-package-anywhere>=1",
+            'packaging<1; python_version < "3.8"',
+            'packaging<1; extra == "docs"',
+        ],
+    )
+    assert device_check.carried_conflicts(site) == [
+        "carried 1.0 needs no-such-package-anywhere>=1, finds none",
+        f"carried 1.0 needs packaging<{here}, finds {here}",
+    ]
+    assert device_check.carried_conflicts(_site_with(tmp_path / "b", "fine", [f"packaging=={here}"])) == []
+
+
+def test_the_tests_check_passes_where_vllm_cannot_be_imported(tmp_path, monkeypatch):
+    """The lent machine has no vLLM: a test module that imports it is skipped, not a collection error that stops
+    pytest, and the check passes on the tests that ran (here with vLLM blocked, on this machine's CPUs)."""
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class _Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'vllm':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _Block())\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(block))
+    out = tmp_path / "out"
+    out.mkdir()
+    args = argparse.Namespace(tests="tests/engines/test_nucleus.py tests/core/test_passk.py")
+    ok, detail, figures = device_check.check_tests(device_check.TINY, out, args)
+    assert ok, detail
+    assert figures["failed"] == {} and figures["missing_package"] == {} and len(figures["passed"]) > 0
+    assert any("test_nucleus" in name and "vLLM is not installed" in why for name, why in figures["skipped"].items())
 
 
 def _fake_pip(calls: list[list[str]]):

@@ -139,3 +139,31 @@ def test_a_held_out_set_that_cannot_be_scored_stops_the_evaluation_instead_of_re
         test[test["test_set"] == "test"], _Engine(), _Pool(), 2, 1.0, 8, seed=0, max_error_share=0.5
     )
     assert table["accuracy"].tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+class _Numbered(_Engine):
+    """Answers the sample's number: "0", "1", ... for the sampled completions, "g" for the greedy one."""
+
+    def generate_many(self, batches, progress=False):
+        from coba_tasks.engines.rollout import Rollout
+
+        return [
+            [
+                Rollout(r.prompt_id, j, "g" if s.temperature == 0 else str(j), (5,), 1, "stop", r.seed, 2)
+                for r in b
+                for j in range(r.n)
+            ]
+            for b, s in batches
+        ]
+
+
+def test_an_evaluation_keeps_each_prompts_first_sampled_and_greedy_completion_with_its_verdict():
+    """What came back is kept in the eval table: the user's text, each prompt's first sampled completion and its
+    greedy one, each with its verdict (the report shows them); without greedy decoding no greedy columns."""
+    test = _held_out({"test": ["4", "x"]}).assign(prompt_text=["what is 1+3?", "what is x?"])
+    table = evaluation.evaluate(test, _Numbered(), _Pool(), 3, 1.0, 8, seed=0, greedy=True)
+    assert table["prompt_text"].tolist() == ["what is 1+3?", "what is x?"]
+    assert table["sample_completion"].tolist() == ["0", "0"] and table["greedy_completion"].tolist() == ["g", "g"]
+    assert table["sample_verdict"].tolist() == ["correct", "error"] == table["greedy_verdict"].tolist()
+    sampled_only = evaluation.evaluate(test, _Numbered(), _Pool(), 3, 1.0, 8, seed=0)
+    assert "greedy_completion" not in sampled_only and sampled_only["sample_completion"].tolist() == ["0", "0"]

@@ -15,6 +15,7 @@ from coba_tasks.commands.report import add_report_parser
 from coba_tasks.pipeline.store import RunStore
 from coba_tasks.readers import report
 from coba_tasks.readers.report import (
+    ARTIFACT_FILES,
     PLOT_FILES,
     STAGE_TIME_PNG,
     build_report,
@@ -322,7 +323,7 @@ def test_markdown_shows_the_run_directory_as_written(finished_run, tmp_path):
     page = MarkdownIt("commonmark").enable("table").render(report_artifacts_markdown(root))
     assert f"<h3>coba-rl report: {html.escape(str(root))}</h3>" in page
     srcs = _img_srcs(page)
-    assert len(srcs) == len(PLOT_FILES) and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert len(srcs) == len(ARTIFACT_FILES) and all(s.startswith("data:image/png;base64,") for s in srcs)
     assert "<a " not in page and "<code>" not in page and "<em>" not in page
     assert f"<li>page: {html.escape(str(root / 'report' / 'index.html'))}</li>" in page
 
@@ -371,18 +372,24 @@ def test_steps_where_no_group_was_mixed_are_counted_and_shown(tmp_path):
 
 
 def test_the_page_shows_what_came_back_escaped_with_budgets_estimates_and_the_sql_for_the_rest(tmp_path):
+    from markupsafe import escape as markup_escape
+
     from coba_tasks.readers.samples import COMPLETIONS_SHOWN, PROMPTS_SHOWN, samples_sql
     from coba_tasks.readers.sql import run_sql
 
     hostile = '</pre><script>alert("x")</script><img src=x onerror=alert(1)> & 2+2=4'
     store = make_run(tmp_path / "run", completion=hostile)
     page = write_report(store.root).read_text()
-    came_back = page[page.index('<h2 id="what-came-back">What came back</h2>') : page.index("<h2>Paths</h2>")]
+    heading = '<h2 id="what-came-back">Training rollouts that came back</h2>'
+    came_back = page[page.index(heading) : page.index("<h2>Paths</h2>")]
     # evaluations at steps 0 and 3: the rollouts of step 0, and of step 2 (no training step 3 was run)
-    assert "Held-out evaluation at step 0: these weights' training rollouts (step 0)" in came_back
-    assert "Held-out evaluation at step 3: the weights after 2 updates' training rollouts (step 2)" in came_back
+    assert "<h3>Step 0: the training rollouts of the policy after 0 updates</h3>" in came_back
+    assert (
+        "<h3>Step 2: the training rollouts of the policy after 2 updates, the nearest to the held-out evaluation "
+        "after 3 updates (no training step follows it)</h3>" in came_back
+    )
     assert "<script>" not in page and "onerror=alert(1)>" not in page
-    assert came_back.count(html_escape(hostile)) == 2 * PROMPTS_SHOWN * COMPLETIONS_SHOWN
+    assert came_back.count(str(markup_escape(hostile))) == 2 * PROMPTS_SHOWN * COMPLETIONS_SHOWN
     budget = _budget(2).sort_values(["budget", "prompt_id"], ascending=[False, True], kind="stable")
     top = budget.iloc[0]
     est = "never seen (no estimate)" if np.isnan(top["pass_rate_est"]) else f"{top['pass_rate_est']:.2f}"
@@ -415,3 +422,36 @@ def test_a_report_dir_linked_out_of_the_run_is_refused_and_what_it_points_to_is_
     assert (elsewhere / "accuracy.png").read_bytes() == b"my picture"
     (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert "outside the run directory" in err and "replace the link by the real" in err
+
+
+def test_the_page_shows_held_out_completions_the_evaluation_kept_escaped(tmp_path):
+    """The newest evaluation kept each prompt's first sampled and greedy completion: per difficulty level the page
+    shows a prompt whose sampled completion was correct and one whose was not, with its text, escaped; runs whose
+    evaluations kept none say so. The training rollouts are headed as training rollouts."""
+    from markupsafe import escape as markup_escape
+
+    hostile = '</pre><script>alert("held out")</script>'
+    store = make_run(tmp_path / "run")
+    page = write_report(store.root).read_text()
+    assert "No held-out evaluation kept its completions" in page
+    table = store.read_table(3, "eval")
+    n = len(table)
+    verdicts = ["correct" if i % 2 else "wrong" for i in range(n)]
+    table = table.assign(
+        prompt_text=[f"held-out question {i}" for i in range(n)],
+        sample_completion=[f"{hostile} sampled {i}" for i in range(n)],
+        sample_verdict=verdicts,
+        greedy_completion=[f"greedy {i}" for i in range(n)],
+        greedy_verdict="wrong",
+    )
+    store.write_table(3, "eval", table)
+    page = write_report(store.root).read_text()
+    part = page[page.index('<h2 id="held-out">Held-out completions</h2>') : page.index('<h2 id="what-came-back">')]
+    assert "The evaluation of the weights after 3 updates" in part and "and its greedy one" in part
+    levels = sorted(set(table["difficulty"]))
+    shown = [i for i in range(n) if f"sampled {i}</pre>" in part]
+    assert len(shown) == 2 * len(levels)  # per level one solved, one not
+    assert sorted(verdicts[i] for i in shown) == ["correct"] * len(levels) + ["wrong"] * len(levels)
+    assert str(markup_escape(hostile)) in part and "<script>" not in page
+    assert all(f"held-out question {i}" in part and f"greedy {i}" in part for i in shown)
+    assert '<h2 id="what-came-back">Training rollouts that came back</h2>' in page
