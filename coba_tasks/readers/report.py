@@ -296,7 +296,8 @@ def _html(t: RunTables, figures: dict[str, Any], pngs: list[Path], skipped: dict
 def report_artifacts_markdown(run_dir: str | os.PathLike[str], inline: bool = True) -> str:
     """The report as markdown for a Prefect artifact: the headline figures and the report's plots, those of
     ``ARTIFACT_FILES`` shown inline (a ``data:`` image: the artifact needs nothing else to be seen, in any browser)
-    when ``inline``, every one with its path; the page's path. The run's paths are shown as written (``markdown_text``), never as markdown.
+    when ``inline``, every one with its path; the page's path. The run's paths are shown as written
+    (``markdown_text``), never as markdown.
 
     Lists the PNGs present in ``<run_dir>/report/`` (run ``write_report`` first to draw them).
 

@@ -9,11 +9,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (the lent GPU machine's image has none)")
 
-from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
-from vllm.v1.sample.logits_processor.interface import MoveDirectionality  # noqa: E402
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate
+from vllm.v1.sample.logits_processor.interface import MoveDirectionality
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-from coba_tasks.engines.rollout.nucleus import (  # noqa: E402
+from coba_tasks.engines.rollout.nucleus import (
     EXTRA_KEY,
     NucleusLogitsProcessor,
     mask_outside_nucleus,

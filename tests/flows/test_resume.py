@@ -447,7 +447,9 @@ def test_an_evaluation_recomputed_where_updates_do_not_repeat_costs_nothing_of_t
     args = ["rerun", "--run-dir", str(run_dir), "--step", "1", "--stage", "eval", "--yes", "--no-resume"]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
-    assert "the resume computes the evaluation after 1 update from the base model (replaying 1 update from their " in out
+    assert (
+        "the resume computes the evaluation after 1 update from the base model (replaying 1 update from their " in out
+    )
     assert "computes the end of the run (the policy after its last update) from checkpoints/000004 (no replay)" in out
     assert out.index("the resume computes") < out.index("removed 1 table(s)")  # said before anything was removed
 
