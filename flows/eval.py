@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,10 @@ from coba_tasks.pipeline.store import RUN_FILE, RunStore, Table
 from coba_tasks.pipeline.tasks import evaluate_checkpoint_task, evaluate_model_task, write_eval_table_task
 from coba_tasks.readers.figures import eval_table_figures
 from coba_tasks.readers.text import figure_table, markdown_text
+from flows.gpu import GPU_LIMIT, gpu_slot
 from flows.view import RunWatch
+
+WATCH_WAIT_S = 30.0  # how long a watch waits for the GPU a training run holds before it gives up until the next
 
 
 def artifact_key(model_path: str | Path) -> str:
@@ -161,7 +165,17 @@ def watch_flow(run_name: str | None = None, run_dir: str | None = None, eval_pro
     if store.is_done(step, Table.EVAL):  # the run's own evaluation of these weights
         table, source = store.read_table(step, Table.EVAL), f"the run's steps/{step:06d}/eval.parquet"
     else:
-        table = evaluate_checkpoint_task(str(root), step, eval_prompts or 0)
+        with ExitStack() as slot:
+            try:  # CUDA: the GPU's slot (coba-gpu); a training run holding it is never shared with
+                slot.enter_context(gpu_slot(wait_s=WATCH_WAIT_S))
+            except TimeoutError:
+                message = (
+                    f"checkpoints/{step:06d} of {root} not evaluated: the GPU is held by another run (the concurrency "
+                    f"limit {GPU_LIMIT}) after {WATCH_WAIT_S:.0f} s; the next watch tries again"
+                )
+                log.warning(message)
+                return Completed(message=message)
+            table = evaluate_checkpoint_task(str(root), step, eval_prompts or 0)
         source = f"checkpoints/{step:06d}, evaluated now"
     rows = view.post(step, table, source)
     text = "; ".join(f"{r['test_set']} avg@k {r['avg_at_k']:.3f}" for r in rows)

@@ -17,6 +17,7 @@ from the tables by ``coba_tasks.readers``.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from prefect import flow, get_run_logger
 from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, evaluate_step, run_eval_steps
+from coba_tasks.pipeline.run import RunStopped
 from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.stages import (
     Advanced,
@@ -48,7 +50,8 @@ from coba_tasks.readers.figures import (
     step_figures,
 )
 from coba_tasks.readers.figures import summary_json as make_summary_json
-from flows.view import RunView, flow_run_title
+from flows.gpu import gpu_slot
+from flows.view import RunView, flow_run_title, run_failed
 
 
 def run_step(run_dir: str, step: int, view: RunView | None = None) -> None:
@@ -194,7 +197,7 @@ def train_flow(
             run.remove_empty_run_dir(root)
         raise
     directory = str(res.store.root)
-    trk = None
+    trk, slot = None, ExitStack()
     try:
         if (res.store.root / SUMMARY_FILE).is_file():  # finished: a retry computes nothing, posts nothing again
             log.info(
@@ -202,6 +205,7 @@ def train_flow(
                 f"--run-dir {root}` shows it, `coba rerun` recomputes a stage"
             )
             return res.store.read_json(SUMMARY_FILE)
+        slot.enter_context(gpu_slot())  # CUDA: the GPU's one slot (coba-gpu), held until the engine is gone
         trk = trackers.open_trackers(directory, cfg, warn=log.warning)  # run.trackers, continued on a resume
         first = run.first_step_not_done(res.store, run.run_length(res.store, cfg))
         due = due_evaluations(res, first)  # a kill, a rerun or a repair left these
@@ -243,10 +247,15 @@ def train_flow(
         res.store.write_json(SUMMARY_FILE, summary)
         _post_report(res.store.root, view)
         return summary
+    except Exception as exc:  # a failed run says so as an event, for an automation to tell someone
+        if not isinstance(exc, RunStopped):
+            run_failed(res.store.root, cfg, exc)
+        raise
     finally:
         if trk is not None:
             trk.close()
         run.close_run(res)
+        slot.close()
         lock.release()
 
 

@@ -13,6 +13,8 @@ absolute path), so two runs never share a collection, in ``coba compare`` as any
 - ``<scope>-report``: the report (``coba report``: its headline figures, its plots inline), when the run ends.
 
 Events (resource ``coba.run.<scope>``, for automations): ``coba.step.finished`` (payload: the step's row),
+``coba.run.failed`` (payload: the error in one line and the command that continues the run; not for a stop asked
+for by Ctrl-C or SIGTERM),
 ``coba.run.no-signal`` (a run's ``NO_SIGNAL_STEPS``-th step in a row without a mixed group) and
 ``coba.evaluation.finished`` (payload: the evaluation's rows). Everything is read from the run's tables. The
 Prefect UI renders artifacts' descriptions and table cells as markdown: the texts of the run (its directory,
@@ -55,6 +57,7 @@ from coba_tasks.readers.figures import NO_SIGNAL_STEPS, heldout_rows, step_row
 from coba_tasks.readers.text import markdown_text
 
 STEP_EVENT = "coba.step.finished"
+FAILED_EVENT = "coba.run.failed"
 NO_SIGNAL_EVENT = "coba.run.no-signal"
 EVAL_EVENT = "coba.evaluation.finished"
 BUDGET_COLUMNS = ("prompt_id", "pass_rate_est", "budget", "value", "marginal_gain")
@@ -118,6 +121,19 @@ def run_tags(cfg: Config) -> list[str]:
     ['strategy:coba', 'seed:0']
     """
     return [f"strategy:{cfg.allocation.strategy}", f"seed:{cfg.run.seed}", f"config:{config_hash(cfg)[:8]}"]
+
+
+def run_failed(root: str | os.PathLike[str], cfg: Config, exc: BaseException) -> None:
+    """The event ``coba.run.failed`` of the run in ``root``: what stopped it, in one line, and how to continue it
+    (``automations/run-failed.yaml`` turns it into a notification). Never raises: the run's own error is the one
+    the user must see."""
+    try:
+        title = run_title(root, cfg.allocation.strategy, cfg.run.seed)
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
+        payload = {"error": f"{type(exc).__name__}: {line}", "resume": f"coba resume --run-dir {root}"}
+        emit_event(FAILED_EVENT, resource=run_resource(run_scope(root), title), payload=payload)
+    except Exception:  # no event server: the flow's own failure is the error the user sees
+        pass
 
 
 def table_cells(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

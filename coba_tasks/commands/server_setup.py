@@ -2,13 +2,21 @@
 
     coba setup-server --api-url http://127.0.0.1:4200/api
     coba setup-server --api-url http://127.0.0.1:4200/api --crash-after 120
+    coba setup-server --api-url http://127.0.0.1:4200/api --gpus 2 --notify slack-webhook/rl-team
 
 Idempotent; run it once per server (again after changing ``--crash-after``). It creates
 
 - the ``process`` work pools the deployments of ``prefect.yaml`` use (``coba-process``, and ``coba-gpu`` for the
   GPU host's training runs), unless they exist (``prefect deploy --all`` refuses a deployment whose pool is missing);
 - the automation ``coba: crash unresponsive flow runs``: a flow run that has sent a heartbeat and then
-  sends neither another heartbeat nor a final state for ``--crash-after`` seconds is set to Crashed.
+  sends neither another heartbeat nor a final state for ``--crash-after`` seconds is set to Crashed;
+- the global concurrency limit ``coba-gpu`` at ``--gpus`` slots (1 by default): a training run on a GPU holds
+  one for its whole span and ``coba-eval-watch`` one for an evaluation (``flows.gpu``), so two of them never
+  share one GPU's memory;
+- with ``--notify BLOCK`` (a notification block of the server, ``type-slug/name``, e.g. ``slack-webhook/rl-team``:
+  ``prefect block create slack-webhook`` makes one), the automations ``coba: notify failed runs`` (the event
+  ``coba.run.failed`` a training run emits as it fails: its error and the command that continues it) and
+  ``coba: notify crashed runs`` (a coba-rl flow run set Crashed: its process died without a word).
 
 Why the automation: a self-hosted Prefect server (3.7.7) has no other way to notice a flow run whose
 process died without a word (its worker SIGKILLed, its machine gone). Such a flow run stays Running for
@@ -26,8 +34,11 @@ from datetime import timedelta
 from typing import Any
 
 from coba_tasks.commands.args import Command, option
+from flows.gpu import GPU_LIMIT
 
 AUTOMATION_NAME = "coba: crash unresponsive flow runs"
+NOTIFY_FAILED = "coba: notify failed runs"
+NOTIFY_CRASHED = "coba: notify crashed runs"
 DEFAULT_POOL = "coba-process"
 GPU_POOL = "coba-gpu"  # prefect.yaml's coba-train-gpu deployment (one training run at a time)
 HEARTBEAT_DEFAULT_S = 180  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY's default in Prefect 3.7.7
@@ -69,22 +80,88 @@ def zombie_automation(crash_after_s: int):
     )
 
 
+def notify_automations(block_id: Any, block: str) -> list[Any]:
+    """The automations that send the notification block ``block`` (its id ``block_id``) a message when a training
+    run fails (``coba.run.failed``: the run, its error, the command that continues it) or a coba-rl flow run is
+    set Crashed."""
+    from prefect.automations import Automation
+    from prefect.events.actions import SendNotification
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    failed = Automation(
+        name=NOTIFY_FAILED,
+        description=f"coba setup-server: a training run's coba.run.failed event, sent to {block}",
+        trigger=EventTrigger(
+            expect={"coba.run.failed"},
+            match=ResourceSpecification({"prefect.resource.id": ["coba.run.*"]}),
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),
+        ),
+        actions=[
+            SendNotification(
+                block_document_id=block_id,
+                subject="coba-rl: {{ event.resource.name }} failed",
+                body="{{ event.resource.name }} failed: {{ event.payload.error }}\nContinue it with: "
+                "{{ event.payload.resume }}",
+            )
+        ],
+    )
+    crashed = Automation(
+        name=NOTIFY_CRASHED,
+        description=f"coba setup-server: a coba-rl flow run set Crashed, sent to {block}",
+        trigger=EventTrigger(
+            expect={"prefect.flow-run.Crashed"},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification(
+                {"prefect.resource.role": "tag", "prefect.resource.id": ["prefect.tag.coba-rl"]}
+            ),
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),
+        ),
+        actions=[
+            SendNotification(
+                block_document_id=block_id,
+                subject="coba-rl: flow run {{ flow_run.name }} crashed",
+                body="Flow run {{ flow_run.name }} crashed: {{ flow_run.state.message }}. A new run of the same "
+                "run_name continues it.",
+            )
+        ],
+    )
+    return [failed, crashed]
+
+
 def setup_server(
-    api_url: str, pool: str = DEFAULT_POOL, crash_after_s: int = 3 * HEARTBEAT_DEFAULT_S, gpu_pool: str = GPU_POOL
+    api_url: str,
+    pool: str = DEFAULT_POOL,
+    crash_after_s: int = 3 * HEARTBEAT_DEFAULT_S,
+    gpu_pool: str = GPU_POOL,
+    gpus: int = 1,
+    notify: str | None = None,
 ) -> dict[str, Any]:
-    """Create the work pools (if missing) and create or replace the zombie automation on the server at ``api_url``.
+    """Create the work pools (if missing), create or replace the zombie automation, set the global concurrency
+    limit ``coba-gpu`` to ``gpus`` and, with ``notify`` (a notification block, ``type-slug/name``), create or
+    replace the automations that notify it, on the server at ``api_url``.
 
     Returns what was done: ``{"pool": "created" | "exists"`` (``pool``'s), ``"gpu_pool": ...``, ``"automation":
-    "created" | "replaced", ...}``.
+    "created" | "replaced", "gpu_limit": "created" | "updated", "notify": [automation ids] (with notify), ...}``.
     """
+    if gpus < 1:
+        raise ValueError(f"--gpus must be at least 1 (the GPUs a host's runs share), got {gpus}")
     if crash_after_s <= MIN_HEARTBEAT_S:
         raise ValueError(
             f"--crash-after must be longer than a heartbeat interval (at least {MIN_HEARTBEAT_S} s), "
             f"got {crash_after_s}"
         )
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.client.schemas.actions import (
+        GlobalConcurrencyLimitCreate,
+        GlobalConcurrencyLimitUpdate,
+        WorkPoolCreate,
+    )
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     done: dict[str, Any] = {"api_url": api_url, "pool_name": pool, "crash_after_s": crash_after_s}
@@ -99,23 +176,60 @@ def setup_server(
             old = client.read_automations_by_name(name=AUTOMATION_NAME)
             for automation in old:
                 client.delete_automation(automation.id)
+            try:
+                client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+                client.update_global_concurrency_limit(GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=gpus))
+                done["gpu_limit"] = "updated"
+            except ObjectNotFound:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=gpus))
+                done["gpu_limit"] = "created"
+            block_id = _block_id(client, notify) if notify else None
+            if notify:
+                for name in (NOTIFY_FAILED, NOTIFY_CRASHED):
+                    for automation in client.read_automations_by_name(name=name):
+                        client.delete_automation(automation.id)
         created = zombie_automation(crash_after_s).create()
         done["automation"] = "replaced" if old else "created"
         done["automation_id"] = str(created.id)
+        if notify:
+            done["notify"] = [str(a.create().id) for a in notify_automations(block_id, notify)]
+    done["gpus"] = gpus
     return done
+
+
+def _block_id(client: Any, block: str) -> Any:
+    """The id of the notification block ``type-slug/name`` on the server; ValueError (one line) naming how to make
+    one when it is not there."""
+    from prefect.exceptions import ObjectNotFound
+
+    kind, _, name = block.partition("/")
+    if not kind or not name:
+        raise ValueError(f"--notify {block!r}: give a notification block as TYPE/NAME, e.g. slack-webhook/rl-team")
+    try:
+        return client.read_block_document_by_name(name=name, block_type_slug=kind).id
+    except ObjectNotFound:
+        raise ValueError(
+            f"--notify {block!r}: the server has no such block; make it with `prefect block create {kind}` (or in "
+            "the UI, Blocks), then run this again"
+        ) from None
 
 
 def _cmd_setup_server(args: argparse.Namespace) -> int:
     url = args.api_url or os.environ.get("PREFECT_API_URL")
     if not url:
         raise ValueError("no Prefect server: pass --api-url http://HOST:4200/api or export PREFECT_API_URL")
-    done = setup_server(url, pool=args.pool, crash_after_s=args.crash_after, gpu_pool=args.gpu_pool)
+    done = setup_server(
+        url, pool=args.pool, crash_after_s=args.crash_after, gpu_pool=args.gpu_pool, gpus=args.gpus, notify=args.notify
+    )
     print(f"work pool {done['pool_name']!r}: {done['pool']}")
     print(f"work pool {args.gpu_pool!r}: {done['gpu_pool']}")
     print(
         f"automation {AUTOMATION_NAME!r}: {done['automation']} (a flow run silent for {done['crash_after_s']} s "
         "after a heartbeat is set to Crashed)"
     )
+    print(f"global concurrency limit {GPU_LIMIT!r}: {done['gpu_limit']}, {done['gpus']} slot(s) (one GPU, one run)")
+    if args.notify:
+        print(f"automations {NOTIFY_FAILED!r}, {NOTIFY_CRASHED!r}: created, sending to {args.notify}")
     heartbeat = os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY")
     every = int(heartbeat) if heartbeat and heartbeat.isdigit() else HEARTBEAT_DEFAULT_S
     if every >= done["crash_after_s"]:
@@ -129,13 +243,16 @@ def _cmd_setup_server(args: argparse.Namespace) -> int:
 
 COMMAND = Command(
     "setup-server",
-    help="prepare a Prefect server for workers: the work pool and crash detection",
-    description="Create the process work pools of prefect.yaml's deployments and an automation that sets a flow "
-    "run Crashed when its process stops sending heartbeats (a killed worker, a lost machine). Idempotent.",
+    help="prepare a Prefect server for workers: the work pools, crash detection, one run per GPU, notifications",
+    description="Create the process work pools of prefect.yaml's deployments, an automation that sets a flow "
+    "run Crashed when its process stops sending heartbeats (a killed worker, a lost machine), the global "
+    "concurrency limit coba-gpu (a training run and coba-eval-watch never share a GPU) and, with --notify, "
+    "automations that tell a notification block when a run fails or crashes. Idempotent.",
     examples=[
         "coba setup-server --api-url http://127.0.0.1:4200/api",
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 prefect worker start --pool coba-process   # then, per worker",
         "coba setup-server --api-url http://127.0.0.1:4200/api --crash-after 120          # with 30 s heartbeats",
+        "coba setup-server --api-url http://127.0.0.1:4200/api --gpus 2 --notify slack-webhook/rl-team",
     ],
     options=[
         option("--api-url", default=None, help="the server's API URL (default: $PREFECT_API_URL)"),
@@ -151,6 +268,19 @@ COMMAND = Command(
             default=3 * HEARTBEAT_DEFAULT_S,
             help="seconds without a heartbeat before a running flow run is set to Crashed "
             f"(default {3 * HEARTBEAT_DEFAULT_S}: three of Prefect's default {HEARTBEAT_DEFAULT_S} s heartbeats)",
+        ),
+        option(
+            "--gpus",
+            type=int,
+            default=1,
+            help="slots of the global concurrency limit coba-gpu: the GPUs the runs of a GPU host share (default 1)",
+        ),
+        option(
+            "--notify",
+            default=None,
+            metavar="BLOCK",
+            help="a notification block of the server as TYPE/NAME (e.g. slack-webhook/rl-team): told when a "
+            "training run fails or a coba-rl flow run crashes",
         ),
     ],
     func=_cmd_setup_server,

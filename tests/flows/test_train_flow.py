@@ -677,3 +677,23 @@ def test_a_stage_past_its_timeout_fails_the_flow_run_instead_of_hanging(tmp_path
     with pytest.raises(TaskRunTimeoutError):
         train_flow(run_dir=str(run_dir), config=config_to_dict(cfg))
     assert not RunStore.open(run_dir).is_done(0, Table.EVAL)
+    # the failure is an event of the run (automations/run-failed.yaml tells someone): its error, how to go on
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    from flows.view import FAILED_EVENT, run_scope
+
+    found = EventFilter(
+        event=EventNameFilter(name=[FAILED_EVENT]), resource=EventResourceFilter(id=[f"coba.run.{run_scope(run_dir)}"])
+    )
+    for _ in range(60):  # the server stores events a moment after they arrive
+        with get_client(sync_client=True) as client:
+            events = client.read_events(filter=found, limit=10).events
+        if events:
+            break
+        time.sleep(0.5)
+    (event,) = events
+    assert event.payload["error"].startswith("TaskRunTimeoutError: ")
+    assert event.payload["resume"] == f"coba resume --run-dir {run_dir.resolve()}"
