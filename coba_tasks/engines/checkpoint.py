@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,18 +228,14 @@ def verify_checkpoint(ckpt_dir: str | Path) -> None:
 # -- the optimizer state as tensors -----------------------------------------------------------------
 
 
-def optimizer_to_tensors(
-    optimizer: torch.optim.Optimizer, full: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """An optimizer's state_dict as named tensors (safetensors) and JSON-safe param groups. ``full`` maps a
-    state tensor to the whole tensor (FSDP: a collective every process calls in the same order)."""
+def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """An optimizer's state_dict as named tensors (safetensors) and JSON-safe param groups (FSDP gathers its own:
+    ``fsdp_update.full_state``)."""
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for idx, st in sd["state"].items():
         for key, value in st.items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
-            if full is not None:
-                t = full(t)
             tensors[f"state.{idx}.{key}"] = t.detach().cpu().contiguous()
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
     return tensors, groups

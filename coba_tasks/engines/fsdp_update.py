@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coba_tasks.engines.checkpoint import optimizer_to_tensors, write_checkpoint
+from coba_tasks.engines.checkpoint import write_checkpoint
 from coba_tasks.engines.update import DataShard, NonFiniteUpdateError, PolicyTrainer, UpdateSettings, make_optimizer
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # coba_tasks/<layer>/this file
@@ -89,26 +89,25 @@ def shard_module(model: torch.nn.Module, mesh) -> None:
 
 
 def shard_trainer(trainer: PolicyTrainer, mesh) -> None:
-    """Shard ``trainer``'s policy (and KL reference) in place; rebuild AdamW over the sharded parameters
-    with the current moments (e.g. from ``load_checkpoint``) sharded like their parameters."""
-    from torch.distributed.tensor import distribute_tensor
+    """Shard ``trainer``'s policy (and KL reference) in place; rebuild AdamW over the sharded parameters with the
+    current moments (e.g. from ``load_checkpoint``, whole on every rank) sharded like their parameters
+    (``torch.distributed.checkpoint.state_dict``: the state by parameter name, whole in, sharded out)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    old = trainer.optimizer.state_dict()
+    # unsharded: every tensor as it is. A fresh optimizer (no checkpoint) is not asked: the library would fill
+    # its state by a step with zero gradients, and AdamW's step count would then be one ahead.
+    whole = get_optimizer_state_dict(trainer.model, trainer.optimizer) if trainer.optimizer.state else None
     shard_module(trainer.model, mesh)
     if trainer.ref_model is not None:
         shard_module(trainer.ref_model, mesh)
     trainer.optimizer = make_optimizer(trainer.model, trainer.settings)
-    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]  # state_dict's order
-    state: dict[int, dict[str, Any]] = {}
-    for idx, st in old["state"].items():
-        p = params[idx]
-        state[idx] = {
-            k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-            if torch.is_tensor(v) and v.ndim > 0 and v.shape == p.shape
-            else v
-            for k, v in st.items()
-        }
-    trainer.optimizer.load_state_dict({"state": state, "param_groups": old["param_groups"]})
+    if whole is not None:
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=whole, options=options)
     trainer.shard = DistributedShard(dist.get_rank(), dist.get_world_size(), torch.device(mesh.device_type))
 
 
@@ -119,22 +118,29 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _to_rank0(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on rank 0's CPU (an empty one elsewhere); a collective for a DTensor."""
-    whole = _full(t)  # on every rank: a collective
-    return whole.detach().cpu() if dist.get_rank() == 0 else torch.empty(0)
+def full_state(trainer: PolicyTrainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict]]:
+    """The sharded trainer's whole weights and AdamW state on rank 0's CPU (empty elsewhere), gathered by
+    ``torch.distributed.checkpoint.state_dict`` (a collective: every rank calls it): the model's state dict, and
+    the optimizer's as ``optimizer_to_tensors`` writes it (``state.<index>.<key>``, the index a parameter's place
+    in the param groups) with its param groups."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole state dict on rank 0's CPU, one tensor at a time (a collective: every rank calls it;
-    the other ranks get empty tensors); a tied weight is gathered once and stays one tensor."""
-    gathered: dict[int, torch.Tensor] = {}
-    out = {}
-    for k, v in model.state_dict().items():
-        if id(v) not in gathered:
-            gathered[id(v)] = _to_rank0(v)
-        out[k] = gathered[id(v)]
-    return out
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights, optim = get_state_dict(trainer.model, trainer.optimizer, options=options)
+    if dist.get_rank() != 0:
+        return {}, {}, []
+    index = {name: i for i, name in enumerate(n for g in optim["param_groups"] for n in g["params"])}
+    tensors = {
+        f"state.{index[name]}.{key}": (value if torch.is_tensor(value) else torch.tensor(value)).contiguous()
+        for name, state in optim["state"].items()
+        for key, value in state.items()
+    }
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+        | {"params": [index[n] for n in g["params"]]}
+        for g in optim["param_groups"]
+    ]
+    return weights, tensors, groups
 
 
 def save_sharded_checkpoint(
@@ -148,8 +154,7 @@ def save_sharded_checkpoint(
     for module in trainer.model.modules():  # the registered parameters are the sharded ones (DTensors)
         if isinstance(module, FSDPModule):
             module.reshard()
-    weights = full_state_dict(trainer.model)
-    tensors, groups = optimizer_to_tensors(trainer.optimizer, full=_to_rank0)
+    weights, tensors, groups = full_state(trainer)
     if dist.get_rank() == 0:
         rng = torch.get_rng_state()
         with torch.random.fork_rng(devices=[]):
