@@ -152,6 +152,7 @@ def _bench(train: Train, cfg: Any, config_path: str | None, work: Path, steps: i
     rollout["write_s"] = parquet["tables"]["rollouts"]["write_s"]
     ratios = {
         "rollout_stage_over_bare": rollout["paired_ratio"],
+        "rollout_stage_over_bare_same_requests": rollout["paired_ratio_same_requests"],
         "rollout_stage_and_write_over_bare": (rollout["stage_s"] + rollout["write_s"]) / rollout["bare_s"],
         "orchestration_share": step["outside_stages_s"] / step["step_s"],
     }
@@ -186,7 +187,9 @@ def _bench(train: Train, cfg: Any, config_path: str | None, work: Path, steps: i
 
 
 def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, progress, sampling) -> dict:
-    """stages.rollout_table vs a bare llm.generate with the same prompts, budgets and seeds, alternated."""
+    """stages.rollout_table vs a bare llm.generate with the same prompts, budgets and seeds, alternated; and vs
+    the same bare call asking for what the stage asks (``logprobs=0``: the sampled tokens' log-probabilities,
+    which the update's sampler/trainer gap reads): what the stage adds to the engine's own work."""
     from vllm import SamplingParams
 
     from coba_tasks.engines.rollout import rollout_seed
@@ -212,15 +215,19 @@ def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, pro
                 )
             )
 
+    with_logprobs = [p.clone() for p in params]
+    for p in with_logprobs:  # as the backend asks: the sampled token's log-probability, flat lists
+        p.logprobs, p.flat_logprobs = 0, True
     calls = {
         "stage": lambda: stages.rollout_table(budget, res.prompts, res.engine, sampling, cfg.run.seed, step),
         "bare": lambda: llm.generate(prompts, params, use_tqdm=False),
+        "bare_logprobs": lambda: llm.generate(prompts, with_logprobs, use_tqdm=False),
     }
     progress(f"rollout: stage vs bare vLLM, {repeats} alternating repeats")
     last = {name: call() for name, call in calls.items()}  # warm-up
-    times: dict[str, list[float]] = {"stage": [], "bare": []}
-    for i in range(repeats):  # alternate the order so that a drift in the machine's load hits both
-        for name in ("stage", "bare") if i % 2 == 0 else ("bare", "stage"):
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(repeats):  # alternate the order so that a drift in the machine's load hits each alike
+        for name in tuple(calls) if i % 2 == 0 else tuple(reversed(calls)):
             last[name], seconds = timed(calls[name])
             times[name].append(seconds)
     table = last["stage"]
@@ -236,8 +243,13 @@ def _bench_rollout(res: Any, cfg: Any, budget: Any, step: int, repeats: int, pro
         # each repeat's two calls ran side by side: the median of their ratios is steadier than the ratio of the
         # medians when the machine's load moves between repeats (a shared machine's does)
         "paired_ratio": statistics.median(a / b for a, b in zip(times["stage"], times["bare"], strict=True)),
+        "bare_logprobs_s": statistics.median(times["bare_logprobs"]),
+        "paired_ratio_same_requests": statistics.median(
+            a / b for a, b in zip(times["stage"], times["bare_logprobs"], strict=True)
+        ),
         "stage_repeats_s": times["stage"],
         "bare_repeats_s": times["bare"],
+        "bare_logprobs_repeats_s": times["bare_logprobs"],
         "bare_tokens_per_s": tokens / bare_s,
         "same_completions": [list(x) for x in table["token_ids"]] == bare_ids,
     }
@@ -403,10 +415,12 @@ def format_stages(result: dict) -> str:
         f"1. Rollout stage vs bare vLLM (step {result['measured_step']}'s prompts, budgets and seeds; "
         f"{ro['completions']} completions, {ro['tokens']:,} tokens)",
         f"  {'bare llm.generate':<34}{_fmt_s(ro['bare_s']):>10}   {ro['bare_tokens_per_s']:,.0f} tokens/s",
+        f"  {'bare, asking logprobs=0 as the stage':<34}{_fmt_s(ro['bare_logprobs_s']):>10}",
         f"  {'stages.rollout_table':<34}{_fmt_s(ro['stage_s']):>10}",
         f"  {'Parquet write of rollouts':<34}{_fmt_s(ro['write_s']):>10}",
         f"  stage / bare = {ra['rollout_stage_over_bare']:.3f}x, the median of the repeats' paired ratios (goal <= "
         f"{g_roll['goal']:.2f}: {_met(g_roll)}); "
+        f"stage / bare with the stage's requests (logprobs=0) = {ra['rollout_stage_over_bare_same_requests']:.3f}x; "
         f"(stage + write) / bare = {ra['rollout_stage_and_write_over_bare']:.3f}x; "
         f"same completions: {'yes' if ro['same_completions'] else 'NO'}",
         "",

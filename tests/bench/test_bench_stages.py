@@ -96,6 +96,9 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
     assert ro["stage_s"] == statistics.median(ro["stage_repeats_s"])
     assert ro["bare_s"] == statistics.median(ro["bare_repeats_s"])
     assert ra["rollout_stage_over_bare"] == ro["paired_ratio"] == statistics.median(a / b for a, b in pairs)
+    same = zip(ro["stage_repeats_s"], ro["bare_logprobs_repeats_s"], strict=True)  # the stage's own requests
+    assert ra["rollout_stage_over_bare_same_requests"] == statistics.median(a / b for a, b in same)
+    assert ro["bare_logprobs_s"] == statistics.median(ro["bare_logprobs_repeats_s"])
     assert ra["rollout_stage_and_write_over_bare"] == (ro["stage_s"] + ro["write_s"]) / ro["bare_s"]
     assert ra["orchestration_share"] == st["outside_stages_s"] / st["step_s"]
     assert ro["bare_tokens_per_s"] == ro["tokens"] / ro["bare_s"]
@@ -114,6 +117,7 @@ def test_bench_stages_figures_are_consistent(tmp_path, prefect_harness, random_c
     text = format_stages(result)
     for snippet in (
         f"{ra['rollout_stage_over_bare']:.3f}x",
+        f"{ra['rollout_stage_over_bare_same_requests']:.3f}x",
         f"{ra['rollout_stage_and_write_over_bare']:.3f}x",
         f"{ra['orchestration_share']:.1%}",
         "goal <= 1.10",
