@@ -14,15 +14,15 @@ in ``<out>/<check>.json``; ``<out>/device_check.json`` gathers them. The checks,
   and model FLOP/s against a bf16 matrix product timed in the same process.
 - ``rollout``: the transformers backend at that shape: a batch of groups, tokens per second and peak memory
   beside the backend's own estimate (``rows_that_fit``); its log-probs against the trainer's, float32 and bf16.
-- ``checkpoint``: save and load a trainer after one update: weights and AdamW state identical after the
-  reload; seconds and GB/s; and the next update from the reloaded trainer repeats the straight one bit for bit
-  (loss, grad norm), which a resume's replay of the updates since a checkpoint needs.
-- ``fsdp``: one FSDP rank (NCCL on CUDA, gloo on CPU) against the single-process update, float32.
 - ``train``: ``coba run`` of ``configs/demo-tiny.yaml`` (Prefect, the five stages, the transformers backend) on
   the tiny arithmetic model, 6 steps at size full: held-out avg@16 before and after, and the gain it must
   reach (``--min-gain``, 0.02 at size full).
+- ``checkpoint``: save and load a trainer after one update: weights and AdamW state identical after the
+  reload; seconds and GB/s; and the next update from the reloaded trainer repeats the straight one bit for bit
+  (loss, grad norm), which a resume's replay of the updates since a checkpoint needs.
 - ``tests``: ``tests/core`` and ``tests/engines`` under pytest on this machine: which pass, which fail and the
   first line of why; those that need a package that is not here are counted apart.
+- ``fsdp``: one FSDP rank (NCCL on CUDA, gloo on CPU) against the single-process update, float32.
 
 On the lent GPU machine (one H100 or H200, Python 3.12 with torch, transformers, peft, safetensors, pandas,
 pyarrow, scipy, pytest; no vLLM, Prefect, pydantic or math-verify, no package index, at most 64 MiB travels;
@@ -124,7 +124,8 @@ FULL = Size(
     rollout_prompt=128,
     rollout_tokens=256,
     train=("run.steps=6", "run.eval_every=0"),  # make demo-tiny's first 6 steps: 128 x 16 rollouts, avg@16 of 500
-    caps={"env": 40, "update": 100, "rollout": 60, "checkpoint": 70, "fsdp": 70, "train": 110, "tests": 90},  # 540 s
+    # 480 s of the 540 s budget: a margin for the checks' own start-up and the report
+    caps={"env": 35, "update": 90, "rollout": 55, "train": 100, "checkpoint": 55, "tests": 85, "fsdp": 60},
 )
 TINY = Size(
     name="tiny",
@@ -153,10 +154,12 @@ TINY = Size(
         "allocation.group_size=4",
         "allocation.max_budget=8",
     ),
-    caps={"env": 60, "update": 120, "rollout": 60, "checkpoint": 60, "fsdp": 120, "train": 240, "tests": 120},
+    caps={"env": 60, "update": 120, "rollout": 60, "train": 240, "checkpoint": 60, "tests": 120, "fsdp": 120},
 )
 SIZES = {s.name: s for s in (FULL, TINY)}
-CHECKS = ("env", "update", "rollout", "checkpoint", "fsdp", "train", "tests")
+# the most informative first: the machine and the model, the update and the rollouts on this GPU, a training run
+# end to end, the checkpoints a resume needs, the tests' verdicts, then one FSDP rank
+CHECKS = ("env", "update", "rollout", "train", "checkpoint", "tests", "fsdp")
 MIN_CAP_S = 15.0  # a check that would get less than this of the budget is skipped
 DEFAULT_BUDGET_S = 540.0  # the device tool's run: timeout_s 590, the machine's start and return inside 15 minutes
 

@@ -59,8 +59,8 @@ def test_a_check_past_its_cap_or_the_budget_fails_with_the_reason(tmp_path, caps
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "the checks' caps (780 s) scaled to the budget (5 s)"  # each under MIN_CAP_S: skipped
     assert lines[1] == "FAIL  env: skipped: 5 s of the budget left" and lines[-1].startswith("0/7 checks passed")
-    # the caps of the full size fit its default budget: no check is left with the budget's leftovers
-    assert sum(device_check.FULL.caps.values()) <= device_check.DEFAULT_BUDGET_S
+    # the caps of the full size fit its default budget with a margin: no check is left with the budget's leftovers
+    assert sum(device_check.FULL.caps.values()) <= 0.9 * device_check.DEFAULT_BUDGET_S
     with pytest.raises(SystemExit):
         device_check.main(["--only", "env,nothing"])
     assert "unknown check(s) nothing" in capsys.readouterr().err
