@@ -188,7 +188,7 @@ def test_killed_in_each_stage_then_resumed_equals_uninterrupted(
     assert summary["steps"] == STEPS
     # what the user read: one line per step and the evaluations, not the libraries' start-up chatter
     text = log.read_text()
-    assert f"step {STEPS}/{STEPS}: pass rate " in text and "held-out accuracy after training: " in text
+    assert f"step {STEPS - 1} ({STEPS} of {STEPS}): pass rate " in text and "held-out accuracy after training: " in text
     for chatter in CHATTER:
         assert chatter not in text, chatter
     # a finished run: resume says so and changes nothing (in this process: it reads the run and stops)
@@ -490,7 +490,7 @@ def test_a_run_stopped_at_an_epoch_boundary_resumes_the_remaining_steps(
     run = ["run", "--config", "configs/tiny-test.yaml", "--run-dir", str(straight)]
     assert _coba([*run, *(a for o in overrides for a in ("--set", o))], None, log) == 0, log.read_text()[-3000:]
     text = log.read_text()
-    assert f"step {steps}/{steps}: pass rate " in text and "held-out accuracy after training: " in text
+    assert f"step {steps - 1} ({steps} of {steps}): pass rate " in text and "held-out accuracy after training: " in text
     for chatter in CHATTER:  # vLLM's start-up and reloads included
         assert chatter not in text, chatter
 

@@ -393,7 +393,7 @@ def test_worker_killed_mid_step_is_recovered(cluster: Cluster) -> None:
         second = cluster.submit(client, name)
         run = cluster.wait(client, second)
         assert run.state.is_completed(), f"the recovery ended {run.state_name}: {run.state.message}"
-        expect = f"continuing {run_dir} at step {step + 1}/{STEPS}: stages already done are skipped"
+        expect = f"continuing {run_dir} at step {step} ({step + 1} of {STEPS}): stages already done are skipped"
         logs = flow_run_logs(client, second, expect=expect)
         assert expect in logs, logs
         after = manifest_snapshot(run_dir)
@@ -418,7 +418,8 @@ def test_worker_killed_mid_step_is_recovered(cluster: Cluster) -> None:
         assert run.state.is_completed(), f"the retry ended {run.state_name}: {run.state.message}"
         assert manifest_snapshot(run_dir) == after
     print(
-        f"\nkilled in step {step + 1}/{STEPS} ({len(before)} tables done, {len(computed)} computed by the recovery); "
+        f"\nkilled in step {step} ({step + 1} of {STEPS}; {len(before)} tables done, {len(computed)} computed by the "
+        "recovery); "
         f"Prefect set the flow run Crashed {crashed_after:.0f} s after the kill"
     )
 
