@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger
 
 from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
-from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, evaluate_step, run_eval_steps
+from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, evaluate_step, run_complete, run_eval_steps
 from coba_tasks.pipeline.run import RunStopped
 from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.stages import (
@@ -199,10 +199,10 @@ def train_flow(
     directory = str(res.store.root)
     trk, slot = None, ExitStack()
     try:
-        if (res.store.root / SUMMARY_FILE).is_file():  # finished: a retry computes nothing, posts nothing again
+        if run_complete(res.store, cfg):  # finished: a retry computes nothing, posts nothing again
             log.info(
-                f"{root} is a finished run (its {SUMMARY_FILE} is there): nothing to compute or post; `coba inspect "
-                f"--run-dir {root}` shows it, `coba rerun` recomputes a stage"
+                f"{root} is a finished run (every step and evaluation done, its {SUMMARY_FILE} written): nothing "
+                f"to compute or post; `coba inspect --run-dir {root}` shows it, `coba rerun` recomputes a stage"
             )
             return res.store.read_json(SUMMARY_FILE)
         slot.enter_context(gpu_slot())  # CUDA: the GPU's one slot (coba-gpu), held until the engine is gone

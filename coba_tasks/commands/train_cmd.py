@@ -208,6 +208,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             "resume it with --trust-remote-code if you trust that model"
         )
     allow_user_code(cfg)  # the reward file's hash is checked below
+    from coba_tasks.pipeline.evaluation import run_complete
     from coba_tasks.pipeline.rerun import apply_rerun, damaged_tables, plan_repair, resume_weights
 
     damaged = damaged_tables(store)  # every done table is checked against its manifest (size, sha256)
@@ -225,8 +226,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     length = run_length(store, cfg)  # run.steps, or fewer under run.rollout_budget
     first = first_step_not_done(store, length)
     summary_file = store.root / "summary.json"
-    if first == length and summary_file.is_file():
-        print(f"{store.root}: all {length} steps are done; nothing to resume")
+    if run_complete(store, cfg):  # an evaluation left missing (weights that could not be rebuilt) is resumed
+        print(f"{store.root}: all {length} steps and their evaluations are done; nothing to resume")
         _print_summary(json.loads(summary_file.read_text()))
         return 0
     # what the flow checks too, here first so that a refusal is one line, not a failed flow run's log

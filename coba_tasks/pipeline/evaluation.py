@@ -62,12 +62,13 @@ from coba_tasks.pipeline.run import (
     RunResources,
     check_remote_code,
     checked_checkpoint,
+    first_step_not_done,
     rollouts_generated,
     run_length,
     verifier_pool,
 )
 from coba_tasks.pipeline.stages import check_error_share, reward_table, rollout_tables, stage
-from coba_tasks.pipeline.store import RunStore, StoreError, Table
+from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, StoreError, Table
 
 # each setting's key in a run's config (section, key): its default there, and where from_config reads it
 CONFIG_KEYS: dict[str, tuple[type[Section], str]] = {
@@ -615,6 +616,18 @@ def _load_version(res: RunResources, version: int) -> None:
     else:
         needed = f"the held-out evaluation of step {version} needs it"
         res.engine.load_weights(checked_checkpoint(res.store, version, needed_for=needed), version=version)
+
+
+def run_complete(store: RunStore, cfg: Config) -> bool:
+    """Whether nothing of the run in ``store`` is left to compute: its summary written, every step done and every
+    held-out evaluation its schedule asks for done (one left missing, say because its weights could not be
+    rebuilt on that machine, is computed by the next resume)."""
+    steps = run_length(store, cfg)
+    return (
+        (store.root / SUMMARY_FILE).is_file()
+        and first_step_not_done(store, steps) >= steps
+        and all(store.is_done(e, Table.EVAL) for e in run_eval_steps(store, cfg))
+    )
 
 
 def due_evaluations(res: RunResources, first: int) -> list[int]:

@@ -860,3 +860,26 @@ def test_damaged_tables_are_found_and_repair_plans_from_the_first(tmp_path, caps
     assert cli_main(["resume", "--run-dir", str(store.root)]) == 2
     err = capsys.readouterr().err
     assert "2 damaged table(s), the first at step 1 (history)" in err and "coba resume --repair" in err
+
+
+def test_a_finished_run_missing_an_evaluation_is_not_complete_and_coba_resume_goes_on(tmp_path, capsys, monkeypatch):
+    """A run whose summary is written but one of its held-out evaluations is missing (left so where its weights
+    could not be rebuilt) is not finished: a flow run of it computes that evaluation instead of returning at once,
+    and `coba resume` does not say "nothing to resume". Complete, both leave it alone."""
+    from coba_tasks.pipeline.evaluation import run_complete
+    from coba_tasks.pipeline.run import read_run_config
+
+    store = _fake_run(tmp_path / "run", steps=3, eval_every=1)
+    cfg = read_run_config(store)
+    monkeypatch.setattr("coba_tasks.commands.train_cmd._print_summary", lambda summary: None)  # a fake summary
+    assert run_complete(store, cfg)
+    assert cli_main(["resume", "--run-dir", str(store.root)]) == 0
+    assert "all 3 steps and their evaluations are done; nothing to resume" in capsys.readouterr().out
+    store.invalidate(2, Table.EVAL)  # the evaluation after 2 updates, left missing
+    assert not run_complete(store, cfg)
+    started: list[str] = []
+    monkeypatch.setattr("flows.train.train_flow", lambda **kw: started.append(kw["run_dir"]) or {"steps": 3})
+    monkeypatch.setattr("coba_tasks.commands.prefect_env.start_local_server", lambda: None)
+    code = cli_main(["resume", "--run-dir", str(store.root), "--allow-changed-inputs"])  # a fake run: no inputs
+    out = capsys.readouterr()
+    assert code == 0 and "nothing to resume" not in out.out and started == [str(store.root)], out

@@ -191,4 +191,4 @@ def test_a_run_with_a_rollout_budget_ends_when_its_rollouts_reach_it(
     assert not store.is_done(len(counts), Table.BUDGET)  # no step after the last
     capsys.readouterr()
     assert cli_main(["resume", "--run-dir", str(run_dir)]) == 0
-    assert f"all {len(counts)} steps are done; nothing to resume" in capsys.readouterr().out
+    assert f"all {len(counts)} steps and their evaluations are done; nothing to resume" in capsys.readouterr().out
