@@ -89,46 +89,41 @@ def notify_automations(block_id: Any, block: str) -> list[Any]:
     from prefect.events.schemas.automations import EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
 
-    failed = Automation(
-        name=NOTIFY_FAILED,
-        description=f"coba setup-server: a training run's coba.run.failed event, sent to {block}",
-        trigger=EventTrigger(
-            expect={"coba.run.failed"},
-            match=ResourceSpecification({"prefect.resource.id": ["coba.run.*"]}),
-            posture=Posture.Reactive,
-            threshold=1,
-            within=timedelta(0),
-        ),
-        actions=[
-            SendNotification(
-                block_document_id=block_id,
-                subject="coba-rl: {{ event.resource.name }} failed",
-                body="{{ event.resource.name }} failed: {{ event.payload.error }}\nContinue it with: "
-                "{{ event.payload.resume }}",
-            )
-        ],
-    )
-    crashed = Automation(
-        name=NOTIFY_CRASHED,
-        description=f"coba setup-server: a coba-rl flow run set Crashed, sent to {block}",
-        trigger=EventTrigger(
-            expect={"prefect.flow-run.Crashed"},
-            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
-            match_related=ResourceSpecification(
-                {"prefect.resource.role": "tag", "prefect.resource.id": ["prefect.tag.coba-rl"]}
+    def notify(name: str, what: str, expect: str, resources: list[str], subject: str, body: str, **related: Any):
+        """An automation that sends ``block`` ``subject`` and ``body`` on each ``expect`` event of ``resources``."""
+        return Automation(
+            name=name,
+            description=f"coba setup-server: {what}, sent to {block}",
+            trigger=EventTrigger(
+                expect={expect},
+                match=ResourceSpecification({"prefect.resource.id": resources}),
+                posture=Posture.Reactive,
+                threshold=1,
+                within=timedelta(0),
+                **related,
             ),
-            posture=Posture.Reactive,
-            threshold=1,
-            within=timedelta(0),
+            actions=[SendNotification(block_document_id=block_id, subject=subject, body=body)],
+        )
+
+    failed = notify(
+        NOTIFY_FAILED,
+        "a training run's coba.run.failed event",
+        "coba.run.failed",
+        ["coba.run.*"],
+        "coba-rl: {{ event.resource.name }} failed",
+        "{{ event.resource.name }} failed: {{ event.payload.error }}\nContinue it with: {{ event.payload.resume }}",
+    )
+    crashed = notify(
+        NOTIFY_CRASHED,
+        "a coba-rl flow run set Crashed",
+        "prefect.flow-run.Crashed",
+        ["prefect.flow-run.*"],
+        "coba-rl: flow run {{ flow_run.name }} crashed",
+        "Flow run {{ flow_run.name }} crashed: {{ flow_run.state.message }}. A new run of the same run_name "
+        "continues it.",
+        match_related=ResourceSpecification(
+            {"prefect.resource.role": "tag", "prefect.resource.id": ["prefect.tag.coba-rl"]}
         ),
-        actions=[
-            SendNotification(
-                block_document_id=block_id,
-                subject="coba-rl: flow run {{ flow_run.name }} crashed",
-                body="Flow run {{ flow_run.name }} crashed: {{ flow_run.state.message }}. A new run of the same "
-                "run_name continues it.",
-            )
-        ],
     )
     return [failed, crashed]
 
