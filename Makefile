@@ -64,13 +64,16 @@ postgres:
 
 test: $(STAMP) postgres
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/lint-imports
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The main job: SmolLM2-135M-Instruct (converted first when it is missing) post-trained with CoBA-RL
 # budgets on chat arithmetic (configs/demo.yaml) into a fresh run directory; about 10 minutes on 2 cores.

@@ -19,18 +19,24 @@ Importing this module starts nothing; relative paths are from the working direct
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed, State
 
 from coba_tasks.pipeline import deployment
-from coba_tasks.pipeline.evaluation import EvalSettings, check_eval_inputs, check_run_scoring, eval_settings
-from coba_tasks.pipeline.run import read_run_config, whole_checkpoint
+from coba_tasks.pipeline.evaluation import (
+    EvalSettings,
+    check_eval_inputs,
+    check_run_scoring,
+    eval_settings,
+    watched_checkpoint,
+)
+from coba_tasks.pipeline.run import read_run_config
 from coba_tasks.pipeline.store import RUN_FILE, RunStore, Table
 from coba_tasks.pipeline.tasks import evaluate_checkpoint_task, evaluate_model_task, write_eval_table_task
 from coba_tasks.readers.figures import eval_table_figures
@@ -91,7 +97,7 @@ def eval_flow(
             | {"rollout.max_tokens": settings.max_tokens, "rollout.max_model_len": settings.max_model_len}
         )
     check_eval_inputs(model_path, settings, out_path, overwrite)
-    table = evaluate_model_task(model_path, settings, progress)
+    table: pd.DataFrame = evaluate_model_task(model_path, settings, progress)
     written = write_eval_table_task(table, out_path, overwrite) if out_path else None
     figures = eval_table_figures(table)
     s = settings
@@ -181,16 +187,3 @@ def watch_flow(run_name: str | None = None, run_dir: str | None = None, eval_pro
     text = "; ".join(f"{r['test_set']} avg@k {r['avg_at_k']:.3f}" for r in rows)
     log.info(f"held-out accuracy of {root} after {step} updates ({source}): {text}")
     return Completed(message=f"checkpoints/{step:06d}: {text} ({source})", data={"step": step, "rows": rows})
-
-
-def watched_checkpoint(store: RunStore, posted: int | None, before_hashing: Callable[[], None]) -> int | None:
-    """The checkpoint the watch shows, the newest first: one an earlier watch posted (``posted``: nothing to do),
-    one the run evaluated itself, or the first whose files are as its checkpoint.json lists them (the only one
-    hashed, after ``before_hashing``); None when there is none."""
-    for step in sorted(store.checkpoints(), reverse=True):
-        if step == posted or store.is_done(step, Table.EVAL):
-            return step
-        before_hashing()  # what would refuse the evaluation refuses it before gigabytes are read
-        if whole_checkpoint(store, step):
-            return step
-    return None

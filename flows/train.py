@@ -8,8 +8,9 @@ This module only composes. ``run_step`` calls the stage tasks of ``coba_tasks.pi
 the run directory's contract gives (``store.step_stages``; a step sampled in rounds, the pilot estimator's
 included, a round at a time); each task's body is that stage's work (skipped when its table is done). Tasks
 pass the run directory and a step number: the long-lived resources of a run (the rollout engine, the
-verifier pool, the training model) live in the flow process and are looked up by directory
-(``coba_tasks.pipeline.run``).
+verifier pool, the policy's weights) live in the flow process and are looked up by directory
+(``coba_tasks.pipeline.run``); which weights the trainer and the engine hold is the policy's
+(``coba_tasks.pipeline.policy``), never the flow's.
 What the flow shows of a step (its progress line, its artifacts, the trackers, summary.json) is read back
 from the tables by ``coba_tasks.readers``.
 """
@@ -26,18 +27,10 @@ from prefect import flow, get_run_logger
 from coba_tasks.pipeline import deployment, run
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, evaluate_step, run_complete, run_eval_steps
+from coba_tasks.pipeline.policy import Advanced, ReplayError
 from coba_tasks.pipeline.run import RunStopped
 from coba_tasks.pipeline.runlock import RunLock
-from coba_tasks.pipeline.stages import (
-    Advanced,
-    ReplayError,
-    advance,
-    limited,
-    resume_point,
-    step_tasks,
-    stop_run,
-    write_step_timing,
-)
+from coba_tasks.pipeline.stages import limited, step_tasks, write_step_timing
 from coba_tasks.pipeline.store import SUMMARY_FILE, Table
 from coba_tasks.pipeline.tables import after_updates, step_label
 from coba_tasks.readers import trackers
@@ -66,7 +59,7 @@ def run_step(run_dir: str, step: int, view: RunView | None = None) -> None:
     for stage_task, r in step_tasks(res, step):  # a step sampled in rounds: the round pair again while it asks
         stage_task(run_dir, step, r)
         where = f" (round {r})" if stage_task.name in (Table.ROUND, Table.ROUND_REWARDS) else ""
-        stop_run(res, f"the {stage_task.name} stage{where} of {step_label(step, res.cfg.run.steps)}")  # when asked to
+        res.policy.stop(f"the {stage_task.name} stage{where} of {step_label(step, res.cfg.run.steps)}")  # when asked
     seconds = write_step_timing(res, step, seconds_before)
     figures = step_figures(res.store, step)
     k = res.cfg.allocation.pilot_rollouts if res.cfg.allocation.piloted else 0
@@ -209,7 +202,7 @@ def train_flow(
         trk = trackers.open_trackers(directory, cfg, warn=log.warning)  # run.trackers, continued on a resume
         first = run.first_step_not_done(res.store, run.run_length(res.store, cfg))
         due = due_evaluations(res, first)  # a kill, a rerun or a repair left these
-        resume_point(res, upto=min([first, *due]))  # the newest checkpoint the evaluations and the steps start from
+        res.policy.start(upto=min([first, *due]))  # the newest checkpoint the evaluations and the steps start from
         if first > 0:
             log.info(f"continuing {root} at {step_label(first, cfg.run.steps)}: stages already done are skipped")
         view = RunView(res, first)  # the flow run named after the run; its artifacts and events
@@ -217,12 +210,12 @@ def train_flow(
         _held_out(res, view, 0, "before training")
         for version in due:
             try:
-                _say_advanced(advance(res, version), version)
+                _say_advanced(res.policy.advance(version), version)
             except ReplayError as exc:  # the weights of that step cannot be rebuilt here: the run goes on without it
                 log.warning(f"held-out evaluation {after_updates(version)} left missing: {exc}")
                 continue
             _held_out(res, view, version, f"{after_updates(version)} (recomputed)")
-        _say_advanced(advance(res, first), first)  # from the newest whole checkpoint at or below it
+        _say_advanced(res.policy.advance(first), first)  # from the newest whole checkpoint at or below it
         trk.log_new()  # each tracker logs the steps whose tables are complete and it has not logged
         run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
         with run.stop_on_signals(res, log.warning):  # Ctrl-C, SIGTERM: stop after the stage, with a checkpoint
@@ -239,7 +232,7 @@ def train_flow(
                     _held_out(res, view, step, after_updates(step))
                 trk.log_new()
                 run.step_boundary(res, step)
-                stop_run(res, step_label(step - 1, cfg.run.steps))
+                res.policy.stop(step_label(step - 1, cfg.run.steps))
         log.info(f"held-out evaluation after training: {eval_plan(res)}")
         _held_out(res, view, run.run_length(res.store, cfg), "after training")
         trk.log_new()

@@ -32,6 +32,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pandas as pd
 from prefect import get_run_logger
@@ -163,9 +164,11 @@ class RunView:
             with get_client(sync_client=True) as client:
                 tags = client.read_flow_run(flow_run.id).tags
                 client.update_flow_run(flow_run.id, tags=list(dict.fromkeys([*tags, *run_tags(res.cfg)])))
-        self.progress_id = create_progress_artifact(
+        progress_id = create_progress_artifact(
             progress=self._percent(), key=f"{self.scope}-progress", description=self._progress_text()
         )
+        assert isinstance(progress_id, UUID)  # called from synchronous code: the artifact's id, not a coroutine
+        self.progress_id = progress_id
 
     def _generated(self) -> int:
         return max((int(r.get("rollouts_generated_total") or 0) for r in self.rows.values()), default=0)

@@ -129,7 +129,7 @@ def _bench(train: Train, cfg: Any, config_path: str | None, work: Path, steps: i
     res = run.open_run(run_dir.resolve(), cfg, continuing=True)
     try:
         progress("start the engine, the verifier pool and the trainer on the run's final weights")
-        stage_step.resume_point(res)
+        res.policy.start()
         machine["torch_threads"] = torch.get_num_threads()  # what the stages run with
         store = res.store
         timings = [store.read_step_json(t, "timing") for t in range(steps)]
@@ -352,17 +352,22 @@ def _bench_parquet(store: Any, scratch: Path, cfg: Any, step: int, repeats: int,
 def _bench_update(res: Any, rollouts: Any, rewards: Any, scratch: Path, repeats: int, progress) -> dict:
     """PolicyTrainer.update on the step's rollouts (as update_task prepares them), checkpoint save, reload."""
     from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline.policy import InProcessPolicy
 
+    policy = res.policy
+    if not isinstance(policy, InProcessPolicy):  # the config was refused before (optim.fsdp_processes=1)
+        raise TypeError(f"bench stages times the trainer of this process, not {type(policy).__name__}")
+    trainer = policy.trainer
     progress(f"update: PolicyTrainer.update on {len(rollouts)} rollouts")
     t0 = time.perf_counter()
     adv = stages.advantages_for(rollouts, rewards)
     prompt_ids, completion_ids, logprobs = stages.update_sequences(rollouts, res.prompts)
     prepare_s = time.perf_counter() - t0
-    seconds, metrics = _median_time(lambda: res.trainer.update(prompt_ids, completion_ids, adv, logprobs), repeats)
+    seconds, metrics = _median_time(lambda: trainer.update(prompt_ids, completion_ids, adv, logprobs), repeats)
     ckpt = scratch / "checkpoint"
-    save_s, _ = _median_time(lambda: res.trainer.save_checkpoint(ckpt, extra_state={"bench": True}), repeats)
+    save_s, _ = _median_time(lambda: trainer.save_checkpoint(ckpt, extra_state={"bench": True}), repeats)
     version = res.engine.weight_version
-    reload_s, _ = _median_time(lambda: res.engine.set_weights(res.trainer.engine_weights, version=version), repeats)
+    reload_s, _ = _median_time(lambda: res.engine.set_weights(trainer.engine_weights, version=version), repeats)
     tokens = int(metrics["tokens"])
     return {
         "sequences": int(metrics["sequences"]),

@@ -18,7 +18,7 @@ first allocation that differs: the first run trains those steps once and forks t
 ``--no-fork``.
 
 Then the runs are read back into the tables, ``final.json`` and ``compare.png`` in ``<out>/``
-(``coba_tasks.commands.compare_tables`` lists and computes them).
+(``coba_tasks.readers.comparison`` lists and computes them).
 
     coba compare --strategies uniform,knapsack,coba --seeds 3 --steps 24
 """
@@ -131,7 +131,7 @@ def earlier_runs(
 ) -> dict[tuple[str, int], Earlier]:
     """(strategy, seed) -> ``Earlier`` for the finished runs in ``--out``'s own tables (this sitting rewrites
     them, so a row it left out would be lost) and then in ``--kept``'s."""
-    from coba_tasks.commands import compare_tables as ct
+    from coba_tasks.readers import comparison as ct
 
     runs: dict[tuple[str, int], Earlier] = {}
     for tables, where, fix in ((own, out, "another --out"), (kept, kept_dir, "another --out and no --kept")):
@@ -331,7 +331,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Run (or continue) the comparison, then write its tables and plot and print the summary."""
     import pandas as pd
 
-    from coba_tasks.commands import compare_tables as ct
+    from coba_tasks.readers import comparison as ct
 
     strategies = parse_strategies(args.strategies)
     seeds = parse_seeds(str(args.seeds))

@@ -185,13 +185,8 @@ def _check_default_tiny_model(path: str) -> None:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """Run ``coba resume``: check the run (lock, config, tables, inputs, checkpoint), then continue its flow."""
-    from coba_tasks.pipeline.run import (
-        check_inputs,
-        checked_checkpoint,
-        first_step_not_done,
-        read_run_config,
-        run_length,
-    )
+    from coba_tasks.pipeline.policy import policy_class
+    from coba_tasks.pipeline.run import check_inputs, first_step_not_done, read_run_config, run_length
     from coba_tasks.pipeline.runlock import RunLock
     from coba_tasks.pipeline.store import RunStore
     from coba_tasks.pipeline.tables import step_label
@@ -233,8 +228,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     # what the flow checks too, here first so that a refusal is one line, not a failed flow run's log
     changed = args.allow_changed_inputs
     check_inputs(store, cfg, changed, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
-    if first > 0 and cfg.optim.fsdp_processes > 1:  # FSDP continues from the checkpoint of its step; others replay
-        checked_checkpoint(store, first)  # a partial or damaged checkpoint: the file and the rerun that mends it
+    policy_class(cfg).check_continues(
+        store, first
+    )  # FSDP: the checkpoint of its step (the file, the rerun that mends it)
     print(f"resuming {store.root} at {step_label(first, cfg.run.steps)}; stages already done are not recomputed")
     from coba_tasks.commands.prefect_env import configure_prefect, start_local_server
 

@@ -157,7 +157,13 @@ def uniform_budgets(m: int, total_budget: int) -> np.ndarray:
 def _plan(req: AllocationRequest, strategy: Strategy, budgets: np.ndarray, **fields: Any) -> Allocation:
     """An ``Allocation`` of ``req``: ``fields`` over the defaults (no values, gains, mode, solver or tau)."""
     nan = np.full(req.size, np.nan)
-    defaults = {"pass_rates": req.pass_rates, "values": nan, "marginal_gains": nan.copy(), "mode": "", "solver": ""}
+    defaults: dict[str, Any] = {
+        "pass_rates": req.pass_rates,
+        "values": nan,
+        "marginal_gains": nan.copy(),
+        "mode": "",
+        "solver": "",
+    }
     defaults |= {"groups": np.full(req.size, "all", dtype=object), "tau": float("nan")}
     return Allocation(budgets=budgets, strategy=strategy.value, alpha=req.alpha, beta=req.beta, **(defaults | fields))
 
@@ -334,10 +340,10 @@ def plan_allocation(
     """
     request = _validate(pass_rates, total_budget, strategy, min_budget, max_budget, alpha, beta, tau, mode, solver)
     if not request.seen.any():
-        plan = allocator(Strategy.UNIFORM.value)(request)
+        plan = _ALLOCATORS[Strategy.UNIFORM.value](request)
         unseen = "every prompt unseen" + (" (without an estimate)" if strategy == Strategy.KNAPSACK.value else "")
         return replace(plan, strategy=strategy, fallback=f"{unseen}: uniform allocation")
-    plan = allocator(strategy)(request)
+    plan = _ALLOCATORS[strategy](request)  # a name _validate checked
     budgets = plan.budgets
     assert budgets.dtype == np.int64 and int(budgets.sum()) == request.total_budget, "allocator broke the total"
     assert budgets.min() >= request.min_budget, "allocator broke B_low"

@@ -86,11 +86,13 @@ class CapabilityTracker:
     @property
     def alpha(self) -> float:
         """Current alpha (for the next step's allocation)."""
+        assert self._alpha is not None  # set by __post_init__
         return float(self._alpha)
 
     @property
     def beta(self) -> float:
         """Current beta = kappa - alpha."""
+        assert self._beta is not None  # set by __post_init__
         return float(self._beta)
 
     @property
@@ -130,7 +132,9 @@ class CapabilityTracker:
             )
         self.failure_rates.append(float(1.0 - rates.mean()))
         ftil = self.failure_rate_transformed
-        alpha = min(max(self.alpha_min + self.lam * ftil, self.alpha_min), self.alpha_max)
+        lam, alpha_max = self.lam, self.alpha_max
+        assert lam is not None and alpha_max is not None  # set by __post_init__
+        alpha = min(max(self.alpha_min + lam * ftil, self.alpha_min), alpha_max)
         self._alpha = float(alpha)
         self._beta = float(self.kappa - alpha)
         return self.alpha, self.beta
@@ -148,9 +152,17 @@ class CapabilityTracker:
             raise ValueError(
                 f"capability state version {version!r} is not supported (this build reads version {STATE_VERSION})"
             )
-        shape = {k: int(state[k]) if k == "window" else float(state[k]) for k in _SHAPE_KEYS}
-        failure_rates = [float(f) for f in state["failure_rates"]]
-        return cls(**shape, failure_rates=failure_rates, _alpha=float(state["alpha"]), _beta=float(state["beta"]))
+        return cls(
+            kappa=float(state["kappa"]),
+            window=int(state["window"]),
+            gamma=float(state["gamma"]),
+            alpha_min=float(state["alpha_min"]),
+            alpha_max=float(state["alpha_max"]),
+            lam=float(state["lam"]),
+            failure_rates=[float(f) for f in state["failure_rates"]],
+            _alpha=float(state["alpha"]),
+            _beta=float(state["beta"]),
+        )
 
 
 # --- Each prompt's pass-rate estimate (``allocation.estimator``; docs/method.md, section 2): ``last`` (the mean

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import TypeVar
 
 import numpy as np
 
@@ -30,7 +31,10 @@ def varied_groups(prompt_ids: Sequence[str], values: np.ndarray) -> dict[str, bo
     return {pid: len(vs) == 1 or float(np.std(vs)) > 0 for pid, vs in groups.items()}
 
 
-def trained_groups(kept_in_order: Sequence[str], train_prompts: int) -> list[str]:
+G = TypeVar("G")  # a group's key: a prompt id, or (prompt id, round)
+
+
+def trained_groups(kept_in_order: Sequence[G], train_prompts: int) -> list[G]:
     """The groups the update trains on: the first ``train_prompts`` kept groups in the order they were generated
     (earlier generation batches first); the later ones are dropped, as the recipe cuts its batch."""
     return list(kept_in_order[:train_prompts])

@@ -387,7 +387,9 @@ def _read_untrusted(text: str, file: Path, name: str) -> Mapping[str, Any]:
     except ConfigError as e:
         dotted = re.match(r"(\w+)\.(\w+)", str(e))  # the key a message starts with, when it is one of the config's
         field = SECTIONS[dotted[1]].model_fields.get(dotted[2]) if dotted and dotted[1] in SECTIONS else None
-        what = f": the value of {dotted[0]} ({field.description}) is not valid" if field else ": a value is not valid"
+        what = ": a value is not valid"
+        if dotted and field:
+            what = f": the value of {dotted[0]} ({field.description}) is not valid"
         raise ConfigError(_withheld(name, file, what)) from None
     return raw
 

@@ -129,7 +129,10 @@ def config_error(error: ValidationError, prefix: tuple[str, ...] = (), where: st
     err = next((e for e in errors if e["type"] in _STRUCTURE), errors[0])
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, ConfigError):  # a section's own (pydantic calls its __init__) or a check across keys
-        return config_error(*cause.source, where=where) if cause.source else cause
+        if not cause.source:
+            return cause
+        source_error, source_prefix = cause.source
+        return config_error(source_error, source_prefix, where=where)
     loc, kind, value = (*prefix, *err["loc"]), err["type"], err["input"]
     out = _one_line(loc, kind, value, err, where)
     out.source = (error, prefix)  # a Config validating this section says it again with the file's name

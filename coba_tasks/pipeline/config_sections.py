@@ -75,7 +75,7 @@ def test_set_name(path: str) -> str:
     return Path(path).name.removesuffix(".parquet")
 
 
-test_set_name.__test__ = False  # a function of the package, not a test: pytest collects only its doctest
+test_set_name.__test__ = False  # type: ignore[attr-defined]  # a function, not a test: pytest takes its doctest
 
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")

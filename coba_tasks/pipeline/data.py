@@ -352,7 +352,8 @@ def read_dataset(
         try:
             rows.append({**reader(raw), "_row": i})
         except _BadValue as e:
-            problems.append(Problem(*e.args, row=i))
+            column, message = e.args
+            problems.append(Problem(column, message, row=i))
     problems += duplicate_ids(rows)
     problems.sort(key=lambda p: p.row or 0)
     refuse_or_skip(path, table.num_rows, problems, on_bad_rows)

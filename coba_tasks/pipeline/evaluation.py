@@ -10,8 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +57,10 @@ from coba_tasks.pipeline.data import (
     sample_eval_prompts,
 )
 from coba_tasks.pipeline.deployment import check_reward_files
+from coba_tasks.pipeline.policy import whole_checkpoint
 from coba_tasks.pipeline.run import (
     RunResources,
     check_remote_code,
-    checked_checkpoint,
     first_step_not_done,
     rollouts_generated,
     run_length,
@@ -202,9 +201,9 @@ def evaluate(
     if "prompt_text" in test:
         out["prompt_text"] = test["prompt_text"].astype(str).to_numpy()
     shown = rolls.assign(verdict=rewards["verdict"].to_numpy()).drop_duplicates(["_kind", "prompt_id"])
-    for kind, name in ((0, "sample"), (1, "greedy")):
-        first = shown[shown["_kind"] == kind].set_index("prompt_id").reindex(test["prompt_id"])
-        if kind == 0 or (greedy and not only_greedy):
+    for batch, name in ((0, "sample"), (1, "greedy")):
+        first = shown[shown["_kind"] == batch].set_index("prompt_id").reindex(test["prompt_id"])
+        if batch == 0 or (greedy and not only_greedy):
             out[f"{name}_completion"] = first["completion"].astype(object).to_numpy()
             out[f"{name}_verdict"] = first["verdict"].astype(object).to_numpy()
     return out.reset_index(drop=True)
@@ -483,6 +482,19 @@ def sample_each_set(test: pd.DataFrame, prompts: int, seed: int) -> pd.DataFrame
     return pd.concat([sample_eval_prompts(part, prompts, seed) for part in sets], ignore_index=True)
 
 
+def watched_checkpoint(store: RunStore, posted: int | None, before_hashing: Callable[[], None]) -> int | None:
+    """The checkpoint the watch shows, the newest first: one an earlier watch posted (``posted``: nothing to do),
+    one the run evaluated itself, or the first whose files are as its checkpoint.json lists them (the only one
+    hashed, after ``before_hashing``); None when there is none."""
+    for step in sorted(store.checkpoints(), reverse=True):
+        if step == posted or store.is_done(step, Table.EVAL):
+            return step
+        before_hashing()  # what would refuse the evaluation refuses it before gigabytes are read
+        if whole_checkpoint(store, step):
+            return step
+    return None
+
+
 def evaluate_run_checkpoint(store: RunStore, cfg: Config, step: int, eval_prompts: int = 0) -> pd.DataFrame:
     """Per-prompt held-out accuracy of ``checkpoints/<step>`` as the run's own evaluation of those weights
     (``evaluate_step``) computes it, in an engine of its own: the run's held-out prompts (data.test and
@@ -566,10 +578,10 @@ def pool_census(
 
 @stage(Table.EVAL)
 def evaluate_step(res: RunResources, step: int) -> pd.DataFrame:
-    """Held-out accuracy of the weights after ``step`` updates (``engine_holds``: loaded when the engine holds
+    """Held-out accuracy of the weights after ``step`` updates (``Policy.holding``: loaded when the engine holds
     others, as in an evaluation recomputed later)."""
     r = res.cfg.run
-    with engine_holds(res, step):
+    with res.policy.holding(step):
         table = evaluate(
             res.test,
             res.engine,
@@ -587,35 +599,6 @@ def evaluate_step(res: RunResources, step: int) -> pd.DataFrame:
     if set(table["weight_version"]) != {step}:  # never a table of other weights under this step's name
         raise StoreError(f"held-out evaluation at step {step} ran on weight version(s) {set(table['weight_version'])}")
     return table
-
-
-@contextmanager
-def engine_holds(res: RunResources, version: int) -> Iterator[None]:
-    """The rollout engine holds the policy after ``version`` updates while the block runs, loaded when it holds
-    others and its own loaded back after; a checkpoint that is gone is a StoreError before anything is computed."""
-    held = res.engine.weight_version
-    if held == version:
-        yield
-        return
-    _load_version(res, version)
-    try:
-        yield
-    finally:
-        _load_version(res, held)
-
-
-def _load_version(res: RunResources, version: int) -> None:
-    """Load the policy after ``version`` updates: the base model at 0, else the trainer's (the flow brings the
-    trainer to a version before evaluating it: ``stages.advance``), or without one here (FSDP) the checkpoint."""
-    if version == 0:
-        res.engine.load_weights(res.cfg.model.path, version=0)
-    elif res.trainer is not None:
-        if res.trainer.updates != version:
-            raise RuntimeError(f"the trainer holds the policy after {res.trainer.updates} updates, not {version}")
-        res.engine.set_weights(res.trainer.engine_weights, version=version)
-    else:
-        needed = f"the held-out evaluation of step {version} needs it"
-        res.engine.load_weights(checked_checkpoint(res.store, version, needed_for=needed), version=version)
 
 
 def run_complete(store: RunStore, cfg: Config) -> bool:

@@ -25,7 +25,8 @@ from coba_tasks.engines.fileio import new_temporary_dir, sha256_file, write_parq
 from coba_tasks.pipeline import prompt_history, stages
 from coba_tasks.pipeline.config import Config, config_hash, config_to_dict
 from coba_tasks.pipeline.config_sections import ROUND_SAMPLING_KEYS
-from coba_tasks.pipeline.run import RunResources, checked_checkpoint, read_run_config
+from coba_tasks.pipeline.policy import policy_class
+from coba_tasks.pipeline.run import RunResources, read_run_config
 from coba_tasks.pipeline.store import MANIFEST_FILE, RunStore, StoreError, Table
 
 # The allocation keys, each read by the capability, history or budget stage and by no other stage. A key
@@ -139,9 +140,8 @@ def fork_run(source: RunStore, root: str | os.PathLike[str], cfg: Config, point:
     if s > 0:
         if not source.is_done(s - 1, Table.UPDATE):
             raise ForkError(f"step {s - 1} of {source.root} is not done")
-        try:  # FSDP continues from the checkpoint of its step; the others replay the updates after their newest
-            if cfg.optim.fsdp_processes > 1:
-                checked_checkpoint(source, s)
+        try:  # what step s continues from (FSDP: the checkpoint of its step; the others replay from their newest)
+            policy_class(cfg).check_continues(source, s)
         except StoreError as exc:
             raise ForkError(str(exc)) from None
     if set(point.budgets) != set(range(min(s + 1, cfg.run.steps))):

@@ -13,7 +13,7 @@ estimator's history has them, so a ``last`` run records what ``posterior`` would
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -29,6 +29,9 @@ from coba_tasks.core.capability import (
 )
 from coba_tasks.core.knapsack import pool_outcomes
 from coba_tasks.engines.verify import solved
+
+if TYPE_CHECKING:
+    from coba_tasks.pipeline.config_sections import AllocationConfig
 
 POSTERIOR_DTYPES = {
     "posterior_a": np.float64,
@@ -76,7 +79,7 @@ def counts_after_visit(
 
 
 def batch_estimates(
-    batch: Sequence[str], history: pd.DataFrame, alloc: Any, pilot: pd.DataFrame | None = None
+    batch: Sequence[str], history: pd.DataFrame, alloc: AllocationConfig, pilot: pd.DataFrame | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(estimate, estimate_rollouts) of each prompt of ``batch`` under ``alloc.estimator`` (coba and uniform;
     Knapsack-RL keeps its own estimate, ``stages.budget_table``):
@@ -87,15 +90,15 @@ def batch_estimates(
       visited); NaN and 0 while no rollout has been scored at all (the allocation is then uniform);
     - ``pilot``: the posterior after the pilot's rewards ``pilot`` (a rewards table) joined the visit.
     """
-    estimator = getattr(alloc, "estimator", Estimator.LAST.value)
+    estimator = alloc.estimator
     if estimator == Estimator.LAST:
         rates = dict(zip(history["prompt_id"], history["pass_rates"], strict=True))
         sizes = dict(zip(history["prompt_id"], [list(v) for v in history["visit_rollouts"]], strict=True))
         est = np.array([float(np.mean(rates[p])) if p in rates else np.nan for p in batch], dtype=np.float64)
         rests = [float(sum(sizes[p])) if p in rates else 0.0 for p in batch]
         return est, np.array(rests, dtype=np.float64)
-    strength = float(getattr(alloc, "prior_strength", DEFAULT_PRIOR_STRENGTH))
-    decay = float(getattr(alloc, "posterior_decay", DEFAULT_DECAY))
+    strength = float(alloc.prior_strength)
+    decay = float(alloc.posterior_decay)
     state = posterior_state(history).reindex(list(batch))
     pbar, scored = prior_pass_rate(history)
     a, b = counts_before(state["posterior_a"], state["posterior_b"], pbar, strength)

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coba_tasks.pipeline.evaluation import run_eval_steps
-from coba_tasks.pipeline.run import first_step_not_done, read_run_config, rerun_line, run_length, whole_checkpoint
+from coba_tasks.pipeline.policy import policy_class, whole_checkpoint
+from coba_tasks.pipeline.run import first_step_not_done, read_run_config, rerun_line, run_length
 from coba_tasks.pipeline.store import STEP_ORDER, RunStore, StoreError, Table, inside_run, step_stages
-from coba_tasks.pipeline.tables import RERUNNABLE, after_updates, step_label
+from coba_tasks.pipeline.tables import RERUNNABLE
 
 
 def _order(step_dir: int, name: str) -> tuple[int, int]:
@@ -124,17 +125,15 @@ def resume_step(store: RunStore, plan: RerunPlan, steps: int) -> int:
 
 
 def needed_checkpoints(store: RunStore, plan: RerunPlan) -> list[int]:
-    """The checkpoints the resume after ``plan`` reads, in a run whose updates run under FSDP (the others replay
-    the updates after their newest checkpoint, none needed): the one it continues from (none at step 0), and
-    those of the held-out evaluations before that step it must compute first (the plan's own, or ones missing)."""
+    """The checkpoints the resume after ``plan`` reads (``Policy.needed_checkpoints``: under FSDP the one it
+    continues from and those of the held-out evaluations before that step it must compute first, the plan's own
+    or ones missing; none where the updates after the newest checkpoint are replayed)."""
     cfg = read_run_config(store)
-    if cfg.optim.fsdp_processes <= 1:
-        return []
     first = resume_step(store, plan, run_length(store, cfg))
     removed = set(plan.tables)
     evals = [e for e in run_eval_steps(store, cfg) if 0 < e < first]
     needed = [e for e in evals if (e, Table.EVAL) in removed or not store.is_done(e, Table.EVAL)]
-    return sorted({*needed, *([first] if first > 0 else [])})
+    return policy_class(cfg).needed_checkpoints(store, first, needed)
 
 
 def check_plan(store: RunStore, plan: RerunPlan) -> None:
@@ -162,15 +161,10 @@ def check_plan(store: RunStore, plan: RerunPlan) -> None:
 
 
 def resume_weights(store: RunStore, plan: RerunPlan) -> list[str]:
-    """Where the resume after ``plan`` takes its weights from, in words, one line per held-out evaluation it
-    computes first and one for the step it goes on at: the checkpoint it loads (the newest whole one at or below,
-    above what the trainer holds then: ``stages.advance``) and how many updates it replays from their tables.
-    Under FSDP every update has its checkpoint: nothing is replayed."""
+    """Where the resume after ``plan`` takes its weights from, in words (``Policy.resume_lines``), one line per
+    held-out evaluation it computes first and one for the step it goes on at."""
     cfg = read_run_config(store)
-    steps = run_length(store, cfg)
-    first = resume_step(store, plan, steps)
-    if cfg.optim.fsdp_processes > 1:
-        return [f"the resume goes on at {step_label(first, steps)} from checkpoints/{first:06d} (FSDP: no replay)"]
+    first = resume_step(store, plan, run_length(store, cfg))
     removed = set(plan.tables)
     kept = sorted((k for k in store.checkpoints() if store.checkpoint_dir(k) not in plan.checkpoints), reverse=True)
     due = [
@@ -178,20 +172,7 @@ def resume_weights(store: RunStore, plan: RerunPlan) -> list[str]:
         for e in run_eval_steps(store, cfg)[1:-1]
         if e <= first and ((e, Table.EVAL) in removed or not store.is_done(e, Table.EVAL))
     ]
-    lines, held = [], 0
-    for target in (*due, first):
-        whole = next((k for k in kept if held < k <= target and whole_checkpoint(store, k)), None)
-        start = held if whole is None else whole
-        where = "the base model" if held == 0 else f"the policy {after_updates(held)}"
-        where = f"checkpoints/{whole:06d}" if whole else where
-        what = f"the evaluation {after_updates(target)}" if target in due else f"training at {step_label(first, steps)}"
-        if target == first == steps:
-            what = "the end of the run (the policy after its last update)"
-        n = target - start
-        said = f"replaying {n} update{'s' if n != 1 else ''} from their tables" if n else "no replay"
-        lines.append(f"the resume computes {what} from {where} ({said})")
-        held = target
-    return lines
+    return policy_class(cfg).resume_lines(store, cfg, first, due, kept)
 
 
 def apply_rerun(store: RunStore, plan: RerunPlan) -> None:

@@ -10,7 +10,7 @@ score a round, and the step's rollouts and rewards written from its rounds, are 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -18,6 +18,9 @@ import pandas as pd
 from coba_tasks.core.ada import finished, kept_counts
 from coba_tasks.core.dynamic import FilterMetric, trained_groups, varied_groups
 from coba_tasks.engines.verify import VerdictKind
+
+if TYPE_CHECKING:
+    from coba_tasks.pipeline.config_sections import AllocationConfig
 
 ROUND = "round"  # the round a rollout was sampled in (0, 1, ...)
 USED = "used"  # whether the update trains on it (the step's rollouts table, a step sampled in rounds)
@@ -53,7 +56,9 @@ def dynamic_kept(round_rewards: pd.DataFrame, metric: str) -> list[tuple[str, in
     return kept
 
 
-def dynamic_next(round_rewards: pd.DataFrame | None, alloc: Any, train_prompts: int, pool: int, step: int) -> bool:
+def dynamic_next(
+    round_rewards: pd.DataFrame | None, alloc: AllocationConfig, train_prompts: int, pool: int, step: int
+) -> bool:
     """Whether the step samples another generation batch: yes while it holds fewer than ``train_prompts`` kept
     groups. At ``allocation.max_num_gen_batches`` batches short of them the run stops (``RoundsError``), as veRL's
     recipe raises; without a limit, once the batches have covered the training pool (``pool`` prompts)."""
@@ -82,7 +87,7 @@ def dynamic_next(round_rewards: pd.DataFrame | None, alloc: Any, train_prompts: 
     return True
 
 
-def gen_batch_size(alloc: Any, train_prompts: int) -> int:
+def gen_batch_size(alloc: AllocationConfig, train_prompts: int) -> int:
     """Prompts per generation batch: ``allocation.gen_batch_size``, else ``data.prompts_per_step``."""
     return int(alloc.gen_batch_size) or train_prompts
 
@@ -103,7 +108,7 @@ def positive(rewards: pd.DataFrame, threshold: float) -> np.ndarray:
     return rewards["reward"].to_numpy(dtype=np.float64) > threshold
 
 
-def ada_state(round_rewards: pd.DataFrame | None, batch: Sequence[str], alloc: Any) -> pd.DataFrame:
+def ada_state(round_rewards: pd.DataFrame | None, batch: Sequence[str], alloc: AllocationConfig) -> pd.DataFrame:
     """Per prompt of ``batch`` (indexed by prompt_id): ``pos``, ``neg`` (its positive and negative rollouts so far)
     and ``done`` (its exit rule passed after one of the rounds so far: it is sampled no more)."""
     state = pd.DataFrame({"pos": 0, "neg": 0, "done": False}, index=pd.Index(list(batch), name="prompt_id"))
@@ -121,7 +126,7 @@ def ada_state(round_rewards: pd.DataFrame | None, batch: Sequence[str], alloc: A
     return state
 
 
-def ada_next(round_rewards: pd.DataFrame | None, batch: Sequence[str], alloc: Any) -> list[str]:
+def ada_next(round_rewards: pd.DataFrame | None, batch: Sequence[str], alloc: AllocationConfig) -> list[str]:
     """The prompts the next round samples, in ``batch`` order: those not done, while fewer than
     ``allocation.max_rounds`` rounds are done (empty: the rounds are over)."""
     if _rounds_done(round_rewards) >= alloc.max_rounds:
@@ -130,7 +135,7 @@ def ada_next(round_rewards: pd.DataFrame | None, batch: Sequence[str], alloc: An
     return [p for p in batch if not state.at[p, "done"]]
 
 
-def ada_used(rewards: pd.DataFrame, batch: Sequence[str], alloc: Any) -> np.ndarray:
+def ada_used(rewards: pd.DataFrame, batch: Sequence[str], alloc: AllocationConfig) -> np.ndarray:
     """Per row of ``rewards`` (the step's rounds, ``round`` included): whether the update sees it: per prompt the
     first positives and negatives in the order they were generated, as many as ``core.ada.kept_counts`` gives."""
     state = ada_state(rewards, batch, alloc)
@@ -147,7 +152,7 @@ def ada_used(rewards: pd.DataFrame, batch: Sequence[str], alloc: Any) -> np.ndar
     return used
 
 
-def ada_counts(rewards: pd.DataFrame, alloc: Any) -> tuple[np.ndarray, np.ndarray]:
+def ada_counts(rewards: pd.DataFrame, alloc: AllocationConfig) -> tuple[np.ndarray, np.ndarray]:
     """Per row of ``rewards``: its prompt's positive and negative rollouts over the whole step (the pool of its
     baseline under ``allocation.global_stat_est``)."""
     pos = pd.Series(positive(rewards, alloc.positive_threshold), index=rewards.index)

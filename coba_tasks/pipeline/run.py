@@ -5,13 +5,13 @@ stages`` calls the same functions without Prefect.
 
     cfg, root, continuing = resolve_run("configs/demo.yaml", run_dir="runs/x")
     res = open_run(root, cfg, continuing)            # datasets checked, run directory created
-    first = stages.resume_point(res)                 # the first step to run; engine, verifier pool, trainer
+    first = res.policy.start()                       # the first step to run; engine, verifier pool, trainer
     close_run(res)
 
 A run's long-lived resources (rollout engine, verifier pool, training model) live in this process in a
 ``RunResources`` registered under the run directory; tasks receive the directory and a step and look them up
 with ``resources(run_dir)``. Also here: the checks of a run directory and of a continuing run's inputs, the
-checkpoint a step continues from, and the permission to run a model's own code.
+permission to run a model's own code.
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pandas as pd
 
-from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.fileio import content_sha256
 from coba_tasks.engines.reward_file import RewardFunction
-from coba_tasks.engines.rollout import make_backend
-from coba_tasks.engines.update import PolicyTrainer, UpdateSettings, repeatable_setup
+from coba_tasks.engines.rollout import RolloutBackend, make_backend
+from coba_tasks.engines.update import UpdateSettings
 from coba_tasks.engines.verify_pool import VerifierPool
 from coba_tasks.pipeline import prompt_history
 from coba_tasks.pipeline.config import (
@@ -63,28 +62,44 @@ from coba_tasks.pipeline.faults import FaultHooks
 from coba_tasks.pipeline.runlock import LOCK_FILE
 from coba_tasks.pipeline.store import RUN_FILE, RunStore, StoreError, Table
 
+if TYPE_CHECKING:
+    from coba_tasks.pipeline.policy import Policy
+
 logger = logging.getLogger(__name__)
+
+
+class NotStarted:
+    """A run's engine or verifier pool before ``start_resources``: any use of it is an error that says so."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the run's {self.what} is not started ({name} asked for): start_resources starts it")
 
 
 @dataclass
 class RunResources:
-    """What a run keeps alive between steps, in this process."""
+    """What a run keeps alive between steps, in this process: the rollout engine and the verifier pool
+    (``start_resources``), and the policy's weights (``policy``: its trainer, checkpoints and replays,
+    ``coba_tasks.pipeline.policy``), made with the resources and started by ``policy.start``."""
 
     cfg: Config
     store: RunStore
     prompts: pd.DataFrame  # the training pool, rendered (prompts.parquet)
     test: pd.DataFrame  # the held-out prompts of each evaluation, rendered
-    engine: Any = None  # a RolloutBackend
-    pool: Any = None  # a VerifierPool
-    trainer: Any = None  # PolicyTrainer; None with optim.fsdp_processes > 1 (the update runs in a torchrun job)
+    engine: RolloutBackend = field(default_factory=lambda: cast(Any, NotStarted("rollout engine")))
+    pool: VerifierPool = field(default_factory=lambda: cast(Any, NotStarted("verifier pool")))
+    policy: Policy = field(init=False)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     step_walls: list[tuple[float, float]] = field(default_factory=list)  # (step wall, orchestration) seconds
     faults: FaultHooks = field(default_factory=FaultHooks.from_env)  # tests' crash and failure points
     stop_signal: str | None = None  # SIGINT or SIGTERM once asked to stop (``stop_on_signals``)
-    # why every update is written as a checkpoint, its replay not relied on (``start_resources``); None: on schedule
-    not_repeatable: str | None = None
-    replay_failed: Exception | None = None  # a ReplayError: the trainer's policy is not the run's until a load
-    damaged_checkpoints: set[int] = field(default_factory=set)  # found partial or damaged: passed over, said once
+
+    def __post_init__(self) -> None:
+        from coba_tasks.pipeline.policy import policy_class  # the policy's module builds on this one
+
+        self.policy = policy_class(self.cfg)(self)
 
     def timed(self, stage: str, seconds: float) -> None:
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
@@ -120,30 +135,6 @@ def step_boundary(res: RunResources, step: int) -> None:
 # --- Opening, starting and closing a run
 
 
-def previous_checkpoint(store: RunStore, step: int) -> Path | None:
-    """The checkpoint an FSDP update of ``step`` starts from: ``checkpoints/<step>``, written by the previous
-    step's update (what the single-process trainer holds in memory then), or None at step 0 (the base model,
-    a fresh optimizer). A missing checkpoint is an error, never a silent restart from the base model."""
-    return None if step == 0 else checked_checkpoint(store, step)
-
-
-def checked_checkpoint(store: RunStore, step: int, needed_for: str = "") -> Path:
-    """``checkpoints/<step>``, after checking every file against its manifest (``verify_checkpoint``):
-    a missing, partial or damaged checkpoint stops the run with the file named, what needs it (``needed_for``;
-    by default the step that continues from it) and the way out (rerun the update that wrote it), never a
-    silent start from other weights."""
-    ckpt = store.checkpoint_dir(step)
-    try:
-        verify_checkpoint(ckpt)
-    except CheckpointError as exc:
-        why = f"{ckpt} is missing" if not ckpt.is_dir() else str(exc)
-        raise StoreError(
-            f"{why}: {needed_for or f'step {step} continues from it'} (run.keep_checkpoints may delete old ones); "
-            f"recompute it with {rerun_line(store, step - 1, Table.UPDATE)}"
-        ) from None
-    return ckpt
-
-
 def rerun_line(store: RunStore, step: int, stage: str) -> str:
     """The ``coba rerun`` of ``stage`` at ``step`` with --yes, and what it deletes: the tables from there on and,
     named one by one, the checkpoints of the updates from ``step`` on (an evaluation's rerun deletes only its
@@ -154,39 +145,6 @@ def rerun_line(store: RunStore, step: int, stage: str) -> str:
     gone = [k for k in store.checkpoints() if k > step]
     named = f" and {', '.join(f'checkpoints/{k:06d}' for k in gone)}" if gone else ""
     return f"{command} (it deletes the tables from its {stage} stage of step {step} on{named})"
-
-
-def whole_checkpoint(store: RunStore, step: int) -> bool:
-    """Whether ``checkpoints/<step>`` is there with every file as its ``checkpoint.json`` lists it."""
-    try:
-        verify_checkpoint(store.checkpoint_dir(step))
-    except CheckpointError:
-        return False
-    return True
-
-
-def newest_checkpoint(
-    store: RunStore,
-    upto: int,
-    warn: Callable[[str], None] | None = None,
-    above: int = 0,
-    passed_over: set[int] | None = None,
-) -> int | None:
-    """The newest checkpoint at or below ``upto`` and above ``above`` whose files are as written (None: none; with
-    ``above`` 0 the caller starts from the base model); each is hashed only when the newer ones were not whole. A
-    partial or damaged one on the way is named to ``warn`` and passed over (the updates after the one taken are
-    replayed from the tables: ``stages.advance``), and added to ``passed_over``, whose versions are passed over
-    without a word (a run's earlier findings)."""
-    skip = passed_over if passed_over is not None else set()
-    for k in sorted((k for k in store.checkpoints() if above < k <= upto and k not in skip), reverse=True):
-        try:
-            verify_checkpoint(store.checkpoint_dir(k))
-        except CheckpointError as exc:
-            (warn or logger.warning)(f"{exc}: passed over, the updates after an earlier checkpoint are replayed")
-            skip.add(k)
-            continue
-        return k
-    return None
 
 
 class RunStopped(Exception):
@@ -212,7 +170,7 @@ def stop_on_signals(res: RunResources, say: Callable[[str], None]) -> Iterator[N
     def ask(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if res.stop_signal is not None:  # the second: at once
-            signal.signal(signum, before[signum])
+            signal.signal(signum, before[signal.Signals(signum)])
             signal.raise_signal(signum)
             return
         res.stop_signal = name
@@ -420,6 +378,7 @@ def open_run(
         check_new_run_dir(root)
         check_disk(cfg, root)  # before anything is written: a run whose checkpoints cannot fit is refused
         prompts = data.train
+        assert prompts is not None  # loaded for a new run (load_run_datasets' train=not continuing)
         if cfg.data.train_prompts and cfg.data.train_prompts < len(prompts):
             prompts = prompts.sample(cfg.data.train_prompts, random_state=cfg.run.seed).reset_index(drop=True)
         store = RunStore(root)
@@ -511,22 +470,11 @@ def verifier_pool(cfg: Config) -> VerifierPool:
 
 
 def start_resources(res: RunResources, model_path: str, version: int) -> None:
-    """Start what a run keeps alive between steps: the rollout engine on ``model_path`` (weight
-    version ``version``), the verifier pool and the training model (from the config's model path).
-
-    With ``optim.fsdp_processes`` > 1 no training model is built here: each update is a torchrun job from
-    the last checkpoint, the training state between steps; a copy kept in sync here would load every
-    checkpoint (about 4x the model's size) only to hold weights the flow never reads.
-    """
+    """Start what a run keeps alive between steps besides its policy's trainer: the rollout engine on
+    ``model_path`` (weight version ``version``) and the verifier pool. ``Policy.start`` calls this between
+    what must precede the engine and the trainer."""
     cfg = res.cfg
     r = cfg.rollout
-    if cfg.optim.fsdp_processes == 1:  # before the engine: cuBLAS reads its setting once
-        res.not_repeatable = repeatable_setup()
-        if res.not_repeatable:
-            logger.warning(
-                f"updates on this GPU will not repeat bit for bit ({res.not_repeatable}): every update is written as a "
-                "checkpoint, never replayed"
-            )
     res.engine = make_backend(
         r.backend,
         model_path,
@@ -543,23 +491,13 @@ def start_resources(res: RunResources, model_path: str, version: int) -> None:
     )
     res.engine.weight_version = version
     res.pool = verifier_pool(cfg)
-    settings = update_settings(cfg)
-    if cfg.optim.fsdp_processes > 1:
-        import torch
-
-        # the thread count PolicyTrainer sets in the single-process mode, so that the in-process
-        # engine's CPU work runs the same in both modes (the ranks get it as OMP_NUM_THREADS)
-        torch.set_num_threads(settings.threads)
-        res.trainer = None
-    else:
-        res.trainer = PolicyTrainer(cfg.model.path, settings, seed=cfg.run.seed)
 
 
 def close_run(res: RunResources) -> None:
     """Close the run's verifier pool and engine and unregister it."""
-    if res.pool is not None:
+    if not isinstance(res.pool, NotStarted):
         res.pool.close()
-    if res.engine is not None:
+    if not isinstance(res.engine, NotStarted):
         res.engine.close()
     _RUNS.pop(str(res.store.root.resolve()), None)
 

@@ -3,19 +3,18 @@ task over the run directory (docs/design.md, "One training step, stage by stage"
 ``store.step_stages`` gives, what each reads and writes, the rounds of a step sampled in rounds, and what
 ``@stage`` adds).
 
-A task takes the run directory and the step, never models or tables (the engine, verifier pool and trainer
-are found by directory: ``run.resources``). The update is not retried by Prefect: it moves the weights, and a
-resume recomputes it from the last checkpoint.
+A task takes the run directory and the step, never models or tables (the engine, verifier pool and policy
+are found by directory: ``run.resources``). The update is the policy's (``coba_tasks.pipeline.policy``: which
+weights, which checkpoints); it is not retried by Prefect: it moves the weights, and a resume recomputes it from
+the last checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,12 +35,12 @@ from coba_tasks.core.grpo import (
     zero_variance_share,
 )
 from coba_tasks.core.knapsack import pooled_estimate
-from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.rollout import RolloutBackend, RolloutRequest, SamplingConfig, rollout_seed
-from coba_tasks.engines.update import NonFiniteUpdateError, engine_asleep
+from coba_tasks.engines.update import NonFiniteUpdateError
 from coba_tasks.engines.verify import VerdictKind, count_verdicts
 from coba_tasks.pipeline import prompt_history
 from coba_tasks.pipeline.config import Config
+from coba_tasks.pipeline.config_sections import AllocationConfig
 from coba_tasks.pipeline.prompt_history import batch_estimates, pass_rates, pooled_flags
 from coba_tasks.pipeline.rounds import (
     ROUND,
@@ -53,20 +52,7 @@ from coba_tasks.pipeline.rounds import (
     dynamic_used,
     gen_batch_size,
 )
-from coba_tasks.pipeline.run import (
-    RunResources,
-    RunStopped,
-    checked_checkpoint,
-    first_step_not_done,
-    newest_checkpoint,
-    previous_checkpoint,
-    rerun_line,
-    resources,
-    run_length,
-    start_resources,
-    update_settings,
-    whole_checkpoint,
-)
+from coba_tasks.pipeline.run import RunResources, resources
 from coba_tasks.pipeline.store import StoreError, Table, step_stages
 
 logger = logging.getLogger(__name__)
@@ -82,7 +68,7 @@ def batch_for_step(prompt_ids: Sequence[str], step: int, batch_size: int, seed: 
     out: list[str] = []
     chosen: set[str] = set()
     pos = step * batch_size
-    order, order_epoch = None, -1
+    order, order_epoch = np.arange(0), -1  # the epoch's permutation, drawn on the first pass
     while len(out) < batch_size:
         epoch, offset = divmod(pos, n)
         if epoch != order_epoch:
@@ -290,10 +276,10 @@ def tracker_from_capability(capability: pd.DataFrame) -> CapabilityTracker:
 # --- Allocation (the step's batch, at its start)
 
 
-def schedule_shape(tracker: CapabilityTracker, alloc: Any) -> tuple[float, float]:
+def schedule_shape(tracker: CapabilityTracker, alloc: AllocationConfig) -> tuple[float, float]:
     """(alpha, beta) of the next allocation: the tracker's (``adaptive``), swapped (``reversed``: Beta(beta,
     alpha) peaks at 1 - Ftil, explore first) or ``fixed_alpha``, ``fixed_beta`` (``fixed``)."""
-    schedule = getattr(alloc, "schedule", "adaptive")
+    schedule = alloc.schedule
     if schedule == "reversed":
         return tracker.beta, tracker.alpha
     if schedule == "fixed":
@@ -301,7 +287,7 @@ def schedule_shape(tracker: CapabilityTracker, alloc: Any) -> tuple[float, float
     return tracker.alpha, tracker.beta
 
 
-def section_allocation(est: np.ndarray, alloc: Any, alpha: float, beta: float) -> Allocation:
+def section_allocation(est: np.ndarray, alloc: AllocationConfig, alpha: float, beta: float) -> Allocation:
     """The allocation of a batch with pass rates ``est`` (NaN: never seen) under the ``allocation`` section; a
     strategy sampled in rounds gives each prompt of its first round ``rollouts_per_prompt`` (uniform)."""
     if alloc.strategy in IN_ROUNDS:
@@ -327,7 +313,7 @@ def budget_table(
     batch: Sequence[str],
     history: pd.DataFrame,
     tracker: CapabilityTracker,
-    alloc: Any,
+    alloc: AllocationConfig,
     pilot: pd.DataFrame | None = None,
     step: int | None = None,
 ) -> pd.DataFrame:
@@ -335,7 +321,7 @@ def budget_table(
     is Knapsack-RL's (``pooled_estimate`` of the ``pooled_solved`` flags: NaN with fewer than 8); else
     ``batch_estimates``. ``pilot``: the step's pilot rewards under the ``pilot`` estimator; the budgets count
     the pilot's rollouts. ``step``: the step the budget is for (None: the history's newest visit + 1)."""
-    estimator = getattr(alloc, "estimator", Estimator.LAST.value)
+    estimator = alloc.estimator
     if alloc.strategy == Strategy.KNAPSACK.value:
         flags = dict(zip(history["prompt_id"], pooled_flags(history), strict=True))
         est = np.array([pooled_estimate(flags.get(pid, [])) for pid in batch], dtype=np.float64)
@@ -407,7 +393,7 @@ def advantages_for(rollouts: pd.DataFrame, rewards: pd.DataFrame) -> np.ndarray:
 
 
 def trained(
-    rolled: pd.DataFrame, scored: pd.DataFrame, alloc: Any
+    rolled: pd.DataFrame, scored: pd.DataFrame, alloc: AllocationConfig
 ) -> tuple[pd.DataFrame, pd.DataFrame, np.ndarray, np.ndarray]:
     """What the update trains on: the rollouts and their rewards (a step sampled in rounds: the ``used`` ones),
     their advantages and each one's group (``optim.prompt_weighting``). GRPO's group advantages by prompt
@@ -533,9 +519,16 @@ def stage(
 
         run_stage.__name__ = run_stage.__qualname__ = body.__name__
         run_stage.__doc__, run_stage.__module__ = body.__doc__, body.__module__
-        options = {"retries": retries, "retry_delay_seconds": 2, "cache_policy": NO_CACHE, "persist_result": False}
         name = f"{table.value}-step-{{step}}" + ("-round-{r}" if rounds else "")
-        return task(run_stage, name=table.value, task_run_name=name, **options)
+        options = task(
+            name=table.value,
+            task_run_name=name,
+            retries=retries,
+            retry_delay_seconds=2,
+            cache_policy=NO_CACHE,
+            persist_result=False,
+        )
+        return options(run_stage)
 
     return make
 
@@ -629,24 +622,17 @@ def capability(res: RunResources, step: int) -> pd.DataFrame:
     return table
 
 
-def _reload_policy(res: RunResources, step: int) -> None:
-    """The rollout engine takes the policy after the update of ``step`` (also when it was done before):
-    from the trainer's memory, no file (FSDP: the checkpoint the update's processes wrote); then checkpoints
-    beyond the newest ``run.keep_checkpoints`` are deleted."""
-    version = step + 1
-    if res.trainer is None:  # FSDP
-        res.engine.load_weights(res.store.checkpoint_dir(version), version=version)  # the job just wrote it
-    else:
-        advance(res, version)  # the trainer holds it: handed over (a trainer behind it would replay first)
-    res.store.prune_checkpoints(res.cfg.run.keep_checkpoints, upto=version)
+def _hand_over(res: RunResources, step: int) -> None:
+    res.policy.hand_over(step)  # the engine takes the weights after the update (also when it was done before)
 
 
-@stage(Table.UPDATE, retries=0, then=_reload_policy)
+@stage(Table.UPDATE, retries=0, then=_hand_over)
 def update(res: RunResources, step: int) -> pd.DataFrame:
-    """The GRPO update on the step's rollouts; writes checkpoints/<step + 1> when due. A reward beyond the group
-    statistics' bound or a non-finite update stops the run in one line naming the step (nothing stepped)."""
+    """The GRPO update on the step's rollouts (``Policy.update``); writes checkpoints/<step + 1> when due. A reward
+    beyond the group statistics' bound or a non-finite update stops the run in one line naming the step (nothing
+    stepped)."""
     try:
-        return _update(res, step)
+        return res.policy.update(step)
     except (RewardScaleError, NonFiniteUpdateError) as exc:
         raise type(exc)(f"step {step}: {exc}") from None
 
@@ -806,207 +792,7 @@ def budget_for(
     return budget_table(batch_of(res, step), history, tracker, res.cfg.allocation, pilot, step)
 
 
-def _update(res: RunResources, step: int, replay: bool = False) -> pd.DataFrame:
-    """The update of ``step`` from its tables; its checkpoint when due (``checkpoint_due``). ``replay``: the
-    trainer takes it again (``replay_update``): no checkpoint, no record of the engine's sleep."""
-    ckpt = res.store.checkpoint_dir(step + 1)
-    generated = res.store.read_table(step, Table.ROLLOUTS)
-    rolled, scored, adv, groups = trained(generated, res.store.read_table(step, Table.REWARDS), res.cfg.allocation)
-    prompt_ids, completion_ids, sampler_logprobs = update_sequences(rolled, res.prompts)
-    fsdp = res.cfg.optim.fsdp_processes > 1
-    previous = previous_checkpoint(res.store, step) if fsdp else None  # checked before the engine sleeps
-    with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
-        if fsdp:  # a torchrun job of optim.fsdp_processes ranks; it writes the checkpoint itself
-            metrics = fsdp_update(
-                res.cfg.model.path,
-                ckpt,
-                prompt_ids,
-                completion_ids,
-                adv,
-                update_settings(res.cfg),
-                res.cfg.optim.fsdp_processes,
-                checkpoint=previous,
-                seed=res.cfg.run.seed,
-                extra_state=checkpoint_state(res, step),
-                sampler_logprobs=sampler_logprobs,
-                group_ids=groups,
-            )
-        else:
-            metrics = res.trainer.update(prompt_ids, completion_ids, adv, sampler_logprobs, groups)
-    # the weights after the optimizer steps, for a replay to prove (FSDP: none, every update is a checkpoint)
-    metrics = {**metrics, "params_digest": "" if fsdp else res.trainer.params_digest()}
-    # what the step generated (every round, the pilot, dropped groups) beside what the update trained on
-    metrics |= {"rollouts_generated": len(generated), "tokens_generated": int(generated["n_tokens"].sum())}
-    if slept and not replay:
-        res.store.write_step_json(step, "engine_sleep", slept)
-    if not fsdp and not replay and (checkpoint_due(res, step + 1) or _not_repeated(res, step)):
-        res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, step))
-    return update_row(step, metrics, rolled, scored)
-
-
-def _not_repeated(res: RunResources, step: int) -> bool:
-    """Whether the update of ``step`` just done ran an operation without a deterministic kernel (said once per
-    run): it would not repeat bit for bit, so its checkpoint is written whatever ``run.checkpoint_every`` says."""
-    ops = res.trainer.not_repeatable
-    if ops and not res.not_repeatable:
-        res.not_repeatable = f"the update of step {step} ran an operation without a deterministic kernel ({ops[0]})"
-        logger.warning(f"{res.not_repeatable}: from now on every update is written as a checkpoint, never replayed")
-    return bool(ops)
-
-
-def checkpoint_state(res: RunResources, step: int) -> dict[str, Any]:
-    """What a checkpoint written after the update of ``step`` records beside the weights: the step and the
-    capability tracker after it."""
-    tracker = tracker_from_capability(res.store.read_table(step, Table.CAPABILITY))
-    return {"step": step, "capability": tracker.to_dict()}
-
-
-def checkpoint_due(res: RunResources, version: int) -> bool:
-    """Whether the policy after ``version`` updates is written as a checkpoint: every ``run.checkpoint_every``-th,
-    the last, any once the run was asked to stop, and every one where updates do not repeat bit for bit."""
-    r = res.cfg.run
-    return (
-        version % r.checkpoint_every == 0
-        or version == run_length(res.store, res.cfg)  # the last (under run.rollout_budget known by its rollouts)
-        or res.stop_signal is not None
-        or res.not_repeatable is not None  # updates that do not repeat bit for bit: each one (``start_resources``)
-    )
-
-
-class ReplayError(StoreError):
-    """A replayed update that did not give the weights (or a figure) its table holds; ``step`` is its step."""
-
-    def __init__(self, message: str, step: int = -1) -> None:
-        super().__init__(message)
-        self.step = step
-
-
-DIGEST = "params_digest"  # update.parquet's digest of the trained weights after the update (engines/digest.py)
-
-
-def replay_update(res: RunResources, step: int, start: str) -> None:
-    """The trainer takes the update of ``step`` again from the step's tables (no rollout, no scoring), which must
-    give the weights digest and every figure ``update.parquet`` holds, bit for bit; ``ReplayError`` (one line, the
-    way out) if not. ``start``: where the replay started, in words (the message names it)."""
-    stored = res.store.read_table(step, Table.UPDATE)
-    if DIGEST not in stored.columns:
-        raise ReplayError(
-            f"step {step}: update.parquet records no digest of the weights after the update (written by an earlier "
-            f"build), so a replay from {start} could not prove it rebuilds them; {_way_out(res, step)}",
-            step,
-        )
-    row = _update(res, step, replay=True)
-    same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731  (NaN is NaN here)
-    differ = [c for c in stored.columns if c not in row.columns or not same(row[c].iloc[0], stored[c].iloc[0])]
-    if differ:
-        raise ReplayError(
-            f"step {step}: the update replayed from {start} gave {_figures(row)} where update.parquet holds "
-            f"{_figures(stored)} ({', '.join(differ[:4])} differ{'s' if len(differ) == 1 else ''}): this machine "
-            f"does not repeat the update bit for bit (another CPU, torch build or GPU kernels); {_way_out(res, step)}",
-            step,
-        )
-    ckpt = res.store.checkpoint_dir(step + 1)
-    if ckpt.is_dir() and not whole_checkpoint(res.store, step + 1):  # damaged: written again, from the replayed policy
-        res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, step))
-        res.damaged_checkpoints.discard(step + 1)
-
-
-def _figures(table: pd.DataFrame) -> str:
-    """The weights digest, loss and gradient norm of an update's row, as plain numbers."""
-    row = table.iloc[0]
-    return f"weights {row.get(DIGEST, '?')}, loss {float(row['loss'])!r}, grad norm {float(row['grad_norm'])!r}"
-
-
-def _way_out(res: RunResources, step: int) -> str:
-    return (
-        f"continue the run on the machine that trained it, or train again from step {step} with "
-        f"{rerun_line(res.store, step, Table.UPDATE)}"
-    )
-
-
-@dataclass(frozen=True)
-class Advanced:
-    """How ``advance`` brought the trainer to a version: the checkpoint it loaded (None: it went on from the
-    policy the trainer held, ``held`` updates), and the steps whose updates it replayed."""
-
-    loaded: int | None
-    held: int
-    replayed: tuple[int, ...] = ()
-
-    def line(self, version: int) -> str:
-        """What happened, in words (empty when the trainer held the version already)."""
-        if self.loaded is None and not self.replayed:
-            return ""
-        start = self.start_words()
-        if not self.replayed:
-            return f"the policy after {version} updates: {start}"
-        first, last = self.replayed[0], self.replayed[-1]
-        what = f"the updates of steps {first}-{last}" if last > first else f"the update of step {first}"
-        return (
-            f"the policy after {version} updates: {what} replayed from the tables (each gave its recorded weights "
-            f"digest and figures), from {start}"
-        )
-
-    def start_words(self) -> str:
-        if self.loaded is not None:
-            return f"checkpoints/{self.loaded:06d}"
-        return "the base model" if self.held == 0 else f"the policy after {self.held} updates the trainer held"
-
-
-def advance(res: RunResources, version: int) -> Advanced:
-    """Bring the trainer and the rollout engine to the policy after ``version`` updates: from the newest whole
-    checkpoint above the trainer's policy and at or below ``version`` when there is one (never a replay past a
-    checkpoint), else on from the trainer's; the updates in between replayed from their tables
-    (``replay_update``). After a failed replay the trainer's policy is not the run's: only a checkpoint above
-    the failed update brings it back, else the same ``ReplayError``. Without a trainer here (FSDP) the engine
-    loads ``checkpoints/<version>``."""
-    if res.trainer is None:
-        if res.engine.weight_version != version:
-            res.engine.load_weights(checked_checkpoint(res.store, version), version=version)
-        return Advanced(loaded=version, held=version)
-    failed, held = res.replay_failed, res.trainer.updates
-    if failed is None and held > version:
-        raise RuntimeError(f"the trainer holds the policy after {held} updates, past the {version} asked for")
-    loaded = None
-    if failed is not None or held < version:
-        floor = failed.step if isinstance(failed, ReplayError) else held
-        loaded = newest_checkpoint(res.store, version, above=floor, passed_over=res.damaged_checkpoints)
-        if loaded is None and failed is not None:
-            raise ReplayError(str(failed), getattr(failed, "step", -1))
-        if loaded is not None:
-            res.trainer.load_checkpoint(res.store.checkpoint_dir(loaded))
-            res.replay_failed = None
-    done = Advanced(loaded=loaded, held=held, replayed=tuple(range(res.trainer.updates, version)))
-    for step in done.replayed:
-        try:
-            replay_update(res, step, done.start_words())
-        except ReplayError as exc:
-            res.replay_failed = exc
-            raise
-    if loaded is not None or done.replayed or res.engine.weight_version != version:
-        res.engine.set_weights(res.trainer.engine_weights, version=version)
-    return done
-
-
-def stop_run(res: RunResources, after: str) -> None:
-    """``RunStopped`` once the run was asked to stop (``run.stop_on_signals``): the trainer's policy written as a
-    checkpoint if it is not one yet, and the line that says how to continue; nothing otherwise."""
-    if res.stop_signal is None:
-        return
-    written = ""
-    if res.trainer is not None and res.trainer.updates > 0:
-        version = res.trainer.updates
-        ckpt = res.store.checkpoint_dir(version)
-        if not ckpt.is_dir():
-            res.trainer.save_checkpoint(ckpt, extra_state=checkpoint_state(res, version - 1))
-        written = f"; checkpoints/{version:06d} holds the policy after {version} update{'s' if version != 1 else ''}"
-    raise RunStopped(
-        f"stopped by {res.stop_signal} after {after}{written}; continue with: coba resume --run-dir {res.store.root}",
-        int(signal.Signals[res.stop_signal]),
-    )
-
-
-# --- Where the steps of an opened run start
+# --- What a step records of itself
 
 
 def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, float]) -> dict[str, float]:
@@ -1014,26 +800,3 @@ def write_step_timing(res: RunResources, step: int, seconds_before: dict[str, fl
     seconds = {k: v - seconds_before.get(k, 0.0) for k, v in res.stage_seconds.items() if k != Table.EVAL}
     res.store.write_step_json(step, "timing", seconds)
     return seconds
-
-
-def resume_point(res: RunResources, upto: int | None = None) -> int:
-    """Start the resources on the newest whole checkpoint at or below ``upto`` (default and at most: the first
-    step not done; the base model when there is none) and return the first step not done: ``advance`` replays
-    the updates after that checkpoint. With FSDP (every step has its checkpoint) the checkpoint of that step."""
-    first = first_step_not_done(res.store, run_length(res.store, res.cfg))
-    upto = first if upto is None else min(upto, first)
-    if res.cfg.optim.fsdp_processes > 1:
-        version = first
-        ckpt = checked_checkpoint(res.store, first) if first > 0 else None
-    else:
-        version = newest_checkpoint(res.store, upto, passed_over=res.damaged_checkpoints) or 0
-        ckpt = res.store.checkpoint_dir(version) if version > 0 else None
-    lora = res.cfg.model.lora_rank > 0
-    # an adapter checkpoint is not a whole model: the engine starts on the base, then takes the merged weights
-    weights = str(ckpt) if ckpt is not None and not lora else res.cfg.model.path
-    start_resources(res, weights, version=version)
-    if ckpt is not None and res.trainer is not None:  # FSDP: each update loads the last checkpoint itself
-        res.trainer.load_checkpoint(ckpt)
-        if lora:
-            res.engine.set_weights(res.trainer.engine_weights, version=version)
-    return first

@@ -40,7 +40,7 @@ from coba_tasks.pipeline.tables import (  # noqa: F401  (the store's names, wher
 # 2: each step allocates its own budget (steps/t/budget.parquet is step t's first stage; no budget for a step
 # after the last). Run directories of schema 1 were made by builds up to commit e79713f: continue them there.
 SCHEMA_VERSION = 2
-BUILDS = {1: "commit e79713f or earlier (before each step allocated its own budget)"}
+BUILDS: dict[Any, str] = {1: "commit e79713f or earlier (before each step allocated its own budget)"}
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"

@@ -16,10 +16,10 @@ from helpers_reward import assert_updates_moved, write_first_char_reward_file
 
 from coba_tasks.commands import compare
 from coba_tasks.commands import compare_fork as cf
-from coba_tasks.commands import compare_tables as ct
 from coba_tasks.pipeline.config import load_config
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
 from coba_tasks.pipeline.store import RunStore, Table
+from coba_tasks.readers import comparison as ct
 
 
 def use_the_sessions_server(monkeypatch) -> None:

@@ -211,7 +211,7 @@ def test_ray_engines_get_tensor_parallel_size_and_ask_ray_for_as_many_gpus(fake_
 
 
 def test_start_resources_passes_tensor_parallel_size_and_builds_no_trainer_for_fsdp(random_checkpoints, monkeypatch):
-    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import policy, run
 
     model, _ = random_checkpoints
     seen: list[dict] = []
@@ -225,13 +225,15 @@ def test_start_resources_passes_tensor_parallel_size_and_builds_no_trainer_for_f
 
     monkeypatch.setattr(run, "make_backend", fake_make_backend)
     with monkeypatch.context() as mp:
-        mp.setattr(run, "PolicyTrainer", no_trainer)
+        mp.setattr(policy, "PolicyTrainer", no_trainer)
         fsdp = run.RunResources(cfg=_tiny(model, "optim.fsdp_processes=2"), store=None, prompts=None, test=None)
+        fsdp.policy._start_trainer(None, 0)
         run.start_resources(fsdp, str(model), version=0)
-    assert fsdp.trainer is None and seen[0]["tensor_parallel_size"] == 1
+    assert getattr(fsdp.policy, "trainer", None) is None and seen[0]["tensor_parallel_size"] == 1
     single = run.RunResources(cfg=_tiny(model), store=None, prompts=None, test=None)
+    single.policy._start_trainer(None, 0)
     run.start_resources(single, str(model), version=0)
-    assert single.trainer is not None
+    assert single.policy.trainer is not None
     for res in (fsdp, single):
         res.pool.close()
 
@@ -250,8 +252,7 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
     """The same 2-step run with optim.fsdp_processes 2 and 1; the FSDP run stopped by a failure at step 1's
     rollouts and resumed (so its second update is a resumed run's); the FSDP run's ``fsdp_update`` calls."""
     import flows.train as train
-    from coba_tasks.pipeline import faults, run
-    from coba_tasks.pipeline import stages as stage_step
+    from coba_tasks.pipeline import faults, policy, run
 
     model, _ = random_checkpoints
     root = tmp_path_factory.mktemp("fsdp-flow")
@@ -264,16 +265,23 @@ def runs(tmp_path_factory, prefect_harness, random_checkpoints):
     # tests/test_fsdp_update.py saw the same. eps 1e-5 keeps that amplification out of the comparison.
     data = [f"data.train={train_file}", f"data.test={test_file}", "optim.eps=1e-5"]
     data.append("rollout.backend=transformers")  # the subject is the update, not the engine (seconds a run)
-    real, calls = stage_step.fsdp_update, []
+    real, calls = policy.fsdp_update, []
 
     def recording(model_path, out_dir, *args, **kwargs):
         live = list(run._RUNS.values())
-        calls.append({"model": model_path, "out": Path(out_dir), **kwargs, "trainers": [r.trainer for r in live]})
+        calls.append(
+            {
+                "model": model_path,
+                "out": Path(out_dir),
+                **kwargs,
+                "trainers": [getattr(r.policy, "trainer", None) for r in live],
+            }
+        )
         return real(model_path, out_dir, *args, **kwargs)
 
     stores = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stage_step, "fsdp_update", recording)
+        mp.setattr(policy, "fsdp_update", recording)
         single = root / "single"
         train.train_flow(run_dir=str(single), config=config_to_dict(_tiny(model, *data)))
         stores[1] = RunStore.open(single)
@@ -393,7 +401,7 @@ def test_the_update_stage_sleeps_the_engine_around_the_job_and_needs_the_previou
     runs, tmp_path, monkeypatch
 ):
     """The update stage alone on a copy of the FSDP run, the job replaced by a recording fake."""
-    from coba_tasks.pipeline import run
+    from coba_tasks.pipeline import policy, run
     from coba_tasks.pipeline import stages as stage_step
 
     stores, _, _ = runs
@@ -411,7 +419,7 @@ def test_the_update_stage_sleeps_the_engine_around_the_job_and_needs_the_previou
         assert len(prompt_ids) == len(completion_ids) == len(adv) == len(store.read_table(step, Table.ROLLOUTS))
         return metrics.to_dict()
 
-    monkeypatch.setattr(stage_step, "fsdp_update", fake_job)
+    monkeypatch.setattr(policy, "fsdp_update", fake_job)
     cfg = apply_overrides(config_from_dict(store.read_config()), ["rollout.sleep_during_update=true"])
     res = run.RunResources(cfg=cfg, store=store, prompts=store.read_run_table("prompts"), test=None, engine=engine)
     monkeypatch.setitem(run._RUNS, str(root), res)

@@ -30,12 +30,11 @@ HUGE_REWARD_FILE = textwrap.dedent(
 
 def _open(tmp_path, model, overrides):
     from coba_tasks.pipeline import run
-    from coba_tasks.pipeline import stages as stage_step
 
     cfg = load_config("configs/tiny-test.yaml", [f"model.path={model}", "rollout.backend=transformers", *overrides])
     root = (tmp_path / "run").resolve()
     res = run.open_run(root, cfg, continuing=False)
-    stage_step.resume_point(res)
+    res.policy.start()
     return res, root
 
 

@@ -357,7 +357,7 @@ def test_a_replay_that_does_not_repeat_the_update_stops_the_resume_with_the_way_
     while every recorded figure is the same (the weights digest sees it: before it, that resume went on from
     weights that were not the run's), one whose loss is off in its 9th digit."""
     from coba_tasks.pipeline import stages
-    from coba_tasks.pipeline.stages import ReplayError
+    from coba_tasks.pipeline.policy import ReplayError
     from flows.train import train_flow
 
     model, _ = random_checkpoints

@@ -88,7 +88,7 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
     root = (tmp_path / "run").resolve()
     res = run.open_run(root, cfg, continuing=False)
     try:
-        assert stage_step.resume_point(res) == 0
+        assert res.policy.start() == 0
         assert res.pool.reward_function is not None and res.pool.reward_function.pass_threshold == 0.5
         for step in range(2):
             for stage_task, r in stage_step.step_tasks(res, step):  # one step, without Prefect

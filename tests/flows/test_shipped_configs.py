@@ -103,7 +103,7 @@ def test_a_shipped_config_has_mixed_groups_in_its_first_steps(name, request, tmp
     res = run.open_run(root, cfg, continuing=False, warn=lambda s: None)
     mixed, groups = [], []
     try:
-        stage_step.resume_point(res)
+        res.policy.start()
         for step in (0, 1):  # step 1 only when no group of step 0 is mixed: the assertion is over both
             stage_step.budget.fn(str(root), step)  # as plain calls, not Prefect tasks
             stage_step.rollouts.fn(str(root), step)

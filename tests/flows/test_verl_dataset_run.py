@@ -46,7 +46,7 @@ def test_a_training_step_from_a_verl_gsm8k_file(tmp_path, long_context_model):
     assert run.verifier_pool(cfg).gsm8k_answer == "flexible"  # the pool a run builds (not started)
     res = run.open_run(root, cfg, continuing=False)
     try:
-        assert stage_step.resume_point(res) == 0
+        assert res.policy.start() == 0
         for stage_task, r in stage_step.step_tasks(res, 0):  # one step, without Prefect
             stage_task.fn(str(root), 0, r)
     finally:

@@ -10,9 +10,12 @@ import pytest
 
 from coba_tasks.core.capability import CapabilityTracker
 from coba_tasks.pipeline import prompt_history, stages
+from coba_tasks.pipeline.config import Config
+from coba_tasks.pipeline.config_sections import AllocationConfig
 
-ALLOC = SimpleNamespace(
-    strategy="coba", mode="paper", solver="heap", group_size=4, min_budget=2, max_budget=8, tau="adaptive"
+# the allocation section of a real config (model_copy: the keys below as given, as a test of a function may)
+ALLOC = Config().allocation.model_copy(
+    update=dict(strategy="coba", mode="paper", solver="heap", group_size=4, min_budget=2, max_budget=8, tau="adaptive")
 )
 
 
@@ -92,7 +95,7 @@ def test_history_pools_the_solved_flags_knapsack_rl_averages():
 
 
 def test_budget_table_knapsack_uses_its_pooled_estimate():
-    alloc = SimpleNamespace(**{**vars(ALLOC), "strategy": "knapsack", "group_size": 8, "max_budget": 32})
+    alloc = ALLOC.model_copy(update={"strategy": "knapsack", "group_size": 8, "max_budget": 32})
     h = prompt_history.update_history(prompt_history.empty_history(), rewards_table({"a": [1] * 8, "b": [0, 0]}), 0, 1)
     h = prompt_history.update_history(h, rewards_table({"a": [0] * 4}), 1, 1)
     table = stages.budget_table(["a", "b", "c"], h, CapabilityTracker(), alloc)
@@ -119,7 +122,7 @@ def test_budget_table_records_the_age_of_each_estimate():
         .all()
     )
     # knapsack: a prompt seen but without an estimate (fewer than 8 pooled flags) has no age either
-    knap = SimpleNamespace(**{**vars(ALLOC), "strategy": "knapsack"})
+    knap = ALLOC.model_copy(update={"strategy": "knapsack"})
     assert stages.budget_table(["a", "b"], h, CapabilityTracker(), knap, step=6)["estimate_age"].isna().all()
 
 
@@ -172,8 +175,8 @@ def _after_visits(window: int = 1) -> tuple[pd.DataFrame, CapabilityTracker]:
     return h, tracker
 
 
-def _alloc(**keys) -> SimpleNamespace:
-    return SimpleNamespace(**{**vars(ALLOC), "group_size": 6, "max_budget": 16, **keys})
+def _alloc(**keys) -> AllocationConfig:
+    return ALLOC.model_copy(update={"group_size": 6, "max_budget": 16, **keys})
 
 
 def test_the_last_estimator_allocates_as_before_and_says_what_its_estimates_rest_on():
@@ -389,9 +392,10 @@ def test_a_replay_of_an_update_without_a_weights_digest_is_refused_naming_what_t
     """An update table written before the weights digest: its replay could not prove the weights, so it is refused
     before any training, in one line; the rerun it advises names the checkpoints it would delete."""
     store = _store_with_update(tmp_path, {"step": 0, "loss": 0.5, "grad_norm": 1.0})
-    res = SimpleNamespace(store=store)
-    with pytest.raises(stages.ReplayError) as info:
-        stages.replay_update(res, 0, "the base model")
+    from coba_tasks.pipeline.policy import InProcessPolicy, ReplayError
+
+    with pytest.raises(ReplayError) as info:
+        InProcessPolicy(SimpleNamespace(store=store)).replay(0, "the base model")
     message = str(info.value)
     assert info.value.step == 0 and "\n" not in message
     assert message.startswith(
@@ -406,7 +410,8 @@ def test_a_replay_of_an_update_without_a_weights_digest_is_refused_naming_what_t
 
 
 def test_every_rerun_a_message_advises_names_what_it_deletes(tmp_path):
-    from coba_tasks.pipeline.run import checked_checkpoint, rerun_line
+    from coba_tasks.pipeline.policy import checked_checkpoint
+    from coba_tasks.pipeline.run import rerun_line
     from coba_tasks.pipeline.store import StoreError
 
     store = _store_with_update(tmp_path, {"step": 0}, checkpoints=(2, 4, 6))
