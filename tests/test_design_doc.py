@@ -41,3 +41,18 @@ def test_the_module_table_lists_every_module():
         )
         == []
     )
+
+
+def test_only_the_policy_asks_how_updates_run():
+    """Where the policy's weights come from is decided in pipeline/policy.py alone: no other module of the
+    pipeline, the flows or the commands branches on FSDP (the config's own checks aside)."""
+    places = [*(ROOT / "coba_tasks/pipeline").glob("*.py"), *(ROOT / "coba_tasks/commands").glob("*.py")]
+    places += list((ROOT / "flows").glob("*.py"))
+    asking = sorted(
+        str(p.relative_to(ROOT))
+        for p in places
+        if p.name not in ("policy.py", "config.py", "config_sections.py", "config_fields.py", "config_docs.py")
+        and re.search(r"fsdp_processes|trainer is (not )?None", p.read_text(encoding="utf-8"))
+    )
+    assert len(places) > 30
+    assert asking == []

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -174,9 +174,6 @@ class Advanced:
 
 class Policy(ABC):
     """The policy's weights in a run: made with its resources (``RunResources.policy``), started by ``start``."""
-
-    # whether every update leaves its checkpoint (nothing replayed): a resume continues from the one of its step
-    every_update_a_checkpoint: ClassVar[bool] = False
 
     def __init__(self, res: RunResources) -> None:
         self.res = res
@@ -499,8 +496,6 @@ class TorchrunPolicy(Policy):
     from ``checkpoints/<step>`` (the base model at step 0), which writes ``checkpoints/<step + 1>`` itself. A copy
     kept in sync here would load every checkpoint (about 4x the model's size) only to hold weights the flow never
     reads; the engine loads each checkpoint instead, and a resume continues from the one of its step."""
-
-    every_update_a_checkpoint = True
 
     @classmethod
     def check_continues(cls, store: RunStore, step: int) -> None:

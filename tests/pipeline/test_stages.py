@@ -428,3 +428,23 @@ def test_every_rerun_a_message_advises_names_what_it_deletes(tmp_path):
         f"recompute it with `coba rerun --run-dir {root} --step 3 --stage update --yes` (it deletes the tables from "
         "its update stage of step 3 on and checkpoints/000004, checkpoints/000006)"
     )
+
+
+def test_a_runs_engine_used_before_it_starts_says_so():
+    """RunResources' engine and verifier pool have their own types; before ``start_resources`` a use of either
+    is one error that names it, not an AttributeError on None."""
+    from coba_tasks.pipeline.policy import InProcessPolicy, TorchrunPolicy
+    from coba_tasks.pipeline.run import RunResources
+
+    res = RunResources(cfg=Config(), store=None, prompts=pd.DataFrame(), test=pd.DataFrame())
+    with pytest.raises(RuntimeError, match=r"the run's rollout engine is not started \(weight_version asked for\)"):
+        _ = res.engine.weight_version
+    with pytest.raises(RuntimeError, match="the run's verifier pool is not started"):
+        res.pool.score([])
+    assert type(res.policy) is InProcessPolicy
+    with pytest.raises(RuntimeError, match="the run's trainer is not started"):
+        _ = res.policy.trainer
+    fsdp = Config().model_copy(update={"optim": Config().optim.model_copy(update={"fsdp_processes": 2})})
+    assert (
+        type(RunResources(cfg=fsdp, store=None, prompts=pd.DataFrame(), test=pd.DataFrame()).policy) is TorchrunPolicy
+    )
