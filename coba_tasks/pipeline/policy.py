@@ -44,6 +44,7 @@ from coba_tasks.core.capability import CapabilityTracker
 from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.update import PolicyTrainer, engine_asleep, repeatable_setup
+from coba_tasks.pipeline import stages
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.run import (
     RunResources,
@@ -54,7 +55,6 @@ from coba_tasks.pipeline.run import (
     start_resources,
     update_settings,
 )
-from coba_tasks.pipeline.stages import trained, update_row, update_sequences
 from coba_tasks.pipeline.store import RunStore, StoreError, Table
 from coba_tasks.pipeline.tables import after_updates, step_label
 
@@ -281,8 +281,10 @@ class Policy(ABC):
         trainer takes it again (``InProcessPolicy.replay``): no checkpoint, no record of the engine's sleep."""
         res = self.res
         generated = res.store.read_table(step, Table.ROLLOUTS)
-        rolled, scored, adv, groups = trained(generated, res.store.read_table(step, Table.REWARDS), res.cfg.allocation)
-        prompt_ids, completion_ids, sampler_logprobs = update_sequences(rolled, res.prompts)
+        rolled, scored, adv, groups = stages.trained(
+            generated, res.store.read_table(step, Table.REWARDS), res.cfg.allocation
+        )
+        prompt_ids, completion_ids, sampler_logprobs = stages.update_sequences(rolled, res.prompts)
         job = self._job(step)  # what it starts from is checked before the engine sleeps
         with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
             metrics = job((prompt_ids, completion_ids, adv, sampler_logprobs, groups))
@@ -293,7 +295,7 @@ class Policy(ABC):
             res.store.write_step_json(step, "engine_sleep", slept)
         if not replay:
             self._after_update(step)
-        return update_row(step, metrics, rolled, scored)
+        return stages.update_row(step, metrics, rolled, scored)
 
     @abstractmethod
     def _job(self, step: int) -> Callable[[Batch], dict[str, Any]]:
