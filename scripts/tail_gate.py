@@ -68,7 +68,10 @@ def gate(levels: pd.DataFrame, results: pd.DataFrame, hard: int, last: int) -> d
     elif 8 in held.index and held[8] > FALLBACK_B:
         nxt = "fallback (b): the next level takes the hard level's place"
     else:
-        nxt = "no fallback fits (c): the study ends; no learnable hard tail for this model at this budget"
+        nxt = (
+            "no fallback fits (c): the study ends; the hard level's tail that uniform GRPO leaves all wrong is not "
+            "cracked in this run (which prompts more samples would crack: a per-prompt census of pass rates)"
+        )
     return {"criteria": out, "passed": passed, "next": nxt}
 
 
