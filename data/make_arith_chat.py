@@ -131,6 +131,26 @@ def tail_pool(train: pd.DataFrame, hard_level: int, per_level: int = TAIL_PER_LE
     return pd.concat([easy, picked], ignore_index=True)
 
 
+def unused_rows(
+    train: pd.DataFrame, hard_level: int, count: int = TAIL_PER_LEVEL, skip: int = TAIL_PER_LEVEL, seed: int = 0
+) -> pd.DataFrame:
+    """``count`` rows of ``hard_level`` that ``tail_pool`` (same seed, ``skip`` = its ``per_level``) did not take: the
+    next ``count`` of the same permutation (docs/results.md, the census's candidates: problems no run trained on).
+
+    >>> rows = [{"extra_info": {"difficulty": d, "index": i}} for i, d in enumerate([0, 1, 1, 0, 1, 2])]
+    >>> [r["index"] for r in tail_pool(pd.DataFrame(rows), 1, per_level=1)["extra_info"]][-1]
+    4
+    >>> [r["index"] for r in unused_rows(pd.DataFrame(rows), 1, count=2, skip=1)["extra_info"]]
+    [1, 2]
+    """
+    level = train["extra_info"].map(lambda info: int(info["difficulty"]))
+    hard = train[level == hard_level]
+    if len(hard) < skip + count:
+        raise ValueError(f"level {hard_level} has {len(hard)} training rows, fewer than {skip + count}")
+    order = np.random.default_rng(seed).permutation(len(hard))
+    return hard.iloc[order[skip : skip + count]].reset_index(drop=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: write arith_chat_train.parquet, arith_chat_test.parquet, the reworded test set and the two
     pools with a hard tail (arith_chat_train_l01.parquet, arith_chat_train_l02.parquet)."""
@@ -146,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     for hard in TAIL_LEVELS:  # the pools of the pre-registered test: level 0 with level 1 (or 2, its fallback)
         outputs[f"arith_chat_train_l0{hard}"] = tail_pool(outputs["arith_chat_train"], hard)
+    # the census's candidates: 100 level-1 training problems that neither pool holds
+    outputs["arith_chat_train_l1_unused"] = unused_rows(outputs["arith_chat_train"], 1)
     for name, frame in outputs.items():
         path = write_verl_parquet(frame, args.out_dir / f"{name}.parquet")
         print(f"wrote {path} ({len(frame)} rows, {path.stat().st_size:,} bytes)")

@@ -19,7 +19,7 @@ DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 make_arith_chat = load_script("data/make_arith_chat.py")
 
 
-SHIPPED = ("train", "test", "test_reworded", "train_l01", "train_l02")
+SHIPPED = ("train", "test", "test_reworded", "train_l01", "train_l02", "train_l1_unused")
 
 
 def test_shipped_files_equal_a_fresh_run(tmp_path: Path) -> None:
@@ -142,3 +142,17 @@ def test_the_pools_with_a_hard_tail_are_level_0_and_100_problems_of_the_hard_lev
     assert all(by_index[row["extra_info"]["index"]] == row for row in pool)
     assert len({row["extra_info"]["index"] for row in pool}) == 200
     assert [row for row in train if row["extra_info"]["difficulty"] == 0] == pool[:100]
+
+
+def test_the_census_candidates_are_100_level_1_problems_no_pool_holds() -> None:
+    """docs/results.md's census: 100 level-1 training problems that neither pool with a hard tail holds, rows as in
+    the chat training file."""
+    train = pq.read_table(DATA_DIR / "arith_chat_train.parquet").to_pylist()
+    unused = pq.read_table(DATA_DIR / "arith_chat_train_l1_unused.parquet").to_pylist()
+    assert [row["extra_info"]["difficulty"] for row in unused] == [1] * 100
+    by_index = {row["extra_info"]["index"]: row for row in train}
+    assert all(by_index[row["extra_info"]["index"]] == row for row in unused)
+    pooled = {
+        row["extra_info"]["index"] for row in pq.read_table(DATA_DIR / "arith_chat_train_l01.parquet").to_pylist()
+    }
+    assert len({row["extra_info"]["index"] for row in unused} - pooled) == 100
