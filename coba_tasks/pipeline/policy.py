@@ -191,32 +191,12 @@ class Policy(ABC):
         return []
 
     @classmethod
+    @abstractmethod
     def resume_lines(
         cls, store: RunStore, cfg: Config, first: int, due: Sequence[int], kept: Sequence[int]
     ) -> list[str]:
         """Where a resume at ``first`` takes its weights from, in words: one line per held-out evaluation it computes
-        first (``due``) and one for the step it goes on at; ``kept``: the checkpoints left to it, newest first (the
-        newest whole one at or below each target and above what the trainer holds then is loaded; the updates
-        after it replayed)."""
-        steps = run_length(store, cfg)
-        lines, held = [], 0
-        for target in (*due, first):
-            whole = next((k for k in kept if held < k <= target and whole_checkpoint(store, k)), None)
-            start = held if whole is None else whole
-            where = "the base model" if held == 0 else f"the policy {after_updates(held)}"
-            where = f"checkpoints/{whole:06d}" if whole else where
-            what = (
-                f"the evaluation {after_updates(target)}"
-                if target in due
-                else f"training at {step_label(first, steps)}"
-            )
-            if target == first == steps:
-                what = "the end of the run (the policy after its last update)"
-            n = target - start
-            said = f"replaying {n} update{'s' if n != 1 else ''} from their tables" if n else "no replay"
-            lines.append(f"the resume computes {what} from {where} ({said})")
-            held = target
-        return lines
+        first (``due``) and one for the step it goes on at; ``kept``: the checkpoints left to it, newest first."""
 
     # --- A run's lifecycle
 
@@ -366,6 +346,32 @@ class InProcessPolicy(Policy):
         if self._trainer is None:
             raise RuntimeError("the run's trainer is not started (Policy.start)")
         return self._trainer
+
+    @classmethod
+    def resume_lines(
+        cls, store: RunStore, cfg: Config, first: int, due: Sequence[int], kept: Sequence[int]
+    ) -> list[str]:
+        """The newest whole checkpoint at or below each target and above what the trainer holds then is loaded, the
+        updates after it replayed."""
+        steps = run_length(store, cfg)
+        lines, held = [], 0
+        for target in (*due, first):
+            whole = next((k for k in kept if held < k <= target and whole_checkpoint(store, k)), None)
+            start = held if whole is None else whole
+            where = "the base model" if held == 0 else f"the policy {after_updates(held)}"
+            where = f"checkpoints/{whole:06d}" if whole else where
+            what = (
+                f"the evaluation {after_updates(target)}"
+                if target in due
+                else f"training at {step_label(first, steps)}"
+            )
+            if target == first == steps:
+                what = "the end of the run (the policy after its last update)"
+            n = target - start
+            said = f"replaying {n} update{'s' if n != 1 else ''} from their tables" if n else "no replay"
+            lines.append(f"the resume computes {what} from {where} ({said})")
+            held = target
+        return lines
 
     def _start_point(self, first: int, upto: int) -> tuple[int, Path | None]:
         version = newest_checkpoint(self.res.store, upto, passed_over=self.damaged_checkpoints) or 0
