@@ -186,6 +186,12 @@ def save_adapter(peft_model: Any, out_dir: Path, base_model_path: str | Path, ba
     config.base_model_name_or_path = base
     peft_model.save_pretrained(out_dir, safe_serialization=True)
     (Path(out_dir) / "README.md").unlink(missing_ok=True)  # peft's model-card template: nothing of the run
+    # peft writes the target modules from a set, in this process's string-hash order: sorted, the same bytes each run
+    path = Path(out_dir) / ADAPTER_CONFIG
+    written = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(written.get("target_modules"), list):
+        written["target_modules"] = sorted(written["target_modules"])
+        path.write_text(json.dumps(written, indent=2), encoding="utf-8")
     (Path(out_dir) / ADAPTER_BASE_FILE).write_text(json.dumps({"base_model": base, "sha256": base_model_sha256}))
 
 

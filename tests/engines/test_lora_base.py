@@ -98,3 +98,26 @@ def test_an_old_checkpoint_without_the_hash_is_accepted_with_a_warning(adapter, 
         PolicyTrainer(base, LORA).load_checkpoint(ckpt)
     warned = [r.getMessage() for r in caplog.records if ADAPTER_BASE_FILE in r.getMessage()]
     assert len(warned) == 2 and all(str(base.resolve()) in w for w in warned)
+
+
+def test_an_adapter_checkpoint_is_the_same_bytes_whatever_the_processs_hash_seed(tmp_path):
+    """peft writes the adapter's target modules from a set, in the process's string-hash order: two identical runs
+    wrote adapter_config.json (and so checkpoint.json) with other bytes. coba writes them sorted."""
+    import subprocess
+    import sys
+
+    base = make_random_checkpoint(tmp_path / "base", 0)
+    script = (
+        "import sys; from coba_tasks.engines.update import PolicyTrainer; from coba_tasks.pipeline.run import "
+        "update_settings; s = update_settings(lora_rank=4, lora_alpha=8.0); "
+        "PolicyTrainer(sys.argv[1], s).save_checkpoint(sys.argv[2])"
+    )
+    written = []
+    for seed in ("1", "2", "3"):
+        out = tmp_path / f"ckpt-{seed}"
+        env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", script, str(base), str(out)], check=True, env=env, timeout=300)
+        written.append((out / "adapter_config.json").read_bytes())
+    targets = json.loads(written[0])["target_modules"]
+    assert targets == sorted(targets) and len(targets) > 2
+    assert all(w == written[0] for w in written)
