@@ -24,11 +24,10 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from coba_tasks.pipeline import deployment, run
+from coba_tasks.pipeline import deployment, progress, run
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.evaluation import due_evaluations, eval_plan, evaluate_step, run_complete, run_eval_steps
-from coba_tasks.pipeline.policy import Advanced, ReplayError
-from coba_tasks.pipeline.run import RunStopped
+from coba_tasks.pipeline.policy import Advanced, ReplayError, RunStopped
 from coba_tasks.pipeline.runlock import RunLock
 from coba_tasks.pipeline.stages import limited, step_tasks, write_step_timing
 from coba_tasks.pipeline.store import SUMMARY_FILE, Table
@@ -200,7 +199,7 @@ def train_flow(
             return res.store.read_json(SUMMARY_FILE)
         slot.enter_context(gpu_slot())  # CUDA: the GPU's one slot (coba-gpu), held until the engine is gone
         trk = trackers.open_trackers(directory, cfg, warn=log.warning)  # run.trackers, continued on a resume
-        first = run.first_step_not_done(res.store, run.run_length(res.store, cfg))
+        first = progress.first_step_not_done(res.store, progress.run_length(res.store, cfg))
         due = due_evaluations(res, first)  # a kill, a rerun or a repair left these
         res.policy.start(upto=min([first, *due]))  # the newest checkpoint the evaluations and the steps start from
         if first > 0:
@@ -220,7 +219,7 @@ def train_flow(
         run.step_boundary(res, first)  # between steps: a watcher of the run (coba compare's forks) is called
         with run.stop_on_signals(res, log.warning):  # Ctrl-C, SIGTERM: stop after the stage, with a checkpoint
             step = first
-            while step < run.run_length(res.store, cfg):  # run.steps, or fewer once run.rollout_budget is spent
+            while step < progress.run_length(res.store, cfg):  # run.steps, or fewer once run.rollout_budget is spent
                 # Prefect's own cost per step: the step's wall time minus the time spent inside the stage
                 # bodies (the same code a plain function call would run), measured in this run
                 t0, inside0 = time.perf_counter(), sum(res.stage_seconds.values())
@@ -228,13 +227,13 @@ def train_flow(
                 wall = time.perf_counter() - t0
                 res.step_walls.append((wall, wall - (sum(res.stage_seconds.values()) - inside0)))
                 step += 1
-                if step in run_eval_steps(res.store, cfg) and step < run.run_length(res.store, cfg):
+                if step in run_eval_steps(res.store, cfg) and step < progress.run_length(res.store, cfg):
                     _held_out(res, view, step, after_updates(step))
                 trk.log_new()
                 run.step_boundary(res, step)
                 res.policy.stop(step_label(step - 1, cfg.run.steps))
         log.info(f"held-out evaluation after training: {eval_plan(res)}")
-        _held_out(res, view, run.run_length(res.store, cfg), "after training")
+        _held_out(res, view, progress.run_length(res.store, cfg), "after training")
         trk.log_new()
         summary = make_summary_json(res.store.root, time.perf_counter() - t_start, res.stage_seconds, res.step_walls)
         res.store.write_json(SUMMARY_FILE, summary)

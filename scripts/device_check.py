@@ -712,7 +712,7 @@ def run_update(path: Path, size: Size, variant: str, batch) -> dict[str, Any]:
     import torch
 
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.pipeline.run import update_settings
+    from coba_tasks.pipeline.policy import update_settings
 
     dtype, shared, skip, ckpt, rank = UPDATE_VARIANTS[variant]
     settings = update_settings(
@@ -863,7 +863,7 @@ def _sampler_gap(path: Path, size: Size, dtype: str, requests, rows) -> dict[str
     import numpy as np
 
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.pipeline.run import update_settings
+    from coba_tasks.pipeline.policy import update_settings
 
     by_id = {r.prompt_id: r.prompt_token_ids for r in requests}
     settings = update_settings(lr=1e-6, micro_batch_size=size.micro_batch, dtype=dtype, skip_zero_advantage=False)
@@ -970,7 +970,7 @@ def check_checkpoint(size: Size, out: Path, args: argparse.Namespace) -> tuple[b
 
     from coba_tasks.engines.checkpoint import verify_checkpoint
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.pipeline.run import update_settings
+    from coba_tasks.pipeline.policy import update_settings
 
     path = model_dir(out)
     dtype = "bfloat16" if _device() == "cuda" else "float32"
@@ -1081,7 +1081,7 @@ def check_fsdp(size: Size, out: Path, args: argparse.Namespace) -> tuple[bool, s
 
     from coba_tasks.engines.fsdp_update import fsdp_update
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.pipeline.run import update_settings
+    from coba_tasks.pipeline.policy import update_settings
 
     path = model_dir(out)
     # the full-sequence update, as the ranks run it; AdamW's eps 1e-5: its first step, lr * g / (|g| + eps), moves

@@ -56,3 +56,56 @@ def test_only_the_policy_asks_how_updates_run():
     )
     assert len(places) > 30
     assert asking == []
+
+
+def _pipeline_imports() -> dict[str, set[str]]:
+    """Each module of coba_tasks/pipeline and the pipeline modules it imports, at the top or inside a function
+    (a lazy import is still a dependency), read from the source."""
+    import ast
+
+    folder = ROOT / "coba_tasks/pipeline"
+    names = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        tree = ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "coba_tasks.pipeline":
+                found |= {a.name for a in node.names if a.name in names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("coba_tasks.pipeline."):
+                found.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("coba_tasks.pipeline.")}
+        graph[name] = found - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: each strongly connected set of two or more modules, sorted."""
+    import itertools
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    reached = {m: reach(m) for m in graph}
+    circles = {frozenset([m, *(n for n in reached[m] if m in reached[n])]) for m in graph if m in reached[m]}
+    return sorted(sorted(c) for c in circles if len(c) > 1 and not any(c < d for d in itertools.chain(circles)))
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_pipelines_modules_import_each_other_in_one_direction():
+    """No import circle among the pipeline's modules (the policy builds on the store and the progress of a run;
+    the run's resources build on the policy, never both ways)."""
+    graph = _pipeline_imports()
+    assert len(graph) > 20 and "run" in graph["stages"] and "policy" in graph["run"]
+    assert _circles(graph) == []

@@ -39,6 +39,7 @@ from typing import Any
 
 from coba_tasks.bench.timing import available_cpus, timed
 from coba_tasks.bench.timing import median_time as bench_median_time
+from coba_tasks.pipeline import update_batch
 from coba_tasks.pipeline.store import STAGES, Table
 
 GOALS = {"rollout_stage_over_bare": 1.10, "orchestration_share": 0.10}
@@ -351,7 +352,6 @@ def _bench_parquet(store: Any, scratch: Path, cfg: Any, step: int, repeats: int,
 
 def _bench_update(res: Any, rollouts: Any, rewards: Any, scratch: Path, repeats: int, progress) -> dict:
     """PolicyTrainer.update on the step's rollouts (as update_task prepares them), checkpoint save, reload."""
-    from coba_tasks.pipeline import stages
     from coba_tasks.pipeline.policy import InProcessPolicy
 
     policy = res.policy
@@ -360,8 +360,8 @@ def _bench_update(res: Any, rollouts: Any, rewards: Any, scratch: Path, repeats:
     trainer = policy.trainer
     progress(f"update: PolicyTrainer.update on {len(rollouts)} rollouts")
     t0 = time.perf_counter()
-    adv = stages.advantages_for(rollouts, rewards)
-    prompt_ids, completion_ids, logprobs = stages.update_sequences(rollouts, res.prompts)
+    adv = update_batch.advantages_for(rollouts, rewards)
+    prompt_ids, completion_ids, logprobs = update_batch.update_sequences(rollouts, res.prompts)
     prepare_s = time.perf_counter() - t0
     seconds, metrics = _median_time(lambda: trainer.update(prompt_ids, completion_ids, adv, logprobs), repeats)
     ckpt = scratch / "checkpoint"

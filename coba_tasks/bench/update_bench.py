@@ -95,13 +95,13 @@ def synthetic_batch(
 
 def run_batch(run_dir: str, step: int) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
     """What the update of ``step`` of the run in ``run_dir`` trains on (its rollouts, rewards, prompts)."""
-    from coba_tasks.pipeline import stages
+    from coba_tasks.pipeline import update_batch
     from coba_tasks.pipeline.store import RunStore, Table
 
     store = RunStore.open(run_dir)
     rollouts, rewards = store.read_table(step, Table.ROLLOUTS), store.read_table(step, Table.REWARDS)
-    prompt_ids, completion_ids, _ = stages.update_sequences(rollouts, store.read_run_table("prompts"))
-    return prompt_ids, completion_ids, stages.advantages_for(rollouts, rewards)
+    prompt_ids, completion_ids, _ = update_batch.update_sequences(rollouts, store.read_run_table("prompts"))
+    return prompt_ids, completion_ids, update_batch.advantages_for(rollouts, rewards)
 
 
 class PlainUpdate:
@@ -201,7 +201,7 @@ def bench_update(
     from transformers import AutoConfig
 
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.pipeline.run import update_settings
+    from coba_tasks.pipeline.policy import update_settings
 
     if not (Path(model_path) / "config.json").is_file():
         raise ValueError(f"{model_path} is not a Hugging Face model directory (make smollm2 builds the default one)")

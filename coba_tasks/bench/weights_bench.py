@@ -86,7 +86,7 @@ def bench_case(engine: Any, model: Path, lora_rank: int, scratch: Path, repeats:
     from coba_tasks.bench.update_bench import synthetic_batch
     from coba_tasks.engines.lora import save_merged
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.pipeline.run import update_settings
+    from coba_tasks.pipeline.policy import update_settings
 
     settings = update_settings(lr=1e-5, micro_batch_size=4, lora_rank=lora_rank, lora_alpha=2 * lora_rank)
     trainer = PolicyTrainer(model, settings)

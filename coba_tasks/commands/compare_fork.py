@@ -109,7 +109,7 @@ def fork_record(run_dir: Path, steps: int) -> tuple[str, int] | None:
     import json
 
     from coba_tasks.pipeline.fork import FORK_FILE
-    from coba_tasks.pipeline.run import first_step_not_done
+    from coba_tasks.pipeline.progress import first_step_not_done
     from coba_tasks.pipeline.store import RunStore, Table
 
     path = run_dir / FORK_FILE

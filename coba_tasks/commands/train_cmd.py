@@ -186,7 +186,8 @@ def _check_default_tiny_model(path: str) -> None:
 def cmd_resume(args: argparse.Namespace) -> int:
     """Run ``coba resume``: check the run (lock, config, tables, inputs, checkpoint), then continue its flow."""
     from coba_tasks.pipeline.policy import policy_class
-    from coba_tasks.pipeline.run import check_inputs, first_step_not_done, read_run_config, run_length
+    from coba_tasks.pipeline.progress import first_step_not_done, run_length
+    from coba_tasks.pipeline.run import check_inputs, read_run_config
     from coba_tasks.pipeline.runlock import RunLock
     from coba_tasks.pipeline.store import RunStore
     from coba_tasks.pipeline.tables import step_label

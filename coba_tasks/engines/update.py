@@ -53,7 +53,7 @@ from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """What the update needs from the run's config (``coba_tasks.pipeline.run.update_settings``). No key has a
+    """What the update needs from the run's config (``coba_tasks.pipeline.policy.update_settings``). No key has a
     default here, so what a benchmark or a test measures is what a run with the same keys computes."""
 
     lr: float

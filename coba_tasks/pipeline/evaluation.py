@@ -58,14 +58,8 @@ from coba_tasks.pipeline.data import (
 )
 from coba_tasks.pipeline.deployment import check_reward_files
 from coba_tasks.pipeline.policy import whole_checkpoint
-from coba_tasks.pipeline.run import (
-    RunResources,
-    check_remote_code,
-    first_step_not_done,
-    rollouts_generated,
-    run_length,
-    verifier_pool,
-)
+from coba_tasks.pipeline.progress import first_step_not_done, rollouts_generated, run_length
+from coba_tasks.pipeline.run import RunResources, check_remote_code, verifier_pool
 from coba_tasks.pipeline.stages import check_error_share, reward_table, rollout_tables, stage
 from coba_tasks.pipeline.store import SUMMARY_FILE, RunStore, StoreError, Table
 

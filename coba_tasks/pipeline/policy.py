@@ -26,6 +26,7 @@ evaluation's ``holding(5)`` finds them there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -43,18 +44,12 @@ import torch
 from coba_tasks.core.capability import CapabilityTracker
 from coba_tasks.engines.checkpoint import CheckpointError, verify_checkpoint
 from coba_tasks.engines.fsdp_update import fsdp_update
-from coba_tasks.engines.update import PolicyTrainer, engine_asleep, repeatable_setup
-from coba_tasks.pipeline import stages
+from coba_tasks.engines.rollout import RolloutBackend
+from coba_tasks.engines.update import PolicyTrainer, UpdateSettings, engine_asleep, repeatable_setup
+from coba_tasks.pipeline import update_batch
 from coba_tasks.pipeline.config import Config
-from coba_tasks.pipeline.run import (
-    RunResources,
-    RunStopped,
-    first_step_not_done,
-    rerun_line,
-    run_length,
-    start_resources,
-    update_settings,
-)
+from coba_tasks.pipeline.config_sections import OptimConfig
+from coba_tasks.pipeline.progress import first_step_not_done, rerun_line, run_length
 from coba_tasks.pipeline.store import RunStore, StoreError, Table
 from coba_tasks.pipeline.tables import after_updates, step_label
 
@@ -63,6 +58,43 @@ logger = logging.getLogger(__name__)
 Batch = tuple[list[list[int]], list[list[int]], np.ndarray, list[list[float]] | None, np.ndarray]
 """What one update trains on: prompt token ids, completion token ids, advantages, the sampler's log p of each
 completion token, each rollout's group."""
+
+
+class RunStopped(Exception):
+    """A run stopped on purpose (Ctrl-C, SIGTERM) after a stage, its checkpoint written: the message says how to
+    continue; ``exit_code`` is the shell's for the signal (128 + its number)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+def update_settings(cfg: Config | None = None, **changes: Any) -> UpdateSettings:
+    """The GRPO update's settings from the run's config (the same for one process and for FSDP); ``cfg`` None:
+    the config's defaults. ``changes`` (``lr=1e-3``, ``lora_rank=4``) replace single keys, for a test or a
+    benchmark: every key not changed is the config's."""
+    cfg = cfg if cfg is not None else Config()
+    # every setting is the config key of its name, optim's or else model's; the temperature is the rollouts'
+    run_keys = {"temperature": cfg.rollout.temperature, "lr_schedule_steps": cfg.run.steps}
+    keys = [f.name for f in dataclasses.fields(UpdateSettings) if f.name not in ("threads", *run_keys)]
+    values = {k: getattr(cfg.optim if k in OptimConfig.model_fields else cfg.model, k) for k in keys}
+    return UpdateSettings(**{**values, **run_keys, **changes})
+
+
+class Resources(Protocol):
+    """What the policy uses of a run's resources (``coba_tasks.pipeline.run.RunResources`` is one): the config,
+    the store, the rendered training pool, the rollout engine (started by ``start``, with the verifier pool),
+    and the signal the run was asked to stop by."""
+
+    cfg: Config
+    store: RunStore
+    prompts: pd.DataFrame
+    engine: RolloutBackend
+    stop_signal: str | None
+
+    def start(self, model_path: str, version: int) -> None:
+        """Start the rollout engine on ``model_path`` (weight version ``version``) and the verifier pool."""
+        ...
 
 
 # --- Checkpoints as files
@@ -175,7 +207,7 @@ class Advanced:
 class Policy(ABC):
     """The policy's weights in a run: made with its resources (``RunResources.policy``), started by ``start``."""
 
-    def __init__(self, res: RunResources) -> None:
+    def __init__(self, res: Resources) -> None:
         self.res = res
 
     # --- What needs no resources: asked of the class
@@ -210,7 +242,7 @@ class Policy(ABC):
         self._before_engine()
         # an adapter checkpoint is not a whole model: the engine starts on the base, then takes the merged weights
         weights = str(ckpt) if ckpt is not None and res.cfg.model.lora_rank == 0 else res.cfg.model.path
-        start_resources(res, weights, version=version)
+        res.start(weights, version)
         self._start_trainer(ckpt, version)
         return first
 
@@ -261,10 +293,10 @@ class Policy(ABC):
         trainer takes it again (``InProcessPolicy.replay``): no checkpoint, no record of the engine's sleep."""
         res = self.res
         generated = res.store.read_table(step, Table.ROLLOUTS)
-        rolled, scored, adv, groups = stages.trained(
+        rolled, scored, adv, groups = update_batch.trained(
             generated, res.store.read_table(step, Table.REWARDS), res.cfg.allocation
         )
-        prompt_ids, completion_ids, sampler_logprobs = stages.update_sequences(rolled, res.prompts)
+        prompt_ids, completion_ids, sampler_logprobs = update_batch.update_sequences(rolled, res.prompts)
         job = self._job(step)  # what it starts from is checked before the engine sleeps
         with engine_asleep(res.engine, res.cfg.rollout.sleep_during_update) as slept:
             metrics = job((prompt_ids, completion_ids, adv, sampler_logprobs, groups))
@@ -275,7 +307,7 @@ class Policy(ABC):
             res.store.write_step_json(step, "engine_sleep", slept)
         if not replay:
             self._after_update(step)
-        return stages.update_row(step, metrics, rolled, scored)
+        return update_batch.update_row(step, metrics, rolled, scored)
 
     @abstractmethod
     def _job(self, step: int) -> Callable[[Batch], dict[str, Any]]:
@@ -333,7 +365,7 @@ class InProcessPolicy(Policy):
     written every ``run.checkpoint_every`` updates (each one where updates do not repeat bit for bit); the
     versions between are rebuilt by replaying their updates from the tables."""
 
-    def __init__(self, res: RunResources) -> None:
+    def __init__(self, res: Resources) -> None:
         super().__init__(res)
         self._trainer: PolicyTrainer | None = None
         # why every update is written as a checkpoint, its replay not relied on; None: on schedule

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from coba_tasks.pipeline.evaluation import run_eval_steps
 from coba_tasks.pipeline.policy import policy_class, whole_checkpoint
-from coba_tasks.pipeline.run import first_step_not_done, read_run_config, rerun_line, run_length
+from coba_tasks.pipeline.progress import first_step_not_done, rerun_line, run_length
+from coba_tasks.pipeline.run import read_run_config
 from coba_tasks.pipeline.store import STEP_ORDER, RunStore, StoreError, Table, inside_run, step_stages
 from coba_tasks.pipeline.tables import RERUNNABLE
 

@@ -39,7 +39,7 @@ import pandas as pd
 from coba_tasks.pipeline.config import Config, check_installed, config_to_dict
 from coba_tasks.pipeline.config_sections import TRACKERS
 from coba_tasks.pipeline.evaluation import run_eval_steps
-from coba_tasks.pipeline.run import run_length
+from coba_tasks.pipeline.progress import run_length
 from coba_tasks.pipeline.store import STAGES, RunStore, Table
 from coba_tasks.readers.figures import budget_figures, capability_figures, eval_figures, update_figures
 from coba_tasks.readers.mechanisms import step_mechanisms
@@ -57,7 +57,7 @@ SAMPLE_CHARS = 400  # a sample completion is cut to this many characters
 
 def step_complete(t: RunTables, k: int, steps: int, evals: Collection[int]) -> bool:
     """Whether tracker step ``k`` has all its tables: the update of step k - 1, and the evaluation when ``k`` is
-    among ``evals`` (``evaluation.run_eval_steps``); none past the run's ``steps`` (``run.run_length``)."""
+    among ``evals`` (``evaluation.run_eval_steps``); none past the run's ``steps`` (``progress.run_length``)."""
     if k > steps:
         return False
     trained = k == 0 or Table.UPDATE in t.done.get(k - 1, set())

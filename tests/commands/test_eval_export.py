@@ -17,7 +17,7 @@ from coba_tasks.commands.cli import main as cli_main
 from coba_tasks.core.passk import pass_at_k
 from coba_tasks.engines.export import EXPORT_RECORD, export_checkpoint
 from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.pipeline.run import update_settings
+from coba_tasks.pipeline.policy import update_settings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]

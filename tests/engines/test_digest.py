@@ -67,7 +67,7 @@ def test_every_dtype_a_policy_trains_in_is_read_bit_by_bit(dtype):
 def test_the_trainer_digests_only_what_it_trains(random_checkpoints):
     """Full fine-tuning: every parameter; LoRA: the adapters (the base stays as loaded)."""
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.pipeline.run import update_settings
+    from coba_tasks.pipeline.policy import update_settings
 
     a, _ = random_checkpoints
     full = PolicyTrainer(a, update_settings(micro_batch_size=2))

@@ -21,7 +21,7 @@ from coba_tasks.engines.fsdp_update import FSDPUpdateError, fsdp_update, read_ba
 from coba_tasks.engines.update import DataShard, PolicyTrainer
 from coba_tasks.pipeline.config import HASH_NEUTRAL_DEFAULTS, apply_overrides, config_hash, load_config
 from coba_tasks.pipeline.config_fields import ConfigError
-from coba_tasks.pipeline.run import update_settings
+from coba_tasks.pipeline.policy import update_settings
 
 # Ragged groups (sizes 2, 3 and 4: 9 rollouts), rewards with variance in every group
 GROUP_SIZES = (2, 3, 4)

@@ -19,7 +19,7 @@ from coba_tasks.engines.checkpoint import verify_checkpoint
 from coba_tasks.engines.fileio import content_sha256
 from coba_tasks.engines.lora import ADAPTER_BASE_FILE, AdapterBaseError, merge_adapter_checkpoint
 from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.pipeline.run import update_settings
+from coba_tasks.pipeline.policy import update_settings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]

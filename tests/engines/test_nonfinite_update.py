@@ -15,7 +15,7 @@ import torch
 from coba_tasks.engines.checkpoint import CheckpointError, optimizer_to_tensors, write_checkpoint
 from coba_tasks.engines.fsdp_update import fsdp_update
 from coba_tasks.engines.update import NonFiniteUpdateError, PolicyTrainer
-from coba_tasks.pipeline.run import update_settings
+from coba_tasks.pipeline.policy import update_settings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]

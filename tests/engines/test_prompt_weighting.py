@@ -21,7 +21,7 @@ from coba_tasks.core.grpo import PromptWeighting
 from coba_tasks.engines import update as update_module
 from coba_tasks.engines.update import DataShard, PolicyTrainer, PromptWeights, UpdateSettings, pad_sequences
 from coba_tasks.pipeline.config_sections import PromptWeightingName
-from coba_tasks.pipeline.run import update_settings
+from coba_tasks.pipeline.policy import update_settings
 
 P0, P1, P2, P3 = [10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 12]
 # (group, prompt, completion, advantage), rows interleaved: group 1's rewards are all equal (advantage 0), group

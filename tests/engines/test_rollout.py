@@ -221,7 +221,7 @@ def test_sampler_and_trainer_logprobs_are_of_the_sampling_distribution(vllm_engi
     import numpy as np
 
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.pipeline.run import update_settings
+    from coba_tasks.pipeline.policy import update_settings
 
     a, _ = random_checkpoints
     sampling = SamplingConfig(temperature=temperature, max_tokens=8)

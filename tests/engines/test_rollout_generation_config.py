@@ -18,7 +18,7 @@ from conftest import make_random_checkpoint
 
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig, make_backend, rollout_seed
 from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.pipeline.run import update_settings
+from coba_tasks.pipeline.policy import update_settings
 
 PROMPTS = ["37+58=", "1+2=", "99*9="]
 PENALTIES = {"repetition_penalty": 3.0, "no_repeat_ngram_size": 1, "min_p": 0.2, "top_k": 5}

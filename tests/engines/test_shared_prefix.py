@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from coba_tasks.engines.shared_prefix import group_by_prompt, shared_prefix_pass, supports_shared_prefix
 from coba_tasks.engines.update import PolicyTrainer
-from coba_tasks.pipeline.run import update_settings
+from coba_tasks.pipeline.policy import update_settings
 
 
 def ragged_groups(seed: int, vocab: int = 90) -> tuple[list[list[int]], list[list[int]], np.ndarray]:

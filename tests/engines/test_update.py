@@ -11,7 +11,7 @@ import torch
 from safetensors.numpy import load_file
 
 from coba_tasks.engines.update import PolicyTrainer, UpdateSettings, pad_sequences
-from coba_tasks.pipeline.run import update_settings
+from coba_tasks.pipeline.policy import update_settings
 
 PROMPTS = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [10, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23], [24, 25, 26, 2]]

@@ -179,7 +179,7 @@ def test_pass_threshold_with_fractional_scores_pass_rates_and_raw_advantages(rew
     """A score >= verify.pass_threshold is solved: the pass rate counts solved rollouts (not the mean score),
     and the GRPO advantage is computed from the raw scores."""
     from coba_tasks.core.capability import CapabilityTracker
-    from coba_tasks.pipeline import prompt_history, stages
+    from coba_tasks.pipeline import prompt_history, stages, update_batch
 
     prompts = pd.DataFrame({"prompt_id": ["p", "q"], "ground_truth": ["", ""], "data_source": ["s", "s"]})
     scores = ["0.25", "0.5", "0.75", "1.0", "0.1", "0.2"]
@@ -195,7 +195,7 @@ def test_pass_threshold_with_fractional_scores_pass_rates_and_raw_advantages(rew
     assert cap["S"].iloc[0] == pytest.approx(0.375) and cap["zero_variance_groups"].iloc[0] == 0.0
     history = prompt_history.update_history(prompt_history.empty_history(), rewards, 0, 1)
     assert dict(zip(history["prompt_id"], history["pass_rates"], strict=True)) == {"p": [0.75], "q": [0.0]}
-    adv = stages.advantages_for(rollouts, rewards)
+    adv = update_batch.advantages_for(rollouts, rewards)
     p = np.array([0.25, 0.5, 0.75, 1.0])
     assert adv[:4] == pytest.approx((p - p.mean()) / (p.std(ddof=1) + 1e-6))  # raw scores, not 0/1
     assert adv[4] < 0 < adv[5]  # a group with no solved rollout still has an advantage

@@ -27,6 +27,7 @@ from helpers_reward import assert_updates_moved, data_overrides, python_with_fir
 from safetensors.torch import load_file
 
 from coba_tasks.commands.cli import main as cli_main
+from coba_tasks.pipeline import update_batch
 from coba_tasks.pipeline.config import config_to_dict, load_config
 from coba_tasks.pipeline.rerun import apply_rerun, plan_rerun
 from coba_tasks.pipeline.store import STAGES, RunStore, StoreError, Table
@@ -356,7 +357,6 @@ def test_a_replay_that_does_not_repeat_the_update_stops_the_resume_with_the_way_
     what it deletes); nothing of step 2 is computed. Two such machines: one whose weights come out a few ulps off
     while every recorded figure is the same (the weights digest sees it: before it, that resume went on from
     weights that were not the run's), one whose loss is off in its 9th digit."""
-    from coba_tasks.pipeline import stages
     from coba_tasks.pipeline.policy import ReplayError
     from flows.train import train_flow
 
@@ -381,12 +381,12 @@ def test_a_replay_that_does_not_repeat_the_update_stops_the_resume_with_the_way_
     assert "np.float64" not in message and "\n" not in message
     assert not store.is_done(2, Table.BUDGET) and _checkpoints(store) == []
 
-    real = stages.update_row
+    real = update_batch.update_row
 
     def off(step, metrics, rolled, scored):
         return real(step, {**metrics, "loss": metrics["loss"] * (1 + 1e-9)}, rolled, scored)
 
-    monkeypatch.setattr(stages, "update_row", off)
+    monkeypatch.setattr(update_batch, "update_row", off)
     pattern = (
         r"^step 0: the update replayed from the base model gave weights [0-9a-f]{16}, loss .* where update\.parquet "
         r"holds weights [0-9a-f]{16}, loss .* \(loss differs\): this machine does not repeat the update bit for bit "

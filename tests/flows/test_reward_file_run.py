@@ -18,6 +18,7 @@ import pytest
 from helpers_reward import TEST_PROMPTS
 
 from coba_tasks.engines.rollout import RolloutRequest, SamplingConfig
+from coba_tasks.pipeline import update_batch
 from coba_tasks.pipeline.config import load_config
 from coba_tasks.pipeline.data import write_verl_parquet
 from coba_tasks.pipeline.store import RunStore, Table
@@ -66,7 +67,7 @@ def _good(completion: str) -> bool:
 
 @pytest.mark.slow
 def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoints):
-    from coba_tasks.pipeline import evaluation, run, stages
+    from coba_tasks.pipeline import evaluation, run
     from coba_tasks.pipeline import stages as stage_step
 
     model, _ = random_checkpoints
@@ -140,7 +141,7 @@ def test_a_training_run_scored_by_a_verl_reward_file(tmp_path, random_checkpoint
     rollouts, rewards = store.read_table(1, Table.ROLLOUTS), store.read_table(1, Table.REWARDS)
     assert len(prompt_ids) == len(completion_ids) == len(adv) == len(rollouts)
     assert completion_ids == [list(t) for t in rollouts["token_ids"]]
-    np.testing.assert_array_equal(adv, stages.advantages_for(rollouts, rewards))
+    np.testing.assert_array_equal(adv, update_batch.advantages_for(rollouts, rewards))
     assert np.any(adv != 0) and np.all(np.isfinite(adv))
     # held-out accuracy: the share of completions at or above the threshold (0.5): 1.0 (good) or 0.25 (not)
     assert held_out["accuracy"].tolist() == [1.0 if _good(r.completion) else 0.0 for r in greedy]

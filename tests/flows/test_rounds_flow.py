@@ -174,7 +174,7 @@ def test_a_run_with_a_rollout_budget_ends_when_its_rollouts_reach_it(
     after the step whose rollouts reach 40 (run.steps 20 only the most), is evaluated after each step that
     crosses a multiple of run.eval_every_rollouts 20 and at its end, and a resume finds it done."""
     from coba_tasks.commands.cli import main as cli_main
-    from coba_tasks.pipeline.run import rollouts_generated
+    from coba_tasks.pipeline.progress import rollouts_generated
     from flows.train import train_flow
 
     model, _ = random_checkpoints

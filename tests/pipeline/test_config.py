@@ -399,8 +399,8 @@ def test_on_bad_rows_is_error_or_skip_and_only_skip_changes_the_hash():
 
 def test_prompt_weighting_is_tokens_or_equal_and_hash_neutral_at_tokens():
     """optim.prompt_weighting: tokens (the default, the token mean) or equal; at its default a run keeps the hash
-    it had before the key existed; the update is told it (coba_tasks.pipeline.run.update_settings)."""
-    from coba_tasks.pipeline.run import update_settings
+    it had before the key existed; the update is told it (coba_tasks.pipeline.policy.update_settings)."""
+    from coba_tasks.pipeline.policy import update_settings
 
     cfg = load_config(TINY_DEMO)
     assert cfg.optim.prompt_weighting == "tokens" and update_settings(cfg).prompt_weighting == "tokens"

@@ -747,7 +747,7 @@ def test_raw_format_keeps_the_tokenizers_bos_so_sampler_and_trainer_see_one_sequ
         [bos, *tok("3+3=", add_special_tokens=False).input_ids],
     ]
     # a rollout request carries exactly these ids; the update reads the same column
-    from coba_tasks.pipeline.stages import update_sequences
+    from coba_tasks.pipeline.update_batch import update_sequences
 
     rollouts = pd.DataFrame({"prompt_id": ["b", "a"], "token_ids": [[5, 2], [7]], "logprobs": [[-0.1, -0.2], [-0.3]]})
     prompt_ids, completion_ids, logprobs = update_sequences(rollouts, df)

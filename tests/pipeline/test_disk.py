@@ -27,7 +27,7 @@ def _cfg(model: Path, *overrides: str) -> Config:
 )
 def test_the_estimate_of_a_checkpoint_is_within_two_percent_of_one_written(random_checkpoints, tmp_path, overrides):
     from coba_tasks.engines.update import PolicyTrainer
-    from coba_tasks.pipeline.run import update_settings
+    from coba_tasks.pipeline.policy import update_settings
 
     a, _ = random_checkpoints
     cfg = _cfg(a, *overrides)

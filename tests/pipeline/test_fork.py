@@ -16,7 +16,7 @@ from coba_tasks.engines.rollout import Rollout, RolloutBackend, SamplingConfig
 from coba_tasks.pipeline import fork, stages
 from coba_tasks.pipeline.config import apply_overrides, config_hash, load_config
 from coba_tasks.pipeline.config_sections import AllocationConfig
-from coba_tasks.pipeline.run import first_step_not_done
+from coba_tasks.pipeline.progress import first_step_not_done
 from coba_tasks.pipeline.store import Table
 
 ROOT = Path(__file__).resolve().parents[2]

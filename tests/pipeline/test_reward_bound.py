@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from coba_tasks.core.grpo import REWARD_BOUND, RewardScaleError, group_advantages
-from coba_tasks.pipeline import stages
+from coba_tasks.pipeline import update_batch
 
 
 def tables(rewards: list[float], group: int = 2) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -31,7 +31,7 @@ def test_a_reward_beyond_the_bound_is_refused_naming_the_prompt(huge):
     rollouts, rewards = tables([1.0, 0.0, 0.0, huge, 1.0, 0.0])
     expected = rf"^prompt p1 \(sample 1\): reward {re.escape(f'{huge:g}')} is beyond \+/- 1e\+30, .*scale the reward"
     with pytest.raises(RewardScaleError, match=expected):
-        stages.advantages_for(rollouts, rewards)
+        update_batch.advantages_for(rollouts, rewards)
 
 
 def test_group_advantages_refuses_a_reward_beyond_the_bound_naming_its_group():
@@ -52,4 +52,6 @@ def test_rewards_at_the_bound_give_finite_advantages_in_the_largest_groups():
     reference = group_advantages((signs > 0).to(torch.float64), ids)
     assert torch.allclose(adv, reference, rtol=1e-5, atol=0)
     rollouts, rewards = tables([REWARD_BOUND, -REWARD_BOUND, REWARD_BOUND, REWARD_BOUND])
-    assert stages.advantages_for(rollouts, rewards).tolist() == pytest.approx([0.7071, -0.7071, 0.0, 0.0], abs=1e-4)
+    assert update_batch.advantages_for(rollouts, rewards).tolist() == pytest.approx(
+        [0.7071, -0.7071, 0.0, 0.0], abs=1e-4
+    )

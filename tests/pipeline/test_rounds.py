@@ -197,7 +197,7 @@ def _store_with_rollouts(tmp_path, counts: list[int]):
 def test_a_rollout_budget_ends_the_run_after_the_step_that_reaches_it(tmp_path):
     """Steps that generated 16, 24, 40 and 16 rollouts: a budget of 40 is reached by step 1 (16 + 24), so the run
     is 2 steps; 81 by step 3; one no step reaches leaves run.steps; no budget: run.steps."""
-    from coba_tasks.pipeline.run import rollouts_generated, run_length
+    from coba_tasks.pipeline.progress import rollouts_generated, run_length
 
     store = _store_with_rollouts(tmp_path, [16, 24, 40, 16])
     cfg = lambda **run: apply_overrides(Config(), ["run.steps=10", *(f"run.{k}={v}" for k, v in run.items())])  # noqa: E731

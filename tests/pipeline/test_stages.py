@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from coba_tasks.core.capability import CapabilityTracker
-from coba_tasks.pipeline import prompt_history, stages
+from coba_tasks.pipeline import prompt_history, stages, update_batch
 from coba_tasks.pipeline.config import Config
 from coba_tasks.pipeline.config_sections import AllocationConfig
 
@@ -129,11 +129,11 @@ def test_budget_table_records_the_age_of_each_estimate():
 def test_advantages_follow_rollout_order_and_groups():
     rewards = rewards_table({"a": [1, 0], "b": [1, 1, 1]})
     rollouts = rewards[["prompt_id", "sample_idx"]].iloc[::-1].reset_index(drop=True)  # another order
-    adv = stages.advantages_for(rollouts, rewards)
+    adv = update_batch.advantages_for(rollouts, rewards)
     assert adv[:3].tolist() == [0.0, 0.0, 0.0]  # group b: all equal
     assert adv[3] < 0 < adv[4]  # a/1 failed, a/0 succeeded
     with pytest.raises(ValueError, match="single rollout"):
-        stages.advantages_for(rewards.iloc[:1][["prompt_id", "sample_idx"]], rewards.iloc[:1])
+        update_batch.advantages_for(rewards.iloc[:1][["prompt_id", "sample_idx"]], rewards.iloc[:1])
 
 
 def test_schedule_shape_adaptive_reversed_fixed():
@@ -411,7 +411,7 @@ def test_a_replay_of_an_update_without_a_weights_digest_is_refused_naming_what_t
 
 def test_every_rerun_a_message_advises_names_what_it_deletes(tmp_path):
     from coba_tasks.pipeline.policy import checked_checkpoint
-    from coba_tasks.pipeline.run import rerun_line
+    from coba_tasks.pipeline.progress import rerun_line
     from coba_tasks.pipeline.store import StoreError
 
     store = _store_with_update(tmp_path, {"step": 0}, checkpoints=(2, 4, 6))
