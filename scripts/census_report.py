@@ -147,10 +147,10 @@ def census(folder: Path, root: Path = ROOT) -> dict[str, Any]:
 
 def print_census(f: dict[str, Any]) -> None:
     print("Problems by successes (band: 1-6 of 32, 2-12 of 64; below: 1 of 64)")
-    print(f"  {'set':<30} {'level':>5} {'n':>4} {'none':>5} {'below':>6} {'band':>5} {'above':>6} {'mean pass':>10}")
+    print(f"  {'set':<38} {'level':>5} {'n':>4} {'none':>5} {'below':>6} {'band':>5} {'above':>6} {'mean pass':>10}")
     for c in f["counts"]:
         print(
-            f"  {c['set']:<30} {c['level']:>5} {c['n']:>4} {c['none']:>5} {c['below']:>6} {c['band']:>5}"
+            f"  {c['set']:<38} {c['level']:>5} {c['n']:>4} {c['none']:>5} {c['below']:>6} {c['band']:>5}"
             f" {c['above']:>6} {c['mean']:>10.3f}"
         )
     print("\nThe rule that stops the study")
