@@ -27,6 +27,11 @@ by the problem's index), some with spaces around the operators. A run evaluates 
 ``arith_chat_test.parquet`` (``data.extra_tests``): a gain that shows there too is not a gain on one
 wording only.
 
+From the census of docs/results.md ("Where allocation pays, measured per prompt"; its per-problem tables in
+``docs/census/``) it writes the positive control's files: ``arith_chat_band_train.parquet`` (24 level-0 training
+problems whose answer is not negative, then 24 of the census's unused level-1 problems in its band, each drawn by
+``band_pool``) and ``arith_chat_band_test.parquet`` (every held-out problem in the band, ``band_rows``).
+
 The files are written with ``coba_tasks.pipeline.data.write_verl_parquet``: a rerun gives identical bytes.
 
 Run (from the repository root):
@@ -151,12 +156,61 @@ def unused_rows(
     return hard.iloc[order[skip : skip + count]].reset_index(drop=True)
 
 
+BAND = (1, 6)  # the census's band: 1 to 6 successes of its 32 completions at checkpoint 4
+BAND_PER_HALF = 24  # the positive control's pool: 24 level-0 problems and 24 band problems
+BAND_CENSUS = {"unused": "train-l1-unused", "test": ("test-l1", "test-l2")}  # census tables (docs/census/NAME.parquet)
+
+
+def band_rows(frame: pd.DataFrame, census: pd.DataFrame, band: tuple[int, int] = BAND) -> pd.DataFrame:
+    """The rows of ``frame`` (in file order) whose problem the census solved ``band`` times (inclusive); a census
+    table's ``prompt_id`` is its problem's ``extra_info`` index.
+
+    >>> frame = pd.DataFrame({"extra_info": [{"index": i} for i in (7, 3, 5)]})
+    >>> census = pd.DataFrame({"prompt_id": ["3", "5", "7"], "solved": [2, 0, 6]})
+    >>> [r["index"] for r in band_rows(frame, census)["extra_info"]]
+    [7, 3]
+    """
+    solved = census.assign(prompt_id=census["prompt_id"].astype(str)).set_index("prompt_id")["solved"]
+    index = frame["extra_info"].map(lambda info: str(info["index"]))
+    missing = sorted(set(solved.index) - set(index))
+    if missing:
+        raise ValueError(f"the census holds problems the file does not: {missing[:5]}")
+    counts = index.map(solved)
+    return frame[counts.between(*band)].reset_index(drop=True)
+
+
+def band_pool(train: pd.DataFrame, band: pd.DataFrame, per_half: int = BAND_PER_HALF, seed: int = 0) -> pd.DataFrame:
+    """The positive control's pool: ``per_half`` level-0 rows of ``train`` whose answer is not negative (they
+    saturate and free budget), then ``per_half`` rows of ``band``, each half the first of
+    ``numpy.random.default_rng(seed)``'s permutation of its candidates in file order.
+
+    >>> rows = [{"extra_info": {"difficulty": 0, "index": i}, "reward_model": {"ground_truth": a}}
+    ...         for i, a in enumerate(["-1", "3", "0"])]
+    >>> band = pd.DataFrame([{"extra_info": {"difficulty": 1, "index": 9}, "reward_model": {"ground_truth": "12"}}])
+    >>> [r["index"] for r in band_pool(pd.DataFrame(rows), band, per_half=1)["extra_info"]]
+    [1, 9]
+    """
+    level = train["extra_info"].map(lambda info: int(info["difficulty"]))
+    answer = train["reward_model"].map(lambda rm: int(rm["ground_truth"]))
+    easy = train[(level == 0) & (answer >= 0)]
+    if min(len(easy), len(band)) < per_half:
+        raise ValueError(f"{len(easy)} level-0 rows and {len(band)} band rows: fewer than {per_half}")
+    picked = [rows.iloc[np.random.default_rng(seed).permutation(len(rows))[:per_half]] for rows in (easy, band)]
+    return pd.concat(picked, ignore_index=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: write arith_chat_train.parquet, arith_chat_test.parquet, the reworded test set and the two
     pools with a hard tail (arith_chat_train_l01.parquet, arith_chat_train_l02.parquet)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--in-dir", type=Path, default=DATA_DIR, help="folder of arith_*.parquet (default: data/)")
     parser.add_argument("--out-dir", type=Path, default=DATA_DIR, help="output folder (default: data/)")
+    parser.add_argument(
+        "--census-dir",
+        type=Path,
+        default=DATA_DIR.parent / "docs" / "census",
+        help="the census's per-problem tables, for the positive control's files (default: docs/census/)",
+    )
     args = parser.parse_args(argv)
     train, test = (args.in_dir / f"arith_{split}.parquet" for split in SPLITS)
     outputs = {
@@ -168,6 +222,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         outputs[f"arith_chat_train_l0{hard}"] = tail_pool(outputs["arith_chat_train"], hard)
     # the census's candidates: 100 level-1 training problems that neither pool holds
     outputs["arith_chat_train_l1_unused"] = unused_rows(outputs["arith_chat_train"], 1)
+    census = {name: args.census_dir / f"{name}.parquet" for name in (BAND_CENSUS["unused"], *BAND_CENSUS["test"])}
+    if all(path.is_file() for path in census.values()):  # the positive control's pool and held-out band problems
+        unused = band_rows(outputs["arith_chat_train_l1_unused"], pd.read_parquet(census[BAND_CENSUS["unused"]]))
+        outputs["arith_chat_band_train"] = band_pool(outputs["arith_chat_train"], unused)
+        tested = pd.concat([pd.read_parquet(census[name]) for name in BAND_CENSUS["test"]], ignore_index=True)
+        outputs["arith_chat_band_test"] = band_rows(outputs["arith_chat_test"], tested)
+    else:
+        print(f"no census tables in {args.census_dir}: the positive control's files are not written")
     for name, frame in outputs.items():
         path = write_verl_parquet(frame, args.out_dir / f"{name}.parquet")
         print(f"wrote {path} ({len(frame)} rows, {path.stat().st_size:,} bytes)")

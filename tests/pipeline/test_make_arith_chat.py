@@ -6,6 +6,7 @@ import collections
 import re
 from pathlib import Path
 
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from scripts_loader import load_script
@@ -19,7 +20,7 @@ DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 make_arith_chat = load_script("data/make_arith_chat.py")
 
 
-SHIPPED = ("train", "test", "test_reworded", "train_l01", "train_l02", "train_l1_unused")
+SHIPPED = ("train", "test", "test_reworded", "train_l01", "train_l02", "train_l1_unused", "band_train", "band_test")
 
 
 def test_shipped_files_equal_a_fresh_run(tmp_path: Path) -> None:
@@ -156,3 +157,29 @@ def test_the_census_candidates_are_100_level_1_problems_no_pool_holds() -> None:
         row["extra_info"]["index"] for row in pq.read_table(DATA_DIR / "arith_chat_train_l01.parquet").to_pylist()
     }
     assert len({row["extra_info"]["index"] for row in unused} - pooled) == 100
+
+
+def test_the_positive_controls_files_hold_the_census_band() -> None:
+    """band_train: 24 level-0 problems with answers not negative, then 24 unused level-1 problems the census solved
+    1-6 times of 32; band_test: every held-out problem the census put in the band, none of them in the pool."""
+    census = DATA_DIR.parent / "docs" / "census"
+    solved = {
+        name: dict(zip(t["prompt_id"].astype(str), t["solved"], strict=True))
+        for name in ("train-l1-unused", "test-l1", "test-l2")
+        for t in [pd.read_parquet(census / f"{name}.parquet")]
+    }
+    pool = pq.read_table(DATA_DIR / "arith_chat_band_train.parquet").to_pylist()
+    levels = [r["extra_info"]["difficulty"] for r in pool]
+    assert levels == [0] * 24 + [1] * 24
+    assert all(int(r["reward_model"]["ground_truth"]) >= 0 for r in pool[:24])
+    assert all(1 <= solved["train-l1-unused"][str(r["extra_info"]["index"])] <= 6 for r in pool[24:])
+    held = pq.read_table(DATA_DIR / "arith_chat_band_test.parquet").to_pylist()
+    in_band = {k for name in ("test-l1", "test-l2") for k, v in solved[name].items() if 1 <= v <= 6}
+    assert sorted(str(r["extra_info"]["index"]) for r in held) == sorted(in_band, key=int) and len(held) == 73
+    assert not {r["prompt"][0]["content"] for r in held} & {r["prompt"][0]["content"] for r in pool}
+
+
+def test_without_census_tables_the_positive_controls_files_are_not_written(tmp_path: Path, capsys) -> None:
+    make_arith_chat.main(["--out-dir", str(tmp_path), "--census-dir", str(tmp_path / "none")])
+    assert not (tmp_path / "arith_chat_band_train.parquet").exists()
+    assert "no census tables in" in capsys.readouterr().out
