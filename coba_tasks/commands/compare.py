@@ -80,8 +80,35 @@ def parse_strategies(text: str) -> list[str]:
     return names
 
 
+FLAG_KEYS = {  # run keys a comparison sets from its own options: a --set of one is refused, naming the option
+    "run.seed": "--seeds",
+    "run.steps": "--steps",
+    "run.eval_every": "--eval-every",
+    "run.eval_samples": "--eval-samples",
+    "run.eval_temperature": "--eval-samples (1: greedy; more: temperature 1)",
+    "run.name": "--strategies and --seeds (each run is named STRATEGY-seedN)",
+}
+COMPARE_DEFAULTS = ["run.eval_greedy=true"]  # a comparison's defaults: the user's --set may change them
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """ValueError (one line) for a ``--set`` of a key the comparison sets from its own options: it would be
+    overridden without a word.
+
+    >>> check_overrides(["run.eval_greedy=false", "optim.lr=1e-4"])
+    >>> check_overrides(["run.steps=5"])
+    Traceback (most recent call last):
+    ...
+    ValueError: --set run.steps=5: coba compare sets run.steps from --steps; give that instead
+    """
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in FLAG_KEYS:
+            raise ValueError(f"--set {item}: coba compare sets {key} from {FLAG_KEYS[key]}; give that instead")
+
+
 def run_overrides(strategy: str, seed: int, steps: int, eval_samples: int, eval_every: int) -> list[str]:
-    """The overrides that make run (strategy, seed) of a comparison."""
+    """The overrides that make run (strategy, seed) of a comparison (after ``COMPARE_DEFAULTS`` and the user's)."""
     return [
         *PRESETS[strategy],
         f"run.seed={seed}",
@@ -89,7 +116,6 @@ def run_overrides(strategy: str, seed: int, steps: int, eval_samples: int, eval_
         f"run.eval_every={eval_every}",
         f"run.eval_samples={eval_samples}",
         f"run.eval_temperature={1.0 if eval_samples > 1 else 0.0}",
-        "run.eval_greedy=true",
         f"run.name={strategy}-seed{seed}",
     ]
 
@@ -152,10 +178,11 @@ def plan_runs(
     version has; a bad override fails here, before any run."""
     from coba_tasks.pipeline.config import load_config
 
+    check_overrides(overrides)
     planned = {}
     for strategy, seed in runs:
         if strategy in PRESETS:
-            ov = [*overrides, *run_overrides(strategy, seed, steps, eval_samples, eval_every)]
+            ov = [*COMPARE_DEFAULTS, *overrides, *run_overrides(strategy, seed, steps, eval_samples, eval_every)]
             planned[(strategy, seed)] = (ov, load_config(config_path, ov))
     return planned
 

@@ -52,6 +52,17 @@ def test_parse_strategies():
         compare.parse_strategies("coba,coba")
 
 
+def test_a_set_of_a_key_compare_sets_is_refused_and_eval_greedy_is_the_users():
+    """A --set of run.eval_greedy reaches the runs (it was overridden by the comparison's own true, silently);
+    a --set of a key an option of compare decides is refused in one line that names the option."""
+    planned = compare.plan_runs([("uniform", 0)], 2, "configs/tiny-test.yaml", ["run.eval_greedy=false"], 4, 1)
+    assert planned[("uniform", 0)][1].run.eval_greedy is False
+    assert compare.plan_runs([("uniform", 0)], 2, "configs/tiny-test.yaml", [], 4, 1)[("uniform", 0)][1].run.eval_greedy
+    for item, option in (("run.steps=5", "--steps"), ("run.seed=3", "--seeds"), ("run.eval_temperature=0.7", "--eval")):
+        with pytest.raises(ValueError, match=rf"^--set {item}: coba compare sets .* from {option}"):
+            compare.plan_runs([("uniform", 0)], 2, "configs/tiny-test.yaml", [item], 4, 1)
+
+
 def test_run_overrides_differ_only_in_allocation_and_seed():
     a = compare.run_overrides("uniform", 1, 10, 4, 5)
     b = compare.run_overrides("coba-fixed", 1, 10, 4, 5)
