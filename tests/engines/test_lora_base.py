@@ -108,7 +108,7 @@ def test_an_adapter_checkpoint_is_the_same_bytes_whatever_the_processs_hash_seed
 
     base = make_random_checkpoint(tmp_path / "base", 0)
     script = (
-        "import sys; from coba_tasks.engines.update import PolicyTrainer; from coba_tasks.pipeline.run import "
+        "import sys; from coba_tasks.engines.update import PolicyTrainer; from coba_tasks.pipeline.policy import "
         "update_settings; s = update_settings(lora_rank=4, lora_alpha=8.0); "
         "PolicyTrainer(sys.argv[1], s).save_checkpoint(sys.argv[2])"
     )
