@@ -199,6 +199,27 @@ def test_transformers_backend_group_sizes_and_seeds(random_checkpoints):
     assert [r.token_ids for r in alone] == [r.token_ids for r in rows if r.prompt_id == "p3"]
 
 
+def test_transformers_backend_refuses_a_model_whose_scores_are_not_finite_in_one_line(random_checkpoints):
+    """Weights turned NaN (a diverged update): the rollouts stop with a one-line error naming the weight version and
+    the way out, not torch's "probability tensor contains either inf, nan or element < 0"."""
+    import torch
+
+    from coba_tasks.engines.rollout.hf_backend import NonFiniteLogitsError
+
+    a, _ = random_checkpoints
+    hf = make_backend("transformers", a)
+    params = dict(hf.model.named_parameters())
+    hf.set_weights(lambda: ((n, torch.full_like(p, float("nan"))) for n, p in params.items()), version=3)
+    for sampling in (SAMPLE, GREEDY):
+        with pytest.raises(NonFiniteLogitsError) as info:
+            hf.generate(requests([2, 1, 1, 1, 1]), sampling)
+        message = str(info.value)
+        assert message.startswith(
+            "rollouts of weight version 3: the model's next-token scores are NaN or +inf in 6 of 6"
+        )
+        assert "lower optim.lr" in message and "\n" not in message
+
+
 def _teacher_forced(model_dir, prompt_ids, completion_ids, temperature: float = 1.0) -> list[float]:
     """log_softmax(z / T) of each completion token given the prompt (float32): the sampling distribution."""
     import torch

@@ -37,6 +37,11 @@ MAX_NUM_SEQS = 256  # sequences per generate call at most (vLLM's default max_nu
 _VOCAB_ROWS_PER_SEQ = 6
 
 
+class NonFiniteLogitsError(ValueError):
+    """The model's next-token scores hold NaN or +inf: its weights are not finite (a diverged update), so no
+    completion can be sampled from them."""
+
+
 @register_backend("transformers")
 class TransformersBackend(RolloutBackend):
     """``model.generate`` on CPU or GPU: the fallback where vLLM cannot run."""
@@ -81,7 +86,10 @@ class TransformersBackend(RolloutBackend):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         groups: list[list[Rollout]] = [[] for _ in requests]
         for batch in self._batches(requests, sampling.max_tokens):
-            made = self._generate_batch([requests[i] for i in batch], sampling, eos, pad)
+            try:
+                made = self._generate_batch([requests[i] for i in batch], sampling, eos, pad)
+            except NonFiniteLogitsError as e:
+                raise NonFiniteLogitsError(f"rollouts of weight version {self.weight_version}: {e}") from None
             for i, rows in zip(batch, made, strict=True):
                 groups[i] = rows
         return [row for rows in groups for row in rows]
@@ -211,6 +219,14 @@ class _GroupSampler(LogitsProcessor):
         self.steps: list[torch.Tensor] = []  # (B,) per decoding step
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        bad = torch.isnan(scores) | (scores == float("inf"))  # -inf is a token ruled out, NaN and +inf are not
+        if bool(bad.any()):
+            rows = int(bad.any(-1).sum())
+            raise NonFiniteLogitsError(
+                f"the model's next-token scores are NaN or +inf in {rows} of {scores.shape[0]} sequences at "
+                f"position {len(self.steps)}: its weights are not finite (a diverged update); lower optim.lr and "
+                "start again from a checkpoint before it"
+            )
         scores = self.warpers(input_ids, scores)  # (B, V) float32
         if self.greedy:
             tokens = scores.argmax(-1)
