@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from coba_tasks.commands.args import Command, option
 from coba_tasks.commands.console import VERBOSE_OPTION
@@ -267,12 +268,25 @@ def run_all(
         carry = [(str(out / f"{s}-seed{k}"), planned[(s, k)][0]) for s, k in carried]
         _train_in_own_process(config_path, ov, run_dir, resume, carry)
         summary = json.loads((run_dir / "summary.json").read_text())
-        log(
-            f"{where}: held-out {summary['heldout_accuracy_before']:.3f} -> "
-            f"{summary['heldout_accuracy_after']:.3f} (greedy {summary['heldout_greedy_before']:.3f} -> "
-            f"{summary['heldout_greedy_after']:.3f}), {summary['wall_seconds']:.0f} s"
-        )
+        log(f"{where}: {held_out_line(summary)}")
     return runs
+
+
+def held_out_line(summary: dict[str, Any]) -> str:
+    """A finished run's held-out figures in words, from its summary.json; greedy only where it was measured.
+
+    >>> held_out_line({"heldout_accuracy_before": 0.01, "heldout_accuracy_after": 0.25, "heldout_greedy_before": 0.1,
+    ...                "heldout_greedy_after": 0.3, "wall_seconds": 275.2})
+    'held-out 0.010 -> 0.250 (greedy 0.100 -> 0.300), 275 s'
+    >>> held_out_line({"heldout_accuracy_before": 0.01, "heldout_accuracy_after": 0.25, "heldout_greedy_before": None,
+    ...                "heldout_greedy_after": float("nan"), "wall_seconds": 275.2})
+    'held-out 0.010 -> 0.250, 275 s'
+    """
+    greedy = [summary.get(f"heldout_greedy_{when}") for when in ("before", "after")]
+    measured = all(g is not None and math.isfinite(g) for g in greedy)
+    words = f"held-out {summary['heldout_accuracy_before']:.3f} -> {summary['heldout_accuracy_after']:.3f}"
+    words += f" (greedy {greedy[0]:.3f} -> {greedy[1]:.3f})" if measured else ""
+    return f"{words}, {summary['wall_seconds']:.0f} s"
 
 
 class RunFailedError(RuntimeError):
