@@ -45,21 +45,19 @@ def early_stop(levels: pd.DataFrame) -> dict[str, Any]:
 
 def contrast(results: pd.DataFrame, arm: str) -> dict[str, Any] | None:
     """``arm`` - uniform on the mean of avg@8 at steps 6 and 12, paired over the seeds both have."""
-    both = results[results["step"].isin([MID, LAST])].groupby(["strategy", "seed"])["accuracy"].mean()
-    seeds = sorted(set(both.loc["uniform"].index) & set(both.loc[arm].index)) if arm in both.index else []
+    acc = results.pivot_table(index=["strategy", "seed"], columns="step", values="accuracy")
+    both = acc[[MID, LAST]].mean(axis=1)  # a run without one of the two steps is NaN and left out
+    runs = both.dropna()
+    seeds = sorted(set(runs.loc["uniform"].index) & set(runs.loc[arm].index)) if arm in runs.index else []
     if len(seeds) < 2:
         return None
-    diff = both.loc[arm].loc[seeds] - both.loc["uniform"].loc[seeds]
+    ours, uniform = both.loc[arm].loc[seeds], both.loc["uniform"].loc[seeds]
+    diff = ours - uniform
     n, sd = len(diff), float(diff.std(ddof=1))
-    test = stats.ttest_rel(both.loc[arm].loc[seeds], both.loc["uniform"].loc[seeds])
+    test = stats.ttest_rel(ours, uniform)
     ci = test.confidence_interval(0.95)
     detectable = (stats.t.ppf(0.975, n - 1) + stats.t.ppf(0.80, n - 1)) * sd / n**0.5
-    acc = results.set_index(["strategy", "seed", "step"])["accuracy"]
-    gain = float(
-        (
-            acc.loc["uniform"].loc[seeds].xs(LAST, level="step") - acc.loc["uniform"].loc[seeds].xs(MID, level="step")
-        ).mean()
-    )
+    gain = float((acc.loc["uniform"].loc[seeds, LAST] - acc.loc["uniform"].loc[seeds, MID]).mean())
     return {
         "pairs": n,
         "difference": float(diff.mean()),

@@ -65,19 +65,19 @@ logger = logging.getLogger(__name__)
 
 
 class NotStarted:
-    """A run's engine or verifier pool before ``start_resources``: any use of it is an error that says so."""
+    """A run's engine or verifier pool before ``RunResources.start``: any use of it is an error that says so."""
 
     def __init__(self, what: str) -> None:
         self.what = what
 
     def __getattr__(self, name: str) -> Any:
-        raise RuntimeError(f"the run's {self.what} is not started ({name} asked for): start_resources starts it")
+        raise RuntimeError(f"the run's {self.what} is not started ({name} asked for): RunResources.start starts it")
 
 
 @dataclass
 class RunResources:
     """What a run keeps alive between steps, in this process: the rollout engine and the verifier pool
-    (``start_resources``), and the policy's weights (``policy``: its trainer, checkpoints and replays,
+    (``RunResources.start``), and the policy's weights (``policy``: its trainer, checkpoints and replays,
     ``coba_tasks.pipeline.policy``), made with the resources and started by ``policy.start``."""
 
     cfg: Config
@@ -96,9 +96,27 @@ class RunResources:
         self.policy = policy_class(self.cfg)(self)
 
     def start(self, model_path: str, version: int) -> None:
-        """The rollout engine on ``model_path`` (weight version ``version``) and the verifier pool, started
-        (``start_resources``); ``Policy.start`` calls this."""
-        start_resources(self, model_path, version)
+        """Start what a run keeps alive between steps besides its policy's trainer: the rollout engine on
+        ``model_path`` (weight version ``version``) and the verifier pool. ``Policy.start`` calls this between
+        what must precede the engine and the trainer."""
+        cfg = self.cfg
+        r = cfg.rollout
+        self.engine = make_backend(
+            r.backend,
+            model_path,
+            dtype=cfg.model.dtype,
+            max_model_len=r.max_model_len or None,
+            seed=cfg.run.seed,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            trust_remote_code=cfg.model.trust_remote_code,
+            in_process=r.in_process,
+            sleep_mode=r.sleep_during_update,
+            tensor_parallel_size=r.tensor_parallel_size,  # GPUs per engine (each Ray actor asks Ray for as many)
+            weight_transport=r.weight_transport,  # how set_weights reaches a vLLM engine (transformers: ignored)
+            **({"engines": r.engines} if r.backend == "vllm-ray" else {}),  # Ray actors (docs/scale_out.md)
+        )
+        self.engine.weight_version = version
+        self.pool = verifier_pool(cfg)
 
     def timed(self, stage: str, seconds: float) -> None:
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
@@ -338,7 +356,7 @@ def open_run(
     allow_changed_inputs: bool = False,
 ) -> RunResources:
     """Check the datasets, create (or open) the run directory, and register the run's resources; nothing
-    is started (``start_resources``). Bad rows fail here, before anything is written, or are skipped
+    is started (``RunResources.start``). Bad rows fail here, before anything is written, or are skipped
     (data.on_bad_rows=skip) with one line per file to ``warn`` (stderr by default). A new run records its
     inputs' sha256 in run.json; a continuing one checks the inputs it reads again (``check_inputs``).
     """
@@ -398,30 +416,6 @@ def verifier_pool(cfg: Config) -> VerifierPool:
         reward_function=reward_function(cfg),
         gsm8k_answer=cfg.verify.gsm8k_answer,
     )
-
-
-def start_resources(res: RunResources, model_path: str, version: int) -> None:
-    """Start what a run keeps alive between steps besides its policy's trainer: the rollout engine on
-    ``model_path`` (weight version ``version``) and the verifier pool. ``Policy.start`` calls this between
-    what must precede the engine and the trainer."""
-    cfg = res.cfg
-    r = cfg.rollout
-    res.engine = make_backend(
-        r.backend,
-        model_path,
-        dtype=cfg.model.dtype,
-        max_model_len=r.max_model_len or None,
-        seed=cfg.run.seed,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        trust_remote_code=cfg.model.trust_remote_code,
-        in_process=r.in_process,
-        sleep_mode=r.sleep_during_update,
-        tensor_parallel_size=r.tensor_parallel_size,  # GPUs per engine (each Ray actor asks Ray for as many)
-        weight_transport=r.weight_transport,  # how set_weights reaches a vLLM engine (the transformers one: ignored)
-        **({"engines": r.engines} if r.backend == "vllm-ray" else {}),  # Ray actors (docs/scale_out.md)
-    )
-    res.engine.weight_version = version
-    res.pool = verifier_pool(cfg)
 
 
 def close_run(res: RunResources) -> None:

@@ -131,7 +131,7 @@ def test_training_flow_passes_engines_to_vllm_ray_only(monkeypatch):
     for overrides in (["rollout.backend=vllm-ray", "rollout.engines=3"], []):
         res = run.RunResources(cfg=load_config(None, overrides), store=None, prompts=None, test=None)
         with pytest.raises(Stop):
-            run.start_resources(res, "models/x", version=0)
+            res.start("models/x", version=0)
     assert seen[0][0] == "vllm-ray" and seen[0][1]["engines"] == 3
     assert seen[1][0] == "vllm" and "engines" not in seen[1][1]
 

@@ -273,7 +273,7 @@ def test_the_watch_scores_a_checkpoint_as_the_run_scores_it(tmp_path, random_che
     root = (tmp_path / "run").resolve()
     res = run.open_run(root, _run_config(tmp_path, model, overrides), continuing=False)
     try:  # the run's own held-out evaluation of the weights after 0 updates (the stage task's body)
-        run.start_resources(res, str(model), 0)
+        res.start(str(model), 0)
         evaluation.evaluate_step.fn(str(root), 0)
     finally:
         run.close_run(res)

@@ -210,7 +210,7 @@ def test_ray_engines_get_tensor_parallel_size_and_ask_ray_for_as_many_gpus(fake_
 # What the flow builds in each mode
 
 
-def test_start_resources_passes_tensor_parallel_size_and_builds_no_trainer_for_fsdp(random_checkpoints, monkeypatch):
+def test_a_runs_start_passes_tensor_parallel_size_and_builds_no_trainer_for_fsdp(random_checkpoints, monkeypatch):
     from coba_tasks.pipeline import policy, run
 
     model, _ = random_checkpoints
@@ -228,11 +228,11 @@ def test_start_resources_passes_tensor_parallel_size_and_builds_no_trainer_for_f
         mp.setattr(policy, "PolicyTrainer", no_trainer)
         fsdp = run.RunResources(cfg=_tiny(model, "optim.fsdp_processes=2"), store=None, prompts=None, test=None)
         fsdp.policy._start_trainer(None, 0)
-        run.start_resources(fsdp, str(model), version=0)
+        fsdp.start(str(model), version=0)
     assert getattr(fsdp.policy, "trainer", None) is None and seen[0]["tensor_parallel_size"] == 1
     single = run.RunResources(cfg=_tiny(model), store=None, prompts=None, test=None)
     single.policy._start_trainer(None, 0)
-    run.start_resources(single, str(model), version=0)
+    single.start(str(model), version=0)
     assert single.policy.trainer is not None
     for res in (fsdp, single):
         res.pool.close()

@@ -431,7 +431,7 @@ def test_every_rerun_a_message_advises_names_what_it_deletes(tmp_path):
 
 
 def test_a_runs_engine_used_before_it_starts_says_so():
-    """RunResources' engine and verifier pool have their own types; before ``start_resources`` a use of either
+    """RunResources' engine and verifier pool have their own types; before ``RunResources.start`` a use of either
     is one error that names it, not an AttributeError on None."""
     from coba_tasks.pipeline.policy import InProcessPolicy, TorchrunPolicy
     from coba_tasks.pipeline.run import RunResources
